@@ -1,0 +1,102 @@
+"""The one exception hierarchy of Kalos, split by who is at fault.
+
+::
+
+    KalosError
+     +-- UsageError            the caller's mistake: bad arguments or configuration
+     |    +-- ConfigError      bad broker name, layout parameters, CLI options
+     |    +-- InvalidRequest   wrong dim/dtype/shape, NaN/inf, k out of range, too many queries ...
+     |         +-- UnknownNamespace
+     |         +-- PayloadTooLarge
+     +-- KalosTimeout          (also a TimeoutError)
+     |    +-- AcquireTimeout   no free slot within the budget
+     |    +-- ResponseTimeout  the sidecar did not answer within the budget
+     +-- BrokerUnavailable     no sidecar, or it died / stopped
+     +-- ProtocolError         bad magic, another protocol version, a corrupt slot
+     +-- ServerError           the sidecar failed serving a valid request (backend, store)
+     +-- ClosedError           the pool or client was closed by its user
+
+posix_ipc, numpy and cupy exceptions are mapped to these at the boundary and never reach callers.
+"""
+
+from __future__ import annotations
+
+from broker.layout import Status
+
+
+class KalosError(Exception):
+    """Base of every error Kalos raises."""
+
+
+class UsageError(KalosError, ValueError):
+    """The caller asked for something invalid."""
+
+
+class ConfigError(UsageError):
+    """Invalid configuration: broker name, layout parameters, CLI options."""
+
+
+class InvalidRequest(UsageError):
+    """A request that can never succeed as written (validated before touching shared memory)."""
+
+
+class UnknownNamespace(InvalidRequest):
+    """Recall or delete in a namespace that does not exist."""
+
+
+class PayloadTooLarge(InvalidRequest):
+    """Payloads of one request do not fit the slot's blob area."""
+
+
+class KalosTimeout(KalosError, TimeoutError):
+    """A time budget ran out."""
+
+
+class AcquireTimeout(KalosTimeout):
+    """No slot became free within the budget (the pool is saturated)."""
+
+
+class ResponseTimeout(KalosTimeout):
+    """The request was posted but not answered within the budget."""
+
+
+class BrokerUnavailable(KalosError):
+    """No sidecar serves this broker name, or it died or stopped."""
+
+
+class ProtocolError(KalosError):
+    """Shared memory does not follow the protocol: magic, version, or a corrupt slot."""
+
+
+class ServerError(KalosError):
+    """The sidecar failed while serving a valid request."""
+
+
+class ClosedError(KalosError):
+    """The pool or client has been closed."""
+
+
+_STATUS_ERRORS: dict[int, type[KalosError]] = {
+    Status.BAD_REQUEST: ProtocolError,
+    Status.DIM_MISMATCH: InvalidRequest,
+    Status.K_OUT_OF_RANGE: InvalidRequest,
+    Status.TOO_MANY_QUERIES: InvalidRequest,
+    Status.NOT_FINITE: InvalidRequest,
+    Status.UNKNOWN_NAMESPACE: UnknownNamespace,
+    Status.PAYLOAD_TOO_LARGE: PayloadTooLarge,
+    Status.BACKEND_ERROR: ServerError,
+    Status.UNKNOWN_OP: ProtocolError,
+    Status.STORE_ERROR: ServerError,
+    Status.CAPACITY: ServerError,
+    Status.BAD_ID: InvalidRequest,
+}
+
+
+def error_for_status(status: int, detail: str) -> KalosError:
+    """Map a sidecar status code to the exception a caller sees."""
+    cls = _STATUS_ERRORS.get(status, ProtocolError)
+    try:
+        name = Status(status).name
+    except ValueError:
+        name = f"status {status}"
+    return cls(f"{name}: {detail}" if detail else name)

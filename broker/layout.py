@@ -1,0 +1,505 @@
+"""The shared-memory contract between a Kalos sidecar and its clients.
+
+This module is the only place that knows an offset. The sidecar and every client build their views
+of the segment from :class:`Layout`; ``docs/protocol.md`` describes the same thing for other
+languages, and ``tests/test_layout.py`` checks the generated C header (:func:`c_header`) against it.
+
+Objects of a broker named ``NAME`` (created by the sidecar, exclusively, mode 0600; the sidecar
+unlinks them on exit and ``kalos cleanup NAME`` removes leftovers of a crashed one)::
+
+    /kalos.NAME              shared memory segment (layout below)
+    /kalos.NAME.bell         doorbell semaphore: posted once per request, the sidecar sleeps on it
+    /kalos.NAME.N.req        request semaphore of slot N  (client posts, sidecar consumes)
+    /kalos.NAME.N.resp       response semaphore of slot N (sidecar posts, client consumes)
+
+Segment (all integers little-endian, naturally aligned; byte offsets)::
+
+    0              +-----------------------------------------------+
+                   | header (HEADER_BYTES = 4096)                   |  magic "KALOSHM\0", version,
+                   |                                                |  geometry, sidecar pid/state,
+                   |                                                |  start epoch, heartbeat
+    4096           +-----------------------------------------------+
+    control_offset | control block of slot 0 (CONTROL_BYTES = 256)  |  state, generation, op, k, nq,
+                   | control block of slot 1 ...                    |  lease, status, timestamps,
+                   |                                                |  namespace (SLOT_FIELDS)
+                   +-----------------------------------------------+  (page aligned)
+    stats_offset   | client stats of slot 0 (STATS_BYTES = 2560)    |  written only by the slot's
+                   |   +0   counters (STATS_FIELDS)                 |  lease owner: end-to-end
+                   |   +64  latency histogram u64[HIST_BUCKETS]     |  latency as callers see it
+                   |   +384 latency ring u32[RING_LEN] (ns)         |
+                   | client stats of slot 1 ...                     |
+                   +-----------------------------------------------+  (page aligned)
+    data_offset    | data of slot 0 (slot_bytes, page multiple)     |
+                   |   +query_offset   f32 [max_queries][dim]       |  queries / upsert vectors
+                   |   +ids_offset     i64 [max_queries]            |  upsert / delete ids
+                   |   +result_ids_offset    i64 [max_queries][max_k]
+                   |   +result_scores_offset f32 [max_queries][max_k]
+                   |   +blob_offset    u8 [blob_bytes]              |  JSON payloads, error text
+                   | data of slot 1 ...                             |
+                   +-----------------------------------------------+
+
+Control blocks are packed together so that the sidecar's scan for posted slots touches a few
+pages, not one page per slot (TLB misses dominated an earlier layout with the header inside each
+slot's data).
+
+Slot states (``state`` field of a slot; who moves it and when)::
+
+      FREE --client--> WRITING --client--> POSTED --sidecar--> BUSY --sidecar--> DONE
+        ^                                                                          |
+        +------------------------- client (after consuming resp) ------------------+
+
+    FREE     no request in the slot; the lease owner may start one.
+    WRITING  the owner is writing a request; the sidecar ignores the slot.
+    POSTED   request complete. Written after every request field (payload first, state last);
+             then the owner posts the slot's req semaphore, then the doorbell.
+    BUSY     the sidecar consumed req and is serving the slot.
+    DONE     the sidecar wrote results, status and ``resp_generation`` (state last), then posted
+             resp. The owner consumes resp, checks ``resp_generation == generation``, copies the
+             results out, and sets FREE.
+
+Ownership of a slot is a *lease*: ``owner_pid``/``owner_start`` are written by a client under an
+``flock`` of the segment's file descriptor. Only the sidecar clears the lease of a dead owner (its
+reaper checks liveness), after draining both semaphores, so nothing a dead client left is ever
+served to the next owner. The semaphore post/wait pairs are the memory fences of the protocol.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+
+MAGIC = b"KALOSHM\x00"
+MAGIC_U64 = int.from_bytes(MAGIC, "little")
+#: Bumped on every incompatible change of this module. 2: namespaces/upsert/delete ops.
+PROTOCOL_VERSION = 2
+
+HEADER_BYTES = 4096
+CONTROL_BYTES = 256
+STATS_BYTES = 2560
+PAGE = 4096
+NAMESPACE_BYTES = 64
+DEFAULT_NAMESPACE = "default"
+
+# Client-side end-to-end latency buckets (upper bounds, nanoseconds). Part of the protocol: clients
+# increment ``hist[i]`` for the first bound >= latency (the last bucket is +Inf). Microsecond
+# resolution where recalls live; Prometheus' default buckets start at 5 ms and would hide them.
+LATENCY_BOUNDS_NS: tuple[int, ...] = tuple(
+    int(us * 1000)
+    for us in (
+        5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 100, 125, 150, 200, 250, 300, 400, 500, 600,
+        750, 1000, 1250, 1500, 2000, 2500, 3000, 4000, 5000, 7500, 10_000, 15_000, 25_000,
+        50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
+    )
+)
+HIST_BUCKETS = len(LATENCY_BOUNDS_NS) + 1  # + Inf
+HIST_OFFSET = 64  # within a slot's stats block
+RING_OFFSET = 384
+RING_LEN = 512  # u32 nanoseconds, saturating at 2**32-1
+assert HIST_OFFSET + 8 * HIST_BUCKETS <= RING_OFFSET and RING_OFFSET + 4 * RING_LEN <= STATS_BYTES
+
+
+class SlotState(IntEnum):
+    FREE = 0
+    WRITING = 1
+    POSTED = 2
+    BUSY = 3
+    DONE = 4
+
+
+# Plain ints for hot paths: numpy and memoryview handle an IntEnum operand several times slower.
+S_FREE, S_WRITING, S_POSTED, S_BUSY, S_DONE = (int(x) for x in SlotState)
+
+
+class SidecarState(IntEnum):
+    STARTING = 0
+    READY = 1
+    STOPPING = 2
+    STOPPED = 3
+    FAILED = 4
+
+
+class Op(IntEnum):
+    RECALL = 1
+    UPSERT = 2
+    DELETE = 3
+    DROP_NAMESPACE = 4
+    LIST_NAMESPACES = 5
+
+
+class Status(IntEnum):
+    """Per-request status the sidecar writes into ``status``; text detail goes to the blob."""
+
+    OK = 0
+    BAD_REQUEST = 1  # malformed slot (garbage op/k/nq/namespace, inconsistent lengths)
+    DIM_MISMATCH = 2
+    K_OUT_OF_RANGE = 3
+    TOO_MANY_QUERIES = 4
+    NOT_FINITE = 5
+    UNKNOWN_NAMESPACE = 6
+    PAYLOAD_TOO_LARGE = 7
+    BACKEND_ERROR = 8
+    UNKNOWN_OP = 9
+    STORE_ERROR = 10
+    CAPACITY = 11
+    BAD_ID = 12
+
+
+class Flag(IntEnum):
+    WITH_PAYLOAD = 1
+
+
+class Dtype(IntEnum):
+    FLOAT32 = 1
+
+
+class Metric(IntEnum):
+    DOT = 1
+    COSINE = 2
+    L2 = 3
+
+
+# Header fields: (name, numpy type, offset).
+HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
+    ("magic", "<u8", 0),
+    ("version", "<u4", 8),
+    ("header_bytes", "<u4", 12),
+    ("n_slots", "<u4", 16),
+    ("dim", "<u4", 20),
+    ("max_k", "<u4", 24),
+    ("max_queries", "<u4", 28),
+    ("dtype", "<u4", 32),
+    ("state", "<u4", 36),  # SidecarState
+    ("slot_bytes", "<u8", 40),  # stride of slot data areas
+    ("data_offset", "<u8", 48),
+    ("blob_bytes", "<u8", 56),
+    ("sidecar_pid", "<i8", 64),
+    ("start_epoch_ns", "<u8", 72),  # CLOCK_REALTIME at start
+    ("heartbeat_ns", "<u8", 80),  # CLOCK_MONOTONIC, refreshed every HEARTBEAT_S
+    ("batches", "<u8", 88),
+    ("metric", "<u4", 96),
+    ("hist_buckets", "<u4", 100),
+    ("ring_len", "<u4", 104),
+    ("backend", "<u4", 108),  # 1 numpy, 2 cuda
+)
+
+# Slot header fields: (name, numpy type, offset within the slot).
+SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
+    ("state", "<u4", 0),  # SlotState
+    ("op", "<u4", 4),  # Op
+    ("generation", "<u8", 8),  # request number, written by the client
+    ("owner_pid", "<i8", 16),  # lease: 0 = unleased
+    ("owner_start", "<u8", 24),  # lease: owner's start time (clock ticks since boot), against pid reuse
+    ("k", "<u4", 32),
+    ("nq", "<u4", 36),  # number of query rows / ids in the request
+    ("status", "<i4", 40),  # Status, written by the sidecar
+    ("flags", "<u4", 44),  # Flag bits
+    ("t_post_ns", "<u8", 48),  # client: request posted (CLOCK_MONOTONIC)
+    ("t_pick_ns", "<u8", 56),  # sidecar: taken into a batch
+    ("t_done_ns", "<u8", 64),  # sidecar: results written
+    ("blob_len", "<u4", 72),  # bytes used in the blob area (request or response)
+    ("n_results", "<u4", 76),  # results per query (recall) or rows affected (writes)
+    ("resp_generation", "<u8", 80),  # sidecar echoes `generation` of the request it answered
+    ("batch_size", "<u4", 88),  # sidecar: requests in the batch that served this slot
+    ("ns_len", "<u4", 92),
+    ("namespace", f"S{NAMESPACE_BYTES}", 96),
+)
+assert SLOT_FIELDS[-1][2] + NAMESPACE_BYTES <= CONTROL_BYTES
+
+# Client stats fields: (name, numpy type, offset within the slot's stats block).
+STATS_FIELDS: tuple[tuple[str, str, int], ...] = (
+    ("lat_count", "<u8", 0),  # recalls recorded into hist/ring (also the ring's write index)
+    ("lat_sum_ns", "<u8", 8),  # sum of recorded latencies
+    ("err_count", "<u8", 16),  # requests that ended in an error (any kind)
+    ("timeout_count", "<u8", 24),  # requests whose caller timed out or was cancelled
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
+_NS_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
+
+#: ``owner_pid`` of a slot given up by a live client while its request may still be in flight
+#: (``RecallPool.terminate``); the sidecar's reaper frees it like the slot of a dead owner.
+OWNER_ABANDONED = -1
+
+HEARTBEAT_S = 0.05
+#: A sidecar whose heartbeat is older than this is considered dead by clients.
+HEARTBEAT_STALE_S = 2.0
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def header_dtype() -> np.dtype:
+    return np.dtype(
+        {
+            "names": [f[0] for f in HEADER_FIELDS],
+            "formats": [f[1] for f in HEADER_FIELDS],
+            "offsets": [f[2] for f in HEADER_FIELDS],
+            "itemsize": HEADER_BYTES,
+        }
+    )
+
+
+def _fields_dtype(fields: tuple[tuple[str, str, int], ...], itemsize: int) -> np.dtype:
+    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
+                     "offsets": [f[2] for f in fields], "itemsize": itemsize})
+
+
+def slot_dtype(itemsize: int = CONTROL_BYTES) -> np.dtype:
+    """Control-block fields; an array of it with itemsize CONTROL_BYTES walks the slots."""
+    return _fields_dtype(SLOT_FIELDS, itemsize)
+
+
+def validate_broker_name(name: str) -> str:
+    from broker.errors import ConfigError
+
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ConfigError(f"broker name must match {_NAME_RE.pattern}, got {name!r}")
+    return name
+
+
+def validate_namespace(ns: str) -> bytes:
+    from broker.errors import InvalidRequest
+
+    if not isinstance(ns, str) or not _NS_RE.match(ns):
+        raise InvalidRequest(f"namespace must match {_NS_RE.pattern}, got {ns!r}")
+    return ns.encode()
+
+
+def decode_namespace(raw: bytes, length: int) -> str | None:
+    """Namespace from a slot, or None if what a client wrote there is not a valid name."""
+    if not 1 <= length <= NAMESPACE_BYTES:
+        return None
+    try:
+        ns = bytes(raw[:length]).decode()
+    except UnicodeDecodeError:
+        return None
+    return ns if _NS_RE.match(ns) else None
+
+
+def shm_name(name: str) -> str:
+    return f"/kalos.{name}"
+
+
+def bell_name(name: str) -> str:
+    return f"/kalos.{name}.bell"
+
+
+def req_name(name: str, i: int) -> str:
+    return f"/kalos.{name}.{i}.req"
+
+
+def resp_name(name: str, i: int) -> str:
+    return f"/kalos.{name}.{i}.resp"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Geometry of one broker's segment. Every offset used anywhere comes from here."""
+
+    n_slots: int
+    dim: int
+    max_k: int
+    max_queries: int
+    blob_bytes: int
+
+    @property
+    def control_offset(self) -> int:
+        return HEADER_BYTES
+
+    @property
+    def stats_offset(self) -> int:
+        return _align(self.control_offset + self.n_slots * CONTROL_BYTES, PAGE)
+
+    @property
+    def data_offset(self) -> int:
+        return _align(self.stats_offset + self.n_slots * STATS_BYTES, PAGE)
+
+    # Offsets inside one slot's data area:
+    @property
+    def query_offset(self) -> int:
+        return 0
+
+    @property
+    def ids_offset(self) -> int:
+        return _align(self.query_offset + 4 * self.max_queries * self.dim, 64)
+
+    @property
+    def result_ids_offset(self) -> int:
+        return _align(self.ids_offset + 8 * self.max_queries, 64)
+
+    @property
+    def result_scores_offset(self) -> int:
+        return _align(self.result_ids_offset + 8 * self.max_queries * self.max_k, 64)
+
+    @property
+    def blob_offset(self) -> int:
+        return _align(self.result_scores_offset + 4 * self.max_queries * self.max_k, 64)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Stride of the per-slot data areas."""
+        return _align(self.blob_offset + self.blob_bytes, PAGE)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.data_offset + self.n_slots * self.slot_bytes
+
+    def control_base(self, i: int) -> int:
+        return self.control_offset + i * CONTROL_BYTES
+
+    def stats_base(self, i: int) -> int:
+        return self.stats_offset + i * STATS_BYTES
+
+    def data_base(self, i: int) -> int:
+        return self.data_offset + i * self.slot_bytes
+
+    def check(self) -> None:
+        from broker.errors import ConfigError
+
+        for field, lo, hi in (
+            ("n_slots", 1, 4096),
+            ("dim", 1, 65536),
+            ("max_k", 1, 16384),
+            ("max_queries", 1, 4096),
+            ("blob_bytes", 1024, 1 << 28),
+        ):
+            v = getattr(self, field)
+            if not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{field} must be an integer in [{lo}, {hi}], got {v!r}")
+
+    @classmethod
+    def from_header(cls, hdr: np.ndarray) -> Layout:
+        return cls(
+            n_slots=int(hdr["n_slots"]),
+            dim=int(hdr["dim"]),
+            max_k=int(hdr["max_k"]),
+            max_queries=int(hdr["max_queries"]),
+            blob_bytes=int(hdr["blob_bytes"]),
+        )
+
+
+class SlotView:
+    """Numpy views of one slot inside a mapped segment (no copies; writes go to shared memory)."""
+
+    __slots__ = ("index", "ctl", "queries", "ids", "result_ids", "result_scores", "blob", "hist", "ring")
+
+    def __init__(self, buf: memoryview, layout: Layout, index: int) -> None:
+        L = layout
+        base = L.data_base(index)
+        self.index = index
+        self.ctl = np.ndarray((), dtype=slot_dtype(CONTROL_BYTES), buffer=buf, offset=L.control_base(index))
+        self.queries = np.ndarray((L.max_queries, L.dim), np.float32, buf, base + L.query_offset)
+        self.ids = np.ndarray((L.max_queries,), np.int64, buf, base + L.ids_offset)
+        self.result_ids = np.ndarray((L.max_queries, L.max_k), np.int64, buf, base + L.result_ids_offset)
+        self.result_scores = np.ndarray(
+            (L.max_queries, L.max_k), np.float32, buf, base + L.result_scores_offset
+        )
+        self.blob = np.ndarray((L.blob_bytes,), np.uint8, buf, base + L.blob_offset)
+        self.hist = np.ndarray((HIST_BUCKETS,), np.uint64, buf, L.stats_base(index) + HIST_OFFSET)
+        self.ring = np.ndarray((RING_LEN,), np.uint32, buf, L.stats_base(index) + RING_OFFSET)
+
+
+class SegmentView:
+    """Header, strided all-slots header array, and per-slot views of one mapped segment."""
+
+    def __init__(self, buf: memoryview, layout: Layout) -> None:
+        self.layout = layout
+        self.header = np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+        #: One record per slot's control block; ``slots["state"]`` views every slot's state.
+        self.slots = np.ndarray((layout.n_slots,), dtype=slot_dtype(CONTROL_BYTES), buffer=buf,
+                                offset=layout.control_offset)
+        #: Every slot's client stats block (counters; hist and ring are in ``slot[i]``).
+        self.stats = np.ndarray((layout.n_slots,), dtype=_fields_dtype(STATS_FIELDS, STATS_BYTES),
+                                buffer=buf, offset=layout.stats_offset)
+        self.slot = [SlotView(buf, layout, i) for i in range(layout.n_slots)]
+
+    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int) -> None:
+        h = self.header
+        L = self.layout
+        h["version"] = PROTOCOL_VERSION
+        h["header_bytes"] = HEADER_BYTES
+        h["n_slots"] = L.n_slots
+        h["dim"] = L.dim
+        h["max_k"] = L.max_k
+        h["max_queries"] = L.max_queries
+        h["dtype"] = Dtype.FLOAT32
+        h["slot_bytes"] = L.slot_bytes
+        h["data_offset"] = L.data_offset
+        h["blob_bytes"] = L.blob_bytes
+        h["sidecar_pid"] = pid
+        h["start_epoch_ns"] = start_epoch_ns
+        h["metric"] = metric
+        h["backend"] = backend
+        h["hist_buckets"] = HIST_BUCKETS
+        h["ring_len"] = RING_LEN
+        h["state"] = SidecarState.STARTING
+        # Magic last: a client that sees it sees a complete header.
+        h["magic"] = MAGIC_U64
+
+
+def peek_header(buf: memoryview) -> np.ndarray:
+    """The header of a segment whose geometry is not known yet (first step of attaching)."""
+    return np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+
+
+def c_header() -> str:
+    """A C header with the same offsets, for clients in other languages."""
+    lines = [
+        "/* Generated by broker.layout.c_header(); do not edit. */",
+        "#pragma once",
+        f"#define KALOS_PROTOCOL_VERSION {PROTOCOL_VERSION}",
+        f'#define KALOS_MAGIC 0x{MAGIC_U64:016x}ULL /* "KALOSHM\\0" little-endian */',
+        f"#define KALOS_HEADER_BYTES {HEADER_BYTES}",
+        f"#define KALOS_CONTROL_BYTES {CONTROL_BYTES}",
+        f"#define KALOS_STATS_BYTES {STATS_BYTES}",
+        f"#define KALOS_NAMESPACE_BYTES {NAMESPACE_BYTES}",
+        f"#define KALOS_HIST_OFFSET {HIST_OFFSET}",
+        f"#define KALOS_HIST_BUCKETS {HIST_BUCKETS}",
+        f"#define KALOS_RING_OFFSET {RING_OFFSET}",
+        f"#define KALOS_RING_LEN {RING_LEN}",
+    ]
+    for prefix, fields in (("KALOS_HDR", HEADER_FIELDS), ("KALOS_SLOT", SLOT_FIELDS),
+                           ("KALOS_STATS", STATS_FIELDS)):
+        for name, _t, off in fields:
+            lines.append(f"#define {prefix}_{name.upper()} {off}")
+    for enum in (SlotState, SidecarState, Op, Status, Flag, Metric):
+        for m in enum:
+            lines.append(f"#define KALOS_{enum.__name__.upper()}_{m.name} {int(m)}")
+    return "\n".join(lines) + "\n"
+
+
+def slot_field_offset(layout: Layout, i: int, field: str) -> int:
+    """Absolute byte offset of a control-block or stats field of slot i (for word-indexed access)."""
+    for name, _t, off in SLOT_FIELDS:
+        if name == field:
+            return layout.control_base(i) + off
+    for name, _t, off in STATS_FIELDS:
+        if name == field:
+            return layout.stats_base(i) + off
+    raise KeyError(field)
+
+
+class SlotWords:
+    """Word-indexed access to every slot's header fields, for hot paths (a memoryview item costs
+    ~50 ns; a numpy record field ~1 us). ``u32[w.state[i]]`` is slot i's state, and so on for every
+    4- and 8-byte field (8-byte ones index ``u64``)."""
+
+    def __init__(self, buf: memoryview, layout: Layout) -> None:
+        self.u32 = buf.cast("I")
+        self.u64 = buf.cast("Q")
+        for name, typ, _off in SLOT_FIELDS + STATS_FIELDS:
+            size = np.dtype(typ).itemsize
+            if size in (4, 8):
+                setattr(self, name, [slot_field_offset(layout, i, name) // size
+                                     for i in range(layout.n_slots)])
+
+    def release(self) -> None:
+        self.u32.release()
+        self.u64.release()
+
+    def __getattr__(self, name: str) -> list[int]:  # for type checkers: fields are set above
+        raise AttributeError(name)

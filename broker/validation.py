@@ -1,0 +1,90 @@
+"""Validation of caller input, before anything touches shared memory. Pure functions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from broker.errors import InvalidRequest, PayloadTooLarge
+
+INT64_MIN = -(2**63)
+#: Ids are int64; -1 marks "no result" in result arrays, so negative ids are refused.
+MAX_ID = 2**63 - 1
+
+
+def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarray:
+    """Return a C-contiguous float32 (n, dim) copy-free view where possible.
+
+    ``single``: x must be one vector of shape (dim,) (or (1, dim)); otherwise a (n, dim) matrix.
+    Raises InvalidRequest on wrong dtype/shape/dim, non-finite values, or n outside 1..max_queries.
+    """
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu" or a.dtype.kind == "b":
+        raise InvalidRequest(f"vectors must be a real numeric array, got dtype {a.dtype}")
+    if single:
+        if a.ndim == 2 and a.shape[0] == 1:
+            a = a[0]
+        if a.ndim != 1:
+            raise InvalidRequest(f"recall() takes one vector of shape ({dim},), got shape {a.shape}; "
+                                 "use recall_many() for several")
+        a = a[None, :]
+    elif a.ndim != 2:
+        raise InvalidRequest(f"expected a 2-d array (n, {dim}), got shape {a.shape}")
+    n, d = a.shape
+    if d != dim:
+        raise InvalidRequest(f"dimension mismatch: broker serves dim={dim}, got {d}")
+    if not 1 <= n <= max_queries:
+        raise InvalidRequest(f"{n} rows in one request; this broker allows 1..{max_queries} per slot")
+    a = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(a).all():
+        raise InvalidRequest("vectors contain NaN or infinity (after conversion to float32)")
+    return a
+
+
+def check_k(k: Any, max_k: int) -> int:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise InvalidRequest(f"k must be an integer, got {k!r}")
+    if not 1 <= int(k) <= max_k:
+        raise InvalidRequest(f"k={k} is outside 1..{max_k} (the broker's max_k)")
+    return int(k)
+
+
+def as_ids(ids: Any, n: int | None = None, *, max_n: int | None = None) -> np.ndarray:
+    a = np.asarray(ids)
+    if a.ndim == 0:
+        a = a[None]
+    if a.ndim != 1 or (a.size and a.dtype.kind not in "iu"):
+        raise InvalidRequest(f"ids must be a 1-d array of integers, got dtype {a.dtype} shape {a.shape}")
+    if n is not None and a.size != n:
+        raise InvalidRequest(f"{a.size} ids for {n} vectors")
+    if a.size == 0:
+        raise InvalidRequest("empty ids")
+    if max_n is not None and a.size > max_n:
+        raise InvalidRequest(f"{a.size} ids in one request; at most {max_n}")
+    if a.dtype.kind == "u" and a.size and int(a.max()) > MAX_ID:
+        raise InvalidRequest("ids must fit in int64")
+    a = a.astype(np.int64, copy=False)
+    if a.size and int(a.min()) < 0:
+        raise InvalidRequest("ids must be >= 0")
+    return np.ascontiguousarray(a)
+
+
+def encode_payloads(payloads: Sequence[Any] | None, n: int, limit: int) -> bytes:
+    """JSON-lines encoding of one payload per row (``null`` for none); refuses more than ``limit`` bytes."""
+    if payloads is None:
+        return b""
+    if len(payloads) != n:
+        raise InvalidRequest(f"{len(payloads)} payloads for {n} vectors")
+    try:
+        lines = [json.dumps(p, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+                 for p in payloads]
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"payloads must be JSON-serialisable: {e}") from None
+    blob = "\n".join(lines).encode()
+    if len(blob) > limit:
+        raise PayloadTooLarge(f"payloads take {len(blob)} bytes; one request carries at most {limit} "
+                              "(split the upsert or raise the sidecar's --blob-bytes)")
+    return blob

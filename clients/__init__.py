@@ -1,0 +1,7 @@
+"""Kalos clients: the asyncio :class:`RecallPool` and the blocking :class:`RecallClient`."""
+
+from clients.blocking import RecallClient
+from clients.pool import PoolStatistics, RecallPool
+from clients.results import Hit, Hits
+
+__all__ = ["RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits"]

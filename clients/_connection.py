@@ -1,0 +1,256 @@
+"""Attaching to a running sidecar and leasing slots. Shared by the async pool and the blocking client.
+
+Clients never create or unlink anything: they open the segment and the semaphores, lease slots under
+an ``flock`` of the segment, and on close give the leases back.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import time
+
+import numpy as np
+import posix_ipc
+
+from broker.errors import BrokerUnavailable, ProtocolError
+from broker.layout import (
+    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, LATENCY_BOUNDS_NS, MAGIC_U64,
+    NAMESPACE_BYTES, OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
+    SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
+    slot_field_offset, validate_broker_name,
+)
+from broker.procs import process_start_ticks
+
+_BOUNDS = np.asarray(LATENCY_BOUNDS_NS, np.int64)
+
+
+class ClientSlot:
+    """One leased slot: its views, its semaphores and the owner's bookkeeping."""
+
+    __slots__ = (
+        "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
+        "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
+        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "generation", "thread_consumed",
+        "entry",
+    )
+
+    def __init__(self, conn: Connection, index: int) -> None:
+        L = conn.layout
+        self.index = index
+        self.view: SlotView = conn.seg.slot[index]
+        self.req = posix_ipc.Semaphore(req_name(conn.name, index))
+        self.resp = posix_ipc.Semaphore(resp_name(conn.name, index))
+        self.bell = conn.bell
+        self._mm = conn.mm
+        self._w32 = conn.w32
+        self._w64 = conn.w64
+
+        def w(field: str, size: int) -> int:
+            off = slot_field_offset(L, index, field)
+            assert off % size == 0
+            return off // size
+
+        self._state, self._op, self._k, self._nq = w("state", 4), w("op", 4), w("k", 4), w("nq", 4)
+        self._flags, self._ns_len, self._blob_len = w("flags", 4), w("ns_len", 4), w("blob_len", 4)
+        self._status, self._nres = w("status", 4), w("n_results", 4)
+        self._gen, self._rgen, self._tpost = w("generation", 8), w("resp_generation", 8), w("t_post_ns", 8)
+        self._lat_count, self._lat_sum = w("lat_count", 8), w("lat_sum_ns", 8)
+        self._err_count, self._timeout_count = w("err_count", 8), w("timeout_count", 8)
+        self._ns_off = slot_field_offset(L, index, "namespace")
+        self.generation = int(self._w64[self._gen])
+        self.thread_consumed = 0  # resp posts consumed by a waiter thread, not yet accounted
+        self.entry: object = None  # the pool's in-flight record
+
+    # -- request ---------------------------------------------------------------------------
+    def post(self, op: int, ns: bytes, k: int, nq: int, flags: int, blob_len: int, t0: int) -> int:
+        """Write the request header and post. Payload areas must already be written."""
+        w32, w64 = self._w32, self._w64
+        w32[self._state] = S_WRITING
+        self.generation += 1
+        w64[self._gen] = self.generation
+        w32[self._op] = op
+        w32[self._k] = k
+        w32[self._nq] = nq
+        w32[self._flags] = flags
+        w32[self._blob_len] = blob_len
+        w32[self._ns_len] = len(ns)
+        self._mm[self._ns_off:self._ns_off + len(ns)] = ns
+        w64[self._tpost] = time.monotonic_ns()
+        # Order matters: every field above, then POSTED, then req, then the doorbell.
+        w32[self._state] = S_POSTED
+        self.req.release()
+        self.bell.release()
+        return self.generation
+
+    def is_done(self) -> bool:
+        return self._w32[self._state] == S_DONE
+
+    def try_consume(self) -> bool:
+        """Consume the response post of a DONE slot (the fence before reading results)."""
+        if self.thread_consumed:
+            self.thread_consumed -= 1
+            return True
+        try:
+            self.resp.acquire(0)
+            return True
+        except posix_ipc.BusyError:
+            return False
+
+    def outcome(self) -> tuple[int, int, int]:
+        """(status, n_results, blob_len) of a consumed response; checks the generation echo."""
+        if self._w64[self._rgen] != self.generation:
+            raise ProtocolError(f"slot {self.index}: response for request {self._w64[self._rgen]}, "
+                                f"expected {self.generation}")
+        return (int(np.int32(self._w32[self._status])), self._w32[self._nres], self._w32[self._blob_len])
+
+    def blob_text(self, n: int) -> bytes:
+        return self.view.blob[:n].tobytes()
+
+    def set_free(self) -> None:
+        self._w32[self._state] = S_FREE
+
+    # -- client-side latency accounting (only the lease owner writes these) ------------------
+    def record(self, latency_ns: int, ok: bool, timed_out: bool = False) -> None:
+        if not ok:
+            w = self._err_count if not timed_out else self._timeout_count
+            self._w64[w] += 1
+            return
+        b = int(np.searchsorted(_BOUNDS, latency_ns))
+        v = self.view
+        v.hist[b] += 1
+        n = self._w64[self._lat_count]
+        v.ring[n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
+        self._w64[self._lat_sum] += latency_ns
+        self._w64[self._lat_count] = n + 1  # last: the sidecar reads the ring up to this index
+
+    def close(self) -> None:
+        self.req.close()
+        self.resp.close()
+
+
+class Connection:
+    """A process's attachment to one broker (one per pool or blocking client)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = validate_broker_name(name)
+        try:
+            self.shm = posix_ipc.SharedMemory(shm_name(name))
+        except posix_ipc.ExistentialError:
+            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: "
+                                    f"`kalos serve --name {name}`)") from None
+        except posix_ipc.PermissionsError as e:
+            raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
+                                    "sidecar's user)") from None
+        try:
+            if self.shm.size < HEADER_BYTES:
+                raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
+                                    "Kalos segment")
+            self.mm = mmap.mmap(self.shm.fd, self.shm.size)
+            hdr = peek_header(memoryview(self.mm))
+            if int(hdr["magic"]) != MAGIC_U64:
+                # The sidecar writes the magic last; give a starting sidecar a moment.
+                time.sleep(0.05)
+                if int(hdr["magic"]) != MAGIC_U64:
+                    raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
+            if int(hdr["version"]) != PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"broker {name!r} speaks protocol version {int(hdr['version'])}, this client "
+                    f"speaks {PROTOCOL_VERSION}: install the kalos version matching the sidecar")
+            if int(hdr["hist_buckets"]) != HIST_BUCKETS or int(hdr["ring_len"]) != RING_LEN:
+                raise ProtocolError(f"broker {name!r}: latency layout differs from this client's")
+            self.layout = Layout.from_header(hdr)
+            del hdr
+            if self.layout.total_bytes != self.shm.size:
+                raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")
+            self.seg = SegmentView(memoryview(self.mm), self.layout)
+            self.w32 = memoryview(self.mm).cast("I")
+            self.w64 = memoryview(self.mm).cast("Q")
+            self.bell = posix_ipc.Semaphore(bell_name(name))
+        except posix_ipc.ExistentialError:
+            self.shm.close_fd()
+            raise BrokerUnavailable(f"broker {name!r} is going away") from None
+        except BaseException:
+            self.shm.close_fd()
+            raise
+        self.pid = os.getpid()
+        self.start_ticks = process_start_ticks(self.pid)
+        self.closed = False
+
+    # -- liveness -------------------------------------------------------------------------
+    def sidecar_state(self) -> SidecarState:
+        return SidecarState(int(self.seg.header["state"]))
+
+    def check_alive(self) -> None:
+        """Raise BrokerUnavailable if the sidecar stopped, failed or died."""
+        h = self.seg.header
+        state = int(h["state"])
+        if state in (SidecarState.STOPPING, SidecarState.STOPPED, SidecarState.FAILED):
+            raise BrokerUnavailable(f"broker {self.name!r}: sidecar is {SidecarState(state).name.lower()}")
+        age = (time.monotonic_ns() - int(h["heartbeat_ns"])) / 1e9
+        if age > HEARTBEAT_STALE_S:
+            raise BrokerUnavailable(f"broker {self.name!r}: sidecar heartbeat is {age:.1f} s old")
+        if age > 4 * HEARTBEAT_S:
+            pid = int(h["sidecar_pid"])
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise BrokerUnavailable(f"broker {self.name!r}: sidecar pid {pid} is gone") from None
+            except PermissionError:
+                pass
+
+    def is_ready(self) -> bool:
+        return self.sidecar_state() == SidecarState.READY
+
+    # -- leases ---------------------------------------------------------------------------
+    def lease(self, n: int) -> list[ClientSlot]:
+        """Lease up to ``n`` free slots (possibly none)."""
+        slots = self.seg.slots
+        got: list[int] = []
+        fcntl.flock(self.shm.fd, fcntl.LOCK_EX)
+        try:
+            free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == SlotState.FREE))
+            for i in free[:n].tolist():
+                slots[i]["owner_start"] = self.start_ticks
+                slots[i]["owner_pid"] = self.pid
+                got.append(i)
+        finally:
+            fcntl.flock(self.shm.fd, fcntl.LOCK_UN)
+        return [ClientSlot(self, i) for i in got]
+
+    def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
+        """End leases: idle slots become free now; busy ones (request in flight) are marked
+        abandoned and freed by the sidecar's reaper once it is done with them."""
+        slots = self.seg.slots
+        fcntl.flock(self.shm.fd, fcntl.LOCK_EX)
+        try:
+            for s in idle:
+                if int(slots[s.index]["owner_pid"]) == self.pid:
+                    slots[s.index]["owner_start"] = 0
+                    slots[s.index]["owner_pid"] = 0
+            for s in busy:
+                if int(slots[s.index]["owner_pid"]) == self.pid:
+                    slots[s.index]["owner_pid"] = OWNER_ABANDONED
+        finally:
+            fcntl.flock(self.shm.fd, fcntl.LOCK_UN)
+        for s in idle + busy:
+            s.close()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.bell.close()
+        for mv in (self.w32, self.w64):
+            mv.release()
+        del self.seg
+        self.shm.close_fd()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a view is still referenced somewhere; the mapping goes with it
+
+    @property
+    def ns_limit(self) -> int:
+        return NAMESPACE_BYTES

@@ -1,0 +1,112 @@
+"""Requests as data: how each operation is validated, written into a slot and read back.
+
+Shared by the async pool and the blocking client; validation happens before a slot is claimed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from broker.errors import ProtocolError, error_for_status
+from broker.layout import Flag, Layout, Op, Status, validate_namespace
+from broker.validation import as_ids, as_queries, check_k, encode_payloads
+from clients._connection import ClientSlot
+from clients.results import Hits
+
+
+@dataclass(slots=True)
+class Prepared:
+    op: Op
+    ns: bytes
+    k: int = 0
+    nq: int = 0
+    flags: int = 0
+    vectors: np.ndarray | None = None
+    ids: np.ndarray | None = None
+    blob: bytes = b""
+    single: bool = False
+
+
+def recall(layout: Layout, x: Any, k: int, namespace: str, with_payload: bool, single: bool) -> Prepared:
+    q = as_queries(x, layout.dim, layout.max_queries, single=single)
+    return Prepared(Op.RECALL, validate_namespace(namespace), check_k(k, layout.max_k), len(q),
+                    Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single)
+
+
+def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
+    """One request per slot-full of rows (bulk upserts are split and sent concurrently)."""
+    v = np.asarray(vectors)
+    if v.ndim == 1:
+        v = v[None, :]
+    ns = validate_namespace(namespace)
+    n = v.shape[0]
+    idarr = as_ids(ids, n)
+    if payloads is not None and len(payloads) != n:
+        from broker.errors import InvalidRequest
+
+        raise InvalidRequest(f"{len(payloads)} payloads for {n} vectors")
+    out = []
+    step = layout.max_queries
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        q = as_queries(v[lo:hi], layout.dim, layout.max_queries, single=False)
+        blob = encode_payloads(None if payloads is None else payloads[lo:hi], hi - lo, layout.blob_bytes)
+        out.append(Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=q, ids=idarr[lo:hi], blob=blob))
+    return out
+
+
+def delete(layout: Layout, ids: Any, namespace: str) -> list[Prepared]:
+    ns = validate_namespace(namespace)
+    idarr = as_ids(ids)
+    step = layout.max_queries
+    return [Prepared(Op.DELETE, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step])
+            for lo in range(0, len(idarr), step)]
+
+
+def drop(namespace: str) -> Prepared:
+    return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
+
+
+def list_namespaces() -> Prepared:
+    return Prepared(Op.LIST_NAMESPACES, b"")
+
+
+def write(slot: ClientSlot, p: Prepared) -> int:
+    """Copy the request's arrays into the slot; returns blob_len."""
+    v = slot.view
+    if p.vectors is not None:
+        v.queries[: p.nq] = p.vectors
+    if p.ids is not None:
+        v.ids[: p.nq] = p.ids
+    if p.blob:
+        v.blob[: len(p.blob)] = np.frombuffer(p.blob, np.uint8)
+    return len(p.blob)
+
+
+def read(slot: ClientSlot, p: Prepared) -> Any:
+    """Result of a consumed response: Hits / list[Hits] / int / dict. Raises the mapped error."""
+    status, n, blob_len = slot.outcome()
+    if status != Status.OK:
+        raise error_for_status(status, slot.blob_text(blob_len).decode(errors="replace"))
+    if p.op == Op.RECALL:
+        v = slot.view
+        ids = v.result_ids[: p.nq, :n].copy()
+        scores = v.result_scores[: p.nq, :n].copy()
+        payloads = None
+        if p.flags & Flag.WITH_PAYLOAD:
+            try:
+                flat = [json.loads(line) for line in slot.blob_text(blob_len).split(b"\n")] if blob_len else []
+            except ValueError as e:
+                raise ProtocolError(f"slot {slot.index}: payload blob is not JSON lines: {e}") from None
+            if len(flat) != p.nq * n:
+                raise ProtocolError(f"slot {slot.index}: {len(flat)} payloads for {p.nq * n} hits")
+            payloads = [flat[i * n:(i + 1) * n] for i in range(p.nq)]
+        hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
+        return hits[0] if p.single else hits
+    if p.op == Op.LIST_NAMESPACES:
+        return json.loads(slot.blob_text(blob_len))
+    return n

@@ -1,0 +1,146 @@
+"""A small blocking client for code without an event loop, on the same contract as the pool."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import posix_ipc
+
+from broker.errors import BrokerUnavailable, ClosedError, ResponseTimeout
+from clients import _ops
+from clients._connection import ClientSlot, Connection
+from clients.results import Hits
+
+DEFAULT_SPIN_US = 250.0
+_SLICE_S = 0.05
+
+
+class RecallClient:
+    """One leased slot; one request at a time (calls from several threads are serialised).
+
+    ``timeout`` (seconds, None = no limit) is the default budget of each call. A request that times
+    out stays in flight: the next call first waits for the sidecar to finish it, so a stale answer
+    never reaches a later caller.
+    """
+
+    def __init__(self, name: str = "default", *, timeout: float | None = None,
+                 spin_us: float = DEFAULT_SPIN_US, connect_timeout: float = 10.0) -> None:
+        self._conn = Connection(name)
+        try:
+            deadline = time.monotonic() + connect_timeout
+            while not self._conn.is_ready():
+                self._conn.check_alive()
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable(f"broker {name!r} not ready after {connect_timeout} s")
+                time.sleep(0.01)
+            self._conn.check_alive()
+            slots = self._conn.lease(1)
+            if not slots:
+                raise BrokerUnavailable(f"broker {name!r}: no free slot")
+        except BaseException:
+            self._conn.close()
+            raise
+        self._slot: ClientSlot = slots[0]
+        self._timeout = timeout
+        self._spin_s = spin_us * 1e-6
+        self._lock = threading.Lock()
+        self._pending = False  # a timed-out request is still in the slot
+        self._closed = False
+
+    @property
+    def layout(self):  # type: ignore[no-untyped-def]
+        return self._conn.layout
+
+    def __enter__(self) -> RecallClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the slot back. Closing twice is fine."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._pending:
+                self._conn.give_back([], [self._slot])
+            else:
+                self._conn.give_back([self._slot], [])
+            self._conn.close()
+
+    def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
+               timeout: float | None = ..., with_payload: bool = False) -> Hits:  # type: ignore[assignment]
+        """Top-k of one vector; see RecallPool.recall for semantics and errors."""
+        t0 = time.monotonic_ns()
+        return self._call(_ops.recall(self.layout, vector, k, namespace, with_payload, True), timeout, t0)
+
+    def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
+                    timeout: float | None = ..., with_payload: bool = False) -> list[Hits]:  # type: ignore[assignment]
+        t0 = time.monotonic_ns()
+        return self._call(_ops.recall(self.layout, vectors, k, namespace, with_payload, False), timeout, t0)
+
+    def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
+               namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]
+        t0 = time.monotonic_ns()
+        return sum(self._call(p, timeout, t0)
+                   for p in _ops.upsert(self.layout, ids, vectors, payloads, namespace))
+
+    def delete(self, ids: Any, *, namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]
+        t0 = time.monotonic_ns()
+        return sum(self._call(p, timeout, t0) for p in _ops.delete(self.layout, ids, namespace))
+
+    def drop_namespace(self, namespace: str, *, timeout: float | None = ...) -> int:  # type: ignore[assignment]
+        return self._call(_ops.drop(namespace), timeout, time.monotonic_ns())
+
+    def namespaces(self, *, timeout: float | None = ...) -> dict[str, int]:  # type: ignore[assignment]
+        return self._call(_ops.list_namespaces(), timeout, time.monotonic_ns())
+
+    def _call(self, p: _ops.Prepared, timeout: float | None, t0: int) -> Any:
+        if timeout is ...:
+            timeout = self._timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._closed:
+                raise ClosedError("client is closed")
+            s = self._slot
+            if self._pending:  # finish the abandoned request first
+                self._wait(s, deadline)
+                s.set_free()
+                self._pending = False
+            blob_len = _ops.write(s, p)
+            s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
+            self._pending = True
+            self._wait(s, deadline)
+            self._pending = False
+            try:
+                result = _ops.read(s, p)
+            except Exception:
+                s.record(time.monotonic_ns() - t0, ok=False)
+                s.set_free()
+                raise
+            s.record(time.monotonic_ns() - t0, ok=True)
+            s.set_free()
+            return result
+
+    def _wait(self, s: ClientSlot, deadline: float | None) -> None:
+        """Spin briefly on the slot state, then block on its response semaphore in slices,
+        checking the sidecar's liveness between slices."""
+        end = time.perf_counter() + self._spin_s
+        while time.perf_counter() < end:
+            if s.is_done() and s.try_consume():
+                return
+        while True:
+            budget = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+            if budget <= 0:
+                s.record(0, ok=False, timed_out=True)
+                raise ResponseTimeout("no answer within the time budget")
+            try:
+                s.resp.acquire(budget)
+                return
+            except posix_ipc.BusyError:
+                self._conn.check_alive()
+            except posix_ipc.SignalError:
+                continue

@@ -1,0 +1,50 @@
+"""What recalls return."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple, overload
+
+import numpy as np
+
+
+class Hit(NamedTuple):
+    id: int
+    score: float
+    payload: Any = None
+
+
+class Hits(Sequence[Hit]):
+    """Top-k of one query, best first: ``ids`` (int64) and ``scores`` (float32) arrays, and
+    ``payloads`` when recalled ``with_payload=True``. Iterating yields :class:`Hit` tuples.
+
+    Scores: the dot product (dot), cosine similarity (cosine), or minus the squared Euclidean
+    distance (l2); higher is always better.
+    """
+
+    __slots__ = ("ids", "scores", "payloads")
+
+    def __init__(self, ids: np.ndarray, scores: np.ndarray, payloads: list[Any] | None = None) -> None:
+        self.ids = ids
+        self.scores = scores
+        self.payloads = payloads
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @overload
+    def __getitem__(self, i: int) -> Hit: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Hit]: ...
+    def __getitem__(self, i: int | slice) -> Hit | Sequence[Hit]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return Hit(int(self.ids[i]), float(self.scores[i]),
+                   None if self.payloads is None else self.payloads[i])
+
+    def __iter__(self) -> Iterator[Hit]:
+        for j in range(len(self.ids)):
+            yield self[j]
+
+    def __repr__(self) -> str:
+        return f"Hits(ids={self.ids.tolist()}, scores={np.round(self.scores, 4).tolist()})"

@@ -1,0 +1,5 @@
+"""The Kalos sidecar: owns the memory, batches every posted slot, serves it on CUDA or numpy."""
+
+from sidecar_cuda.server import ServeConfig, Sidecar, run
+
+__all__ = ["ServeConfig", "Sidecar", "run"]

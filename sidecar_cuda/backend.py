@@ -1,0 +1,88 @@
+"""The backend interface: where the memory matrix lives and how a batch is searched.
+
+A backend owns device memory; everything about ids, namespaces, payloads and durability lives in
+:mod:`sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
+:func:`choose_backend`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from broker.errors import ConfigError
+from broker.layout import Metric
+
+
+class Matrix(Protocol):
+    """Rows of one namespace, resident on the backend's device. Rows [0, n) are live."""
+
+    capacity: int
+
+    def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        """Store float32 ``vectors`` (m, d) at row indices ``rows`` (m,) (already metric-prepared)."""
+
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy rows ``src`` onto rows ``dst`` (compaction after deletes; src and dst disjoint)."""
+
+    def grow(self, capacity: int) -> None:
+        """Grow to hold ``capacity`` rows, keeping the existing ones."""
+
+    def search(self, queries: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Exact top-k over rows [0, n) for float32 ``queries`` (B, d).
+
+        Returns (rows int64 (B, kk), scores float32 (B, kk)), kk = min(k, n), best first.
+        Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
+        """
+
+
+class Backend(Protocol):
+    name: str  # "numpy" | "cuda"
+    code: int  # header "backend" field: 1 numpy, 2 cuda
+    description: str  # human-readable device line, printed at start
+    max_k: int  # largest k this backend can serve
+
+    def new_matrix(self, dim: int, capacity: int, metric: Metric) -> Matrix: ...
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """Staging memory for gathering a batch (pinned on CUDA)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def prepare_rows(vectors: np.ndarray, metric: Metric) -> np.ndarray:
+    """Cosine stores unit rows (normalised at insert); dot and l2 store rows as given."""
+    if metric == Metric.COSINE:
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        return np.ascontiguousarray(vectors / norms, dtype=np.float32)
+    return vectors
+
+
+def prepare_queries(queries: np.ndarray, metric: Metric) -> np.ndarray:
+    return prepare_rows(queries, metric)
+
+
+def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0) -> Backend:
+    """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise."""
+    if kind not in ("auto", "numpy", "cuda"):
+        raise ConfigError(f"backend must be auto, numpy or cuda, got {kind!r}")
+    if kind in ("auto", "cuda"):
+        try:
+            from sidecar_cuda.cupy_backend import CupyBackend, cuda_available
+        except ImportError as e:  # no cupy_backend module or no cupy
+            if kind == "cuda":
+                raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
+        else:
+            why = cuda_available()
+            if why is None:
+                return CupyBackend(storage_dtype=storage_dtype, device=device)
+            if kind == "cuda":
+                raise ConfigError(f"--backend cuda: {why}")
+    if storage_dtype != "float32":
+        raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
+    from sidecar_cuda.numpy_backend import NumpyBackend
+
+    return NumpyBackend()

@@ -1,0 +1,133 @@
+"""Creating, finding and removing a broker's named objects. Only the sidecar and `kalos cleanup`
+use this: clients attach and close, they never create or unlink."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+
+import posix_ipc
+
+from broker.errors import ConfigError
+from broker.layout import (
+    MAGIC_U64, Layout, SidecarState, bell_name, peek_header, req_name, resp_name, shm_name,
+)
+from broker.procs import pid_alive
+
+log = logging.getLogger("kalos.sidecar")
+MODE = 0o600
+
+
+@dataclass
+class Objects:
+    shm: posix_ipc.SharedMemory
+    mm: mmap.mmap
+    bell: posix_ipc.Semaphore
+    req: list[posix_ipc.Semaphore]
+    resp: list[posix_ipc.Semaphore]
+
+
+def _leftover_owner(name: str) -> tuple[int, int] | None:
+    """(pid, state) recorded in an existing segment of this name, or None if there is none."""
+    try:
+        shm = posix_ipc.SharedMemory(shm_name(name))
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        if shm.size < 4096:
+            return (0, SidecarState.FAILED)
+        mm = mmap.mmap(shm.fd, 4096)
+        try:
+            hdr = peek_header(memoryview(mm))
+            if int(hdr["magic"]) != MAGIC_U64:
+                return (0, SidecarState.FAILED)
+            out = (int(hdr["sidecar_pid"]), int(hdr["state"]))
+            del hdr
+        finally:
+            mm.close()
+        return out
+    finally:
+        shm.close_fd()
+
+
+def leftover_names(name: str) -> list[str]:
+    """Names of this broker's objects that exist now (Linux keeps them under /dev/shm)."""
+    found = []
+    try:
+        entries = os.listdir("/dev/shm")
+    except OSError:
+        entries = []
+    if f"kalos.{name}" in entries:
+        found.append(shm_name(name))
+    prefix = f"sem.kalos.{name}."
+    for e in entries:
+        if e.startswith(prefix):
+            rest = e[len(prefix):]
+            if rest == "bell" or (rest.endswith((".req", ".resp")) and rest.split(".")[0].isdigit()):
+                found.append("/" + e[len("sem."):])
+    return sorted(found)
+
+
+def cleanup(name: str, *, force: bool = False) -> list[str]:
+    """Unlink every object of broker ``name``. Refuses while a live sidecar owns them (unless force)."""
+    owner = _leftover_owner(name)
+    if owner and not force:
+        pid, state = owner
+        if state not in (SidecarState.STOPPED, SidecarState.FAILED) and pid_alive(pid):
+            raise ConfigError(f"broker {name!r} is served by a live sidecar (pid {pid}); stop it first")
+    removed = []
+    for obj in leftover_names(name):
+        try:
+            if obj == shm_name(name):
+                posix_ipc.unlink_shared_memory(obj)
+            else:
+                posix_ipc.unlink_semaphore(obj)
+            removed.append(obj)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+def create(name: str, layout: Layout) -> Objects:
+    """Create every object exclusively (mode 0600). Leftovers of a dead sidecar are removed first,
+    with a log line; a live sidecar of the same name is an error."""
+    owner = _leftover_owner(name)
+    if owner is not None or leftover_names(name):
+        pid, state = owner or (0, SidecarState.FAILED)
+        if pid and pid_alive(pid) and state not in (SidecarState.STOPPED, SidecarState.FAILED):
+            raise ConfigError(f"broker {name!r} is already served by pid {pid}")
+        removed = cleanup(name, force=True)
+        log.warning("removed %d objects left by a dead sidecar (pid %s) of broker %r",
+                    len(removed), pid or "unknown", name)
+    made: list[str] = []
+    try:
+        shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=MODE, size=layout.total_bytes)
+        made.append(shm_name(name))
+        mm = mmap.mmap(shm.fd, layout.total_bytes)
+        bell = posix_ipc.Semaphore(bell_name(name), posix_ipc.O_CREX, mode=MODE, initial_value=0)
+        made.append(bell_name(name))
+        req, resp = [], []
+        for i in range(layout.n_slots):
+            req.append(posix_ipc.Semaphore(req_name(name, i), posix_ipc.O_CREX, mode=MODE, initial_value=0))
+            made.append(req_name(name, i))
+            resp.append(posix_ipc.Semaphore(resp_name(name, i), posix_ipc.O_CREX, mode=MODE, initial_value=0))
+            made.append(resp_name(name, i))
+    except (posix_ipc.Error, OSError) as e:
+        cleanup(name, force=True)
+        raise ConfigError(f"cannot create shared objects for broker {name!r}: {e}") from None
+    return Objects(shm, mm, bell, req, resp)
+
+
+def unlink(name: str, objs: Objects) -> None:
+    for s in [objs.bell, *objs.req, *objs.resp]:
+        try:
+            s.unlink()
+        except posix_ipc.ExistentialError:
+            pass
+        s.close()
+    try:
+        objs.shm.unlink()
+    except posix_ipc.ExistentialError:
+        pass

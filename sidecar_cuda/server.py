@@ -1,0 +1,536 @@
+"""The sidecar: sleeps on the doorbell, gathers every posted slot into one batch, serves it with one
+backend call per namespace, writes results and posts each slot's response semaphore."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from broker.errors import ConfigError
+from broker.layout import (
+    NAMESPACE_BYTES, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, Flag, Layout, Metric, Op, SegmentView, SlotWords,
+    slot_field_offset, SidecarState, SlotState, Status, HEARTBEAT_S,
+    validate_broker_name,
+)
+from broker.procs import pid_alive
+from sidecar_cuda import objects
+from sidecar_cuda.backend import Backend, choose_backend
+from sidecar_cuda.persist import Persistence, StoreError, Write
+from sidecar_cuda.planning import (
+    Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
+)
+from sidecar_cuda.stats import BatchRecord, SidecarStats
+from sidecar_cuda.store import MemoryStore
+
+log = logging.getLogger("kalos.sidecar")
+REAP_S = 0.25
+
+
+@dataclass
+class ServeConfig:
+    name: str = "default"
+    dim: int = 128
+    slots: int = 64
+    max_k: int = 128
+    max_queries: int = 32
+    blob_bytes: int = 256 * 1024
+    payload_limit: int = 16 * 1024
+    backend: str = "auto"
+    storage_dtype: str = "float32"
+    metric: str = "dot"
+    device: int = 0
+    data_dir: str | None = None  # None: ephemeral (in memory only)
+    spin_us: float = 50.0
+    random_rows: int = 0
+    seed: int = 0
+    load_npy: str | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None  # None: no HTTP endpoint
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def layout(self) -> Layout:
+        lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
+                     max_queries=self.max_queries, blob_bytes=self.blob_bytes)
+        lay.check()
+        return lay
+
+    def metric_enum(self) -> Metric:
+        try:
+            return Metric[self.metric.upper()]
+        except KeyError:
+            raise ConfigError(f"metric must be dot, cosine or l2, got {self.metric!r}") from None
+
+
+class Sidecar:
+    def __init__(self, cfg: ServeConfig, backend: Backend | None = None) -> None:
+        validate_broker_name(cfg.name)
+        self.cfg = cfg
+        self.layout = cfg.layout()
+        self.metric = cfg.metric_enum()
+        if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
+            raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
+                              "use `kalos import` for a durable one")
+        self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
+                                                 device=cfg.device)
+        if cfg.max_k > self.backend.max_k:
+            raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
+                              f"limit of {self.backend.max_k}")
+        self.store = MemoryStore(self.backend, cfg.dim, self.metric)
+        self.persist: Persistence | None = None
+        self.stats = SidecarStats(self.layout.n_slots)
+        self._stop = threading.Event()
+        self._objs: objects.Objects | None = None
+        self.seg: SegmentView | None = None
+        self._staging = self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries,
+                                                  self.layout.dim), np.float32)
+        self._heartbeat: threading.Thread | None = None
+        self.ready = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Create the objects, load memory, then announce READY."""
+        cfg = self.cfg
+        self._objs = objects.create(cfg.name, self.layout)
+        self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
+        self._words = SlotWords(memoryview(self._objs.mm), self.layout)
+        self._states = self.seg.slots["state"]
+        self._batches_word = 88 // 8  # header "batches"
+        self._ns_off = [slot_field_offset(self.layout, i, "namespace") for i in range(self.layout.n_slots)]
+        self.seg.init_header(metric=self.metric, backend=self.backend.code, pid=os.getpid(),
+                             start_epoch_ns=time.time_ns())
+        self._beat()
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat",
+                                           daemon=True)
+        self._heartbeat.start()
+        try:
+            self.store.get_or_create("default")
+            if cfg.data_dir is not None:
+                self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
+                rows, secs = self.persist.load_into(self.store)
+                log.info("loaded %d rows in %d namespaces from %s in %.2f s", rows,
+                         len(self.store.namespaces), cfg.data_dir, secs)
+            self._fill_initial()
+        except BaseException:
+            self.seg.header["state"] = SidecarState.FAILED
+            self.close()
+            raise
+        self.seg.header["state"] = SidecarState.READY
+        self.ready = True
+        log.info("kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
+                 cfg.name, self.backend.description, cfg.dim, cfg.slots, cfg.max_k,
+                 self.metric.name.lower(), "ephemeral" if cfg.data_dir is None
+                 else f"data in {cfg.data_dir}")
+
+    def _fill_initial(self) -> None:
+        cfg = self.cfg
+        ns = self.store.get_or_create("default", capacity=max(cfg.random_rows, 1))
+        if cfg.random_rows:
+            rng = np.random.default_rng(cfg.seed)
+            step = 65536
+            for lo in range(0, cfg.random_rows, step):
+                hi = min(cfg.random_rows, lo + step)
+                ns.upsert(np.arange(lo, hi, dtype=np.int64),
+                          rng.standard_normal((hi - lo, cfg.dim), dtype=np.float32), None)
+        if cfg.load_npy:
+            try:
+                mat = np.load(cfg.load_npy, mmap_mode="r")
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"cannot load {cfg.load_npy}: {e}") from None
+            if mat.ndim != 2 or mat.shape[1] != cfg.dim:
+                raise ConfigError(f"{cfg.load_npy} has shape {mat.shape}, need (n, {cfg.dim})")
+            base = ns.n
+            for lo in range(0, mat.shape[0], 65536):
+                chunk = np.asarray(mat[lo:lo + 65536], np.float32)
+                ns.upsert(np.arange(base + lo, base + lo + len(chunk), dtype=np.int64), chunk, None)
+
+    def install_signal_handlers(self) -> None:
+        def stop(signum: int, _frame: Any) -> None:
+            log.info("signal %d: finishing in-flight work", signum)
+            self.request_stop()
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+
+    def request_stop(self) -> None:
+        self._stop.set()
+        if self._objs is not None:
+            try:
+                self._objs.bell.release()  # wake the loop
+            except posix_ipc.Error:
+                pass
+
+    def close(self) -> None:
+        """Mark the header STOPPED (clients then fail fast) and unlink every object."""
+        if self._objs is None:
+            return
+        self._stop.set()
+        if self.seg is not None and int(self.seg.header["state"]) != SidecarState.FAILED:
+            self.seg.header["state"] = SidecarState.STOPPED
+        objs, self._objs = self._objs, None
+        objects.unlink(self.cfg.name, objs)
+        if self.persist is not None:
+            self.persist.close()
+        self.backend.close()
+        log.info("sidecar %r stopped; objects unlinked", self.cfg.name)
+
+    def _beat(self) -> None:
+        assert self.seg is not None
+        self.seg.header["heartbeat_ns"] = time.monotonic_ns()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self._beat()
+            except (ValueError, TypeError):  # segment unmapped during shutdown
+                return
+
+    # ------------------------------------------------------------------ main loop
+    def serve_forever(self) -> None:
+        assert self._objs is not None and self.seg is not None
+        bell = self._objs.bell
+        spin_s = self.cfg.spin_us * 1e-6
+        next_reap = time.monotonic() + REAP_S
+        hot = False
+        try:
+            while not self._stop.is_set():
+                if self._wait_bell(bell, spin_s if hot else 0.0):
+                    self._drain(bell)
+                    hot = self.serve_pending() > 0
+                else:
+                    hot = False
+                now = time.monotonic()
+                if now >= next_reap:
+                    self.reap_dead_owners()
+                    next_reap = now + REAP_S
+            # Finish what was posted before the stop, then tell clients.
+            self.seg.header["state"] = SidecarState.STOPPING
+            self.serve_pending()
+        finally:
+            self.close()
+
+    @staticmethod
+    def _wait_bell(bell: posix_ipc.Semaphore, spin_s: float) -> bool:
+        """Spin on the doorbell for a bounded window after a batch, then block (idle CPU ~0)."""
+        if spin_s > 0:
+            end = time.perf_counter() + spin_s
+            while True:
+                try:
+                    bell.acquire(0)
+                    return True
+                except posix_ipc.BusyError:
+                    if time.perf_counter() >= end:
+                        break
+        try:
+            bell.acquire(REAP_S)
+            return True
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            return False
+
+    @staticmethod
+    def _drain(bell: posix_ipc.Semaphore) -> None:
+        # Consume the other posts now: every client whose post we eat has already written POSTED,
+        # so the scan that follows sees its slot.
+        while True:
+            try:
+                bell.acquire(0)
+            except posix_ipc.BusyError:
+                return
+
+    def serve_pending(self) -> int:
+        """Serve every posted slot as one batch. Returns the number of requests served."""
+        assert self._objs is not None and self.seg is not None
+        W = self._words
+        u32, u64 = W.u32, W.u64
+        idx = posted_slots(self._states)
+        if len(idx) == 0:
+            return 0
+        t_pick = time.monotonic_ns()
+        taken: list[int] = []
+        req = self._objs.req
+        for i in idx.tolist():
+            try:
+                req[i].acquire(0)  # the acquire is the fence before reading the request
+            except posix_ipc.BusyError:
+                continue  # client between writing POSTED and posting req; next doorbell brings it
+            u32[W.state[i]] = S_BUSY
+            u64[W.t_pick_ns[i]] = t_pick
+            taken.append(i)
+        if not taken:
+            return 0
+        reqs: list[Request] = []
+        for i in taken:
+            r = parse_request(i, self._slot_fields(i), self.layout, self.backend.max_k)
+            if isinstance(r, Rejection):
+                self._set_result(r, r.status, r.detail)
+            else:
+                reqs.append(r)
+        plan = plan_batch(reqs)
+        t0 = time.perf_counter_ns()
+        if plan.writes:
+            self._serve_writes(plan.writes)
+        for ns, group in plan.recalls.items():
+            self._serve_recalls(ns, group)
+        for r in plan.others:
+            self._serve_other(r)
+        t1 = time.perf_counter_ns()
+        self.stats.record_batch(BatchRecord(size=len(taken), compute_ns=t1 - t0,
+                                            queue_ns=[t_pick - u64[W.t_post_ns[i]] for i in taken]))
+        u64[self._batches_word] = self.stats.batches
+        n = len(taken)
+        for i in taken:
+            u32[W.batch_size[i]] = n
+            self._post(i)
+        return n
+
+    def _slot_fields(self, i: int) -> SlotFields:
+        W = self._words
+        u32, u64 = W.u32, W.u64
+        ns_len = u32[W.ns_len[i]]
+        ns_raw = self._objs.mm[self._ns_off[i]:self._ns_off[i] + min(ns_len, NAMESPACE_BYTES)]  # type: ignore[union-attr]
+        return SlotFields(op=u32[W.op[i]], k=u32[W.k[i]], nq=u32[W.nq[i]], flags=u32[W.flags[i]],
+                          blob_len=u32[W.blob_len[i]], ns_len=ns_len, namespace=ns_raw,
+                          generation=u64[W.generation[i]], t_post_ns=u64[W.t_post_ns[i]])
+
+    def _post(self, i: int) -> None:
+        assert self._objs is not None
+        W = self._words
+        W.u64[W.t_done_ns[i]] = time.monotonic_ns()
+        W.u32[W.state[i]] = S_DONE  # last field written, then the post (the fence)
+        self._objs.resp[i].release()
+
+    def _set_result(self, r: Request | Rejection, status: Status, detail: str = "",
+                    n_results: int = 0, *, keep_blob: bool = False) -> None:
+        """Outcome of a request; the slot is posted once the whole batch is done."""
+        assert self.seg is not None
+        W = self._words
+        i = r.slot
+        if not keep_blob:
+            data = detail.encode()[: self.layout.blob_bytes]
+            if data:
+                self.seg.slot[i].blob[: len(data)] = np.frombuffer(data, np.uint8)
+            W.u32[W.blob_len[i]] = len(data)
+        W.u32[W.status[i]] = int(status)
+        W.u32[W.n_results[i]] = n_results
+        W.u64[W.resp_generation[i]] = r.generation
+        if status != Status.OK:
+            self.stats.record_error(status)
+
+    # ------------------------------------------------------------------ ops
+    def _serve_recalls(self, ns_name: str, group: list[Request]) -> None:
+        assert self.seg is not None
+        ns = self.store.get(ns_name)
+        if ns is None:
+            for r in group:
+                self._set_result(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
+            return
+        if len(group) == 1:  # read the queries in place: no gather copy
+            offs = [0]
+            q = self.seg.slot[group[0].slot].queries[: group[0].nq]
+        else:
+            offs = pack_offsets([r.nq for r in group]).tolist()
+            q = self._staging[: offs[-1]]
+            for r, o in zip(group, offs):
+                q[o:o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
+        if not np.isfinite(q).all():
+            # A broken client wrote garbage; reject its request alone and serve the others.
+            good = []
+            for r, o in zip(group, offs):
+                if np.isfinite(q[o:o + r.nq]).all():
+                    good.append(r)
+                else:
+                    self._set_result(r, Status.NOT_FINITE, "query contains NaN or infinity")
+            if good:
+                self._serve_recalls(ns_name, good)
+            return
+        kmax = max(r.k for r in group)
+        try:
+            ids, scores = ns.search(q, kmax)
+        except Exception as e:  # backend failure: every caller gets a clean error status
+            log.exception("backend search failed")
+            for r in group:
+                self._set_result(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+            return
+        kk = ids.shape[1]
+        for r, o in zip(group, offs):
+            sv = self.seg.slot[r.slot]
+            kr = min(r.k, kk)
+            sv.result_ids[: r.nq, :kr] = ids[o:o + r.nq, :kr]
+            sv.result_scores[: r.nq, :kr] = scores[o:o + r.nq, :kr]
+            if r.flags & Flag.WITH_PAYLOAD:
+                blob = b"\n".join(ns.payloads.get(i, b"null")
+                                  for i in ids[o:o + r.nq, :kr].ravel().tolist())
+                if len(blob) > self.layout.blob_bytes:
+                    self._set_result(r, Status.PAYLOAD_TOO_LARGE,
+                                     f"payloads of the hits take {len(blob)} bytes, the slot holds "
+                                     f"{self.layout.blob_bytes}; lower k or raise --blob-bytes")
+                    continue
+                sv.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
+                self._words.u32[self._words.blob_len[r.slot]] = len(blob)
+                self._set_result(r, Status.OK, n_results=kr, keep_blob=True)
+                continue
+            self._set_result(r, Status.OK, n_results=kr)
+
+    def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
+        """Read and check an upsert/delete/drop from its slot (a broken client may have written it)."""
+        assert self.seg is not None
+        sv = self.seg.slot[r.slot]
+        if r.op == Op.DROP_NAMESPACE:
+            return Write("drop", r.namespace)
+        ids = sv.ids[: r.nq].copy()
+        if (ids < 0).any():
+            return (Status.BAD_ID, "ids must be >= 0")
+        if r.op == Op.DELETE:
+            return Write("delete", r.namespace, ids=ids)
+        vecs = sv.queries[: r.nq].copy()
+        if not np.isfinite(vecs).all():
+            return (Status.NOT_FINITE, "vectors contain NaN or infinity")
+        payloads: list[bytes | None] | None = None
+        blob_len = self._words.u32[self._words.blob_len[r.slot]]
+        if blob_len:
+            lines = sv.blob[:blob_len].tobytes().split(b"\n")
+            if len(lines) != r.nq:
+                return (Status.BAD_REQUEST, f"{len(lines)} payload lines for {r.nq} vectors")
+            payloads = []
+            for line in lines:
+                if len(line) > self.cfg.payload_limit:
+                    return (Status.PAYLOAD_TOO_LARGE,
+                            f"a payload of {len(line)} bytes exceeds the limit of {self.cfg.payload_limit}")
+                try:
+                    json.loads(line)
+                except ValueError:
+                    return (Status.BAD_REQUEST, "payload is not valid JSON")
+                payloads.append(None if line == b"null" else line)
+        return Write("upsert", r.namespace, ids=ids, vectors=vecs, payloads=payloads)
+
+    def _serve_writes(self, writes: list[Request]) -> None:
+        accepted: list[tuple[Request, Write]] = []
+        for r in writes:
+            w = self._decode_write(r)
+            if isinstance(w, tuple):
+                self._set_result(r, *w)
+            else:
+                accepted.append((r, w))
+        if not accepted:
+            return
+        # Capacity first, so nothing can fail in memory once the writes are durable.
+        need: dict[str, int] = {}
+        for _r, w in accepted:
+            if w.op == "upsert":
+                assert w.ids is not None
+                need[w.namespace] = need.get(w.namespace, 0) + len(w.ids)
+        try:
+            for name, extra in need.items():
+                ns = self.store.get_or_create(name)
+                ns._ensure_capacity(ns.n + extra)
+        except Exception as e:
+            log.exception("growing capacity failed")
+            for r, _w in accepted:
+                self._set_result(r, Status.CAPACITY, f"{type(e).__name__}: {e}")
+            return
+        if self.persist is not None:
+            try:
+                self.persist.commit([w for _r, w in accepted])
+            except StoreError as e:
+                log.error("store commit failed: %s", e)
+                for r, _w in accepted:
+                    self._set_result(r, Status.STORE_ERROR, str(e))
+                return
+        for r, w in accepted:
+            try:
+                if w.op == "upsert":
+                    assert w.ids is not None and w.vectors is not None
+                    n = self.store.get_or_create(w.namespace).upsert(w.ids, w.vectors, w.payloads)
+                elif w.op == "delete":
+                    assert w.ids is not None
+                    ns = self.store.get(w.namespace)
+                    n = 0 if ns is None else ns.delete(w.ids)
+                else:
+                    n = self.store.drop(w.namespace)
+                    if w.namespace == "default":
+                        self.store.get_or_create("default")
+            except Exception as e:
+                log.exception("applying a write failed")
+                self._set_result(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+                continue
+            self._set_result(r, Status.OK, n_results=n)
+
+    def _serve_other(self, r: Request) -> None:
+        assert self.seg is not None
+        if r.op == Op.LIST_NAMESPACES:
+            blob = json.dumps(self.store.counts(), separators=(",", ":")).encode()
+            if len(blob) > self.layout.blob_bytes:
+                self._set_result(r, Status.PAYLOAD_TOO_LARGE, "namespace list exceeds the slot")
+                return
+            sv = self.seg.slot[r.slot]
+            sv.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
+            self._words.u32[self._words.blob_len[r.slot]] = len(blob)
+            self._set_result(r, Status.OK, n_results=len(self.store.namespaces), keep_blob=True)
+        else:
+            self._set_result(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
+
+    # ------------------------------------------------------------------ leases
+    def reap_dead_owners(self) -> int:
+        """Free the slots of clients that died (or gave them up) while holding them."""
+        assert self._objs is not None and self.seg is not None
+        slots = self.seg.slots
+        owners = slots["owner_pid"]
+        if not owners.any():
+            return 0
+        freed = 0
+        alive: dict[tuple[int, int], bool] = {}
+        fcntl.flock(self._objs.shm.fd, fcntl.LOCK_EX)
+        try:
+            for i in np.flatnonzero(owners).tolist():
+                pid = int(slots[i]["owner_pid"])
+                start = int(slots[i]["owner_start"])
+                if pid != OWNER_ABANDONED:
+                    key = (pid, start)
+                    if key not in alive:
+                        alive[key] = pid_alive(pid, start)
+                    if alive[key]:
+                        continue
+                for sem in (self._objs.req[i], self._objs.resp[i]):
+                    while True:
+                        try:
+                            sem.acquire(0)
+                        except posix_ipc.BusyError:
+                            break
+                slots[i]["state"] = S_FREE
+                slots[i]["owner_start"] = 0
+                slots[i]["owner_pid"] = 0
+                freed += 1
+        finally:
+            fcntl.flock(self._objs.shm.fd, fcntl.LOCK_UN)
+        if freed:
+            log.info("reclaimed %d slots of dead or departed clients", freed)
+            self.stats.slots_reclaimed += freed
+        return freed
+
+
+def run(cfg: ServeConfig) -> int:
+    """Start, serve until SIGTERM/SIGINT, clean up. Returns a process exit code."""
+    sidecar = Sidecar(cfg)
+    sidecar.install_signal_handlers()
+    sidecar.start()
+    exporter = None
+    if cfg.metrics_port is not None:
+        from sidecar_cuda.metrics import MetricsServer
+
+        exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port)
+        exporter.start()
+    try:
+        sidecar.serve_forever()
+    finally:
+        if exporter is not None:
+            exporter.stop()
+    return 0

@@ -1,0 +1,158 @@
+"""Namespaces of memories: external int64 ids, payloads, dense rows on the backend.
+
+Rows of a namespace are kept dense: a delete moves the last live rows into the holes at once
+(compaction is part of the delete, so no search ever scans a tombstone), and capacity doubles when
+full (one device-side copy). This module holds no I/O of its own; durability is the job of
+:mod:`sidecar_cuda.persist`, called by the server before anything here changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from broker.layout import Metric
+from sidecar_cuda.backend import Backend, prepare_queries, prepare_rows
+
+MIN_CAPACITY = 1024
+
+
+def last_wins(ids: np.ndarray) -> np.ndarray:
+    """Indices into ``ids`` keeping the last occurrence of each id, in first-seen order. Pure."""
+    rev = ids[::-1]
+    _, first_in_rev = np.unique(rev, return_index=True)
+    keep = len(ids) - 1 - first_in_rev
+    return np.sort(keep)
+
+
+def compaction_moves(holes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rows to move after deleting the distinct rows ``holes`` from [0, n). Pure.
+
+    Returns (src, dst): live rows of the tail [n - m, n) go into the holes below n - m, so rows
+    [0, n - m) stay dense.
+    """
+    m = len(holes)
+    new_n = n - m
+    dst = np.sort(holes[holes < new_n])
+    tail = np.arange(new_n, n, dtype=np.int64)
+    src = tail[~np.isin(tail, holes)]
+    return src, dst
+
+
+@dataclass
+class NamespaceStats:
+    rows: int
+    capacity: int
+
+
+class Namespace:
+    def __init__(self, name: str, backend: Backend, dim: int, metric: Metric,
+                 capacity: int = MIN_CAPACITY) -> None:
+        self.name = name
+        self.dim = dim
+        self.metric = metric
+        self.matrix = backend.new_matrix(dim, capacity, metric)
+        self.row_ids = np.full(self.matrix.capacity, -1, np.int64)
+        self.id_row: dict[int, int] = {}
+        self.payloads: dict[int, bytes] = {}
+        self.n = 0
+
+    def _ensure_capacity(self, need: int) -> None:
+        cap = self.matrix.capacity
+        if need <= cap:
+            return
+        while cap < need:
+            cap *= 2
+        self.matrix.grow(cap)
+        row_ids = np.full(cap, -1, np.int64)
+        row_ids[: self.n] = self.row_ids[: self.n]
+        self.row_ids = row_ids
+
+    def upsert(self, ids: np.ndarray, vectors: np.ndarray, payloads: list[bytes | None] | None) -> int:
+        """Insert or replace records (vector and payload together). Duplicate ids: the last wins."""
+        keep = last_wins(ids)
+        ids = ids[keep]
+        vectors = prepare_rows(np.ascontiguousarray(vectors[keep]), self.metric)
+        rows = np.empty(len(ids), np.int64)
+        new = 0
+        for j, i in enumerate(ids.tolist()):
+            r = self.id_row.get(i)
+            if r is None:
+                r = self.n + new
+                new += 1
+            rows[j] = r
+        self._ensure_capacity(self.n + new)
+        self.matrix.write_rows(rows, vectors)
+        for j, i in enumerate(ids.tolist()):
+            r = int(rows[j])
+            if r >= self.n:
+                self.id_row[i] = r
+                self.row_ids[r] = i
+            p = payloads[keep[j]] if payloads is not None else None
+            if p is None:
+                self.payloads.pop(i, None)
+            else:
+                self.payloads[i] = p
+        self.n += new
+        return len(ids)
+
+    def delete(self, ids: np.ndarray) -> int:
+        """Remove the records of ``ids`` that exist; returns how many were removed."""
+        holes_l = []
+        for i in set(ids.tolist()):
+            r = self.id_row.pop(i, None)
+            if r is not None:
+                holes_l.append(r)
+                self.payloads.pop(i, None)
+        if not holes_l:
+            return 0
+        holes = np.asarray(holes_l, np.int64)
+        src, dst = compaction_moves(holes, self.n)
+        if len(src):
+            self.matrix.move_rows(src, dst)
+            moved = self.row_ids[src]
+            self.row_ids[dst] = moved
+            for i, r in zip(moved.tolist(), dst.tolist()):
+                self.id_row[i] = r
+        self.n -= len(holes)
+        self.row_ids[self.n:self.n + len(holes)] = -1
+        return len(holes)
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k (ids, scores) over the live rows; fewer than k columns when the namespace is small."""
+        if self.n == 0:
+            b = len(queries)
+            return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
+        rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k)
+        return self.row_ids[rows], scores
+
+    def stats(self) -> NamespaceStats:
+        return NamespaceStats(rows=self.n, capacity=self.matrix.capacity)
+
+
+class MemoryStore:
+    """All namespaces of one sidecar."""
+
+    def __init__(self, backend: Backend, dim: int, metric: Metric) -> None:
+        self.backend = backend
+        self.dim = dim
+        self.metric = metric
+        self.namespaces: dict[str, Namespace] = {}
+
+    def get(self, name: str) -> Namespace | None:
+        return self.namespaces.get(name)
+
+    def get_or_create(self, name: str, capacity: int = MIN_CAPACITY) -> Namespace:
+        ns = self.namespaces.get(name)
+        if ns is None:
+            ns = Namespace(name, self.backend, self.dim, self.metric, max(capacity, MIN_CAPACITY))
+            self.namespaces[name] = ns
+        return ns
+
+    def drop(self, name: str) -> int:
+        ns = self.namespaces.pop(name, None)
+        return 0 if ns is None else ns.n
+
+    def counts(self) -> dict[str, int]:
+        return {name: ns.n for name, ns in sorted(self.namespaces.items())}
