@@ -79,7 +79,7 @@ def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
         try:
             c = Connection(name)
             try:
-                if c.is_ready():
+                if c.is_ready() and int(c.seg.header["sidecar_pid"]) == proc.pid:
                     return proc
             finally:
                 c.close()

@@ -38,7 +38,8 @@ def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarra
         raise InvalidRequest(f"dimension mismatch: broker serves dim={dim}, got {d}")
     if not 1 <= n <= max_queries:
         raise InvalidRequest(f"{n} rows in one request; this broker allows 1..{max_queries} per slot")
-    a = np.ascontiguousarray(a, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        a = np.ascontiguousarray(a, dtype=np.float32)
     if not np.isfinite(a).all():
         raise InvalidRequest("vectors contain NaN or infinity (after conversion to float32)")
     return a

@@ -1,0 +1,144 @@
+"""Shared fixtures: real sidecar processes on real shared memory, seeds that are printed."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from broker.cli import start_sidecar_process
+from sidecar_cuda.objects import cleanup
+
+_counter = itertools.count()
+
+
+def unique_name(tag: str) -> str:
+    return f"t{os.getpid()}-{tag}-{next(_counter)}"
+
+
+@pytest.fixture
+def seed(request: pytest.FixtureRequest) -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"\n[seed] {request.node.name}: {s}")
+    return s
+
+
+@pytest.fixture
+def rng(seed: int) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+class SidecarHandle:
+    def __init__(self, name: str, proc: subprocess.Popen[bytes], args: list[str]) -> None:
+        self.name = name
+        self.proc = proc
+        self.args = args
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def sidecar_factory():
+    """Start real sidecar processes: ``start(tag, *args)``; all are stopped and cleaned at teardown."""
+    handles: list[SidecarHandle] = []
+
+    def start(tag: str = "s", *args: str, name: str | None = None, ephemeral: bool = True) -> SidecarHandle:
+        name = name or unique_name(tag)
+        full = (["--ephemeral"] if ephemeral else []) + list(args)
+        proc = start_sidecar_process(full, name, timeout=60)
+        h = SidecarHandle(name, proc, full)
+        handles.append(h)
+        return h
+
+    yield start
+    for h in handles:
+        h.stop()
+        try:
+            cleanup(h.name, force=True)
+        except Exception:
+            pass
+
+
+@pytest.fixture
+def sidecar(sidecar_factory, seed):
+    """A numpy sidecar with 2000 random rows of dim 32 in namespace 'default' (matrix regenerable from seed)."""
+    h = sidecar_factory("main", "--dim", "32", "--random-rows", "2000", "--seed", str(seed),
+                        "--slots", "32", "--max-k", "64", "--max-queries", "8", "--backend", "numpy")
+    h.matrix = np.random.default_rng(seed).standard_normal((2000, 32), dtype=np.float32)
+    return h
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Every async test runs on the default loop and on uvloop (the application's choice)."""
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+@pytest_asyncio.fixture
+async def strict_loop():
+    """An unhandled exception in the event loop fails the test."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict] = []
+    loop.set_exception_handler(lambda _l, ctx: errors.append(ctx))
+    yield
+    await asyncio.sleep(0)
+    assert not errors, f"unhandled event-loop exceptions: {errors}"
+
+
+def run_py(code: str, *args: str) -> subprocess.Popen[bytes]:
+    """A real client process running ``code`` (stdout piped)."""
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def wait_until(pred, timeout: float = 5.0, step: float = 0.01) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def assert_topk(q: np.ndarray, matrix: np.ndarray, ids: np.ndarray, scores: np.ndarray, k: int,
+                metric: str = "dot", rtol: float = 1e-5) -> None:
+    """Check one answer against a float64 reference by score (ties compared by value)."""
+    m = matrix.astype(np.float64)
+    q64 = q.astype(np.float64)
+    if metric == "cosine":
+        m = m / np.linalg.norm(m, axis=1, keepdims=True)
+        q64 = q64 / np.linalg.norm(q64)
+    if metric == "l2":
+        ref = -((m - q64) ** 2).sum(axis=1)
+    else:
+        ref = m @ q64
+    kk = min(k, len(m))
+    assert len(ids) == kk, f"{len(ids)} results, expected {kk}"
+    assert len(set(ids.tolist())) == kk, "duplicate ids"
+    tol = rtol * (np.abs(ref).max() + 1.0)
+    kth = np.sort(ref)[::-1][kk - 1]
+    true = ref[ids]
+    assert (true >= kth - tol).all(), "an id outside the true top-k"
+    assert np.all(np.diff(true) <= tol), "not sorted best first"
+    np.testing.assert_allclose(scores, true, rtol=1e-4, atol=tol)

@@ -1,0 +1,405 @@
+"""The broker end to end: real sidecar processes, real client processes, real shm and semaphores."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from broker.errors import (
+    AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
+    ResponseTimeout, UnknownNamespace,
+)
+from broker.layout import S_FREE, shm_name
+from clients import RecallClient, RecallPool
+from clients._connection import Connection
+from clients.loadgen import LoadSpec, check_samples, run_load
+from conftest import assert_topk, run_py, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def slots_free(name: str) -> bool:
+    c = Connection(name)
+    try:
+        s = c.seg.slots
+        return bool(((s["owner_pid"] == 0) & (s["state"] == S_FREE)).all())
+    finally:
+        c.close()
+
+
+# --------------------------------------------------------------------------- correctness
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_recall_matches_float64_reference_concurrently(sidecar, rng):
+    async with RecallPool(sidecar.name, size=8) as pool:
+        qs = rng.standard_normal((200, 32)).astype(np.float32)
+        ks = rng.integers(1, 65, size=200)
+        hits = await asyncio.gather(*(pool.recall(q, int(k)) for q, k in zip(qs, ks)))
+        for q, k, h in zip(qs, ks, hits):
+            assert_topk(q, sidecar.matrix, h.ids, h.scores, int(k))
+        many = await pool.recall_many(qs[:8], k=5)
+        for q, h in zip(qs[:8], many):
+            assert_topk(q, sidecar.matrix, h.ids, h.scores, 5)
+        st = pool.statistics()
+        assert st.free == st.size == 8 and st.in_flight == 0 and st.errors == 0
+
+
+def test_many_processes_many_tasks_are_correct(sidecar, seed):
+    res = run_load(LoadSpec(name=sidecar.name, dim=32, procs=3, tasks=24, duration_s=1.5,
+                            warmup_s=0.1, k=10, seed=seed, keep=300, loop="asyncio"))
+    assert res.errors == 0 and res.count > 100
+    checked, wrong = check_samples(res.samples, sidecar.matrix, 10)
+    assert checked >= 30 and wrong == 0
+    assert slots_free(sidecar.name)
+
+
+def test_blocking_client(sidecar, rng):
+    with RecallClient(sidecar.name, timeout=5) as c:
+        for _ in range(20):
+            q = rng.standard_normal(32).astype(np.float32)
+            h = c.recall(q, k=7)
+            assert_topk(q, sidecar.matrix, h.ids, h.scores, 7)
+        assert c.namespaces() == {"default": 2000}
+    assert slots_free(sidecar.name)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_metrics_cosine_and_l2(sidecar_factory, seed, metric):
+    h = sidecar_factory("metric", "--dim", "16", "--random-rows", "500", "--seed", str(seed),
+                        "--metric", metric, "--backend", "numpy")
+    m = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32)
+    rng = np.random.default_rng(seed + 1)
+    with RecallClient(h.name) as c:
+        for _ in range(10):
+            q = rng.standard_normal(16).astype(np.float32)
+            r = c.recall(q, k=9)
+            assert_topk(q, m, r.ids, r.scores, 9, metric=metric)
+
+
+def test_k_larger_than_namespace_returns_all_rows(sidecar_factory, rng):
+    h = sidecar_factory("small", "--dim", "4", "--backend", "numpy")
+    with RecallClient(h.name) as c:
+        vecs = rng.standard_normal((3, 4)).astype(np.float32)
+        assert c.upsert([10, 11, 12], vecs) == 3
+        r = c.recall(vecs[0], k=50)
+        assert_topk(vecs[0], vecs, np.array([[10, 11, 12].index(i) for i in r.ids]), r.scores, 50)
+        assert c.recall(vecs[0], k=1, namespace="default").ids.tolist() == [int(r.ids[0])]
+
+
+# --------------------------------------------------------------------------- cancellation, timeouts
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_cancellation_storm_leaks_nothing(sidecar, rng):
+    done: list[tuple[np.ndarray, object]] = []
+    async with RecallPool(sidecar.name, size=6) as pool:
+        async def one(q: np.ndarray) -> None:
+            h = await pool.recall(q, k=10)
+            done.append((q, h))
+
+        for _round in range(15):
+            qs = rng.standard_normal((40, 32)).astype(np.float32)
+            tasks = [asyncio.ensure_future(one(q)) for q in qs]
+            for _ in range(random.randint(1, 6)):
+                await asyncio.sleep(random.random() * 0.002)
+                for t in random.sample(tasks, 8):
+                    t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Every slot comes back once the sidecar has answered the abandoned requests.
+        for _ in range(500):
+            st = pool.statistics()
+            if st.free == st.size and st.in_flight == 0:
+                break
+            await asyncio.sleep(0.01)
+        st = pool.statistics()
+        assert st.free == st.size == 6 and st.in_flight == 0
+        assert len(done) > 0
+        for q, h in done:
+            assert_topk(q, sidecar.matrix, h.ids, h.scores, 10)
+        # The pool still works and answers belong to their callers.
+        q = rng.standard_normal(32).astype(np.float32)
+        h = await pool.recall(q, k=3)
+        assert_topk(q, sidecar.matrix, h.ids, h.scores, 3)
+
+
+@pytest.fixture
+def slow_sidecar(sidecar_factory, seed):
+    """Large enough that one recall takes milliseconds on the CPU."""
+    h = sidecar_factory("slow", "--dim", "256", "--random-rows", "300000", "--seed", str(seed),
+                        "--slots", "4", "--backend", "numpy")
+    return h
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_response_and_acquire_timeouts(slow_sidecar, rng):
+    q = rng.standard_normal(256).astype(np.float32)
+    async with RecallPool(slow_sidecar.name, size=1) as pool:
+        with pytest.raises(ResponseTimeout):
+            await pool.recall(q, k=5, timeout=0.0005)
+        # The slot is still in flight: the next caller cannot get it within a tiny budget.
+        with pytest.raises(AcquireTimeout):
+            await pool.recall(q, k=5, timeout=0.0005)
+        # With time, the abandoned request finishes and the slot is reused; the answer is fresh.
+        h = await pool.recall(q, k=5, timeout=30)
+        assert len(h) == 5
+        assert pool.statistics().free == 1
+
+
+def test_blocking_client_timeout_then_recovers(slow_sidecar, rng):
+    q = rng.standard_normal(256).astype(np.float32)
+    with RecallClient(slow_sidecar.name) as c:
+        with pytest.raises(ResponseTimeout):
+            c.recall(q, k=5, timeout=0.0005)
+        h1 = c.recall(q, k=5, timeout=30)
+        h2 = c.recall(q, k=5, timeout=30)
+        assert h1.ids.tolist() == h2.ids.tolist()
+
+
+# --------------------------------------------------------------------------- crashes
+
+CLIENT_HOLDS_SLOTS = r"""
+import asyncio, sys, numpy as np
+from clients import RecallPool
+async def main():
+    pool = RecallPool(sys.argv[1], size=int(sys.argv[2]))
+    await pool.open()
+    qs = np.random.standard_normal((1000, int(sys.argv[3]))).astype(np.float32)
+    print("ready", flush=True)
+    while True:   # keep every slot busy until killed
+        await asyncio.gather(*(pool.recall(q, 5) for q in qs[:int(sys.argv[2])]))
+asyncio.run(main())
+"""
+
+
+def test_kill9_client_holding_slots_frees_them(slow_sidecar):
+    name = slow_sidecar.name
+    p = run_py(CLIENT_HOLDS_SLOTS, name, "4", "256")
+    assert p.stdout.readline().strip() == b"ready"
+    time.sleep(0.2)
+    assert not slots_free(name)
+    p.kill()  # SIGKILL mid-request, leases held
+    p.wait()
+    assert wait_until(lambda: slots_free(name), timeout=15), "slots of a dead client were not reclaimed"
+    with RecallClient(name) as c:  # and they serve a new owner correctly
+        assert len(c.recall(np.ones(256, np.float32), k=3, timeout=30)) == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_kill9_sidecar_gives_broker_unavailable_quickly(sidecar_factory, rng):
+    h = sidecar_factory("victim", "--dim", "64", "--random-rows", "200000", "--backend", "numpy",
+                        "--slots", "8")
+    pool = RecallPool(h.name, size=4)
+    await pool.open()
+    q = rng.standard_normal(64).astype(np.float32)
+    await pool.recall(q, k=3)
+    tasks = [asyncio.ensure_future(pool.recall(q, k=3)) for _ in range(20)]
+    await asyncio.sleep(0.01)
+    h.kill9()
+    t0 = time.monotonic()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    elapsed = time.monotonic() - t0
+    assert any(isinstance(r, BrokerUnavailable) for r in results)
+    assert all(isinstance(r, (BrokerUnavailable, object)) for r in results)
+    assert elapsed < 3.0, f"took {elapsed:.2f} s to notice the dead sidecar"
+    with pytest.raises(BrokerUnavailable):
+        await pool.recall(q, k=3)
+    pool.terminate()
+    # A new client refuses at once; `kalos cleanup` removes the leftovers; a new sidecar starts.
+    with pytest.raises(BrokerUnavailable):
+        RecallClient(h.name, connect_timeout=0.5)
+    from broker.cli import main as kalos
+
+    assert kalos(["cleanup", h.name]) == 0
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.SharedMemory(shm_name(h.name))
+    h2 = sidecar_factory("victim2", "--dim", "64", name=h.name)
+    with RecallClient(h2.name) as c:
+        assert c.namespaces() == {"default": 0}
+
+
+def test_restart_over_leftovers_of_a_crashed_sidecar(sidecar_factory):
+    h = sidecar_factory("crash", "--dim", "8")
+    h.kill9()
+    h2 = sidecar_factory("crash2", "--dim", "8", name=h.name)  # removes the leftovers itself
+    with RecallClient(h2.name) as c:
+        assert c.namespaces() == {"default": 0}
+
+
+def test_sigterm_finishes_in_flight_and_unlinks(sidecar_factory, rng):
+    h = sidecar_factory("term", "--dim", "256", "--random-rows", "300000", "--backend", "numpy")
+    code = r"""
+import sys, numpy as np
+from clients import RecallClient
+from broker.errors import BrokerUnavailable
+c = RecallClient(sys.argv[1])
+print("ready", flush=True)
+try:
+    h = c.recall(np.ones(256, np.float32), k=4, timeout=30)
+    print("ok", len(h), flush=True)
+except BrokerUnavailable as e:
+    print("unavailable", flush=True)
+"""
+    p = run_py(code, h.name)
+    assert p.stdout.readline().strip() == b"ready"
+    time.sleep(0.002)
+    h.proc.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=30)[0].decode()
+    assert out.strip() in ("ok 4", "unavailable")
+    assert h.proc.wait(timeout=10) == 0
+    with pytest.raises(posix_ipc.ExistentialError):
+        posix_ipc.SharedMemory(shm_name(h.name))
+
+
+def test_missing_sidecar_is_unavailable_fast():
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable):
+        RecallClient("no-such-broker-here")
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_protocol_version_mismatch_is_refused(sidecar):
+    c = Connection(sidecar.name)
+    try:
+        hdr = c.seg.header
+        hdr["version"] = 999  # as if the sidecar spoke another protocol
+        with pytest.raises(ProtocolError, match="protocol version 999"):
+            Connection(sidecar.name)
+    finally:
+        c.seg.header["version"] = __import__("broker.layout").layout.PROTOCOL_VERSION
+        c.close()
+
+
+def test_idle_sidecar_burns_no_cpu(sidecar):
+    import resource  # noqa: F401
+
+    def cpu() -> float:
+        with open(f"/proc/{sidecar.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    time.sleep(0.5)
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(3.0)
+    share = (cpu() - c0) / (time.monotonic() - t0)
+    assert share < 0.05, f"idle sidecar used {share:.1%} of a core"
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_bad_input_is_refused_before_shared_memory(sidecar):
+    async with RecallPool(sidecar.name, size=2) as pool:
+        good = np.zeros(32, np.float32)
+        bad_inputs = [
+            (np.zeros(31, np.float32), {}),  # wrong dim
+            (np.zeros((2, 32), np.float32), {}),  # recall() takes one vector
+            (np.array(["a"] * 32), {}),  # wrong dtype
+            (np.full(32, np.nan, np.float32), {}),
+            (np.full(32, np.inf, np.float32), {}),
+            (np.full(32, 1e39), {}),  # finite float64, inf as float32
+            (good, {"k": 0}),
+            (good, {"k": 65}),  # > max_k
+            (good, {"k": 2.5}),
+            (good, {"namespace": "bad name!"}),
+            (good, {"namespace": ""}),
+        ]
+        for vec, kw in bad_inputs:
+            with pytest.raises(InvalidRequest):
+                await pool.recall(vec, **kw)
+        with pytest.raises(InvalidRequest):
+            await pool.recall_many(np.zeros((9, 32), np.float32))  # > max_queries
+        with pytest.raises(UnknownNamespace):
+            await pool.recall(good, namespace="nobody")
+        st = pool.statistics()
+        assert st.free == 2 and st.in_flight == 0
+        assert len(await pool.recall(good, k=3)) == 3
+    with pytest.raises(ClosedError):
+        await pool.recall(good)
+
+
+def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
+    """Write nonsense straight into a leased slot; the sidecar answers with an error status for
+    that slot alone and keeps serving everyone else."""
+    from broker.layout import Status
+    from clients import _ops
+
+    c = Connection(sidecar.name)
+    slot = c.lease(1)[0]
+    cases = [
+        dict(op=99, k=5, nq=1, ns=b"default", status=Status.UNKNOWN_OP),
+        dict(op=1, k=0, nq=1, ns=b"default", status=Status.K_OUT_OF_RANGE),
+        dict(op=1, k=10**6, nq=1, ns=b"default", status=Status.K_OUT_OF_RANGE),
+        dict(op=1, k=5, nq=0, ns=b"default", status=Status.TOO_MANY_QUERIES),
+        dict(op=1, k=5, nq=10**6, ns=b"default", status=Status.TOO_MANY_QUERIES),
+        dict(op=1, k=5, nq=1, ns=b"\xff\xfe", status=Status.BAD_REQUEST),
+        dict(op=1, k=5, nq=1, ns=b"default", status=Status.NOT_FINITE, nan=True),
+        dict(op=2, k=0, nq=1, ns=b"default", status=Status.NOT_FINITE, nan=True),
+    ]
+    with RecallClient(sidecar.name) as good:
+        try:
+            for case in cases:
+                slot.view.queries[0] = np.nan if case.get("nan") else 1.0
+                slot.view.ids[0] = 1
+                slot.post(case["op"], case["ns"], case["k"], case["nq"], 0, 0, 0)
+                assert wait_until(lambda: slot.is_done() and slot.try_consume(), 5)
+                status, _n, blen = slot.outcome()
+                assert status == case["status"], (case, status, slot.blob_text(blen))
+                slot.set_free()
+                q = rng.standard_normal(32).astype(np.float32)
+                h = good.recall(q, k=4)
+                assert_topk(q, sidecar.matrix, h.ids, h.scores, 4)
+            # Payload blob that is not JSON lines.
+            slot.view.queries[0] = 1.0
+            slot.view.ids[0] = 5
+            slot.view.blob[:3] = np.frombuffer(b"{x}", np.uint8)
+            slot.post(2, b"default", 0, 1, 0, 3, 0)
+            assert wait_until(lambda: slot.is_done() and slot.try_consume(), 5)
+            assert slot.outcome()[0] == Status.BAD_REQUEST
+            slot.set_free()
+            assert good.namespaces() == {"default": 2000}  # nothing was written
+        finally:
+            c.give_back([slot], [])
+            c.close()
+    del _ops
+
+
+def test_pool_refuses_when_no_slots_left(sidecar):
+    async def main() -> None:
+        async with RecallPool(sidecar.name, size=32):
+            with pytest.raises(BrokerUnavailable, match="free slots"):
+                async with RecallPool(sidecar.name, size=2):
+                    pass
+    asyncio.run(main())
+
+
+def test_cli_help_everywhere():
+    from broker.cli import build_parser
+
+    p = build_parser()
+    for cmd in ("serve", "demo", "bench", "cleanup", "namespaces", "export", "import", "top"):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args([cmd, "--help"])
+        assert e.value.code == 0
+
+
+def test_objects_are_private_to_the_owner(sidecar):
+    st = os.stat(f"/dev/shm/kalos.{sidecar.name}")
+    assert st.st_mode & 0o777 == 0o600
+    st = os.stat(f"/dev/shm/sem.kalos.{sidecar.name}.bell")
+    assert st.st_mode & 0o777 == 0o600
+
+
+del json, sys
