@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +22,13 @@ def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarra
     ``single``: x must be one vector of shape (dim,) (or (1, dim)); otherwise a (n, dim) matrix.
     Raises InvalidRequest on wrong dtype/shape/dim, non-finite values, or n outside 1..max_queries.
     """
+    if (single and type(x) is np.ndarray and x.dtype == np.float32 and x.shape == (dim,)
+            and x.flags.c_contiguous):
+        # Fast path for the common call: one float32 vector. The dot product is finite iff every
+        # element is, unless it overflows; only then is the element-wise check needed.
+        if math.isfinite(float(x.dot(x))) or np.isfinite(x).all():
+            return x[None, :]
+        raise InvalidRequest("vectors contain NaN or infinity")
     a = np.asarray(x)
     if a.dtype.kind not in "fiu" or a.dtype.kind == "b":
         raise InvalidRequest(f"vectors must be a real numeric array, got dtype {a.dtype}")

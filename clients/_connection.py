@@ -7,6 +7,7 @@ an ``flock`` of the segment, and on close give the leases back.
 from __future__ import annotations
 
 import fcntl
+from bisect import bisect_left
 import mmap
 import os
 import time
@@ -16,14 +17,14 @@ import posix_ipc
 
 from broker.errors import BrokerUnavailable, ProtocolError
 from broker.layout import (
-    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, LATENCY_BOUNDS_NS, MAGIC_U64,
+    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
     NAMESPACE_BYTES, OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
     SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
     slot_field_offset, validate_broker_name,
 )
 from broker.procs import process_start_ticks
 
-_BOUNDS = np.asarray(LATENCY_BOUNDS_NS, np.int64)
+_BOUNDS = list(LATENCY_BOUNDS_NS)
 
 
 class ClientSlot:
@@ -32,7 +33,7 @@ class ClientSlot:
     __slots__ = (
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
-        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "generation", "thread_consumed",
+        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "generation", "thread_consumed",
         "entry",
     )
 
@@ -59,6 +60,8 @@ class ClientSlot:
         self._lat_count, self._lat_sum = w("lat_count", 8), w("lat_sum_ns", 8)
         self._err_count, self._timeout_count = w("err_count", 8), w("timeout_count", 8)
         self._ns_off = slot_field_offset(L, index, "namespace")
+        self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
+        self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
         self.generation = int(self._w64[self._gen])
         self.thread_consumed = 0  # resp posts consumed by a waiter thread, not yet accounted
         self.entry: object = None  # the pool's in-flight record
@@ -117,11 +120,10 @@ class ClientSlot:
             w = self._err_count if not timed_out else self._timeout_count
             self._w64[w] += 1
             return
-        b = int(np.searchsorted(_BOUNDS, latency_ns))
-        v = self.view
-        v.hist[b] += 1
-        n = self._w64[self._lat_count]
-        v.ring[n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
+        w64 = self._w64
+        w64[self._hist0 + bisect_left(_BOUNDS, latency_ns)] += 1
+        n = w64[self._lat_count]
+        self._w32[self._ring0 + n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
         self._w64[self._lat_sum] += latency_ns
         self._w64[self._lat_count] = n + 1  # last: the sidecar reads the ring up to this index
 

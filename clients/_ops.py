@@ -31,10 +31,27 @@ class Prepared:
     single: bool = False
 
 
-def recall(layout: Layout, x: Any, k: int, namespace: str, with_payload: bool, single: bool) -> Prepared:
+class NamespaceCache(dict):
+    """Validated namespace names -> encoded bytes (the regex check runs once per name)."""
+
+    LIMIT = 4096
+
+    def encode(self, namespace: str) -> bytes:
+        b = self.get(namespace)
+        if b is None:
+            b = validate_namespace(namespace)
+            if len(self) < self.LIMIT:
+                self[namespace] = b
+        return b
+
+
+def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool) -> Prepared:
+    """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
     q = as_queries(x, layout.dim, layout.max_queries, single=single)
-    return Prepared(Op.RECALL, validate_namespace(namespace), check_k(k, layout.max_k), len(q),
-                    Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single)
+    if type(k) is not int or not 1 <= k <= layout.max_k:
+        k = check_k(k, layout.max_k)
+    return Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
+                    vectors=q, single=single)
 
 
 def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:

@@ -48,6 +48,7 @@ class RecallClient:
         self._lock = threading.Lock()
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
+        self._ns = _ops.NamespaceCache()
 
     @property
     def layout(self):  # type: ignore[no-untyped-def]
@@ -75,12 +76,14 @@ class RecallClient:
                timeout: float | None = ..., with_payload: bool = False) -> Hits:  # type: ignore[assignment]
         """Top-k of one vector; see RecallPool.recall for semantics and errors."""
         t0 = time.monotonic_ns()
-        return self._call(_ops.recall(self.layout, vector, k, namespace, with_payload, True), timeout, t0)
+        p = _ops.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True)
+        return self._call(p, timeout, t0)
 
     def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
                     timeout: float | None = ..., with_payload: bool = False) -> list[Hits]:  # type: ignore[assignment]
         t0 = time.monotonic_ns()
-        return self._call(_ops.recall(self.layout, vectors, k, namespace, with_payload, False), timeout, t0)
+        p = _ops.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False)
+        return self._call(p, timeout, t0)
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
                namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]

@@ -145,6 +145,8 @@ class RecallPool:
         self._broken: BrokerUnavailable | None = None
         self._requests = 0
         self._errors = 0
+        self._ns = _ops.NamespaceCache()
+        self._layout: Layout = None  # type: ignore[assignment]  # set by open()
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
@@ -173,6 +175,7 @@ class RecallPool:
             conn.close()
             raise
         self._conn = conn
+        self._layout = conn.layout
         self._slots = slots
         self._free = asyncio.LifoQueue()
         for s in slots:
@@ -255,7 +258,8 @@ class RecallPool:
         sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable, ClosedError.
         """
         t0 = time.monotonic_ns()
-        p = _ops.recall(self.layout, vector, k, namespace, with_payload, single=True)
+        self._check_usable()
+        p = _ops.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True)
         return await self._execute(p, timeout, t0)
 
     async def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
@@ -264,7 +268,8 @@ class RecallPool:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
         slot and one round trip. Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
-        p = _ops.recall(self.layout, vectors, k, namespace, with_payload, single=False)
+        self._check_usable()
+        p = _ops.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False)
         return await self._execute(p, timeout, t0)
 
     async def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
@@ -398,15 +403,23 @@ class RecallPool:
                 fut.set_exception(exc)
 
     async def _poll_loop(self) -> None:
+        """Resolve in-flight requests. Spins between loop turns while answers keep coming (and for
+        ``spin_us`` after the last one, so back-to-back requests never pay a wake-up), then blocks
+        (waiter thread) or, with nothing in flight, exits."""
+        spin = self._spin_ns
+        clock = time.monotonic_ns
         try:
-            idle_since = time.monotonic_ns()
-            while self._inflight and self._state != "closed":
-                if self._reap():
-                    idle_since = time.monotonic_ns()
-                elif time.monotonic_ns() - idle_since > self._spin_ns:
-                    await self._block()
-                    idle_since = time.monotonic_ns()
-                    continue
+            last = clock()
+            while self._state != "closed":
+                if self._inflight:
+                    if self._reap():
+                        last = clock()
+                    elif clock() - last > spin:
+                        await self._block()
+                        last = clock()
+                        continue
+                elif clock() - last > spin:
+                    return
                 await asyncio.sleep(0)
         except BrokerUnavailable as e:
             self._break(e)

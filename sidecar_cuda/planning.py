@@ -14,7 +14,7 @@ from broker.layout import S_POSTED, Layout, Op, Status, decode_namespace
 
 def posted_slots(states: np.ndarray) -> np.ndarray:
     """Indices of slots whose request is complete (state POSTED)."""
-    return np.flatnonzero(states == S_POSTED)
+    return (states == S_POSTED).nonzero()[0]
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ backend call per namespace, writes results and posts each slot's response semaph
 from __future__ import annotations
 
 import fcntl
+import gc
 import json
 import logging
 import os
@@ -124,6 +125,10 @@ class Sidecar:
             self.seg.header["state"] = SidecarState.FAILED
             self.close()
             raise
+        # Everything allocated so far lives as long as the process: keep it out of the collector's
+        # young generations so collections on the serving path stay short.
+        gc.collect()
+        gc.freeze()
         self.seg.header["state"] = SidecarState.READY
         self.ready = True
         log.info("kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
@@ -284,7 +289,8 @@ class Sidecar:
             self._serve_other(r)
         t1 = time.perf_counter_ns()
         self.stats.record_batch(BatchRecord(size=len(taken), compute_ns=t1 - t0,
-                                            queue_ns=[t_pick - u64[W.t_post_ns[i]] for i in taken]))
+                                            queue_ns=[t_pick - u64[W.t_post_ns[i]] for i in taken],
+                                            t_pick_ns=t_pick))
         u64[self._batches_word] = self.stats.batches
         n = len(taken)
         for i in taken:
@@ -352,7 +358,7 @@ class Sidecar:
             if good:
                 self._serve_recalls(ns_name, good)
             return
-        kmax = max(r.k for r in group)
+        kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
         try:
             ids, scores = ns.search(q, kmax)
         except Exception as e:  # backend failure: every caller gets a clean error status
@@ -521,16 +527,18 @@ def run(cfg: ServeConfig) -> int:
     """Start, serve until SIGTERM/SIGINT, clean up. Returns a process exit code."""
     sidecar = Sidecar(cfg)
     sidecar.install_signal_handlers()
-    sidecar.start()
     exporter = None
     if cfg.metrics_port is not None:
         from sidecar_cuda.metrics import MetricsServer
 
+        # Before loading: /healthz answers and /readyz says 503 until the memory is loaded.
         exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port)
         exporter.start()
     try:
+        sidecar.start()
         sidecar.serve_forever()
     finally:
         if exporter is not None:
             exporter.stop()
+        sidecar.close()  # idempotent; unlinks the objects if start() or serving never began
     return 0

@@ -12,6 +12,7 @@ class BatchRecord:
     size: int  # requests in the batch
     compute_ns: int  # backend work for the whole batch
     queue_ns: list[int]  # per request: posted -> picked up
+    t_pick_ns: int = 0  # CLOCK_MONOTONIC when the batch was picked up (0: unknown)
 
 
 @dataclass
