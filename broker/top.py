@@ -1,0 +1,264 @@
+"""``kalos top``: a live terminal view of a sidecar, read from its ``/metrics`` endpoint.
+
+Every ``interval`` seconds it scrapes the endpoint, and shows slots in use, throughput and batch
+sizes computed from the counters' increase since the previous scrape, the latency quantiles the
+sidecar exports (end to end as callers see it, and per stage), errors by kind and memory rows.
+The arithmetic is in :func:`compute_view` (pure, tested without a terminal); :func:`render` turns
+its result into a ``rich`` renderable; :func:`run_top` does the I/O.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """One parsed scrape: ``values[sample name][sorted label pairs] = value``, taken at ``t``
+    (CLOCK_MONOTONIC seconds)."""
+
+    t: float
+    values: dict[str, dict[Labels, float]]
+
+    def get(self, name: str, **labels: str) -> float | None:
+        return self.values.get(name, {}).get(tuple(sorted(labels.items())))
+
+    def series(self, name: str) -> dict[Labels, float]:
+        return self.values.get(name, {})
+
+
+def parse_metrics(text: str, t: float) -> Scrape:
+    values: dict[str, dict[Labels, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            values.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = float(s.value)
+    return Scrape(t, values)
+
+
+def fetch(url: str, timeout: float = 5.0) -> Scrape:
+    """GET the exposition text (raises OSError / urllib.error.URLError)."""
+    req = urllib.request.Request(url, headers={"Accept": "text/plain; version=0.0.4"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        body = r.read().decode()
+    return parse_metrics(body, time.monotonic())
+
+
+@dataclass
+class TopView:
+    info: dict[str, str] = field(default_factory=dict)
+    ready: bool | None = None
+    uptime_s: float | None = None
+    slots: float | None = None
+    leased: float | None = None
+    in_flight: float | None = None
+    interval_s: float | None = None
+    #: per second over the last interval; None on the first frame or after a counter reset
+    completed_per_s: float | None = None  # requests completed as callers saw them (ok)
+    served_per_s: float | None = None  # requests served by the sidecar
+    batches_per_s: float | None = None
+    batch_mean: float | None = None  # over the last interval (else since start)
+    batch_p50_le: float | None = None  # upper bound of the bucket holding the median batch size
+    batch_max_le: float | None = None  # upper bound of the largest non-empty bucket
+    e2e_q: dict[str, float] = field(default_factory=dict)  # quantile -> seconds
+    stage_q: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> quantile -> s
+    window_samples: float | None = None
+    errors: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # kind -> (total, /s)
+    client_errors: float | None = None
+    client_timeouts: float | None = None
+    rows: dict[str, float] = field(default_factory=dict)
+
+
+def _rate(cur: Scrape, prev: Scrape | None, name: str, **labels: str) -> float | None:
+    if prev is None:
+        return None
+    a, b = prev.get(name, **labels), cur.get(name, **labels)
+    dt = cur.t - prev.t
+    if a is None or b is None or dt <= 0 or b < a:  # b < a: the sidecar restarted
+        return None
+    return (b - a) / dt
+
+
+def _buckets(s: Scrape, name: str) -> list[tuple[float, float]]:
+    """[(le, cumulative count)] sorted by le."""
+    out = []
+    for labels, v in s.series(name + "_bucket").items():
+        le = dict(labels).get("le")
+        if le is not None:
+            out.append((float(le), v))
+    return sorted(out)
+
+
+def compute_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
+    """What one frame shows: gauges from ``cur``, rates from the increase since ``prev``."""
+    v = TopView()
+    for labels, _val in cur.series("kalos_backend_info").items():
+        v.info = dict(labels)
+    r = cur.get("kalos_ready")
+    v.ready = None if r is None else r >= 1
+    v.uptime_s = cur.get("kalos_uptime_seconds")
+    v.slots = cur.get("kalos_slots")
+    v.leased = cur.get("kalos_slots_leased")
+    v.in_flight = cur.get("kalos_slots_in_flight")
+    v.interval_s = None if prev is None else cur.t - prev.t
+    v.completed_per_s = _rate(cur, prev, "kalos_client_requests_total", outcome="ok")
+    v.served_per_s = _rate(cur, prev, "kalos_requests_total")
+    v.batches_per_s = _rate(cur, prev, "kalos_batches_total")
+
+    # Batch sizes: from the histogram's increase over the interval (since start on the first
+    # frame or after a restart of the sidecar).
+    cb = _buckets(cur, "kalos_batch_size")
+    csum, ccount = cur.get("kalos_batch_size_sum"), cur.get("kalos_batch_size_count")
+    psum = prev.get("kalos_batch_size_sum") if prev is not None else None
+    pcount = prev.get("kalos_batch_size_count") if prev is not None else None
+    if csum is not None and ccount is not None:
+        if psum is not None and pcount is not None and ccount >= pcount:
+            pb = dict(_buckets(prev, "kalos_batch_size")) if prev is not None else {}
+            cb = [(le, c - pb.get(le, 0.0)) for le, c in cb]
+            csum, ccount = csum - psum, ccount - pcount
+        if ccount > 0:
+            v.batch_mean = csum / ccount
+    if cb and cb[-1][1] > 0:
+        total = cb[-1][1]
+        v.batch_p50_le = next(le for le, c in cb if c >= total / 2)
+        v.batch_max_le = next(le for le, c in cb if c >= total)
+
+    for labels, val in cur.series("kalos_recall_latency_quantile_seconds").items():
+        v.e2e_q[dict(labels)["quantile"]] = val
+    for labels, val in cur.series("kalos_stage_latency_quantile_seconds").items():
+        d = dict(labels)
+        v.stage_q.setdefault(d["stage"], {})[d["quantile"]] = val
+    v.window_samples = cur.get("kalos_latency_window_samples", source="client")
+    for labels, val in cur.series("kalos_errors_total").items():
+        kind = dict(labels)["kind"]
+        v.errors[kind] = (val, _rate(cur, prev, "kalos_errors_total", kind=kind))
+    v.client_errors = cur.get("kalos_client_requests_total", outcome="error")
+    v.client_timeouts = cur.get("kalos_client_requests_total", outcome="timeout")
+    for labels, val in cur.series("kalos_memory_rows").items():
+        v.rows[dict(labels)["namespace"]] = val
+    return v
+
+
+def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return fmt.format(x)
+
+
+def _dur(s: float | None) -> str:
+    if s is None or math.isnan(s):
+        return "-"
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s:.2f} s"
+
+
+def _uptime(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    return f"{s // 86400}d {s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def render(v: TopView, url: str = "") -> RenderableType:
+    info = v.info
+    head = Text()
+    head.append(f"kalos top  {url}\n", style="bold")
+    head.append(f"broker {info.get('broker', '?')}  backend {info.get('description', '?')}  "
+                f"dim {info.get('dim', '?')} {info.get('dtype', '')} {info.get('metric', '')}  ")
+    head.append("READY" if v.ready else "NOT READY", style="green" if v.ready else "red")
+    head.append(f"  up {_uptime(v.uptime_s)}")
+
+    load = Table(title="load", title_justify="left", show_header=True, box=None, pad_edge=False)
+    for col in ("slots in flight", "leased", "total", "recalls/s (callers)", "served/s", "batches/s",
+                "batch mean", "batch p50 ≤", "batch max ≤"):
+        load.add_column(col, justify="right")
+    load.add_row(_num(v.in_flight), _num(v.leased), _num(v.slots), _num(v.completed_per_s),
+                 _num(v.served_per_s), _num(v.batches_per_s), _num(v.batch_mean, "{:.2f}"),
+                 _num(v.batch_p50_le), _num(v.batch_max_le))
+
+    lat = Table(title=f"latency (window: {_num(v.window_samples)} recent requests)",
+                title_justify="left", box=None, pad_edge=False)
+    lat.add_column("")
+    for q in ("P50", "P95", "P99"):
+        lat.add_column(q, justify="right")
+    keys = ("0.5", "0.95", "0.99")
+    lat.add_row("end to end (callers)", *(_dur(v.e2e_q.get(k)) for k in keys))
+    for stage, label in (("queue_wait", "sidecar queue wait"), ("compute", "batch compute"),
+                         ("service", "sidecar service")):
+        q = v.stage_q.get(stage, {})
+        lat.add_row(label, *(_dur(q.get(k)) for k in keys))
+
+    err = Table(title="errors", title_justify="left", box=None, pad_edge=False)
+    err.add_column("kind")
+    err.add_column("total", justify="right")
+    err.add_column("/s", justify="right")
+    shown = [(k, tot, rate) for k, (tot, rate) in sorted(v.errors.items()) if tot > 0]
+    for k, tot, rate in shown:
+        err.add_row(k, _num(tot), _num(rate, "{:,.1f}"))
+    err.add_row("client-side errors", _num(v.client_errors), "")
+    err.add_row("client timeouts/cancels", _num(v.client_timeouts), "")
+
+    mem = Table(title="memory rows", title_justify="left", box=None, pad_edge=False)
+    mem.add_column("namespace")
+    mem.add_column("rows", justify="right")
+    for ns, n in sorted(v.rows.items(), key=lambda kv: -kv[1]):
+        mem.add_row(ns, _num(n))
+    return Group(head, Text(""), load, Text(""), lat, Text(""), err, Text(""), mem)
+
+
+def run_top(url: str, interval: float, once: bool = False, console: Console | None = None) -> int:
+    """Show the live view until Ctrl-C (``once``: scrape twice, ``interval`` apart, print one frame
+    with rates and exit). Returns 0, or 1 if the endpoint cannot be read."""
+    console = console or Console()
+    interval = max(0.05, float(interval))
+
+    def get() -> Scrape | None:
+        try:
+            return fetch(url, timeout=max(2.0, interval))
+        except (OSError, ValueError) as e:  # URLError is an OSError
+            reason = getattr(e, "reason", e)
+            console.print(f"kalos top: cannot read {url}: {reason}", style="red")
+            return None
+
+    prev = get()
+    if prev is None:
+        return 1
+    if once:
+        time.sleep(interval)
+        cur = get()
+        if cur is None:
+            return 1
+        console.print(render(compute_view(cur, prev), url))
+        return 0
+    try:
+        with Live(render(compute_view(prev), url), console=console, auto_refresh=False,
+                  screen=False) as live:
+            while True:
+                time.sleep(interval)
+                try:
+                    cur = fetch(url, timeout=max(2.0, interval))
+                except (OSError, ValueError) as e:
+                    live.update(Text(f"kalos top: cannot read {url}: {getattr(e, 'reason', e)} "
+                                     "(retrying)", style="red"), refresh=True)
+                    continue
+                live.update(render(compute_view(cur, prev), url), refresh=True)
+                prev = cur
+    except KeyboardInterrupt:
+        return 0
+
+
+__all__ = ["run_top", "compute_view", "render", "parse_metrics", "fetch", "Scrape", "TopView"]
