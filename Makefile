@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench lint typecheck clean
+.PHONY: demo test test-gpu bench typecheck protocol-header clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,9 @@ bench: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+protocol-header: $(STAMP)
+	$(BIN)/python -c "from broker.layout import c_header; print(c_header(), end='')" > docs/kalos_protocol.h
 
 clean:
 	rm -rf $(VENV) .pytest_cache
