@@ -127,6 +127,7 @@ class Op(IntEnum):
     DELETE = 3
     DROP_NAMESPACE = 4
     LIST_NAMESPACES = 5
+    EXPORT = 6  # page of records with id > ids[0], ascending: ids, vectors, payload lines
 
 
 class Status(IntEnum):

@@ -88,6 +88,11 @@ def drop(namespace: str) -> Prepared:
     return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
 
 
+def export_page(layout: Layout, namespace: str, after: int) -> Prepared:
+    return Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
+                    ids=np.array([after], np.int64))
+
+
 def list_namespaces() -> Prepared:
     return Prepared(Op.LIST_NAMESPACES, b"")
 
@@ -98,7 +103,7 @@ def write(slot: ClientSlot, p: Prepared) -> int:
     if p.vectors is not None:
         v.queries[: p.nq] = p.vectors
     if p.ids is not None:
-        v.ids[: p.nq] = p.ids
+        v.ids[: len(p.ids)] = p.ids
     if p.blob:
         v.blob[: len(p.blob)] = np.frombuffer(p.blob, np.uint8)
     return len(p.blob)
@@ -126,4 +131,8 @@ def read(slot: ClientSlot, p: Prepared) -> Any:
         return hits[0] if p.single else hits
     if p.op == Op.LIST_NAMESPACES:
         return json.loads(slot.blob_text(blob_len))
+    if p.op == Op.EXPORT:
+        v = slot.view
+        lines = slot.blob_text(blob_len).split(b"\n") if n else []
+        return v.ids[:n].copy(), v.queries[:n].copy(), [json.loads(x) for x in lines]
     return n

@@ -99,7 +99,14 @@ class RecallClient:
         return self._call(_ops.drop(namespace), timeout, time.monotonic_ns())
 
     def namespaces(self, *, timeout: float | None = ...) -> dict[str, int]:  # type: ignore[assignment]
+        """Every namespace with its row count."""
         return self._call(_ops.list_namespaces(), timeout, time.monotonic_ns())
+
+    def export_page(self, namespace: str, after: int = -1, *, timeout: float | None = ...  # type: ignore[assignment]
+                    ) -> tuple[Any, Any, list[Any]]:
+        """Up to max_queries records with id > ``after`` in ascending id order:
+        (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
+        return self._call(_ops.export_page(self.layout, namespace, after), timeout, time.monotonic_ns())
 
     def _call(self, p: _ops.Prepared, timeout: float | None, t0: int) -> Any:
         if timeout is ...:

@@ -299,6 +299,13 @@ class RecallPool:
         """Every namespace with its row count."""
         return await self._execute(_ops.list_namespaces(), timeout, time.monotonic_ns())
 
+    async def export_page(self, namespace: str, after: int = -1, *,
+                          timeout: float | None = ...) -> tuple[Any, Any, list[Any]]:  # type: ignore[assignment]
+        """Up to max_queries records with id > ``after`` in ascending id order:
+        (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
+        return await self._execute(_ops.export_page(self.layout, namespace, after), timeout,
+                                   time.monotonic_ns())
+
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:
         if self._state != "open":

@@ -29,6 +29,9 @@ class Matrix(Protocol):
     def grow(self, capacity: int) -> None:
         """Grow to hold ``capacity`` rows, keeping the existing ones."""
 
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Stored rows as float32 (m, d), for export."""
+
     def search(self, queries: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Exact top-k over rows [0, n) for float32 ``queries`` (B, d).
 

@@ -29,7 +29,8 @@ Quantile gauges (``kalos_recall_latency_quantile_seconds{quantile="0.5|0.95|0.99
     come from the rings: a harvest thread reads, every ``harvest_interval_s`` (0.25 s) and at every
     scrape, the entries written since its last read of each slot, using ``lat_count`` as the
     ring's write index (:func:`ring_take`). A slot that completed more than ``RING_LEN`` requests
-    between two reads loses the older ones (counted in ``kalos_metrics_dropped_samples_total``);
+    between two reads loses the older ones (one read trusts at most ``RING_LEN - 1`` entries: the
+    oldest may be under overwrite; losses are counted in ``kalos_metrics_dropped_samples_total``);
     the window is then a subsample. Entries the writer may have overwritten during the copy are
     discarded, never misread. Samples are stamped with the time they were read, not the time they
     were recorded (the ring has no timestamps), which shifts the window by at most one harvest
@@ -151,7 +152,8 @@ def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tupl
     ``lost`` counts entries that were overwritten before they could be read (more than a ring's
     worth since the previous read) or may have been overwritten during the copy. Entry j is being
     overwritten once the writer reaches j + len(ring), so entries j <= count_after - len(ring) are
-    not trusted. A count below ``last`` means the slot's counters were reset: read from zero.
+    not trusted: at most ``len(ring) - 1`` entries come out of one read. A count below ``last``
+    means the slot's counters were reset: read from zero.
     """
     n = len(ring)
     if count < last:

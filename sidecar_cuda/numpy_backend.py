@@ -46,6 +46,9 @@ class NumpyMatrix:
         self.data[dst] = self.data[src]
         self.sqnorm[dst] = self.sqnorm[src]
 
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        return self.data[rows]
+
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
             return

@@ -481,6 +481,25 @@ class Sidecar:
             sv.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
             self._words.u32[self._words.blob_len[r.slot]] = len(blob)
             self._set_result(r, Status.OK, n_results=len(self.store.namespaces), keep_blob=True)
+        elif r.op == Op.EXPORT:
+            ns = self.store.get(r.namespace)
+            if ns is None:
+                self._set_result(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+                return
+            sv = self.seg.slot[r.slot]
+            ids, vecs, pls = ns.export_page(int(sv.ids[0]), r.nq)
+            blob = b"\n".join(pls)
+            while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
+                ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
+                blob = b"\n".join(pls)
+            if len(blob) > self.layout.blob_bytes:
+                self._set_result(r, Status.PAYLOAD_TOO_LARGE, "a payload exceeds the slot's blob area")
+                return
+            sv.ids[: len(ids)] = ids
+            sv.queries[: len(ids)] = vecs
+            sv.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
+            self._words.u32[self._words.blob_len[r.slot]] = len(blob)
+            self._set_result(r, Status.OK, n_results=len(ids), keep_blob=True)
         else:
             self._set_result(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
 

@@ -57,6 +57,7 @@ class Namespace:
         self.id_row: dict[int, int] = {}
         self.payloads: dict[int, bytes] = {}
         self.n = 0
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id, for export
 
     def _ensure_capacity(self, need: int) -> None:
         cap = self.matrix.capacity
@@ -71,6 +72,7 @@ class Namespace:
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray, payloads: list[bytes | None] | None) -> int:
         """Insert or replace records (vector and payload together). Duplicate ids: the last wins."""
+        self._sorted = None
         keep = last_wins(ids)
         ids = ids[keep]
         vectors = prepare_rows(np.ascontiguousarray(vectors[keep]), self.metric)
@@ -99,6 +101,7 @@ class Namespace:
 
     def delete(self, ids: np.ndarray) -> int:
         """Remove the records of ``ids`` that exist; returns how many were removed."""
+        self._sorted = None
         holes_l = []
         for i in set(ids.tolist()):
             r = self.id_row.pop(i, None)
@@ -126,6 +129,20 @@ class Namespace:
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
         rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k)
         return self.row_ids[rows], scores
+
+    def export_page(self, after: int, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32
+        vectors as stored, payload JSON lines). A cursor over ids stays correct while writes go on."""
+        if self._sorted is None:
+            ids = self.row_ids[: self.n]
+            order = np.argsort(ids, kind="stable")
+            self._sorted = (ids[order], order)
+        sids, srows = self._sorted
+        lo = int(np.searchsorted(sids, after, side="right"))
+        ids = sids[lo:lo + limit]
+        rows = srows[lo:lo + limit]
+        vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
+        return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
 
     def stats(self) -> NamespaceStats:
         return NamespaceStats(rows=self.n, capacity=self.matrix.capacity)
