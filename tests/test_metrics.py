@@ -1,0 +1,711 @@
+"""Metrics: the pure aggregation (fresh registries, no processes), the HTTP endpoint, and real
+sidecars scraped while real clients load them; ``kalos top --once`` against a real sidecar."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import math
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from bisect import bisect_left
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+
+from broker.cli import start_sidecar_process, stop_sidecar_process
+from broker.errors import ConfigError, UnknownNamespace
+from broker.layout import (
+    LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
+)
+from broker.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
+from clients import RecallPool
+from sidecar_cuda.metrics import (
+    OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
+    SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, nearest_rank_quantiles,
+    ring_take, top_namespaces,
+)
+from sidecar_cuda.objects import cleanup
+from sidecar_cuda.stats import BatchRecord, SidecarStats
+
+pytestmark = pytest.mark.timeout(90)
+
+_n = itertools.count()
+
+
+def broker_name() -> str:
+    return f"t-metrics-{os.getpid()}-{next(_n)}"
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"\n[seed] {request.node.name}: {seed}")
+    return np.random.default_rng(seed)
+
+
+# --------------------------------------------------------------------------- pure aggregation
+
+def test_bucket_counts_match_prometheus_le_semantics(rng):
+    bounds = LATENCY_BOUNDS_NS
+    vals = np.concatenate([
+        np.asarray(bounds),  # exactly on a bound: that bucket (le is "<=")
+        np.asarray(bounds) + 1,  # just above: the next one
+        [0, 1, bounds[-1] * 10],  # below the first bound, beyond the last (+Inf)
+        rng.integers(0, 2 * bounds[-1], 5000),
+    ])
+    counts = bucket_counts(vals, bounds)
+    assert counts.sum() == len(vals)
+    cum = cumulative_buckets(counts, [b / 1e9 for b in bounds])
+    assert len(cum) == len(bounds) + 1 and cum[-1] == ("+Inf", float(len(vals)))
+    for (le, c), b in zip(cum, bounds):
+        assert float(le) == pytest.approx(b / 1e9)
+        assert c == np.count_nonzero(vals <= b), le
+    # and the same bucket a client picks when it records (ClientSlot.record: bisect_left)
+    for v in vals[:200].tolist():
+        one = bucket_counts([v], bounds)
+        assert one[bisect_left(bounds, v)] == 1
+
+
+def test_latency_buckets_are_microsecond_ones_not_prometheus_defaults():
+    cum = cumulative_buckets(np.zeros(len(LATENCY_BOUNDS_NS) + 1), [b / 1e9 for b in LATENCY_BOUNDS_NS])
+    assert cum[0][0] == "5e-06" and float(cum[0][0]) < 0.005
+    assert STAGE_BOUNDS_NS[0] == 1_000
+
+
+def test_monotonic_totals_never_go_backwards_across_owner_changes(rng):
+    slots, cols = 6, 3
+    tot = MonotonicTotals(slots, cols)
+    cur = np.zeros((slots, cols), np.int64)
+    true_total = np.zeros(cols, np.int64)
+    seen = np.zeros(cols, np.int64)
+    for _ in range(300):
+        for i in range(slots):
+            if cur[i].min() >= 10 and rng.random() < 0.1:  # a new owner starts from zero
+                cur[i] = 0
+            inc = rng.integers(0, 5, cols)
+            cur[i] += inc
+            true_total += inc
+        got = tot.update(cur)
+        assert (got >= 0).all()
+        assert (tot.totals >= seen).all()
+        seen = tot.totals.copy()
+    # Every reset row restarted from zero and grew by < 5 before the next update, below its old
+    # values (>= 10), so each reset was seen and the totals are exact.
+    assert (tot.totals == true_total).all()
+    # The documented limit: a row that outgrows its old values between two updates after a reset
+    # looks like a plain increase, and the value before the reset is lost (never a decrease).
+    t = MonotonicTotals(1, 2)
+    t.update(np.array([[5, 5]]))
+    t.update(np.array([[7, 7]]))  # really: reset to 0, then +7
+    assert t.totals.tolist() == [7, 7]
+
+
+def test_monotonic_totals_reject_a_layout_change():
+    with pytest.raises(ValueError):
+        MonotonicTotals(2, 2).update(np.zeros((3, 2)))
+
+
+class RingWriter:
+    """The writer side of one slot's ring, as ClientSlot.record does it."""
+
+    def __init__(self, n: int) -> None:
+        self.ring = np.zeros(n, np.uint32)
+        self.count = 0
+        self.values: list[int] = []
+
+    def write(self, v: int, *, bump: bool = True) -> None:
+        self.ring[self.count % len(self.ring)] = v
+        if bump:
+            self.values.append(v)
+            self.count += 1
+
+
+def test_ring_take_reads_new_entries_and_counts_losses():
+    w = RingWriter(8)
+    for v in range(100, 105):
+        w.write(v)
+    vals, last, lost = ring_take(w.ring, 0, w.count, w.count)
+    assert vals.tolist() == [100, 101, 102, 103, 104] and last == 5 and lost == 0
+    vals, last, lost = ring_take(w.ring, last, w.count, w.count)
+    assert len(vals) == 0 and last == 5 and lost == 0
+    for v in range(200, 220):  # 20 more than the ring holds: the 12 oldest are gone, and the
+        w.write(v)             # oldest left (217) is the one a busy writer overwrites next
+    vals, last, lost = ring_take(w.ring, last, w.count, w.count)
+    assert vals.tolist() == list(range(213, 220)) and last == 25 and lost == 13
+
+
+def test_ring_take_discards_entries_overwritten_during_the_copy():
+    w = RingWriter(8)
+    for v in range(10):
+        w.write(v)
+    count = w.count  # 10: entries 2..9 are in the ring
+    # While we copy, the writer completes records 10..12 and is writing record 13.
+    for v in (1010, 1011, 1012):
+        w.write(v)
+    w.write(1013, bump=False)
+    vals, last, lost = ring_take(w.ring, 0, count, w.count)
+    # Entries j <= count_after - 8 = 5 are not trusted; 6..9 are intact.
+    assert vals.tolist() == [6, 7, 8, 9] and last == 10 and lost == 6
+
+
+def test_ring_take_after_a_reset_reads_from_zero():
+    w = RingWriter(8)
+    for v in range(5):
+        w.write(v)
+    _vals, last, _lost = ring_take(w.ring, 0, w.count, w.count)
+    w2 = RingWriter(8)  # new owner, counters from zero
+    w2.write(77)
+    w2.write(78)
+    vals, last, lost = ring_take(w2.ring, last, w2.count, w2.count)
+    assert vals.tolist() == [77, 78] and last == 2 and lost == 0
+
+
+def test_ring_take_never_returns_a_value_twice_or_a_wrong_one(rng):
+    w = RingWriter(16)
+    last = 0
+    got: list[int] = []
+    lost_total = 0
+    for step in range(2000):
+        for _ in range(int(rng.integers(0, 24))):
+            w.write(len(w.values) + 1)  # value == 1-based record number
+        vals, last, lost = ring_take(w.ring, last, w.count, w.count)
+        got.extend(vals.tolist())
+        lost_total += lost
+    assert got == sorted(set(got)), "duplicates or out of order"
+    assert len(got) + lost_total == len(w.values)
+    assert set(got) <= set(w.values)
+
+
+def test_nearest_rank_quantiles_follow_the_definition(rng):
+    for n in (1, 2, 3, 10, 99, 1000):
+        x = rng.integers(0, 10_000, n)
+        for q, v in zip(QUANTILES, nearest_rank_quantiles(x, QUANTILES)):
+            assert v in x
+            assert np.count_nonzero(x <= v) >= q * n
+            assert np.count_nonzero(x < v) < q * n
+    assert all(math.isnan(v) for v in nearest_rank_quantiles(np.empty(0), QUANTILES))
+
+
+def test_sliding_window_keeps_the_newest_samples_within_its_time():
+    w = SlidingWindow(window_s=10.0, max_samples=100)
+    w.add(0.0, np.arange(60))
+    w.add(1.0, np.arange(60, 120))
+    assert len(w) == 100
+    assert w.values(1.0).tolist() == list(range(20, 120))
+    w.add(5.0, np.arange(1000, 1010))
+    assert w.values(5.0).tolist() == list(range(30, 120)) + list(range(1000, 1010))
+    assert w.values(10.5).tolist() == list(range(60, 120)) + list(range(1000, 1010))  # t=0 expired
+    assert w.values(14.0).tolist() == list(range(1000, 1010))
+    assert len(w.values(100.0)) == 0 and len(w) == 0
+    w.add(200.0, np.arange(500))  # one chunk larger than the window: its newest samples
+    assert w.values(200.0).tolist() == list(range(400, 500))
+    with pytest.raises(ConfigError):
+        SlidingWindow(window_s=0)
+
+
+def test_top_namespaces_bound_the_label_set(rng):
+    counts = {f"ns{i}": int(rng.integers(0, 1000)) for i in range(50)}
+    top = top_namespaces(counts, 5)
+    assert len(top) == 6 and top[-1][0] == OTHER_NAMESPACES
+    assert sum(r for _n, r in top) == sum(counts.values())
+    biggest = sorted(counts.values(), reverse=True)[:5]
+    assert [r for _n, r in top[:5]] == biggest
+    assert top_namespaces({"a": 1, "b": 2}, 5) == [("b", 2), ("a", 1)]
+    assert top_namespaces({"a": 1, "b": 1, "c": 1}, 2) == [("a", 1), ("b", 1), (OTHER_NAMESPACES, 1)]
+    # a namespace really called "_other" is folded into the bucket: labels stay unique
+    top = top_namespaces({"_other": 500, "x": 3}, 5)
+    assert top == [("x", 3), (OTHER_NAMESPACES, 500)]
+    assert top_namespaces({}, 3) == []
+    assert top_namespaces({"a": 4}, 0) == [(OTHER_NAMESPACES, 4)]
+
+
+def test_stage_aggregator_derives_service_time():
+    agg = StageAggregator(60.0, 1000)
+    recs = [
+        (BatchRecord(size=2, compute_ns=30_000, queue_ns=[10_000, 20_000], t_pick_ns=1_000_000), 1_050_000),
+        (BatchRecord(size=1, compute_ns=7_000, queue_ns=[3_000]), 0),  # no pick time: queue + compute
+    ]
+    agg.add(recs, now=1.0)
+    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [3_000, 10_000, 20_000]
+    assert sorted(agg.windows["service"].values(1.0).tolist()) == [10_000, 60_000, 70_000]
+    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [7_000, 30_000]
+    assert agg.hist["service"].sum() == 3 and agg.sums_ns["service"] == 140_000
+    assert agg.batch_size.sum() == 2 and agg.batch_size_sum == 3
+
+
+# --------------------------------------------------------------------------- the collector
+
+class FakeStore:
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.c = counts
+
+    def counts(self) -> dict[str, int]:
+        return dict(sorted(self.c.items()))
+
+
+def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> SimpleNamespace:
+    """What the collector reads of a Sidecar, on a real segment layout in process memory."""
+    layout = Layout(n_slots=n_slots, dim=8, max_k=4, max_queries=2, blob_bytes=1024)
+    buf = bytearray(layout.total_bytes)
+    seg = SegmentView(memoryview(buf), layout)
+    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns() - 5 * 10**9)
+    seg.header["state"] = SidecarState.READY
+    return SimpleNamespace(
+        layout=layout, seg=seg, stats=SidecarStats(n_slots), ready=True, _buf=buf,
+        store=FakeStore(counts if counts is not None else {"default": 1000}),
+        backend=SimpleNamespace(name="numpy", description="numpy (CPU)"),
+        cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8, device=0),
+    )
+
+
+def client_record(seg: SegmentView, i: int, latency_ns: int) -> None:
+    """What a slot's lease owner writes after a completed request (ClientSlot.record)."""
+    st = seg.stats
+    seg.slot[i].hist[bisect_left(LATENCY_BOUNDS_NS, latency_ns)] += 1
+    n = int(st["lat_count"][i])
+    seg.slot[i].ring[n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
+    st["lat_sum_ns"][i] += latency_ns
+    st["lat_count"][i] = n + 1
+
+
+def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return reg.get_sample_value(name, labels)
+
+
+def test_collector_aggregates_client_stats_of_every_slot(rng):
+    sc = fake_sidecar(n_slots=4)
+    reg = CollectorRegistry()
+    col = SidecarCollector(sc)
+    reg.register(col)
+    lat = rng.lognormal(np.log(150_000), 0.6, 1200).astype(np.int64)
+    for j, v in enumerate(lat.tolist()):
+        client_record(sc.seg, j % 3, v)
+        if j % 500 == 499:
+            col.harvest()  # the harvest thread's job: read rings before they wrap
+    assert sample(reg, "kalos_recall_latency_seconds_count") == len(lat)
+    assert sample(reg, "kalos_recall_latency_seconds_sum") == pytest.approx(lat.sum() / 1e9)
+    buckets = {float(s.labels["le"]): s.value for m in reg.collect()
+               if m.name == "kalos_recall_latency_seconds" for s in m.samples if s.name.endswith("_bucket")}
+    assert len(buckets) == len(LATENCY_BOUNDS_NS) + 1
+    for b in LATENCY_BOUNDS_NS:
+        assert buckets[b / 1e9] == np.count_nonzero(lat <= b), b
+    assert sample(reg, "kalos_client_requests_total", outcome="ok") == len(lat)
+    for q, want in zip(QUANTILES, nearest_rank_quantiles(lat, QUANTILES)):
+        assert sample(reg, "kalos_recall_latency_quantile_seconds", quantile=str(q)) == pytest.approx(want / 1e9)
+    assert sample(reg, "kalos_latency_window_samples", source="client") == len(lat)
+    assert sample(reg, "kalos_metrics_dropped_samples_total", source="ring") == 0
+
+    # Slot 0 gets a new owner whose counters start from zero: nothing goes backwards.
+    before = sample(reg, "kalos_recall_latency_seconds_count")
+    st = sc.seg.stats
+    st["lat_count"][0] = 0
+    st["lat_sum_ns"][0] = 0
+    sc.seg.slot[0].hist[:] = 0
+    for v in (20_000, 30_000):
+        client_record(sc.seg, 0, v)
+    assert sample(reg, "kalos_recall_latency_seconds_count") == before + 2
+    st["err_count"][1] += 3
+    st["timeout_count"][2] += 1
+    assert sample(reg, "kalos_client_requests_total", outcome="error") == 3
+    assert sample(reg, "kalos_client_requests_total", outcome="timeout") == 1
+
+
+def test_collector_counts_ring_entries_lost_between_harvests():
+    sc = fake_sidecar(n_slots=2)
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    for v in range(RING_LEN + 100):
+        client_record(sc.seg, 1, 10_000 + v)
+    assert sample(reg, "kalos_recall_latency_seconds_count") == RING_LEN + 100  # histogram: exact
+    # a full ring: all but its oldest entry, which a busy writer could be overwriting
+    assert sample(reg, "kalos_latency_window_samples", source="client") == RING_LEN - 1
+    assert sample(reg, "kalos_metrics_dropped_samples_total", source="ring") == 101
+
+
+def test_collector_reports_stages_slots_errors_memory_and_identity():
+    counts = {f"ns{i:02d}": 100 * i for i in range(1, 31)}
+    sc = fake_sidecar(n_slots=8, counts=counts)
+    reg = CollectorRegistry()
+    col = SidecarCollector(sc, namespace_labels=5)
+    reg.register(col)
+    col.attach()
+    sc.stats.record_batch(BatchRecord(size=3, compute_ns=40_000, queue_ns=[5_000, 6_000, 7_000],
+                                      t_pick_ns=time.monotonic_ns()))
+    sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, queue_ns=[4_000]))
+    col.detach()
+    sc.stats.record_batch(BatchRecord(size=1, compute_ns=1, queue_ns=[1]))  # not observed any more
+    sc.stats.record_error(Status.DIM_MISMATCH)
+    sc.stats.record_error(Status.DIM_MISMATCH)
+    sc.stats.record_error(Status.BACKEND_ERROR)
+    slots = sc.seg.slots
+    slots["owner_pid"][:3] = os.getpid()
+    slots["state"][0] = S_POSTED
+    slots["state"][1] = S_BUSY
+
+    assert sample(reg, "kalos_batch_size_count") == 2 and sample(reg, "kalos_batch_size_sum") == 4
+    assert sample(reg, "kalos_batch_size_bucket", le="2.0") == 1
+    assert sample(reg, "kalos_queue_wait_seconds_count") == 4
+    assert sample(reg, "kalos_queue_wait_seconds_sum") == pytest.approx(22e-6)
+    assert sample(reg, "kalos_batch_compute_seconds_count") == 2
+    assert sample(reg, "kalos_service_seconds_count") == 4
+    assert sample(reg, "kalos_stage_latency_quantile_seconds", stage="queue_wait", quantile="0.5") == 5e-6
+    assert sample(reg, "kalos_batches_total") == 3 and sample(reg, "kalos_requests_total") == 5
+    assert sample(reg, "kalos_errors_total", kind="DIM_MISMATCH") == 2
+    assert sample(reg, "kalos_errors_total", kind="BACKEND_ERROR") == 1
+    assert sample(reg, "kalos_errors_total", kind="OK") is None
+    kinds = [s.labels["kind"] for m in reg.collect() if m.name == "kalos_errors" for s in m.samples
+             if s.name == "kalos_errors_total"]
+    assert sorted(kinds) == sorted(s.name for s in Status if s != Status.OK)
+    assert sample(reg, "kalos_slots") == 8 and sample(reg, "kalos_slots_leased") == 3
+    assert sample(reg, "kalos_slots_in_flight") == 2
+    assert sample(reg, "kalos_slots_by_state", state="free") == 6
+    rows = {s.labels["namespace"]: s.value for m in reg.collect() if m.name == "kalos_memory_rows"
+            for s in m.samples}
+    assert len(rows) == 6 and rows[OTHER_NAMESPACES] == sum(100 * i for i in range(1, 26))
+    assert rows["ns30"] == 3000 and sum(rows.values()) == sum(counts.values())
+    assert sample(reg, "kalos_namespaces") == 30
+    assert sample(reg, "kalos_backend_info", broker="unit", backend="numpy", description="numpy (CPU)",
+                  dtype="float32", metric="dot", dim="8", device="cpu") == 1
+    assert sample(reg, "kalos_ready") == 1
+    assert 4.0 < sample(reg, "kalos_uptime_seconds") < 60.0
+    sc.seg.header["state"] = SidecarState.STOPPING
+    assert sample(reg, "kalos_ready") == 0
+
+
+def test_collector_describes_its_metrics_so_duplicates_are_refused():
+    sc = fake_sidecar()
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    with pytest.raises(ValueError):
+        reg.register(SidecarCollector(sc))
+
+
+def test_collector_before_the_segment_exists():
+    sc = fake_sidecar()
+    sc.seg = None
+    sc.ready = False
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    assert sample(reg, "kalos_ready") == 0
+    assert sample(reg, "kalos_recall_latency_seconds_count") == 0
+    assert sample(reg, "kalos_slots_leased") is None
+
+
+# --------------------------------------------------------------------------- HTTP endpoint
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_metrics_server_endpoints_and_readiness():
+    sc = fake_sidecar()
+    sc.ready = False
+    reg = CollectorRegistry()
+    with MetricsServer(sc, "127.0.0.1", 0, registry=reg) as srv:
+        assert srv.port > 0 and srv.url == f"http://127.0.0.1:{srv.port}"
+        assert http_get(srv.url + "/healthz") == (200, "ok\n")
+        assert http_get(srv.url + "/readyz")[0] == 503
+        sc.ready = True
+        assert http_get(srv.url + "/readyz") == (200, "ready\n")
+        sc.seg.header["state"] = SidecarState.STOPPING
+        code, body = http_get(srv.url + "/readyz")
+        assert code == 503 and "stopping" in body
+        code, body = http_get(srv.url + "/metrics")
+        assert code == 200
+        names = {f.name for f in text_string_to_metric_families(body)}
+        assert {"kalos_recall_latency_seconds", "kalos_ready", "kalos_batch_size"} <= names
+        assert "process_cpu_seconds" not in names  # the caller's registry: nothing added to it
+        assert http_get(srv.url + "/nope")[0] == 404
+        with pytest.raises(ConfigError):
+            MetricsServer(sc, "127.0.0.1", srv.port, registry=CollectorRegistry()).start()
+        assert srv.collector.observe_batch in sc.stats.observers
+    assert srv.collector.observe_batch not in sc.stats.observers
+    srv.stop()  # twice is fine
+    with pytest.raises(OSError):
+        urllib.request.urlopen(srv.url + "/healthz", timeout=2)
+
+
+def test_metrics_server_default_registry_is_private_and_has_process_metrics():
+    a, b = MetricsServer(fake_sidecar(), port=0), MetricsServer(fake_sidecar(), port=0)
+    assert a.registry is not b.registry
+    assert a.registry.get_sample_value("process_cpu_seconds_total") is not None
+
+
+# --------------------------------------------------------------------------- kalos top, pure
+
+def _exposition(ok: float, served: float, batches: float, bsum: float, errs: float) -> str:
+    return f"""
+kalos_client_requests_total{{outcome="ok"}} {ok}
+kalos_client_requests_total{{outcome="error"}} 1
+kalos_requests_total {served}
+kalos_batches_total {batches}
+kalos_batch_size_bucket{{le="1.0"}} {batches / 2}
+kalos_batch_size_bucket{{le="2.0"}} {batches / 2}
+kalos_batch_size_bucket{{le="4.0"}} {batches}
+kalos_batch_size_bucket{{le="+Inf"}} {batches}
+kalos_batch_size_count {batches}
+kalos_batch_size_sum {bsum}
+kalos_errors_total{{kind="DIM_MISMATCH"}} {errs}
+kalos_recall_latency_quantile_seconds{{quantile="0.99"}} 0.00042
+kalos_stage_latency_quantile_seconds{{stage="compute",quantile="0.5"}} 0.00003
+kalos_slots 64
+kalos_slots_leased 8
+kalos_slots_in_flight 3
+kalos_ready 1
+kalos_memory_rows{{namespace="default"}} 1000
+"""
+
+
+def test_top_view_rates_from_counter_deltas():
+    prev = parse_metrics(_exposition(1000, 1000, 500, 800, 2), t=10.0)
+    cur = parse_metrics(_exposition(3000, 3100, 900, 1800, 7), t=12.0)
+    v = compute_view(cur, prev)
+    assert v.completed_per_s == pytest.approx(1000.0) and v.served_per_s == pytest.approx(1050.0)
+    assert v.batches_per_s == pytest.approx(200.0)
+    assert v.batch_mean == pytest.approx(1000 / 400)
+    assert v.batch_p50_le == 1.0 and v.batch_max_le == 4.0
+    assert v.errors["DIM_MISMATCH"] == (7.0, pytest.approx(2.5))
+    assert v.e2e_q["0.99"] == pytest.approx(0.00042) and v.stage_q["compute"]["0.5"] == pytest.approx(3e-5)
+    assert (v.slots, v.leased, v.in_flight, v.ready) == (64, 8, 3, True)
+    first = compute_view(cur)
+    assert first.completed_per_s is None and first.batch_mean == pytest.approx(1800 / 900)
+    restarted = compute_view(parse_metrics(_exposition(10, 10, 5, 8, 0), t=14.0), cur)
+    assert restarted.completed_per_s is None  # counters went down: no rate, not a negative one
+    out = io.StringIO()
+    Console(file=out, width=120).print(render(v, "http://x/metrics"))
+    text = out.getvalue()
+    assert "READY" in text and "420 µs" in text and "DIM_MISMATCH" in text and "1,000" in text
+
+
+def test_top_reports_an_unreachable_endpoint():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once closed
+    out = io.StringIO()
+    assert run_top(f"http://127.0.0.1:{port}/metrics", 0.1, once=True,
+                   console=Console(file=out, width=100)) == 1
+    assert "cannot read" in out.getvalue()
+
+
+# --------------------------------------------------------------------------- real sidecars
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_with_metrics(name: str, *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    for attempt in range(3):  # another process may take the free port before the sidecar binds it
+        port = free_port()
+        try:
+            proc = start_sidecar_process(["--ephemeral", "--dim", "32", "--random-rows", "1000",
+                                          "--backend", "numpy", "--metrics-port", str(port), *extra],
+                                         name)
+            return proc, port
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+@pytest.fixture
+def metrics_sidecar():
+    name = broker_name()
+    proc, port = start_with_metrics(name, "--slots", "16")
+    h = SimpleNamespace(name=name, proc=proc, port=port, url=f"http://127.0.0.1:{port}")
+    yield h
+    stop_sidecar_process(proc)
+    cleanup(name, force=True)
+
+
+def scrape(url: str) -> Scrape:
+    code, body = http_get(url + "/metrics")
+    assert code == 200
+    return parse_metrics(body, time.monotonic())
+
+
+def histogram_quantile(scr: Scrape, name: str, q: float) -> float:
+    """Prometheus' histogram_quantile on one scrape (linear inside the bucket)."""
+    buckets = sorted((float(dict(lb)["le"]), v) for lb, v in scr.series(name + "_bucket").items())
+    total = buckets[-1][1]
+    rank = q * total
+    lo_b, lo_c = 0.0, 0.0
+    for b, c in buckets:
+        if c >= rank:
+            if math.isinf(b):
+                return lo_b
+            return lo_b + (b - lo_b) * (rank - lo_c) / max(c - lo_c, 1e-12)
+        lo_b, lo_c = b, c
+    return buckets[-2][0]
+
+
+@pytest.mark.asyncio
+async def test_end_to_end_metrics_match_what_the_client_measured(metrics_sidecar, rng):
+    h = metrics_sidecar
+    assert http_get(h.url + "/healthz") == (200, "ok\n")
+    assert http_get(h.url + "/readyz") == (200, "ready\n")
+    n_tasks, per_task = 4, 150
+    client_ns: list[int] = []
+    qs = rng.standard_normal((n_tasks, per_task, 32)).astype(np.float32)
+    async with RecallPool(h.name, size=4) as pool:
+        async def task(t: int) -> None:
+            for j in range(per_task):
+                t0 = time.perf_counter_ns()
+                hits = await pool.recall(qs[t, j], k=5)
+                client_ns.append(time.perf_counter_ns() - t0)
+                assert len(hits.ids) == 5
+
+        await asyncio.gather(*(task(t) for t in range(n_tasks)))
+        total = n_tasks * per_task
+        s = scrape(h.url)
+        assert s.get("kalos_recall_latency_seconds_count") == total
+        assert s.get("kalos_recall_latency_seconds_bucket", le="+Inf") == total
+        assert s.get("kalos_client_requests_total", outcome="ok") == total
+        assert s.get("kalos_requests_total") == total
+        assert s.get("kalos_queue_wait_seconds_count") == total
+        assert s.get("kalos_service_seconds_count") == total
+        assert s.get("kalos_batch_size_sum") == total
+        assert s.get("kalos_batch_size_count") == s.get("kalos_batches_total")
+        assert s.get("kalos_batch_compute_seconds_count") == s.get("kalos_batches_total")
+        assert s.get("kalos_slots_leased") == 4 and s.get("kalos_slots") == 16
+        assert s.get("kalos_memory_rows", namespace="default") == 1000
+        assert s.get("kalos_ready") == 1 and s.get("kalos_uptime_seconds") > 0
+        assert len(s.series("kalos_backend_info")) == 1
+
+        c = np.asarray(client_ns, np.float64) / 1e9
+        c50, c99 = np.percentile(c, 50), np.percentile(c, 99)
+        p50 = s.get("kalos_recall_latency_quantile_seconds", quantile="0.5")
+        p99 = s.get("kalos_recall_latency_quantile_seconds", quantile="0.99")
+        # The exporter's samples are the same requests, timed a little inside the client's clock.
+        assert c50 / 4 <= p50 <= c50 * 1.5, (p50, c50)
+        assert p50 <= p99 <= c.max() * 1.05, (p99, c.max())
+        assert c99 / 4 <= p99, (p99, c99)
+        h50 = histogram_quantile(s, "kalos_recall_latency_seconds", 0.5)
+        assert c50 / 4 <= h50 <= c50 * 2, (h50, c50)
+        assert s.get("kalos_recall_latency_seconds_sum") <= c.sum() * 1.05
+        # Service (posted -> done) fits inside what callers see; queue wait inside service.
+        s50 = s.get("kalos_stage_latency_quantile_seconds", stage="service", quantile="0.5")
+        q50 = s.get("kalos_stage_latency_quantile_seconds", stage="queue_wait", quantile="0.5")
+        assert 0 < q50 <= s50 <= p50 * 1.05, (q50, s50, p50)
+
+        with pytest.raises(UnknownNamespace):
+            await pool.recall(qs[0, 0], k=5, namespace="missing")
+        s = scrape(h.url)
+        assert s.get("kalos_errors_total", kind="UNKNOWN_NAMESPACE") == 1
+        assert s.get("kalos_client_requests_total", outcome="error") == 1
+        assert s.get("kalos_recall_latency_seconds_count") == total  # errors are not latencies
+    s = scrape(h.url)
+    assert s.get("kalos_slots_leased") == 0 and s.get("kalos_slots_in_flight") == 0
+
+
+def test_counters_add_up_across_clients_and_owner_changes(metrics_sidecar, rng):
+    h = metrics_sidecar
+    q = rng.standard_normal(32).astype(np.float32)
+    seen = []
+
+    async def burst(n: int, size: int) -> None:
+        async with RecallPool(h.name, size=size) as pool:
+            await asyncio.gather(*(pool.recall(q, k=3) for _ in range(n)))
+
+    asyncio.run(burst(120, 3))
+    seen.append(scrape(h.url).get("kalos_recall_latency_seconds_count"))
+    code = ("import sys, numpy as np\nfrom clients import RecallClient\n"
+            "with RecallClient(sys.argv[1]) as c:\n"
+            "    for _ in range(50): c.recall(np.ones(32, np.float32), k=2)\n")
+    p = subprocess.run([sys.executable, "-c", code, h.name], timeout=60, capture_output=True)
+    assert p.returncode == 0, p.stderr.decode()
+    seen.append(scrape(h.url).get("kalos_recall_latency_seconds_count"))
+    asyncio.run(burst(80, 5))  # leases slots the earlier owners used
+    s = scrape(h.url)
+    seen.append(s.get("kalos_recall_latency_seconds_count"))
+    assert seen == [120, 170, 250]
+    assert s.get("kalos_client_requests_total", outcome="ok") == 250
+    assert s.get("kalos_requests_total") == 250
+    assert s.get("kalos_latency_window_samples", source="client") == 250
+
+
+def test_readyz_is_503_while_memory_loads():
+    name = broker_name()
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name, "--ephemeral",
+                             "--dim", "32", "--random-rows", "400000", "--backend", "numpy",
+                             "--metrics-port", str(port)], stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        statuses = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                code, _ = http_get(url + "/healthz", timeout=2)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            assert code == 200
+            code, body = http_get(url + "/readyz", timeout=2)
+            statuses.append((code, body.strip()))
+            if code == 200:
+                break
+            time.sleep(0.01)
+        assert proc.poll() is None, "sidecar exited"
+        assert statuses[0] == (503, "not ready: loading"), statuses[:3]
+        assert statuses[-1] == (200, "ready")
+        s = scrape(url)
+        assert s.get("kalos_memory_rows", namespace="default") == 400_000
+    finally:
+        stop_sidecar_process(proc)
+        cleanup(name, force=True)
+    assert proc.returncode == 0
+
+
+def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
+    from broker.cli import main
+
+    h = metrics_sidecar
+    stop = threading.Event()
+
+    def load() -> None:
+        async def go() -> None:
+            async with RecallPool(h.name, size=2) as pool:
+                q = np.ones(32, np.float32)
+                while not stop.is_set():
+                    await pool.recall(q, k=4)
+        asyncio.run(go())
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        url = h.url + "/metrics"
+        a = fetch(url)
+        time.sleep(0.4)
+        v = compute_view(fetch(url), a)
+        assert v.completed_per_s is not None and v.completed_per_s > 10
+        assert v.served_per_s is not None and v.served_per_s > 10
+        assert v.leased == 2 and v.slots == 16 and v.ready is True
+        assert v.batch_mean is not None and 1.0 <= v.batch_mean <= 2.0
+        assert v.e2e_q["0.99"] > 0
+        assert main(["top", "--url", url, "--once", "--interval", "0.3"]) == 0
+    finally:
+        stop.set()
+        t.join(timeout=10)
+    out = capsys.readouterr().out
+    for want in ("kalos top", h.name, "READY", "end to end", "sidecar queue wait", "batch compute",
+                 "default", "P99"):
+        assert want in out, want
