@@ -42,6 +42,12 @@ Control blocks are packed together so that the sidecar's scan for posted slots t
 pages, not one page per slot (TLB misses dominated an earlier layout with the header inside each
 slot's data).
 
+Waking the sidecar (a Dekker handshake; each semaphore operation is a full memory fence)::
+
+    client:  write request, state = POSTED, post req[i], if header.sidecar_sleeping: post bell
+    sidecar: sidecar_sleeping = 1, try-wait bell (fence), scan states; nothing POSTED -> wait bell;
+             on waking: sidecar_sleeping = 0, scan, serve, poll for a short window, repeat.
+
 Slot states (``state`` field of a slot; who moves it and when)::
 
       FREE --client--> WRITING --client--> POSTED --sidecar--> BUSY --sidecar--> DONE
@@ -184,6 +190,10 @@ HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("hist_buckets", "<u4", 100),
     ("ring_len", "<u4", 104),
     ("backend", "<u4", 108),  # 1 numpy, 2 cuda
+    # 1 while the sidecar sleeps on the doorbell. A client that finds it set after posting its
+    # slot's req semaphore (a full fence) must post the doorbell; otherwise the sidecar is polling
+    # and the post can be skipped. (Posting it anyway is always correct.)
+    ("sidecar_sleeping", "<u4", 112),
 )
 
 # Slot header fields: (name, numpy type, offset within the slot).
@@ -272,7 +282,7 @@ def validate_namespace(ns: str) -> bytes:
 
 def decode_namespace(raw: bytes, length: int) -> str | None:
     """Namespace from a slot, or None if what a client wrote there is not a valid name."""
-    if not 1 <= length <= NAMESPACE_BYTES:
+    if not 1 <= length <= NAMESPACE_BYTES or len(raw) < length:
         return None
     try:
         ns = bytes(raw[:length]).decode()
@@ -417,6 +427,18 @@ class SegmentView:
         self.stats = np.ndarray((layout.n_slots,), dtype=_fields_dtype(STATS_FIELDS, STATS_BYTES),
                                 buffer=buf, offset=layout.stats_offset)
         self.slot = [SlotView(buf, layout, i) for i in range(layout.n_slots)]
+        L = layout
+        #: Every slot's data areas as one strided array each (slot index first), so a batch is
+        #: gathered or scattered with one fancy-indexing call.
+        self.all_queries = np.ndarray((L.n_slots, L.max_queries, L.dim), np.float32, buf,
+                                      L.data_offset + L.query_offset,
+                                      (L.slot_bytes, 4 * L.dim, 4))
+        self.all_result_ids = np.ndarray((L.n_slots, L.max_queries, L.max_k), np.int64, buf,
+                                         L.data_offset + L.result_ids_offset,
+                                         (L.slot_bytes, 8 * L.max_k, 8))
+        self.all_result_scores = np.ndarray((L.n_slots, L.max_queries, L.max_k), np.float32, buf,
+                                            L.data_offset + L.result_scores_offset,
+                                            (L.slot_bytes, 4 * L.max_k, 4))
 
     def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int) -> None:
         h = self.header

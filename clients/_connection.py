@@ -17,7 +17,7 @@ import posix_ipc
 
 from broker.errors import BrokerUnavailable, ProtocolError
 from broker.layout import (
-    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
+    HEADER_BYTES, HEADER_FIELDS, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
     NAMESPACE_BYTES, OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
     SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
     slot_field_offset, validate_broker_name,
@@ -33,7 +33,7 @@ class ClientSlot:
     __slots__ = (
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
-        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "generation", "thread_consumed",
+        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping", "generation", "thread_consumed",
         "entry",
     )
 
@@ -60,6 +60,7 @@ class ClientSlot:
         self._lat_count, self._lat_sum = w("lat_count", 8), w("lat_sum_ns", 8)
         self._err_count, self._timeout_count = w("err_count", 8), w("timeout_count", 8)
         self._ns_off = slot_field_offset(L, index, "namespace")
+        self._sleeping = next(o for n, _t, o in HEADER_FIELDS if n == "sidecar_sleeping") // 4
         self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
         self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
         self.generation = int(self._w64[self._gen])
@@ -81,10 +82,12 @@ class ClientSlot:
         w32[self._ns_len] = len(ns)
         self._mm[self._ns_off:self._ns_off + len(ns)] = ns
         w64[self._tpost] = time.monotonic_ns()
-        # Order matters: every field above, then POSTED, then req, then the doorbell.
+        # Order matters: every field above, then POSTED, then req (a full fence), then the doorbell
+        # only if the sidecar announced that it sleeps (see the handshake in broker.layout).
         w32[self._state] = S_POSTED
         self.req.release()
-        self.bell.release()
+        if w32[self._sleeping]:
+            self.bell.release()
         return self.generation
 
     def is_done(self) -> bool:

@@ -55,6 +55,7 @@ a real namespace named ``_other`` always falls in that bucket), backend info and
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -111,7 +112,10 @@ def nearest_rank_quantiles(values: np.ndarray, qs: Sequence[float]) -> list[floa
     """For each q, the smallest value v with at least a fraction q of ``values`` <= v; NaN if empty."""
     if len(values) == 0:
         return [float("nan")] * len(qs)
-    return [float(v) for v in np.quantile(values, qs, method="inverted_cdf")]
+    n = len(values)
+    ranks = [min(n - 1, max(0, math.ceil(q * n) - 1)) for q in qs]  # numpy's "inverted_cdf"
+    part = np.partition(values, sorted(set(ranks)))
+    return [float(part[r]) for r in ranks]
 
 
 class MonotonicTotals:
@@ -162,7 +166,11 @@ def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tupl
     lost = lo - last
     if count <= lo:
         return np.empty(0, np.int64), count, lost
-    vals = ring[np.arange(lo, count) % n].astype(np.int64)
+    a, k = lo % n, count - lo  # [lo, count) is one run of the ring, or two when it wraps
+    if a + k <= n:
+        vals = ring[a:a + k].astype(np.int64)
+    else:
+        vals = np.concatenate([ring[a:], ring[:a + k - n]]).astype(np.int64)
     safe_lo = max(lo, count_after - n + 1)
     if safe_lo > lo:
         vals = vals[safe_lo - lo:]
@@ -172,46 +180,77 @@ def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tupl
 
 class SlidingWindow:
     """Recent samples for quantiles: at most ``max_samples`` (newest kept), none older than
-    ``window_s`` seconds (by the time they were added). Not thread-safe: the collector locks."""
+    ``window_s`` seconds (by the time they were added). A circular buffer of values and times;
+    quantiles are recomputed only when the window changed. Not thread-safe: the collector locks."""
 
     def __init__(self, window_s: float = 60.0, max_samples: int = 20_000) -> None:
         if window_s <= 0 or max_samples < 1:
             raise ConfigError("window_s must be > 0 and max_samples >= 1")
         self.window_s = window_s
         self.max_samples = max_samples
-        self._chunks: deque[tuple[float, np.ndarray]] = deque()
-        self._n = 0
+        self._vals = np.zeros(max_samples, np.int64)
+        self._times = np.zeros(max_samples, np.float64)
+        self._end = 0  # samples ever added; the newest is at (_end - 1) % max_samples
+        self._n = 0  # samples in the window
+        self._cache: tuple[tuple[float, ...], list[float]] | None = None
 
     def __len__(self) -> int:
         return self._n
 
     def add(self, t: float, values: np.ndarray) -> None:
-        if len(values) == 0:
+        k = len(values)
+        if k == 0:
             return
-        if len(values) > self.max_samples:
-            values = values[-self.max_samples:]
-        self._chunks.append((t, np.asarray(values)))
-        self._n += len(values)
-        while self._n - len(self._chunks[0][1]) >= self.max_samples:
-            self._n -= len(self._chunks.popleft()[1])
-        if self._n > self.max_samples:  # cut the oldest chunk to size
-            t0, c = self._chunks[0]
-            cut = self._n - self.max_samples
-            self._chunks[0] = (t0, c[cut:])
-            self._n -= cut
+        m = self.max_samples
+        if k > m:
+            values = values[-m:]
+            self._end += k - m
+            k = m
+        pos = self._end % m
+        first = min(k, m - pos)
+        self._vals[pos:pos + first] = values[:first]
+        self._times[pos:pos + first] = t
+        if first < k:
+            self._vals[:k - first] = values[first:]
+            self._times[:k - first] = t
+        self._end += k
+        self._n = min(self._n + k, m)
+        self._cache = None
 
     def expire(self, now: float) -> None:
-        while self._chunks and self._chunks[0][0] < now - self.window_s:
-            self._n -= len(self._chunks.popleft()[1])
+        m, cut = self.max_samples, now - self.window_s
+        while self._n:  # times are non-decreasing from the oldest: find the first one kept
+            oldest = (self._end - self._n) % m
+            if self._times[oldest] >= cut:
+                return
+            seg = min(self._n, m - oldest)  # contiguous run starting at the oldest
+            kept = int(np.searchsorted(self._times[oldest:oldest + seg], cut, side="left"))
+            self._n -= kept
+            self._cache = None
+            if kept < seg:
+                return
 
     def values(self, now: float) -> np.ndarray:
+        """The samples in the window, oldest first (a copy)."""
         self.expire(now)
-        if not self._chunks:
-            return np.empty(0, np.int64)
-        return np.concatenate([c for _t, c in self._chunks])
+        m = self.max_samples
+        start = (self._end - self._n) % m
+        if start + self._n <= m:
+            return self._vals[start:start + self._n].copy()
+        return np.concatenate([self._vals[start:], self._vals[:self._end % m]])
 
     def quantiles(self, qs: Sequence[float], now: float) -> list[float]:
-        return nearest_rank_quantiles(self.values(now), qs)
+        self.expire(now)
+        key = tuple(qs)
+        if self._cache is None or self._cache[0] != key:
+            m = self.max_samples
+            start = (self._end - self._n) % m
+            if start + self._n <= m:  # the whole buffer or one run of it: no need to keep order
+                vals = self._vals[start:start + self._n].copy()
+            else:
+                vals = np.concatenate([self._vals[start:], self._vals[:self._end % m]])
+            self._cache = (key, nearest_rank_quantiles(vals, qs))
+        return list(self._cache[1])
 
 
 def top_namespaces(counts: dict[str, int], n: int) -> list[tuple[str, int]]:
@@ -241,18 +280,17 @@ class StageAggregator:
         """``stamped``: (record, CLOCK_MONOTONIC ns when the serving thread reported it)."""
         if not stamped:
             return
-        sizes = np.fromiter((r.size for r, _t in stamped), np.int64, len(stamped))
-        compute = np.fromiter((r.compute_ns for r, _t in stamped), np.int64, len(stamped))
-        queue_parts, service_parts = [], []
-        for r, t_obs in stamped:
-            q = np.asarray(r.queue_ns, np.int64)
-            t_pick = getattr(r, "t_pick_ns", 0)
-            # pick -> results written; without the pick time, the backend work is the best bound.
-            after_pick = t_obs - t_pick if t_pick else r.compute_ns
-            queue_parts.append(q)
-            service_parts.append(q + max(after_pick, 0))
-        queue = np.maximum(np.concatenate(queue_parts), 0)
-        service = np.maximum(np.concatenate(service_parts), 0)
+        n = len(stamped)
+        sizes = np.fromiter((r.size for r, _t in stamped), np.int64, n)
+        compute = np.fromiter((r.compute_ns for r, _t in stamped), np.int64, n)
+        queues = [np.asarray(r.queue_ns, np.int64) for r, _t in stamped]
+        lens = np.fromiter((len(q) for q in queues), np.int64, n)
+        # pick -> results written; without the pick time, the backend work is the best bound.
+        after_pick = np.fromiter((t_obs - r.t_pick_ns if r.t_pick_ns else r.compute_ns
+                                  for r, t_obs in stamped), np.int64, n)
+        queue = np.concatenate(queues)
+        service = np.maximum(queue + np.repeat(np.maximum(after_pick, 0), lens), 0)
+        queue = np.maximum(queue, 0)
         for stage, vals in (("queue_wait", queue), ("compute", compute), ("service", service)):
             self.hist[stage] += bucket_counts(vals, STAGE_BOUNDS_NS)
             self.sums_ns[stage] += int(vals.sum())

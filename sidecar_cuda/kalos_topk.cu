@@ -1,0 +1,583 @@
+// Exact top-k similarity search for the Kalos sidecar.
+//
+// Compiled once per process by cupy.RawModule (NVRTC, for the device's own architecture) with
+// -DKALOS_STORAGE=0|1|2 choosing how matrix rows are stored: float32, float16 or bfloat16 (the two
+// 16-bit formats are held as raw unsigned shorts and widened here; no CUDA headers are needed).
+// All arithmetic accumulates in float32.
+//
+// Layout shared with sidecar_cuda/cupy_backend.py (keep the two in step):
+//   matrix X      store_t [capacity][dpad]  rows padded with zeros to dpad (16-byte rows)
+//   sqn           float   [capacity]        squared norm of each stored (rounded) row, for l2
+//   request       int32 header[16] = {n, B, k, l2, 0...} then float32 queries [B][dpad]
+//   candidates    float/int [B][P][k]       per-(query, partition) top-k lists, best first
+//   counters      uint32 [tiles or B]       zero between launches; the last block resets its own
+//   output        float/int [B][kk]         written straight into mapped pinned host memory
+//
+// Two selection schemes, both exact (ties may come back in any order):
+//   * k <= 32, "warp lists": each warp keeps a sorted top-k per query in registers, one entry per
+//     lane; a candidate is inserted only if it beats the list's k-th score (a ballot, then a shift).
+//     Warps are merged through shared memory, blocks through the candidate array: the last block
+//     to finish (a counter plus __threadfence, the classic "threadFenceReduction" pattern) merges
+//     every block's list, so a search is one launch.
+//   * k > 32, "block buffer": candidates above a running threshold are appended to a shared-memory
+//     buffer of C = next_pow2(k + blockDim) entries; whenever it could overflow within the next
+//     step it is bitonic-sorted and cut back to k, which raises the threshold.
+
+#ifndef KALOS_STORAGE
+#define KALOS_STORAGE 0
+#endif
+
+#define FULL_MASK 0xffffffffu
+#define KALOS_BLOCK 256
+#define KALOS_HEADER_INTS 16
+
+typedef long long i64;
+
+#if KALOS_STORAGE == 0
+typedef float store_t;
+#define VEC 4
+#else
+typedef unsigned short store_t;
+#define VEC 8
+#endif
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// Dynamic shared memory of every kernel that takes some (one declaration: NVRTC links them).
+extern __shared__ __align__(16) unsigned char kalos_smem[];
+
+// ------------------------------------------------------------------ storage conversions
+__device__ __forceinline__ void half2_to_floats(unsigned w, float& a, float& b) {
+    asm("{.reg .f16 lo, hi;\n\tmov.b32 {lo, hi}, %2;\n\tcvt.f32.f16 %0, lo;\n\tcvt.f32.f16 %1, hi;}\n"
+        : "=f"(a), "=f"(b) : "r"(w));
+}
+
+__device__ __forceinline__ void bf162_to_floats(unsigned w, float& a, float& b) {
+    a = __uint_as_float(w << 16);
+    b = __uint_as_float(w & 0xffff0000u);
+}
+
+// Saturating round-to-nearest-even into the storage format (a row never holds an infinity).
+__device__ __forceinline__ store_t to_store(float x) {
+#if KALOS_STORAGE == 0
+    return x;
+#elif KALOS_STORAGE == 1
+    x = fminf(fmaxf(x, -65504.0f), 65504.0f);
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#else
+    x = fminf(fmaxf(x, -3.3895313892515355e38f), 3.3895313892515355e38f);
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+#endif
+}
+
+__device__ __forceinline__ float from_store(store_t v) {
+#if KALOS_STORAGE == 0
+    return v;
+#elif KALOS_STORAGE == 1
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+#else
+    return __uint_as_float(((unsigned)v) << 16);
+#endif
+}
+
+// One 16-byte vector of a row (read-only path), widened to float32.
+__device__ __forceinline__ void load_vec(const store_t* p, float (&f)[VEC]) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+#if KALOS_STORAGE == 0
+    f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+#elif KALOS_STORAGE == 1
+    half2_to_floats(u.x, f[0], f[1]); half2_to_floats(u.y, f[2], f[3]);
+    half2_to_floats(u.z, f[4], f[5]); half2_to_floats(u.w, f[6], f[7]);
+#else
+    bf162_to_floats(u.x, f[0], f[1]); bf162_to_floats(u.y, f[2], f[3]);
+    bf162_to_floats(u.z, f[4], f[5]); bf162_to_floats(u.w, f[6], f[7]);
+#endif
+}
+
+// L2-only loads: candidates written by other blocks of the same launch must not come from L1.
+__device__ __forceinline__ float ldcg_f(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ int ldcg_i(const int* p) {
+    int v;
+    asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float warp_sum(float a) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
+    return a;
+}
+
+// ------------------------------------------------------------------ warp lists (k <= 32)
+// Lane j holds the j-th best (score, row) of the list; lanes >= k are scratch. `th` is the k-th
+// score, the same in every lane. Every lane may offer one candidate (s = -inf offers nothing);
+// all 32 lanes must call this together.
+__device__ __forceinline__ void warp_offer(float& ls, int& lr, float& th, float s, int r, int k,
+                                           int lane) {
+    unsigned m = __ballot_sync(FULL_MASK, s > th);
+    while (m) {
+        const int src = __ffs(m) - 1;
+        m &= m - 1;
+        const float cs = __shfl_sync(FULL_MASK, s, src);
+        const int cr = __shfl_sync(FULL_MASK, r, src);
+        if (cs > th) {  // th may have risen since the ballot; warp-uniform
+            const int pos = __popc(__ballot_sync(FULL_MASK, lane < k && ls >= cs));
+            const float us = __shfl_up_sync(FULL_MASK, ls, 1);
+            const int ur = __shfl_up_sync(FULL_MASK, lr, 1);
+            if (lane > pos) {
+                ls = us;
+                lr = ur;
+            } else if (lane == pos) {
+                ls = cs;
+                lr = cr;
+            }
+            th = __shfl_sync(FULL_MASK, ls, k - 1);
+        }
+    }
+}
+
+// Merge the block's warp lists (QT queries each) into one list per query and write entries
+// [0, nw) of list q to dst_s/dst_r[q * dstride + j]. Warp w merges queries w, w + W, ...
+template <int QT>
+__device__ void block_merge_lists(const float (&ls)[QT], const int (&lr)[QT], int nq, int k,
+                                  float* wl_s, int* wl_r, float* dst_s, int* dst_r, i64 dstride,
+                                  int nw) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+#pragma unroll
+    for (int q = 0; q < QT; ++q) {
+        wl_s[(warp * QT + q) * 32 + lane] = ls[q];
+        wl_r[(warp * QT + q) * 32 + lane] = lr[q];
+    }
+    __syncthreads();
+    for (int q = warp; q < nq; q += W) {
+        float ms = wl_s[q * 32 + lane];
+        int mr = wl_r[q * 32 + lane];
+        float mth = __shfl_sync(FULL_MASK, ms, k - 1);
+        for (int w2 = 1; w2 < W; ++w2) {
+            const float s = lane < k ? wl_s[(w2 * QT + q) * 32 + lane] : neg_inf();
+            const int r = wl_r[(w2 * QT + q) * 32 + lane];
+            warp_offer(ms, mr, mth, s, r, k, lane);
+        }
+        if (lane < nw) {
+            dst_s[q * dstride + lane] = ms;
+            dst_r[q * dstride + lane] = mr;
+        }
+    }
+    __syncthreads();
+}
+
+// True in every thread of the block that finishes last among `total` blocks counted on *counter.
+// Everything the block wrote before the call is visible to that last block.
+__device__ bool last_block(unsigned* counter, unsigned total, int* flag) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const unsigned prev = atomicAdd(counter, 1u);
+        *flag = prev == total - 1;
+    }
+    __syncthreads();
+    const bool last = *flag != 0;
+    if (last) __threadfence();
+    return last;
+}
+
+// The last block merges every block's list: P lists of k per query, list p of query q at
+// cs/cr[q * qstride + p * k].
+template <int QT>
+__device__ void merge_block_lists(const float* cs, const int* cr, i64 qstride, int P, int nq,
+                                  int k, int kk, float* wl_s, int* wl_r, float* out_s,
+                                  int* out_r) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    float ls[QT], th[QT];
+    int lr[QT];
+#pragma unroll
+    for (int q = 0; q < QT; ++q) {
+        ls[q] = neg_inf();
+        th[q] = neg_inf();
+        lr[q] = -1;
+    }
+    for (int p = warp; p < P; p += W) {
+#pragma unroll
+        for (int q = 0; q < QT; ++q) {
+            if (q < nq) {
+                const i64 off = q * qstride + (i64)p * k + lane;
+                const float s = lane < k ? ldcg_f(cs + off) : neg_inf();
+                const int r = lane < k ? ldcg_i(cr + off) : -1;
+                warp_offer(ls[q], lr[q], th[q], s, r, k, lane);
+            }
+        }
+    }
+    block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, out_s, out_r, kk, kk);
+}
+
+// ------------------------------------------------------------------ block buffer (k > 32)
+__device__ void block_compact(float* bs, int* br, int* meta, int c, int k) {
+    const int T = blockDim.x, tid = threadIdx.x;
+    int L = 2;
+    while (L < c) L <<= 1;
+    for (int i = c + tid; i < L; i += T) {
+        bs[i] = neg_inf();
+        br[i] = -1;
+    }
+    __syncthreads();
+    for (int size = 2; size <= L; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            for (int i = tid; i < (L >> 1); i += T) {
+                const int lo = 2 * i - (i & (stride - 1));
+                const int hi = lo + stride;
+                const bool desc = (lo & size) == 0;
+                const float a = bs[lo], b = bs[hi];
+                if (desc ? (a < b) : (a > b)) {
+                    bs[lo] = b;
+                    bs[hi] = a;
+                    const int t = br[lo];
+                    br[lo] = br[hi];
+                    br[hi] = t;
+                }
+            }
+            __syncthreads();
+        }
+    }
+    if (tid == 0) {
+        meta[0] = min(c, k);
+        meta[1] = __float_as_int(c >= k ? bs[k - 1] : neg_inf());
+    }
+    __syncthreads();
+}
+
+struct ScoreSource {  // a row of the score matrix (GEMM path), with the l2 correction
+    const float* s;
+    const float* sqn;
+    float qn;
+    int l2;
+    i64 row0;
+    __device__ __forceinline__ void get(i64 i, float& v, int& r) const {
+        v = s[i];
+        if (l2) v = 2.0f * v - sqn[i] - qn;
+        r = (int)(row0 + i);
+    }
+};
+
+struct ListSource {  // candidate lists written by other blocks of this launch
+    const float* s;
+    const int* r;
+    __device__ __forceinline__ void get(i64 i, float& v, int& rr) const {
+        v = ldcg_f(s + i);
+        rr = ldcg_i(r + i);
+    }
+};
+
+// Exact top-k of `count` candidates with one block; writes entries [0, nout) best first.
+// Buffer: bs/br of C entries, C a power of two >= k + blockDim.x; meta[0] count, meta[1] threshold.
+template <class Src>
+__device__ void block_select(const Src& src, i64 count, int k, float* bs, int* br, int* meta,
+                             int C, float* outs, int* outr, int nout) {
+    const int T = blockDim.x, tid = threadIdx.x;
+    if (tid == 0) {
+        meta[0] = 0;
+        meta[1] = __float_as_int(neg_inf());
+    }
+    __syncthreads();
+    for (i64 base = 0; base < count; base += T) {
+        const i64 i = base + tid;
+        if (i < count) {
+            float v;
+            int r;
+            src.get(i, v, r);
+            if (v > __int_as_float(meta[1])) {
+                const int p = atomicAdd(&meta[0], 1);
+                bs[p] = v;
+                br[p] = r;
+            }
+        }
+        __syncthreads();
+        const int c = meta[0];
+        __syncthreads();  // every thread has read c before a compaction changes it
+        if (c > C - T) block_compact(bs, br, meta, c, k);
+    }
+    const int c = meta[0];
+    __syncthreads();
+    block_compact(bs, br, meta, c, k);
+    const int m = min(c, k);
+    for (int j = tid; j < nout; j += T) {
+        outs[j] = j < m ? bs[j] : neg_inf();
+        outr[j] = j < m ? br[j] : -1;
+    }
+    __syncthreads();
+}
+
+// ------------------------------------------------------------------ fused small-batch search
+// Grid (tiles, P): block (t, p) scores queries [t*QT, t*QT + QT) against rows
+// [n*p/P, n*(p+1)/P). Rows are read in 16-byte vectors by groups of GL lanes (GL = the smallest
+// power of two covering the row's vectors, at most 32), U rows per group in flight; the group's
+// partial sums are reduced with xor shuffles. k <= 32.
+template <int QT>
+struct SmallUnroll {
+    enum { U = QT >= 16 ? 1 : (QT >= 8 ? 2 : 4) };
+};
+
+template <int QT>
+__device__ __forceinline__ void small_search(const store_t* __restrict__ X,
+                                             const float* __restrict__ sqn, int dpad,
+                                             const int* req, float* cand_s, int* cand_r,
+                                             unsigned* counters, float* out_s, int* out_r) {
+    constexpr int U = SmallUnroll<QT>::U;
+    unsigned char* smem = kalos_smem;
+    const int n = req[0], B = req[1], k = req[2], l2 = req[3];
+    const int tile = blockIdx.x, part = blockIdx.y, P = gridDim.y;
+    const int q0 = tile * QT;
+    const int nq = min(QT, B - q0);
+    const int kk = min(k, n);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
+
+    float* sq = reinterpret_cast<float*>(smem);  // [QT][dpad]
+    float* qn = sq + QT * dpad;                  // [QT]
+    float* wl_s = qn + QT;                       // [W][QT][32]
+    int* wl_r = reinterpret_cast<int*>(wl_s + W * QT * 32);
+    int* flag = wl_r + W * QT * 32;
+
+    const float* qsrc = reinterpret_cast<const float*>(req + KALOS_HEADER_INTS) + (i64)q0 * dpad;
+    for (int i = tid; i < QT * dpad; i += blockDim.x) sq[i] = (i / dpad < nq) ? qsrc[i] : 0.0f;
+    __syncthreads();
+    for (int q = warp; q < QT; q += W) {
+        float a = 0.0f;
+        for (int j = lane; j < dpad; j += 32) a = fmaf(sq[q * dpad + j], sq[q * dpad + j], a);
+        a = warp_sum(a);
+        if (lane == 0) qn[q] = a;
+    }
+    __syncthreads();
+
+    const i64 rb = (i64)n * part / P, re = (i64)n * (part + 1) / P;
+    const int nvec = dpad / VEC;
+    int GL = 1;
+    while (GL < nvec && GL < 32) GL <<= 1;
+    const int grp = lane / GL, lig = lane & (GL - 1);
+    const int rows_per_warp = (32 / GL) * U;
+
+    float ls[QT], th[QT];
+    int lr[QT];
+#pragma unroll
+    for (int q = 0; q < QT; ++q) {
+        ls[q] = neg_inf();
+        th[q] = neg_inf();
+        lr[q] = -1;
+    }
+
+    // The loop bound is warp-uniform: shuffles and ballots below need every lane.
+    for (i64 wb = rb + (i64)warp * rows_per_warp; wb < re; wb += (i64)W * rows_per_warp) {
+        const i64 r0 = wb + (i64)grp * U;
+        float acc[U][QT];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int q = 0; q < QT; ++q) acc[u][q] = 0.0f;
+#pragma unroll 2
+        for (int c = lig; c < nvec; c += GL) {
+            float xv[U][VEC];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (r0 + u < re) {
+                    load_vec(X + (r0 + u) * dpad + c * VEC, xv[u]);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < VEC; ++e) xv[u][e] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int q = 0; q < QT; ++q) {
+                const float4* qp = reinterpret_cast<const float4*>(sq + q * dpad + c * VEC);
+#pragma unroll
+                for (int e4 = 0; e4 < VEC / 4; ++e4) {
+                    const float4 qv = qp[e4];
+#pragma unroll
+                    for (int u = 0; u < U; ++u) {
+                        acc[u][q] = fmaf(xv[u][4 * e4 + 0], qv.x, acc[u][q]);
+                        acc[u][q] = fmaf(xv[u][4 * e4 + 1], qv.y, acc[u][q]);
+                        acc[u][q] = fmaf(xv[u][4 * e4 + 2], qv.z, acc[u][q]);
+                        acc[u][q] = fmaf(xv[u][4 * e4 + 3], qv.w, acc[u][q]);
+                    }
+                }
+            }
+        }
+        for (int off = GL >> 1; off > 0; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int q = 0; q < QT; ++q) acc[u][q] += __shfl_xor_sync(FULL_MASK, acc[u][q], off);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const i64 r = r0 + u;
+            const bool valid = lig == 0 && r < re;
+            const float rn = (l2 && valid) ? sqn[r] : 0.0f;
+#pragma unroll
+            for (int q = 0; q < QT; ++q) {
+                if (q < nq) {
+                    float s = neg_inf();
+                    if (valid) s = l2 ? 2.0f * acc[u][q] - rn - qn[q] : acc[u][q];
+                    warp_offer(ls[q], lr[q], th[q], s, (int)r, k, lane);
+                }
+            }
+        }
+    }
+
+    if (P == 1) {
+        block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, out_s + (i64)q0 * kk,
+                              out_r + (i64)q0 * kk, kk, kk);
+        return;
+    }
+    const i64 qstride = (i64)P * k;
+    block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, cand_s + q0 * qstride + (i64)part * k,
+                          cand_r + q0 * qstride + (i64)part * k, qstride, k);
+    if (!last_block(counters + tile, P, flag)) return;
+    merge_block_lists<QT>(cand_s + q0 * qstride, cand_r + q0 * qstride, qstride, P, nq, k, kk,
+                          wl_s, wl_r, out_s + (i64)q0 * kk, out_r + (i64)q0 * kk);
+    if (tid == 0) counters[tile] = 0;
+}
+
+#define KALOS_SMALL_KERNEL(QT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_small_q##QT(                 \
+        const store_t* __restrict__ X, const float* __restrict__ sqn, int dpad, const int* req,  \
+        float* cand_s, int* cand_r, unsigned* counters, float* out_s, int* out_r) {               \
+        small_search<QT>(X, sqn, dpad, req, cand_s, cand_r, counters, out_s, out_r);             \
+    }
+
+KALOS_SMALL_KERNEL(1)
+KALOS_SMALL_KERNEL(2)
+KALOS_SMALL_KERNEL(4)
+KALOS_SMALL_KERNEL(8)
+KALOS_SMALL_KERNEL(16)
+
+// ------------------------------------------------------------------ top-k of a score matrix
+// GEMM path: S[b][c] = q_b . x_(row0 + c) for one chunk of nc rows (cuBLAS wrote it). Grid
+// (Pc, B): block (px, b) selects the top-k of columns [nc*px/Pc, nc*(px+1)/Pc) into partition
+// p_off + px of P; the last of a query's P blocks (over all chunk launches) merges them.
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_w(
+    const float* __restrict__ S, int nc, i64 row0, const float* __restrict__ sqn,
+    const float* __restrict__ qn, int l2, int k, int kk, int Pc, int p_off, int P, float* cand_s,
+    int* cand_r, unsigned* counters, float* out_s, int* out_r) {
+    __shared__ float wl_s[(KALOS_BLOCK / 32) * 32];
+    __shared__ int wl_r[(KALOS_BLOCK / 32) * 32];
+    __shared__ int flag;
+    const int b = blockIdx.y, px = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    const int cb = (int)((i64)nc * px / Pc), ce = (int)((i64)nc * (px + 1) / Pc);
+    const float* Sb = S + (i64)b * nc;
+    const float qb = l2 ? qn[b] : 0.0f;
+    float ls[1] = {neg_inf()}, th[1] = {neg_inf()};
+    int lr[1] = {-1};
+    constexpr int UN = 4;
+    for (int wb = cb + warp * 32 * UN; wb < ce; wb += W * 32 * UN) {
+        float v[UN];
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+            const int c = wb + u * 32 + lane;
+            v[u] = c < ce ? Sb[c] : neg_inf();
+        }
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+            const int c = wb + u * 32 + lane;
+            float s = v[u];
+            if (l2 && c < ce) s = 2.0f * s - sqn[row0 + c] - qb;
+            warp_offer(ls[0], lr[0], th[0], s, (int)(row0 + c), k, lane);
+        }
+    }
+    const i64 qstride = (i64)P * k;
+    block_merge_lists<1>(ls, lr, 1, k, wl_s, wl_r, cand_s + b * qstride + (i64)(p_off + px) * k,
+                         cand_r + b * qstride + (i64)(p_off + px) * k, qstride, k);
+    if (!last_block(counters + b, P, &flag)) return;
+    merge_block_lists<1>(cand_s + b * qstride, cand_r + b * qstride, qstride, P, 1, k, kk, wl_s,
+                         wl_r, out_s + (i64)b * kk, out_r + (i64)b * kk);
+    if (threadIdx.x == 0) counters[b] = 0;
+}
+
+// Same for k > 32, with the block buffer (dynamic shared memory: C floats, C ints, 4 ints).
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_b(
+    const float* __restrict__ S, int nc, i64 row0, const float* __restrict__ sqn,
+    const float* __restrict__ qn, int l2, int k, int kk, int Pc, int p_off, int P, float* cand_s,
+    int* cand_r, unsigned* counters, float* out_s, int* out_r, int C) {
+    float* bs = reinterpret_cast<float*>(kalos_smem);
+    int* br = reinterpret_cast<int*>(bs + C);
+    int* meta = br + C;
+    const int b = blockIdx.y, px = blockIdx.x;
+    const int cb = (int)((i64)nc * px / Pc), ce = (int)((i64)nc * (px + 1) / Pc);
+    ScoreSource src;
+    src.s = S + (i64)b * nc + cb;
+    src.sqn = sqn + row0 + cb;
+    src.qn = l2 ? qn[b] : 0.0f;
+    src.l2 = l2;
+    src.row0 = row0 + cb;
+    const i64 qstride = (i64)P * k;
+    block_select(src, (i64)(ce - cb), k, bs, br, meta, C,
+                 cand_s + b * qstride + (i64)(p_off + px) * k,
+                 cand_r + b * qstride + (i64)(p_off + px) * k, k);
+    if (!last_block(counters + b, P, meta + 2)) return;
+    ListSource ls;
+    ls.s = cand_s + b * qstride;
+    ls.r = cand_r + b * qstride;
+    block_select(ls, qstride, k, bs, br, meta, C, out_s + (i64)b * kk, out_r + (i64)b * kk, kk);
+    if (threadIdx.x == 0) counters[b] = 0;
+}
+
+// ------------------------------------------------------------------ queries and rows
+// GEMM path: queries into the storage format (qs may be null for float32) and |q|^2 in float32.
+// One warp per query.
+extern "C" __global__ void kalos_prep_queries(const float* __restrict__ q32, store_t* qs,
+                                              float* __restrict__ qn, int B, int dpad) {
+    const int b = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (b >= B) return;  // warp-uniform
+    float a = 0.0f;
+    for (int j = lane; j < dpad; j += 32) {
+        const float v = q32[(i64)b * dpad + j];
+        a = fmaf(v, v, a);
+        if (qs != nullptr) qs[(i64)b * dpad + j] = to_store(v);
+    }
+    a = warp_sum(a);
+    if (lane == 0) qn[b] = a;
+}
+
+// Store m float32 vectors (m, d) at rows[i], zero-padded to dpad; sqn of the stored values.
+extern "C" __global__ void kalos_write_rows(store_t* __restrict__ X, float* __restrict__ sqn,
+                                            int dpad, const i64* __restrict__ rows,
+                                            const float* __restrict__ vecs, int m, int d) {
+    const int i = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (i >= m) return;  // warp-uniform
+    const i64 r = rows[i];
+    const float* v = vecs + (i64)i * d;
+    store_t* dst = X + r * dpad;
+    float a = 0.0f;
+    for (int j = lane; j < dpad; j += 32) {
+        const store_t s = to_store(j < d ? v[j] : 0.0f);
+        dst[j] = s;
+        const float x = from_store(s);
+        a = fmaf(x, x, a);
+    }
+    a = warp_sum(a);
+    if (lane == 0) sqn[r] = a;
+}
+
+// Copy rows src[i] onto dst[i] (the two sets are disjoint, so one launch has no hazards).
+extern "C" __global__ void kalos_move_rows(store_t* __restrict__ X, float* __restrict__ sqn,
+                                           int dpad, const i64* __restrict__ src,
+                                           const i64* __restrict__ dst, int m) {
+    const int i = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (i >= m) return;
+    const i64 s = src[i], t = dst[i];
+    for (int j = lane; j < dpad; j += 32) X[t * dpad + j] = X[s * dpad + j];
+    if (lane == 0) sqn[t] = sqn[s];
+}
