@@ -8,7 +8,7 @@ Objects of a broker named ``NAME`` (created by the sidecar, exclusively, mode 06
 unlinks them on exit and ``kalos cleanup NAME`` removes leftovers of a crashed one)::
 
     /kalos.NAME              shared memory segment (layout below)
-    /kalos.NAME.bell         doorbell semaphore: posted once per request, the sidecar sleeps on it
+    /kalos.NAME.bell         doorbell semaphore: the sidecar sleeps on it when idle (handshake below)
     /kalos.NAME.N.req        request semaphore of slot N  (client posts, sidecar consumes)
     /kalos.NAME.N.resp       response semaphore of slot N (sidecar posts, client consumes)
 
@@ -57,7 +57,7 @@ Slot states (``state`` field of a slot; who moves it and when)::
     FREE     no request in the slot; the lease owner may start one.
     WRITING  the owner is writing a request; the sidecar ignores the slot.
     POSTED   request complete. Written after every request field (payload first, state last);
-             then the owner posts the slot's req semaphore, then the doorbell.
+             then the owner posts the slot's req semaphore, then the doorbell if the sidecar sleeps.
     BUSY     the sidecar consumed req and is serving the slot.
     DONE     the sidecar wrote results, status and ``resp_generation`` (state last), then posted
              resp. The owner consumes resp, checks ``resp_generation == generation``, copies the
