@@ -17,7 +17,7 @@ def inproc_numpy(matrix: np.ndarray, k: int, seconds: float = 1.0, batch: int = 
     Returns (percentiles of one call in us, recalls/s)."""
     rng = np.random.default_rng(seed)
     bank = rng.standard_normal((64, batch, matrix.shape[1]), dtype=np.float32)
-    lat = []
+    lat: list[int] = []
     n = matrix.shape[0]
     kk = min(k, n)
     end = time.perf_counter() + seconds

@@ -127,7 +127,7 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
           for r, n in enumerate(split)]
     for p in ps:
         p.start()
-    results = []
+    results: list[dict] = []
     deadline = time.time() + 60 + spec.warmup_s + spec.duration_s + 5 * len(split)
     while len(results) < len(ps):
         if progress_cb is not None and progress is not None:

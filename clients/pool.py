@@ -94,7 +94,7 @@ class _Waiter:
             with self._cv:
                 while self._target is None and not self._closed:
                     self._cv.wait()
-                if self._closed:
+                if self._closed or self._target is None:
                     return
                 slot = self._target
             try:

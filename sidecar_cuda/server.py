@@ -279,12 +279,14 @@ class Sidecar:
         t1 = time.perf_counter_ns()
         n = len(taken)
         slots["batch_size"][sel] = n
-        slots["t_done_ns"][sel] = time.monotonic_ns()
+        t_done = time.monotonic_ns()
+        slots["t_done_ns"][sel] = t_done
         slots["state"][sel] = S_DONE  # last field written, then each post (the fence)
         resp = self._objs.resp
         for i in taken:
             resp[i].release()
-        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick_ns=t_pick, t_post_ns=rec["t_post_ns"]))
+        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick_ns=t_pick, t_post_ns=rec["t_post_ns"],
+                                            t_done_ns=t_done))
         u64[self._batches_word] = self.stats.batches
         return n
 
@@ -318,6 +320,7 @@ class Sidecar:
         ns = self.store.get(name)
         if ns is None:
             return False
+        assert self.seg is not None
         q = self.seg.all_queries[sel, 0]  # gathers the batch: one copy
         if not np.isfinite(q).all():
             return False
@@ -499,8 +502,8 @@ class Sidecar:
                     n = self.store.get_or_create(w.namespace).upsert(w.ids, w.vectors, w.payloads)
                 elif w.op == "delete":
                     assert w.ids is not None
-                    ns = self.store.get(w.namespace)
-                    n = 0 if ns is None else ns.delete(w.ids)
+                    target = self.store.get(w.namespace)
+                    n = 0 if target is None else target.delete(w.ids)
                 else:
                     n = self.store.drop(w.namespace)
                     if w.namespace == "default":
