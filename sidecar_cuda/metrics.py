@@ -26,7 +26,7 @@ End-to-end latency as callers see it (``kalos_recall_latency_seconds``)
 Quantile gauges (``kalos_recall_latency_quantile_seconds{quantile="0.5|0.95|0.99"}``)
     A sliding window over recent samples (:class:`SlidingWindow`): the last ``window_s`` seconds
     (default 60), at most ``window_samples`` samples (default 20000, newest kept). Client samples
-    come from the rings: a harvest thread reads, every ``harvest_interval_s`` (0.25 s) and at every
+    come from the rings: a harvest thread reads, every ``harvest_interval_s`` (0.1 s) and at every
     scrape, the entries written since its last read of each slot, using ``lat_count`` as the
     ring's write index (:func:`ring_take`). A slot that completed more than ``RING_LEN`` requests
     between two reads loses the older ones (one read trusts at most ``RING_LEN - 1`` entries: the
@@ -42,9 +42,8 @@ The sidecar's own stages (``kalos_queue_wait_seconds``, ``kalos_batch_compute_se
     From a ``SidecarStats`` observer, called by the serving thread with each ``BatchRecord``: it only
     stamps the record and queues it (a few hundred nanoseconds); the harvest thread turns records
     into histograms and windows. Queue wait is posted -> taken into a batch, per request. Compute is
-    the backend work of a whole batch, per batch. Service is posted -> results written, per request:
-    queue wait plus the batch's time from pick-up until the observer ran, which is after the
-    results were written and just before the response semaphores are posted.
+    the backend work of a whole batch, per batch. Service is posted -> results written
+    (``t_done_ns`` of the record), per request.
 
 Everything else is read at scrape time: slots (leased, by state), requests, batches and errors by
 kind (one series per ``Status`` name: a bounded set), rows per namespace (the ``namespace_labels``
@@ -99,11 +98,13 @@ def bucket_counts(values: Any, bounds: Sequence[int]) -> np.ndarray:
     return np.bincount(idx, minlength=len(bounds) + 1).astype(np.int64)
 
 
-def cumulative_buckets(counts: Sequence[int] | np.ndarray, bounds_s: Sequence[float]
+def cumulative_buckets(counts: Sequence[int] | np.ndarray, bounds: Sequence[float | str]
                        ) -> list[tuple[str, float]]:
-    """Prometheus buckets ``[(le, cumulative count), ..., ("+Inf", total)]`` from per-bucket counts."""
+    """Prometheus buckets ``[(le, cumulative count), ..., ("+Inf", total)]`` from per-bucket counts;
+    ``bounds``: upper bounds as numbers or as ready ``le`` strings."""
     cum = np.cumsum(np.asarray(counts, np.int64))
-    out = [(floatToGoString(b), float(c)) for b, c in zip(bounds_s, cum[:-1].tolist())]
+    les = [b if isinstance(b, str) else floatToGoString(b) for b in bounds]
+    out = list(zip(les, map(float, cum[:-1].tolist())))
     out.append(("+Inf", float(cum[-1])))
     return out
 
@@ -176,6 +177,40 @@ def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tupl
         vals = vals[safe_lo - lo:]
         lost += min(safe_lo, count) - lo
     return vals, count, lost
+
+
+def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray, count_after: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """:func:`ring_take` for every slot at once: ``rings`` (slots, ring length), the others
+    (slots,). Returns (the new entries of all slots, slot by slot, oldest first; the new ``last``
+    per slot; entries lost in all). A few numpy calls whatever the number of slots."""
+    n = rings.shape[1]
+    last = np.where(count < last, 0, last)
+    lo = np.maximum(last, count - n)
+    start = np.minimum(np.maximum(lo, count_after - n + 1), count)
+    lost = int((start - last).sum())
+    k = count - start
+    total = int(k.sum())
+    if total == 0:
+        return np.empty(0, np.int64), count.copy(), lost
+    slot = np.repeat(np.arange(len(k)), k)
+    pos = (np.repeat(start - (np.cumsum(k) - k), k) + np.arange(total)) % n
+    return rings[slot, pos].astype(np.int64), count.copy(), lost
+
+
+def slots_matrix(views: Sequence[np.ndarray]) -> np.ndarray:
+    """One (slots, len) view over per-slot views that sit at a constant stride in one buffer (the
+    segment's hist or ring of every slot): a single numpy read instead of one per slot."""
+    first = views[0]
+    if len(views) == 1:
+        return first.reshape(1, -1)
+    stride = views[1].ctypes.data - first.ctypes.data
+    m = np.lib.stride_tricks.as_strided(first, shape=(len(views), len(first)),
+                                        strides=(stride, first.strides[0]), writeable=False)
+    for i, v in enumerate(views):  # the layout promises a constant stride: check it once
+        if m[i].ctypes.data != v.ctypes.data or v.shape != first.shape:
+            raise ValueError("per-slot views are not evenly spaced")
+    return m
 
 
 class SlidingWindow:
@@ -266,6 +301,17 @@ def top_namespaces(counts: dict[str, int], n: int) -> list[tuple[str, int]]:
     return top
 
 
+def _after_pick_ns(r: BatchRecord, t_obs: int) -> int:
+    """Pick-up -> results written for a batch: from ``t_done_ns`` when the record has it, else
+    from the time the observer ran (after the results, maybe after the response posts), else the
+    backend work alone (a lower bound)."""
+    t_pick = getattr(r, "t_pick_ns", 0)
+    if not t_pick:
+        return r.compute_ns
+    t_done = getattr(r, "t_done_ns", 0)
+    return (t_done or t_obs) - t_pick
+
+
 class StageAggregator:
     """Histograms and windows of the sidecar's stages from stamped BatchRecords."""
 
@@ -285,9 +331,7 @@ class StageAggregator:
         compute = np.fromiter((r.compute_ns for r, _t in stamped), np.int64, n)
         queues = [np.asarray(r.queue_ns, np.int64) for r, _t in stamped]
         lens = np.fromiter((len(q) for q in queues), np.int64, n)
-        # pick -> results written; without the pick time, the backend work is the best bound.
-        after_pick = np.fromiter((t_obs - r.t_pick_ns if r.t_pick_ns else r.compute_ns
-                                  for r, t_obs in stamped), np.int64, n)
+        after_pick = np.fromiter((_after_pick_ns(r, t_obs) for r, t_obs in stamped), np.int64, n)
         queue = np.concatenate(queues)
         service = np.maximum(queue + np.repeat(np.maximum(after_pick, 0), lens), 0)
         queue = np.maximum(queue, 0)
@@ -301,8 +345,9 @@ class StageAggregator:
 
 # --------------------------------------------------------------------------- the collector
 
-_LAT_BOUNDS_S = [b / 1e9 for b in LATENCY_BOUNDS_NS]
-_STAGE_BOUNDS_S = [b / 1e9 for b in STAGE_BOUNDS_NS]
+_LAT_LE = [floatToGoString(b / 1e9) for b in LATENCY_BOUNDS_NS]
+_STAGE_LE = [floatToGoString(b / 1e9) for b in STAGE_BOUNDS_NS]
+_BATCH_LE = [floatToGoString(b) for b in BATCH_SIZE_BOUNDS]
 _STAGE_METRICS = {
     "queue_wait": ("kalos_queue_wait_seconds",
                    "Sidecar queue wait per request: posted by the client -> taken into a batch."),
@@ -332,7 +377,8 @@ class SidecarCollector(Collector):
         n = sidecar.layout.n_slots
         self._n_slots = n
         self._client = MonotonicTotals(n, HIST_BUCKETS + len(_STATS_NAMES))
-        self._ring_last = [0] * n
+        self._ring_last = np.zeros(n, np.int64)
+        self._seg_views: tuple[Any, np.ndarray, np.ndarray] | None = None  # (seg, rings, hists)
         self._client_window = SlidingWindow(window_s, window_samples)
         self._stages = StageAggregator(window_s, window_samples)
         self._pending: deque[tuple[BatchRecord, int]] = deque(maxlen=pending_limit)
@@ -367,19 +413,28 @@ class SidecarCollector(Collector):
         p = self._pending
         stamped = [p.popleft() for _ in range(len(p))]
         self._stages.add(stamped, now)
+        views = self._views()
+        if views is None:
+            return
+        seg, rings, _hists = views
+        counts_view = seg.stats["lat_count"]
+        counts = counts_view.astype(np.int64)
+        if (counts == self._ring_last).all():
+            return
+        # The copy happens between the two reads of the counts (see ring_take).
+        vals, self._ring_last, lost = ring_take_all(rings, self._ring_last, counts,
+                                                    counts_view.astype(np.int64))
+        self._dropped_ring += lost
+        self._client_window.add(now, vals)
+
+    def _views(self) -> tuple[Any, np.ndarray, np.ndarray] | None:
         seg = self._sc.seg
         if seg is None:
-            return
-        counts_view = seg.stats["lat_count"]
-        counts = counts_view.tolist()
-        for i in range(self._n_slots):
-            c = counts[i]
-            if c == self._ring_last[i]:
-                continue
-            vals, self._ring_last[i], lost = ring_take(seg.slot[i].ring, self._ring_last[i], c,
-                                                       int(counts_view[i]))
-            self._dropped_ring += lost
-            self._client_window.add(now, vals)
+            return None
+        if self._seg_views is None or self._seg_views[0] is not seg:
+            self._seg_views = (seg, slots_matrix([v.ring for v in seg.slot]),
+                               slots_matrix([v.hist for v in seg.slot]))
+        return self._seg_views
 
     # -- scraping ---------------------------------------------------------------------------
     def describe(self) -> Iterable[Metric]:
@@ -394,12 +449,12 @@ class SidecarCollector(Collector):
 
     def _snapshot(self, now: float) -> dict[str, Any]:
         sc = self._sc
-        seg = sc.seg
+        views = self._views()
         s: dict[str, Any] = {"ready": self._is_ready(), "counts": {}}
-        if seg is not None:
-            hist = np.stack([v.hist for v in seg.slot])
+        if views is not None:
+            seg, _rings, hists = views
             st = seg.stats
-            cur = np.column_stack([hist.astype(np.int64)] +
+            cur = np.column_stack([hists.astype(np.int64)] +
                                   [st[name].astype(np.int64) for name in _STATS_NAMES])
             self._client.update(cur)
             slots = seg.slots
@@ -441,7 +496,7 @@ class SidecarCollector(Collector):
             "End-to-end latency of completed requests as callers see it (call -> result, including "
             "the wait for a slot), from every slot's client stats in shared memory.")
         if g:
-            h.add_metric([], cumulative_buckets(s["client_hist"], _LAT_BOUNDS_S), s["lat_sum_ns"] / 1e9)
+            h.add_metric([], cumulative_buckets(s["client_hist"], _LAT_LE), s["lat_sum_ns"] / 1e9)
         yield h
         q = GaugeMetricFamily("kalos_recall_latency_quantile_seconds",
                               "End-to-end latency quantiles (nearest rank) over the sliding window "
@@ -468,7 +523,7 @@ class SidecarCollector(Collector):
             sh = HistogramMetricFamily(name, doc)
             if g:
                 agg = self._stages
-                sh.add_metric([], cumulative_buckets(agg.hist[stage], _STAGE_BOUNDS_S),
+                sh.add_metric([], cumulative_buckets(agg.hist[stage], _STAGE_LE),
                               agg.sums_ns[stage] / 1e9)
                 for qq, v in zip(QUANTILES, s["stage_q"][stage]):
                     sq.add_metric([stage, floatToGoString(qq)], v / 1e9)
@@ -483,7 +538,7 @@ class SidecarCollector(Collector):
         yield ws
         bs = HistogramMetricFamily("kalos_batch_size", "Requests per batch served by the sidecar.")
         if g:
-            bs.add_metric([], cumulative_buckets(self._stages.batch_size, BATCH_SIZE_BOUNDS),
+            bs.add_metric([], cumulative_buckets(self._stages.batch_size, _BATCH_LE),
                           float(self._stages.batch_size_sum))
         yield bs
         # Counters of the serving loop.
@@ -568,6 +623,65 @@ class SidecarCollector(Collector):
 
 # --------------------------------------------------------------------------- HTTP
 
+_TEXT_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
+               "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def _float_text(v: float) -> str:
+    if v != v:
+        return "NaN"
+    if v in (math.inf, -math.inf):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def _label_text(v: str) -> str:
+    if "\\" in v or "\n" in v or '"' in v:
+        v = v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    return v
+
+
+def encode_text(registry: Collector) -> bytes:
+    """The Prometheus text format (0.0.4) of ``registry``, as ``prometheus_client``'s
+    ``generate_latest`` writes it, without its per-sample name validation: a scrape holds the
+    sidecar's GIL several times shorter (the serving thread waits for it meanwhile). Names come
+    from our own collectors; label values are escaped."""
+    out: list[str] = []
+    for metric in registry.collect():
+        mname, mtype = metric.name, metric.type
+        if mtype == "counter":
+            mname += "_total"
+        elif mtype == "info":
+            mname += "_info"
+        doc = metric.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+        out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {_TEXT_TYPES.get(mtype, 'untyped')}\n")
+        extra: dict[str, list[str]] = {}
+        for s in metric.samples:
+            if s.labels:
+                labels = ",".join(f'{k}="{_label_text(v)}"' for k, v in sorted(s.labels.items()))
+                line = f"{s.name}{{{labels}}} {_float_text(s.value)}"
+            else:
+                line = f"{s.name} {_float_text(s.value)}"
+            if s.timestamp is not None:
+                line += f" {int(float(s.timestamp) * 1000):d}"
+            suffix = s.name[len(metric.name):]
+            if suffix in ("_created", "_gsum", "_gcount"):  # OpenMetrics-only: gauges of their own
+                extra.setdefault(suffix, []).append(line + "\n")
+            else:
+                out.append(line + "\n")
+        for suffix, lines in sorted(extra.items()):
+            out.append(f"# HELP {metric.name}{suffix} {doc}\n# TYPE {metric.name}{suffix} gauge\n")
+            out.extend(lines)
+    return "".join(out).encode()
+
+
+def _wants_openmetrics_only(accept: str) -> bool:
+    """Serve the text format to anyone who accepts it (Prometheus does, next to OpenMetrics)."""
+    a = accept.lower()
+    return bool(a) and "text/plain" not in a and "*/*" not in a
+
+
 class _Handler(BaseHTTPRequestHandler):
     server: _HTTPServer
     protocol_version = "HTTP/1.1"
@@ -584,8 +698,12 @@ class _Handler(BaseHTTPRequestHandler):
         owner = self.server.owner
         if path == "/metrics":
             try:
-                encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
-                payload = encoder(owner.registry)
+                accept = self.headers.get("Accept", "")
+                if _wants_openmetrics_only(accept):
+                    encoder, ctype = choose_encoder(accept)
+                    payload = encoder(owner.registry)
+                else:
+                    ctype, payload = TEXT_CONTENT_TYPE, encode_text(owner.registry)
                 status = 200
             except Exception:  # a broken collector must not kill the endpoint
                 log.exception("collecting metrics failed")
@@ -627,7 +745,7 @@ class MetricsServer:
     """
 
     def __init__(self, sidecar: Any, host: str = "127.0.0.1", port: int = 9464,
-                 registry: CollectorRegistry | None = None, *, harvest_interval_s: float = 0.25,
+                 registry: CollectorRegistry | None = None, *, harvest_interval_s: float = 0.1,
                  window_s: float = 60.0, window_samples: int = 20_000, namespace_labels: int = 10) -> None:
         self.sidecar = sidecar
         self.host = host
@@ -714,7 +832,8 @@ class MetricsServer:
 
 
 __all__ = [
-    "MetricsServer", "SidecarCollector", "MonotonicTotals", "SlidingWindow", "StageAggregator",
-    "bucket_counts", "cumulative_buckets", "nearest_rank_quantiles", "ring_take", "top_namespaces",
+    "MetricsServer", "SidecarCollector", "encode_text", "MonotonicTotals", "SlidingWindow", "StageAggregator",
+    "bucket_counts", "cumulative_buckets", "nearest_rank_quantiles", "ring_take", "ring_take_all",
+    "slots_matrix", "top_namespaces",
     "QUANTILES", "STAGE_BOUNDS_NS", "BATCH_SIZE_BOUNDS", "OTHER_NAMESPACES",
 ]

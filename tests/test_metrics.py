@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
@@ -33,8 +33,8 @@ from broker.top import Scrape, compute_view, fetch, parse_metrics, render, run_t
 from clients import RecallPool
 from sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
-    SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, nearest_rank_quantiles,
-    ring_take, top_namespaces,
+    SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
+    ring_take, ring_take_all, slots_matrix, top_namespaces,
 )
 from sidecar_cuda.objects import cleanup
 from sidecar_cuda.stats import BatchRecord, SidecarStats
@@ -188,6 +188,41 @@ def test_ring_take_never_returns_a_value_twice_or_a_wrong_one(rng):
     assert set(got) <= set(w.values)
 
 
+def test_ring_take_all_equals_ring_take_slot_by_slot(rng):
+    n_slots, n = 5, 16
+    writers = [RingWriter(n) for _ in range(n_slots)]
+    last = np.zeros(n_slots, np.int64)
+    for step in range(500):
+        for w in writers:
+            if rng.random() < 0.05:  # a new owner from zero
+                w.ring[:] = 0
+                w.count = 0
+            for _ in range(int(rng.integers(0, 2 * n))):
+                w.write(int(rng.integers(1, 1 << 30)))
+        count = np.array([w.count for w in writers], np.int64)
+        after = count + rng.integers(0, 3, n_slots) * (rng.random(n_slots) < 0.2)  # writers racing
+        rings = np.stack([w.ring for w in writers])
+        vals, new_last, lost = ring_take_all(rings, last, count, after)
+        want, want_lost = [], 0
+        for i, w in enumerate(writers):
+            v, l_i, lo_i = ring_take(w.ring, int(last[i]), int(count[i]), int(after[i]))
+            want.extend(v.tolist())
+            want_lost += lo_i
+            assert new_last[i] == l_i
+        assert vals.tolist() == want and lost == want_lost, step
+        last = new_last
+
+
+def test_slots_matrix_views_every_slot_without_copying():
+    sc = fake_sidecar(n_slots=5)
+    rings = slots_matrix([v.ring for v in sc.seg.slot])
+    sc.seg.slot[3].ring[7] = 1234
+    assert rings.shape == (5, RING_LEN) and rings[3, 7] == 1234
+    assert slots_matrix([sc.seg.slot[0].hist]).shape == (1, len(LATENCY_BOUNDS_NS) + 1)
+    with pytest.raises(ValueError):
+        slots_matrix([sc.seg.slot[0].ring, sc.seg.slot[1].ring, sc.seg.slot[4].ring])
+
+
 def test_nearest_rank_quantiles_follow_the_definition(rng):
     for n in (1, 2, 3, 10, 99, 1000):
         x = rng.integers(0, 10_000, n)
@@ -234,15 +269,20 @@ def test_top_namespaces_bound_the_label_set(rng):
 def test_stage_aggregator_derives_service_time():
     agg = StageAggregator(60.0, 1000)
     recs = [
-        (BatchRecord(size=2, compute_ns=30_000, queue_ns=[10_000, 20_000], t_pick_ns=1_000_000), 1_050_000),
-        (BatchRecord(size=1, compute_ns=7_000, queue_ns=[3_000]), 0),  # no pick time: queue + compute
+        # posted at 990_000 and 980_000, picked at 1_000_000, results written at 1_040_000
+        (BatchRecord(size=2, compute_ns=30_000, t_post_ns=[990_000, 980_000], t_pick_ns=1_000_000,
+                     t_done_ns=1_040_000), 1_090_000),
+        # no done time: until the observer ran
+        (BatchRecord(size=1, compute_ns=5_000, queue_ns=[1_000], t_pick_ns=2_000_000), 2_008_000),
+        # no pick time either: queue + compute
+        (BatchRecord(size=1, compute_ns=7_000, queue_ns=[3_000]), 0),
     ]
     agg.add(recs, now=1.0)
-    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [3_000, 10_000, 20_000]
-    assert sorted(agg.windows["service"].values(1.0).tolist()) == [10_000, 60_000, 70_000]
-    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [7_000, 30_000]
-    assert agg.hist["service"].sum() == 3 and agg.sums_ns["service"] == 140_000
-    assert agg.batch_size.sum() == 2 and agg.batch_size_sum == 3
+    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 3_000, 10_000, 20_000]
+    assert sorted(agg.windows["service"].values(1.0).tolist()) == [9_000, 10_000, 50_000, 60_000]
+    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [5_000, 7_000, 30_000]
+    assert agg.hist["service"].sum() == 4 and agg.sums_ns["service"] == 129_000
+    assert agg.batch_size.sum() == 3 and agg.batch_size_sum == 4
 
 
 # --------------------------------------------------------------------------- the collector
@@ -403,6 +443,36 @@ def test_collector_before_the_segment_exists():
     assert sample(reg, "kalos_slots_leased") is None
 
 
+def _parsed(text: bytes) -> list[tuple[str, str, tuple[tuple[str, str], ...], float | str]]:
+    out = []
+    for fam in text_string_to_metric_families(text.decode()):
+        for smp in fam.samples:
+            v = "NaN" if math.isnan(smp.value) else smp.value
+            out.append((fam.type, smp.name, tuple(sorted(smp.labels.items())), v))
+    return sorted(out)
+
+
+def test_encode_text_equals_prometheus_client_generate_latest(rng):
+    sc = fake_sidecar(n_slots=3, counts={'we"ird\\ns\nname': 5, "b": 7})
+    reg = CollectorRegistry()
+    col = SidecarCollector(sc)
+    reg.register(col)
+    for v in rng.integers(1_000, 10_000_000, 300).tolist():
+        client_record(sc.seg, int(v) % 3, int(v))
+    Counter("plain_events", "A standard counter (has _created).", ["kind"], registry=reg).labels("a").inc(3)
+    Gauge("plain_gauge", "Line one\nline two \\ backslash.", registry=reg).set(float("inf"))
+    Histogram("plain_seconds", "Standard histogram.", registry=reg).observe(0.25)
+    Info("plain_build", "Info.", registry=reg).info({"version": "1.2"})
+    fast, ref = encode_text(reg), generate_latest(reg)
+    pf, pr = _parsed(fast), _parsed(ref)
+    drop = {"kalos_uptime_seconds"}  # moves between the two calls
+    assert [x for x in pf if x[1] not in drop] == [x for x in pr if x[1] not in drop]
+    assert len(pf) > 200
+    # the same HELP/TYPE lines, in the same order
+    assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == \
+           [ln for ln in ref.decode().splitlines() if ln.startswith("#")]
+
+
 # --------------------------------------------------------------------------- HTTP endpoint
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
@@ -432,6 +502,15 @@ def test_metrics_server_endpoints_and_readiness():
         assert {"kalos_recall_latency_seconds", "kalos_ready", "kalos_batch_size"} <= names
         assert "process_cpu_seconds" not in names  # the caller's registry: nothing added to it
         assert http_get(srv.url + "/nope")[0] == 404
+        om = urllib.request.Request(srv.url + "/metrics",
+                                    headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        with urllib.request.urlopen(om, timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+            assert r.read().decode().endswith("# EOF\n")
+        prom = urllib.request.Request(srv.url + "/metrics", headers={"Accept": (
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")})
+        with urllib.request.urlopen(prom, timeout=5) as r:
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         with pytest.raises(ConfigError):
             MetricsServer(sc, "127.0.0.1", srv.port, registry=CollectorRegistry()).start()
         assert srv.collector.observe_batch in sc.stats.observers
