@@ -1,0 +1,259 @@
+"""The CUDA backend against a numpy float64 reference, on fresh random data (seeds are printed).
+
+Skipped at collection, with the reason, where CuPy or a CUDA device is missing (CI has neither):
+``sidecar_cuda.cupy_backend`` imports without CuPy and ``cuda_available()`` says why.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from broker.errors import ClosedError
+from broker.layout import Metric
+from sidecar_cuda.backend import prepare_queries, prepare_rows
+from sidecar_cuda.cupy_backend import MAX_K, WARP_K, cuda_available
+from sidecar_cuda.numpy_backend import NumpyBackend
+from sidecar_cuda.store import Namespace
+
+_WHY = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+
+DTYPES = ("float32", "float16", "bfloat16")
+METRICS = (Metric.DOT, Metric.COSINE, Metric.L2)
+# Tolerance relative to a score's scale (|q||x| for dot/cosine, (|q| + |x|)^2 for l2): float32
+# accumulation, or the storage dtype's rounding of rows (and of queries on the GEMM path), 3 units.
+REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
+
+
+@pytest.fixture(scope="module", params=DTYPES)
+def backend(request):
+    from sidecar_cuda.cupy_backend import CupyBackend
+
+    be = CupyBackend(storage_dtype=request.param)
+    yield be
+    be.close()
+
+
+def reference(q: np.ndarray, x: np.ndarray, metric: Metric) -> np.ndarray:
+    """Float64 scores (B, n) of prepared queries against prepared rows."""
+    q64, x64 = q.astype(np.float64), x.astype(np.float64)
+    dots = q64 @ x64.T
+    if metric == Metric.L2:
+        return 2.0 * dots - (x64 * x64).sum(1)[None, :] - (q64 * q64).sum(1)[:, None]
+    return dots
+
+
+def check(q: np.ndarray, x: np.ndarray, metric: Metric, k: int, rows: np.ndarray,
+          scores: np.ndarray, dtype: str, what: str) -> None:
+    """Same index sets up to ties, compared by score; scores within the dtype's tolerance."""
+    ref = reference(q, x, metric)
+    b, n = ref.shape
+    kk = min(k, n)
+    assert rows.shape == (b, kk) and scores.shape == (b, kk), (what, rows.shape, scores.shape)
+    assert rows.dtype == np.int64 and scores.dtype == np.float32, what
+    qn = np.linalg.norm(q.astype(np.float64), axis=1)
+    xn = np.linalg.norm(x.astype(np.float64), axis=1).max()
+    scale = (qn + xn) ** 2 if metric == Metric.L2 else qn * xn
+    tol = REL_TOL[dtype] * scale + 1e-6
+    kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
+    for i in range(b):
+        r = rows[i]
+        assert ((r >= 0) & (r < n)).all(), f"{what}: row out of range in query {i}: {r}"
+        assert len(np.unique(r)) == kk, f"{what}: duplicate rows in query {i}"
+        true = ref[i, r]
+        bad = true < kth[i] - tol[i]
+        assert not bad.any(), (f"{what}: query {i} got rows outside the top-{kk}: scores "
+                               f"{true[bad]} < k-th {kth[i]} - tol {tol[i]}")
+        err = np.abs(scores[i].astype(np.float64) - true)
+        assert (err <= tol[i]).all(), f"{what}: query {i} score error {err.max()} > {tol[i]}"
+        assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted best first"
+
+
+def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to the storage dtype (round to nearest even), as float32."""
+    if dtype == "float16":
+        return x.astype(np.float16).astype(np.float32)
+    if dtype == "bfloat16":
+        u = x.astype(np.float32).view(np.uint32)
+        u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+        return u.view(np.float32)
+    return x.astype(np.float32)
+
+
+def fill(backend, rng, n: int, d: int, metric: Metric, capacity: int | None = None):
+    x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
+    m = backend.new_matrix(d, capacity or n, metric)
+    for lo in range(0, n, 65536):  # the sidecar writes in chunks too
+        m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo:lo + 65536])
+    return m, x
+
+
+def queries(rng, b: int, d: int, metric: Metric) -> np.ndarray:
+    return np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
+
+
+# (n, d, k, batch): n < k, n not a multiple of any tile, d = 1, 3, 1536, k = 1 and 1024, batches
+# that take the fused path (one block, many blocks, several query tiles) and the GEMM path.
+SHAPES = [
+    (1, 3, 1, 1), (5, 1, 10, 3), (7, 3, 1024, 2), (256, 128, 10, 1), (256, 128, 10, 37),
+    (1000, 3, 32, 5), (3001, 1536, 7, 2), (4097, 128, 1024, 2), (777, 64, 1024, 3),
+    (20000, 96, 33, 9), (50021, 128, 10, 1), (50021, 128, 16, 70), (30011, 256, 100, 17),
+    (65537, 1, 5, 4),
+]
+
+
+@pytest.mark.parametrize("metric", METRICS, ids=lambda m: m.name.lower())
+@pytest.mark.parametrize("n,d,k,b", SHAPES)
+def test_search_matches_float64(backend, rng, metric, n, d, k, b):
+    m, x = fill(backend, rng, n, d, metric)
+    q = queries(rng, b, d, metric)
+    what = f"{backend.storage_dtype} {metric.name} n={n} d={d} k={k} b={b}"
+    rows, scores = m.search(q, n, k)
+    check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " auto")
+    # Both paths, whichever the planner picked.
+    if k <= WARP_K:
+        rows, scores = backend.search(m, q, n, k, path="small")
+        check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " fused")
+    rows, scores = backend.search(m, q, n, k, path="gemm")
+    check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemm")
+
+
+def test_large_matrix_d768(backend, rng):
+    n, d = 100_003, 768
+    m, x = fill(backend, rng, n, d, Metric.DOT)
+    for b, k in ((1, 10), (8, 10), (64, 10), (3, 1024)):
+        q = queries(rng, b, d, Metric.DOT)
+        rows, scores = m.search(q, n, k)
+        check(q, x, Metric.DOT, k, rows, scores, backend.storage_dtype, f"100k x 768 b={b} k={k}")
+
+
+def test_graph_replays_follow_n_b_k(backend, rng):
+    """One captured graph serves requests of other n, batch sizes and k: nothing is baked in."""
+    n, d = 40_000, 64
+    m, x = fill(backend, rng, n, d, Metric.L2)
+    for trial in range(30):
+        b = int(rng.integers(1, 9))
+        k = int(rng.integers(1, WARP_K + 1))
+        nn = int(rng.integers(1, n + 1)) if trial % 3 else n
+        q = queries(rng, b, d, Metric.L2)
+        rows, scores = m.search(q, nn, k)
+        check(q, x[:nn], Metric.L2, k, rows, scores, backend.storage_dtype, f"trial {trial}")
+
+
+def test_without_graphs(rng):
+    from sidecar_cuda.cupy_backend import CupyBackend
+
+    be = CupyBackend(storage_dtype="float16", use_graphs=False)
+    try:
+        m, x = fill(be, rng, 30_000, 128, Metric.DOT)
+        for b in (1, 5, 30):
+            q = queries(rng, b, 128, Metric.DOT)
+            rows, scores = m.search(q, 30_000, 10)
+            check(q, x, Metric.DOT, 10, rows, scores, "float16", f"no graphs b={b}")
+    finally:
+        be.close()
+
+
+def test_ties_and_adversarial_order(backend, rng):
+    """Duplicate rows (ties) and rows sorted worst-first for the query (every row beats the
+    running threshold): still exact, no duplicate indices."""
+    d = 32
+    base = rng.standard_normal((50, d), dtype=np.float32)
+    x = np.repeat(base, 40, axis=0)  # 2000 rows, every score 40 times
+    q = queries(rng, 3, d, Metric.DOT)
+    order = np.argsort(x @ q[0])  # ascending for query 0
+    x = np.ascontiguousarray(x[order])
+    m = backend.new_matrix(d, len(x), Metric.DOT)
+    m.write_rows(np.arange(len(x)), x)
+    for k in (1, 10, 32, 100, MAX_K):
+        for path in ("small", "gemm") if k <= WARP_K else ("gemm",):
+            rows, scores = backend.search(m, q, len(x), k, path=path)
+            check(q, x, Metric.DOT, k, rows, scores, backend.storage_dtype, f"ties k={k} {path}")
+
+
+def test_writes_moves_grow_then_search(backend, rng):
+    """write_rows / move_rows / grow, then search equals the reference on a host mirror."""
+    d, metric = 48, Metric.L2
+    m = backend.new_matrix(d, 100, metric)
+    mirror = np.zeros((100, d), np.float32)
+    v = rng.standard_normal((80, d), dtype=np.float32)
+    m.write_rows(np.arange(80), v)
+    mirror[:80] = v
+    m.grow(300)
+    assert m.capacity == 300
+    mirror = np.vstack([mirror, np.zeros((200, d), np.float32)])
+    v = rng.standard_normal((170, d), dtype=np.float32)
+    m.write_rows(np.arange(80, 250), v)
+    mirror[80:250] = v
+    upd = rng.choice(250, 40, replace=False)  # overwrite in place
+    v = rng.standard_normal((40, d), dtype=np.float32)
+    m.write_rows(upd, v)
+    mirror[upd] = v
+    src, dst = np.arange(200, 250), rng.choice(200, 50, replace=False)  # compaction-like moves
+    m.move_rows(src, dst)
+    mirror[dst] = mirror[src]
+    n = 200
+    np.testing.assert_array_equal(m.read_rows(np.arange(n)), rounded(mirror[:n], backend.storage_dtype))
+    for b, k in ((1, 5), (6, 32), (20, 50)):
+        q = queries(rng, b, d, metric)
+        rows, scores = m.search(q, n, k)
+        check(q, mirror[:n], metric, k, rows, scores, backend.storage_dtype, f"after writes b={b} k={k}")
+
+
+def test_namespace_ops_match_numpy_backend(backend, rng):
+    """Upserts, replacements and deletes through store.Namespace (the sidecar's code path) give
+    the same answers (by score) on the CUDA and numpy backends."""
+    d = 40
+    gpu = Namespace("t", backend, d, Metric.COSINE, capacity=16)
+    cpu = Namespace("t", NumpyBackend(), d, Metric.COSINE, capacity=16)
+    for step in range(12):
+        ids = rng.integers(0, 3000, size=int(rng.integers(1, 400)))
+        vecs = rng.standard_normal((len(ids), d), dtype=np.float32)
+        gpu.upsert(ids, vecs, None)
+        cpu.upsert(ids, vecs, None)
+        if step % 3 == 2:
+            dele = rng.integers(0, 3000, size=300)
+            assert gpu.delete(dele) == cpu.delete(dele)
+        assert gpu.n == cpu.n and gpu.id_row == cpu.id_row
+        if cpu.n == 0:
+            continue
+        q = rng.standard_normal((4, d), dtype=np.float32)
+        k = int(rng.integers(1, 60))
+        ids_g, sc_g = gpu.search(q, k)
+        ids_c, sc_c = cpu.search(q, k)
+        assert ids_g.shape == ids_c.shape
+        x = cpu.matrix.data[: cpu.n]  # the reference rows, already normalised
+        rows_g = np.array([[cpu.id_row[int(i)] for i in r] for r in ids_g])
+        check(prepare_queries(q, Metric.COSINE), x, Metric.COSINE, k, rows_g, sc_g,
+              backend.storage_dtype, f"namespace step {step}")
+
+
+def test_pinned_host_buffer_is_used_in_place(backend, rng):
+    d = 128
+    m, x = fill(backend, rng, 5000, d, Metric.DOT)
+    buf = backend.host_buffer((64, d), np.float32)
+    buf[:] = rng.standard_normal((64, d), dtype=np.float32)
+    assert backend._pinned_address(buf[:40]) is not None
+    rows, scores = backend.search(m, buf[:40], 5000, 10, path="gemm")
+    check(buf[:40], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, "pinned staging")
+
+
+def test_bad_arguments_and_close(rng):
+    from sidecar_cuda.cupy_backend import CupyBackend
+
+    be = CupyBackend(storage_dtype="float32")
+    m, _x = fill(be, rng, 100, 8, Metric.DOT)
+    with pytest.raises(ValueError):
+        m.search(np.zeros((1, 9), np.float32), 100, 5)
+    with pytest.raises(ValueError):
+        m.search(np.zeros((1, 8), np.float32), 100, MAX_K + 1)
+    with pytest.raises(IndexError):
+        m.write_rows(np.array([100]), np.zeros((1, 8), np.float32))
+    rows, scores = m.search(np.ones((2, 8), np.float32), 0, 5)
+    assert rows.shape == (2, 0) and scores.shape == (2, 0)
+    be.close()
+    be.close()  # twice is fine
+    with pytest.raises(ClosedError):
+        m.search(np.ones((1, 8), np.float32), 100, 5)
