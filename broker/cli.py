@@ -151,8 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
     s.add_argument("--ephemeral", action="store_true", help="keep memories in memory only")
     s.add_argument("--payload-limit", type=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
-    s.add_argument("--spin-us", type=float, default=50.0,
-                   help="after a batch, poll the doorbell this long before blocking (default: 50)")
+    s.add_argument("--spin-us", type=float, default=250.0,
+                   help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
     s.add_argument("--random-rows", type=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     s.add_argument("--seed", type=int, default=0, help="seed of --random-rows")
     s.add_argument("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")

@@ -51,7 +51,7 @@ class ServeConfig:
     metric: str = "dot"
     device: int = 0
     data_dir: str | None = None  # None: ephemeral (in memory only)
-    spin_us: float = 50.0
+    spin_us: float = 250.0
     random_rows: int = 0
     seed: int = 0
     load_npy: str | None = None
