@@ -356,3 +356,14 @@ def test_export_import_round_trip(sidecar_factory, tmp_path, rng):
 
 
 del json, wait_until
+
+
+def test_cli_lists_namespaces(sidecar_factory, capsys):
+    from broker.cli import main as kalos
+
+    h = sidecar_factory("cli", "--dim", "4", "--backend", "numpy")
+    with RecallClient(h.name) as c:
+        c.upsert([1, 2, 3], np.eye(3, 4, dtype=np.float32), namespace="agent-42")
+    assert kalos(["namespaces", "--name", h.name]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert "agent-42\t3" in out and "default\t0" in out
