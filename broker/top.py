@@ -170,37 +170,40 @@ def _uptime(s: float | None) -> str:
     if s is None:
         return "-"
     s = int(s)
-    return f"{s // 86400}d {s % 86400 // 3600:02d}:{s % 3600 // 60:02d}:{s % 60:02d}"
+    d, h, m = s // 86400, s % 86400 // 3600, s % 3600 // 60
+    return f"{d}d{h:02d}h" if d else f"{h}h{m:02d}m" if h else f"{m}m{s % 60:02d}s"
 
 
 def render(v: TopView, url: str = "") -> RenderableType:
     info = v.info
     head = Text()
     head.append(f"kalos top  {url}\n", style="bold")
-    head.append(f"broker {info.get('broker', '?')}  backend {info.get('description', '?')}  "
-                f"dim {info.get('dim', '?')} {info.get('dtype', '')} {info.get('metric', '')}  ")
     head.append("READY" if v.ready else "NOT READY", style="green" if v.ready else "red")
-    head.append(f"  up {_uptime(v.uptime_s)}")
+    head.append(f"  up {_uptime(v.uptime_s)}  broker {info.get('broker', '?')}  "
+                f"{info.get('description', '?')}  dim {info.get('dim', '?')} {info.get('dtype', '')} "
+                f"{info.get('metric', '')}")
 
-    load = Table(title="load", title_justify="left", show_header=True, box=None, pad_edge=False)
-    for col in ("slots in flight", "leased", "total", "recalls/s (callers)", "served/s", "batches/s",
-                "batch mean", "batch p50 ≤", "batch max ≤"):
-        load.add_column(col, justify="right")
-    load.add_row(_num(v.in_flight), _num(v.leased), _num(v.slots), _num(v.completed_per_s),
-                 _num(v.served_per_s), _num(v.batches_per_s), _num(v.batch_mean, "{:.2f}"),
-                 _num(v.batch_p50_le), _num(v.batch_max_le))
+    load = Table.grid(padding=(0, 2))
+    for _ in range(4):
+        load.add_column(justify="right")
+    load.add_row("slots", f"{_num(v.in_flight)} in flight", f"{_num(v.leased)} leased",
+                 f"{_num(v.slots)} total")
+    load.add_row("throughput", f"{_num(v.completed_per_s)} recalls/s", f"{_num(v.served_per_s)} served/s",
+                 f"{_num(v.batches_per_s)} batches/s")
+    load.add_row("batch size", f"mean {_num(v.batch_mean, '{:.2f}')}", f"p50 ≤ {_num(v.batch_p50_le)}",
+                 f"max ≤ {_num(v.batch_max_le)}")
 
     lat = Table(title=f"latency (window: {_num(v.window_samples)} recent requests)",
                 title_justify="left", box=None, pad_edge=False)
     lat.add_column("")
-    for q in ("P50", "P95", "P99"):
-        lat.add_column(q, justify="right")
+    for col in ("P50", "P95", "P99"):
+        lat.add_column(col, justify="right")
     keys = ("0.5", "0.95", "0.99")
     lat.add_row("end to end (callers)", *(_dur(v.e2e_q.get(k)) for k in keys))
     for stage, label in (("queue_wait", "sidecar queue wait"), ("compute", "batch compute"),
                          ("service", "sidecar service")):
-        q = v.stage_q.get(stage, {})
-        lat.add_row(label, *(_dur(q.get(k)) for k in keys))
+        sq = v.stage_q.get(stage, {})
+        lat.add_row(label, *(_dur(sq.get(k)) for k in keys))
 
     err = Table(title="errors", title_justify="left", box=None, pad_edge=False)
     err.add_column("kind")

@@ -487,9 +487,10 @@ class SidecarCollector(Collector):
         return bool(self._sc.ready and seg is not None
                     and int(seg.header["state"]) == SidecarState.READY)
 
-    def _families(self, s: dict[str, Any] | None) -> Iterator[Metric]:
+    def _families(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
         """Every metric family; without a snapshot, empty ones (for ``describe``)."""
-        g = s is not None
+        g = snap is not None
+        s: dict[str, Any] = snap if snap is not None else {}
         # End to end, as callers see it.
         h = HistogramMetricFamily(
             "kalos_recall_latency_seconds",
