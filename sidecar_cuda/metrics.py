@@ -329,12 +329,30 @@ class StageAggregator:
         n = len(stamped)
         sizes = np.fromiter((r.size for r, _t in stamped), np.int64, n)
         compute = np.fromiter((r.compute_ns for r, _t in stamped), np.int64, n)
-        queues = [np.asarray(r.queue_ns, np.int64) for r, _t in stamped]
-        lens = np.fromiter((len(q) for q in queues), np.int64, n)
-        after_pick = np.fromiter((_after_pick_ns(r, t_obs) for r, t_obs in stamped), np.int64, n)
-        queue = np.concatenate(queues)
-        service = np.maximum(queue + np.repeat(np.maximum(after_pick, 0), lens), 0)
-        queue = np.maximum(queue, 0)
+        # Records with posting and pick-up times (what serve_pending gives) are done in a few numpy
+        # calls for all of them; others one by one.
+        posts: list[Any] = []
+        picks: list[int] = []
+        ends: list[int] = []
+        queue_parts: list[np.ndarray] = []
+        service_parts: list[np.ndarray] = []
+        for r, t_obs in stamped:
+            t_post, t_pick = getattr(r, "t_post_ns", None), getattr(r, "t_pick_ns", 0)
+            if t_post is not None and t_pick:
+                posts.append(t_post)
+                picks.append(t_pick)
+                ends.append(getattr(r, "t_done_ns", 0) or t_obs)
+            else:
+                q = np.asarray(r.queue_ns, np.int64)
+                queue_parts.append(q)
+                service_parts.append(q + max(_after_pick_ns(r, t_obs), 0))
+        if posts:
+            lens = np.fromiter(map(len, posts), np.int64, len(posts))
+            post = np.concatenate(posts).astype(np.int64)
+            queue_parts.append(np.repeat(np.asarray(picks, np.int64), lens) - post)
+            service_parts.append(np.repeat(np.asarray(ends, np.int64), lens) - post)
+        queue = np.maximum(np.concatenate(queue_parts), 0)
+        service = np.maximum(np.concatenate(service_parts), 0)
         for stage, vals in (("queue_wait", queue), ("compute", compute), ("service", service)):
             self.hist[stage] += bucket_counts(vals, STAGE_BOUNDS_NS)
             self.sums_ns[stage] += int(vals.sum())
