@@ -52,6 +52,12 @@ tests() {
     --timeout 300 2>&1 | tee "$OUT/pytest-gpu.log" | tail -40
 }
 
+# GPU clocks and load once a second while we work (a latency benchmark of short kernels may run
+# at idle clocks); stopped by its own pid at the end.
+nvidia-smi dmon -s pucm -d 1 >"$OUT/dmon.log" 2>&1 &
+DMON=$!
+trap 'kill $DMON 2>/dev/null' EXIT
+
 case "$MODE" in
   check)
     smoke

@@ -94,6 +94,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+# Batch size -> queries per block of the fused kernel (the smallest QT >= b).
+_QT_FOR = {b: next(q for q in SMALL_QT if q >= b) for b in range(1, SMALL_QT[-1] + 1)}
+
+
+def _bucket(b: int) -> str:
+    return "1" if b == 1 else "2-8" if b <= 8 else "9-64" if b <= 64 else "65-512" if b <= 512 else ">512"
+
+
 class _Buffer:
     """A growable device or pinned-host buffer of raw bytes."""
 
@@ -104,6 +112,7 @@ class _Buffer:
         self.nbytes = 0
         self.mem: Any = None
         self.ptr = 0
+        self._views: dict[tuple[Any, int], np.ndarray] = {}
 
     def ensure(self, nbytes: int) -> bool:
         """Make room for ``nbytes``; True if the buffer moved (graphs that use it are stale).
@@ -120,11 +129,18 @@ class _Buffer:
                 self.mem.memset_async(0, size, self._stream)
         self.ptr = int(self.mem.ptr)
         self.nbytes = size
+        self._views.clear()
         return True
 
     def view(self, dtype: Any, count: int, offset: int = 0) -> np.ndarray:
-        assert self.pinned
-        return np.frombuffer(self.mem, dtype, count, offset)
+        """The first ``count`` items of type ``dtype`` from byte ``offset`` (pinned buffers)."""
+        key = (dtype, offset)
+        v = self._views.get(key)
+        if v is None:
+            itemsize = np.dtype(dtype).itemsize
+            v = self._views[key] = np.frombuffer(self.mem, dtype, (self.nbytes - offset) // itemsize,
+                                                 offset)
+        return v[:count]
 
 
 class CupyBackend:
@@ -208,6 +224,7 @@ class CupyBackend:
             self._occupancy: dict[tuple[int, int], int] = {}
             self._pinned: list[tuple[int, int, Any]] = []
             self._buffers_epoch = 0
+            self.search_stats: dict[tuple[str, str], list[int]] = {}
             self._stream.synchronize()
         except ConfigError:
             raise
@@ -239,6 +256,7 @@ class CupyBackend:
         if self._closed:
             return
         self._closed = True
+        log.info("CUDA backend searches: %s", self.stats_line())
         try:
             self._stream.synchronize()
         except Exception:
@@ -309,10 +327,17 @@ class CupyBackend:
         warps = BLOCK // 32
         return 4 * (qt * dpad + qt) + warps * qt * 32 * 8 + 16
 
+    def stats_line(self) -> str:
+        """Searches served and mean wall time (staging, launch, wait, results) per path and batch
+        size, in microseconds."""
+        parts = [f"{p}/{bk}: {c} x {ns / c / 1e3:.1f} us"
+                 for (p, bk), (c, ns) in sorted(self.search_stats.items()) if c]
+        return "; ".join(parts) or "no searches"
+
     def _plan(self, b: int, n: int, k: int, dpad: int) -> tuple[str, int]:
         """("small", QT) or ("gemm", 0) for a batch of b queries."""
         if k <= WARP_K and (b <= self.small_batch_max or n * b <= self.small_work_max):
-            qt = next((q for q in SMALL_QT if q >= b), SMALL_QT[-1])
+            qt = _QT_FOR[min(b, SMALL_QT[-1])]
             while qt > 1 and self.small_smem(qt, dpad) > self._smem_optin:
                 qt //= 2
             if self.small_smem(qt, dpad) <= self._smem_optin:
@@ -341,16 +366,25 @@ class CupyBackend:
         elif path == "small":
             if k > WARP_K:
                 raise ValueError("the fused path serves k <= 32")
-            qt = next((x for x in SMALL_QT if x >= b), SMALL_QT[-1])
-        with self._guard("search"):
+            qt = _QT_FOR[min(b, SMALL_QT[-1])]
+        t0 = time.perf_counter_ns()
+        try:
             self._ensure(self._h_out, 8 * b * kk)
             if path == "small":
                 self._search_small(m, q, n, k, qt)
             else:
                 self._search_gemm(m, q, n, k, kk)
             self._wait()
-            rows = self._h_out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
-            scores = self._h_out.view(np.float32, b * kk, 4 * b * kk).reshape(b, kk).copy()
+            out = self._h_out
+            rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
+            scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
+        except (KalosError, ValueError, IndexError, TypeError):
+            raise
+        except Exception as e:
+            raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+        st = self.search_stats.setdefault((path, _bucket(b)), [0, 0])
+        st[0] += 1
+        st[1] += time.perf_counter_ns() - t0
         return rows, scores
 
     def _stage_queries(self, q: np.ndarray, dpad: int, header: tuple[int, ...] | None) -> None:
@@ -358,9 +392,11 @@ class CupyBackend:
         self._ensure(self._h_req, HEADER_BYTES + 4 * b * dpad)
         if header is not None:
             self._h_req.view(np.int32, 4)[:] = header
-        dst = self._h_req.view(np.float32, b * dpad, HEADER_BYTES).reshape(b, dpad)
-        dst[:, :d] = q
-        if d < dpad:
+        if d == dpad:
+            self._h_req.view(np.float32, b * d, HEADER_BYTES)[:] = q.reshape(-1)
+        else:
+            dst = self._h_req.view(np.float32, b * dpad, HEADER_BYTES).reshape(b, dpad)
+            dst[:, :d] = q
             dst[:, d:] = 0.0
 
     def _search_small(self, m: CupyMatrix, q: np.ndarray, n: int, k: int, qt: int) -> None:
@@ -373,19 +409,28 @@ class CupyBackend:
         zero_copy = tiles * parts <= ZERO_COPY_BLOCKS
         req_bytes = HEADER_BYTES + 4 * tiles * qt * dpad
         self._ensure(self._h_req, req_bytes)
-        self._ensure(self._d_req, req_bytes)
+        if not zero_copy:
+            self._ensure(self._d_req, req_bytes)
         if parts > 1:
             self._ensure(self._d_cand, 8 * tiles * qt * parts * k)
             self._ensure(self._d_counters, 4 * tiles)
-        self._stage_queries(q, dpad, (n, b, k, int(m.metric == Metric.L2)))
-        kern = self._k_small[qt]
+        self._stage_queries(q, dpad, (n, b, k, m.l2))
+        kk = min(k, n)
         s = self._stream
+        key = None
+        if self.use_graphs:
+            # Everything a graph bakes in: shapes, the matrix and every buffer's address (the
+            # epoch changes when one moves). Scores follow the b * kk rows in the output.
+            key = (qt, tiles, parts, zero_copy, dpad, m.ptrs, b * kk, self._buffers_epoch)
+            g = self._graphs.get(key)
+            if g is not None:
+                g.launch(s)
+                return
+        kern = self._k_small[qt]
         out = self._h_out
         cand_r = self._d_cand.ptr + 4 * tiles * qt * parts * k
         args = (m.data, m.sqn, np.int32(dpad), self._h_req.ptr if zero_copy else self._d_req.ptr,
-                self._d_cand.ptr, cand_r, self._d_counters.ptr, out.ptr + 4 * b * min(k, n), out.ptr)
-        # Scores go after the rows in the output buffer; the offset depends on b * kk, so it is
-        # part of the graph key below.
+                self._d_cand.ptr, cand_r, self._d_counters.ptr, out.ptr + 4 * b * kk, out.ptr)
 
         def enqueue() -> None:
             if not zero_copy:
@@ -393,21 +438,15 @@ class CupyBackend:
                                      self._rt.memcpyHostToDevice, s.ptr)
             kern((tiles, parts), (BLOCK,), args, shared_mem=smem, stream=s)
 
-        if not self.use_graphs:
+        if key is None:
             enqueue()
             return
-        key = (qt, tiles, parts, zero_copy, dpad, m.data.data.ptr, m.sqn.data.ptr, b * min(k, n),
-               self._buffers_epoch)
-        g = self._graphs.get(key)
+        g = self._capture(enqueue)
         if g is None:
-            g = self._capture(enqueue)
-            if g is None:
-                return  # capture failed and was reported; the work ran directly
-            self._graphs[key] = g
-            while len(self._graphs) > GRAPH_CACHE:
-                self._graphs.popitem(last=False)
-        else:
-            self._graphs.move_to_end(key)
+            return  # capture failed and was reported; the work ran directly
+        self._graphs[key] = g
+        while len(self._graphs) > GRAPH_CACHE:
+            self._graphs.popitem(last=False)
         g.launch(s)
 
     def _capture(self, enqueue: Callable[[], None]) -> Any:
@@ -455,7 +494,7 @@ class CupyBackend:
         cand_r = cand_s + 4 * b * total * k
         out_r = self._h_out.ptr
         out_s = out_r + 4 * b * kk
-        l2 = int(m.metric == Metric.L2)
+        l2 = m.l2
         rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
         self._k_prep((-(-b * 32 // BLOCK),), (BLOCK,),
                      (q32, 0 if self._storage_code == 0 else qs, qn, np.int32(b), np.int32(dpad)),
@@ -500,9 +539,11 @@ class CupyMatrix:
         self.capacity = max(1, int(capacity))
         if self.capacity >= 2**31:
             raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
+        self.l2 = int(metric == Metric.L2)
         with backend._stream:
             self.data = cp.zeros((self.capacity, self.dpad), backend._np_store)
             self.sqn = cp.zeros(self.capacity, np.float32)
+        self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
@@ -556,6 +597,7 @@ class CupyMatrix:
             data[: self.capacity] = self.data  # device-to-device
             sqn[: self.capacity] = self.sqn
             self.data, self.sqn, self.capacity = data, sqn, capacity
+            self.ptrs = (int(data.data.ptr), int(sqn.data.ptr))
 
     def search(self, queries: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.backend.search(self, queries, n, k)

@@ -320,9 +320,9 @@ __device__ void block_select(const Src& src, i64 count, int k, float* bs, int* b
 
 // ------------------------------------------------------------------ fused small-batch search
 // Grid (tiles, P): block (t, p) scores queries [t*QT, t*QT + QT) against rows
-// [n*p/P, n*(p+1)/P). Rows are read in 16-byte vectors by groups of GL lanes (GL = the smallest
-// power of two covering the row's vectors, at most 32), U rows per group in flight; the group's
-// partial sums are reduced with xor shuffles. k <= 32.
+// [n*p/P, n*(p+1)/P). Rows are read in 16-byte vectors by groups of GL lanes (about 4 vectors per
+// lane, GL a power of two <= 32), U rows per group in flight; the group's partial sums are
+// reduced with xor shuffles. k <= 32.
 template <int QT>
 struct SmallUnroll {
     enum { U = QT >= 16 ? 1 : (QT >= 8 ? 2 : 4) };
@@ -348,8 +348,11 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
     int* wl_r = reinterpret_cast<int*>(wl_s + W * QT * 32);
     int* flag = wl_r + W * QT * 32;
 
+    // The staging buffer holds whole tiles, so these loads need not wait for the header (over
+    // PCIe, when the request is read in place, that saves a round trip). Rows >= nq hold stale
+    // but finite values whose scores are never offered.
     const float* qsrc = reinterpret_cast<const float*>(req + KALOS_HEADER_INTS) + (i64)q0 * dpad;
-    for (int i = tid; i < QT * dpad; i += blockDim.x) sq[i] = (i / dpad < nq) ? qsrc[i] : 0.0f;
+    for (int i = tid; i < QT * dpad; i += blockDim.x) sq[i] = qsrc[i];
     __syncthreads();
     for (int q = warp; q < QT; q += W) {
         float a = 0.0f;
@@ -360,9 +363,11 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
     __syncthreads();
 
     const i64 rb = (i64)n * part / P, re = (i64)n * (part + 1) / P;
+    // Lanes per row: enough for about 4 vectors each (short rows: several rows per warp, fewer
+    // shuffle levels, more loads in flight), at most 32.
     const int nvec = dpad / VEC;
     int GL = 1;
-    while (GL < nvec && GL < 32) GL <<= 1;
+    while (GL * 4 < nvec && GL < 32) GL <<= 1;
     const int grp = lane / GL, lig = lane & (GL - 1);
     const int rows_per_warp = (32 / GL) * U;
 
