@@ -171,15 +171,24 @@ def pool_round_trips(name: str, seconds: float, q: np.ndarray, k: int, loop: str
     return asyncio.run(go())
 
 
+def pin(cores: set[int] | None) -> None:
+    """Run this process (and what it starts from now on) on ``cores``; None: leave it."""
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
 def run_config(cfg: str, a: argparse.Namespace, q: np.ndarray, rnd: int) -> dict[str, Any]:
     name = f"bench-metrics-{os.getpid()}-{rnd}-{cfg}"
+    everything = os.sched_getaffinity(0)
     args = ["--ephemeral", "--dim", str(a.dim), "--random-rows", str(a.rows), "--backend", a.backend,
             "--dtype", a.dtype, "--slots", "8"]
     port = None
     if cfg != "off":
         port = free_port()
         args += ["--metrics-port", str(port)]
+    pin(a.sidecar_cores)
     proc = start_sidecar_process(args, name, timeout=300)
+    pin(a.scraper_cores)
     scraper = None
     try:
         if cfg.startswith("scrape"):
@@ -188,6 +197,7 @@ def run_config(cfg: str, a: argparse.Namespace, q: np.ndarray, rnd: int) -> dict
             scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics",
                                         str(total_s), pause], stdout=subprocess.PIPE, text=True)
             time.sleep(0.3)
+        pin(a.client_cores)
         res: dict[str, Any] = {
             "blocking": pct(blocking_round_trips(name, a.seconds, q, a.k)),
             "pool": pct(pool_round_trips(name, a.seconds, q, a.k, a.loop)),
@@ -199,6 +209,7 @@ def run_config(cfg: str, a: argparse.Namespace, q: np.ndarray, rnd: int) -> dict
             res["scrape_p50_ms"] = float(med) * 1e3
         return res
     finally:
+        pin(everything)
         if scraper is not None and scraper.poll() is None:
             scraper.kill()
             scraper.wait()
@@ -227,8 +238,19 @@ def main() -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--number", type=int, default=100_000, help="timeit calls per repeat")
     ap.add_argument("--machine", default=None, help="name in the output file (default: cpu<N>)")
+    ap.add_argument("--pin", choices=["auto", "yes", "no"], default="auto",
+                    help="pin sidecar (2 cores), client and scraper (a core each) apart, so that "
+                         "where the scheduler puts them does not differ between configurations "
+                         "(auto: when there are 8 cores or more)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    cores = sorted(os.sched_getaffinity(0))
+    if a.pin == "yes" and len(cores) < 7:
+        raise SystemExit(f"--pin yes needs 7 cores, this process has {len(cores)}")
+    if a.pin == "yes" or a.pin == "auto" and len(cores) >= 8:
+        a.sidecar_cores, a.client_cores, a.scraper_cores = set(cores[2:4]), {cores[4]}, {cores[6]}
+    else:
+        a.sidecar_cores = a.client_cores = a.scraper_cores = None
     machine = a.machine or f"cpu{os.cpu_count()}-{a.backend}"
     q = np.random.default_rng(1).standard_normal((256, a.dim)).astype(np.float32)
 
@@ -287,7 +309,9 @@ def main() -> int:
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "environment": environment(),
         "params": {"rows": a.rows, "dim": a.dim, "k": a.k, "seconds": a.seconds, "rounds": a.rounds,
-                   "backend": a.backend, "dtype": a.dtype, "loop": a.loop, "timeit_number": a.number},
+                   "backend": a.backend, "dtype": a.dtype, "loop": a.loop, "timeit_number": a.number,
+                   "cores": {"sidecar": sorted(a.sidecar_cores or []), "client": sorted(a.client_cores or []),
+                             "scraper": sorted(a.scraper_cores or [])}},
         "record_ns": record, "sidecar_observer_ns": observer,
         "round_trip_summary": summary, "round_trip_rounds": rounds,
     }
