@@ -21,6 +21,7 @@ then puts the slot back on the queue.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -425,6 +426,10 @@ class RecallPool:
                         await self._block()
                         last = clock()
                         continue
+                    else:
+                        # Nothing arrived: let another process on this core (the sidecar, other
+                        # workers) run before the next look; a no-op when the core is ours.
+                        os.sched_yield()
                 elif clock() - last > spin:
                     return
                 await asyncio.sleep(0)
