@@ -9,7 +9,7 @@ is kept on the device for l2. Writes, moves and growth are device-side updates o
 
 A search takes one of two paths (``_plan``):
 
-* **fused** (k <= 32 and a small batch, or a small matrix): one launch of ``kalos_small_q{QT}``
+* **fused** (k <= 32 and a single query, or a small matrix): one launch of ``kalos_small_q{QT}``
   scores QT queries per block against a slice of the rows, keeps per-warp top-k lists in
   registers, and the last block to finish merges every block's list. The request (a 64-byte
   header with n, B, k, metric, then float32 queries) is staged in pinned host memory; a grid of a
@@ -17,10 +17,11 @@ A search takes one of two paths (``_plan``):
   kernel writes its answer straight into mapped pinned host memory: no D2H copy. With
   ``use_graphs`` the (copy, kernel) pair is captured into a CUDA graph per launch shape and
   replayed; the kernel reads n, B, k from the header, so one graph serves every such request.
-* **GEMM** (bigger batches, or k > 32): one H2D copy of the queries, one kernel rounding them to
-  the storage dtype, then per chunk of rows a cuBLAS GEMM (tensor cores for 16-bit storage, float32
-  accumulation) into a float32 score buffer and one top-k launch; the last block of each query
-  merges the partitions and writes the answer into pinned host memory.
+* **GEMM** (batches, or k > 32): one H2D copy of the queries, one kernel rounding them to the
+  storage dtype, then per chunk of rows a cuBLAS GEMM (tensor cores for 16-bit storage, float32
+  accumulation) into a float32 score buffer small enough to stay in L2, and one top-k launch that
+  reads it back from there; the last block of each query merges the partitions and writes the
+  answer into pinned host memory.
 
 Results are exact up to ties and the storage dtype's rounding: the fused path multiplies float32
 queries with widened rows; the GEMM path rounds queries to the storage dtype as well.
@@ -57,7 +58,7 @@ HEADER_BYTES = 64  # request header: 16 int32
 ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
 ZERO_COPY_BLOCKS = 4  # at most this many blocks read the request from host memory directly
 GEMM_BLOCKS = 528  # top-k blocks aimed for per GEMM chunk (4 per SM on an H100/H200)
-SCORE_BUFFER_FLOATS = 1 << 26  # GEMM path: float32 scores per chunk (256 MiB)
+SCORE_BUFFER_FLOATS = 1 << 23  # GEMM path: float32 scores per chunk (32 MiB: stays in L2)
 GRAPH_CACHE = 256
 
 _STORAGE: dict[str, tuple[int, Any, int]] = {
@@ -153,8 +154,8 @@ class CupyBackend:
     max_k = MAX_K
 
     def __init__(self, storage_dtype: str = "float32", device: int = 0, *, use_graphs: bool = True,
-                 timeout_s: float = 30.0, small_batch_max: int | None = None,
-                 small_work_max: int = 1 << 20) -> None:
+                 timeout_s: float = 30.0, small_batch_max: int = 1,
+                 small_work_max: int = 1 << 14) -> None:
         if storage_dtype not in _STORAGE:
             raise ConfigError(f"storage dtype must be float32, float16 or bfloat16, got {storage_dtype!r}")
         self.storage_dtype = storage_dtype
@@ -163,10 +164,9 @@ class CupyBackend:
         self._vec = 16 // self._itemsize
         self.use_graphs = use_graphs
         self.timeout_s = timeout_s
-        # Fused path for batches up to this size (bigger ones when the matrix is small): measured
-        # crossover against the GEMM path, see docs/gpu.md.
-        self.small_batch_max = small_batch_max if small_batch_max is not None else (
-            16 if storage_dtype == "float32" else 8)
+        # Fused path for batches up to small_batch_max queries, or up to small_work_max
+        # rows x queries: the crossover against the GEMM path measured on an H200 (docs/gpu.md).
+        self.small_batch_max = small_batch_max
         self.small_work_max = small_work_max
         self._closed = False
         self._broken: str | None = None

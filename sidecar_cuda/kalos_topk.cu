@@ -86,9 +86,17 @@ __device__ __forceinline__ float from_store(store_t v) {
 #endif
 }
 
-// One 16-byte vector of a row (read-only path), widened to float32.
-__device__ __forceinline__ void load_vec(const store_t* p, float (&f)[VEC]) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+// One 16-byte vector of a row: read-only path, no L1 allocation, 256-byte L2 prefetch (the rows
+// are streamed once per search).
+__device__ __forceinline__ uint4 ld_row_vec(const store_t* p) {
+    uint4 u;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "l"(p));
+    return u;
+}
+
+// A 16-byte vector of VEC storage elements widened to float32.
+__device__ __forceinline__ void widen(const uint4 u, float (&f)[VEC]) {
 #if KALOS_STORAGE == 0
     f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
     f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
@@ -370,6 +378,7 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
     while (GL * 4 < nvec && GL < 32) GL <<= 1;
     const int grp = lane / GL, lig = lane & (GL - 1);
     const int rows_per_warp = (32 / GL) * U;
+    constexpr int CPL = 4;  // vectors per lane and row loaded before any arithmetic
 
     float ls[QT], th[QT];
     int lr[QT];
@@ -388,30 +397,43 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
         for (int u = 0; u < U; ++u)
 #pragma unroll
             for (int q = 0; q < QT; ++q) acc[u][q] = 0.0f;
-#pragma unroll 2
-        for (int c = lig; c < nvec; c += GL) {
-            float xv[U][VEC];
+        // Up to CPL vectors of each of the U rows per lane, all loads issued first (usually one
+        // pass: GL is chosen so that CPL * GL >= the row's vectors for rows up to 2 KB).
+        for (int cb = 0; cb < nvec; cb += CPL * GL) {
+            uint4 raw[U][CPL];
 #pragma unroll
             for (int u = 0; u < U; ++u) {
-                if (r0 + u < re) {
-                    load_vec(X + (r0 + u) * dpad + c * VEC, xv[u]);
-                } else {
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) xv[u][e] = 0.0f;
+                for (int j = 0; j < CPL; ++j) {
+                    const int c = cb + j * GL + lig;
+                    if (r0 + u < re && c < nvec) {
+                        raw[u][j] = ld_row_vec(X + (r0 + u) * dpad + c * VEC);
+                    } else {
+                        raw[u][j] = make_uint4(0u, 0u, 0u, 0u);
+                    }
                 }
             }
 #pragma unroll
-            for (int q = 0; q < QT; ++q) {
-                const float4* qp = reinterpret_cast<const float4*>(sq + q * dpad + c * VEC);
+            for (int j = 0; j < CPL; ++j) {
+                const int c = cb + j * GL + lig;
+                if (c < nvec) {
+                    float xv[U][VEC];
 #pragma unroll
-                for (int e4 = 0; e4 < VEC / 4; ++e4) {
-                    const float4 qv = qp[e4];
+                    for (int u = 0; u < U; ++u) widen(raw[u][j], xv[u]);
 #pragma unroll
-                    for (int u = 0; u < U; ++u) {
-                        acc[u][q] = fmaf(xv[u][4 * e4 + 0], qv.x, acc[u][q]);
-                        acc[u][q] = fmaf(xv[u][4 * e4 + 1], qv.y, acc[u][q]);
-                        acc[u][q] = fmaf(xv[u][4 * e4 + 2], qv.z, acc[u][q]);
-                        acc[u][q] = fmaf(xv[u][4 * e4 + 3], qv.w, acc[u][q]);
+                    for (int q = 0; q < QT; ++q) {
+                        const float4* qp = reinterpret_cast<const float4*>(sq + q * dpad + c * VEC);
+#pragma unroll
+                        for (int e4 = 0; e4 < VEC / 4; ++e4) {
+                            const float4 qv = qp[e4];
+#pragma unroll
+                            for (int u = 0; u < U; ++u) {
+                                acc[u][q] = fmaf(xv[u][4 * e4 + 0], qv.x, acc[u][q]);
+                                acc[u][q] = fmaf(xv[u][4 * e4 + 1], qv.y, acc[u][q]);
+                                acc[u][q] = fmaf(xv[u][4 * e4 + 2], qv.z, acc[u][q]);
+                                acc[u][q] = fmaf(xv[u][4 * e4 + 3], qv.w, acc[u][q]);
+                            }
+                        }
                     }
                 }
             }
