@@ -59,7 +59,7 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -148,54 +148,44 @@ class MonotonicTotals:
         return inc
 
 
-def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tuple[np.ndarray, int, int]:
-    """The entries of one slot's latency ring written since the previous read.
+def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
+                  reread: Callable[[], np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    """The entries of every slot's latency ring written since the previous read, in a few numpy
+    calls whatever the number of slots.
 
-    The writer stores the n-th latency (0-based) at ``ring[n % len(ring)]``, then sets ``lat_count``
-    to n + 1. ``last`` is the count at the previous read, ``count`` the one read before copying,
-    ``count_after`` the one read after copying. Returns ``(values_ns int64, new last, lost)``:
-    ``lost`` counts entries that were overwritten before they could be read (more than a ring's
-    worth since the previous read) or may have been overwritten during the copy. Entry j is being
-    overwritten once the writer reaches j + len(ring), so entries j <= count_after - len(ring) are
-    not trusted: at most ``len(ring) - 1`` entries come out of one read. A count below ``last``
-    means the slot's counters were reset: read from zero.
+    The writer of a slot stores its n-th latency (0-based) at ``ring[n % len]``, then sets
+    ``lat_count`` to n + 1. ``rings``: (slots, len); ``last``: the counts at the previous read;
+    ``count``: the counts read now, before copying; ``reread()``: the counts again, called after the
+    copy. Entry j is being overwritten once its writer reaches j + len, so entries with
+    j <= (count after the copy) - len are not trusted: at most ``len - 1`` entries of a slot come out
+    of one read. A count below ``last`` means the slot's counters were reset: read from zero.
+
+    Returns (the new entries, slot after slot, oldest first, as int64 ns; the new ``last``; entries
+    lost: overwritten before this read, or possibly during the copy).
     """
-    n = len(ring)
-    if count < last:
-        last = 0
-    lo = max(last, count - n)
-    lost = lo - last
-    if count <= lo:
-        return np.empty(0, np.int64), count, lost
-    a, k = lo % n, count - lo  # [lo, count) is one run of the ring, or two when it wraps
-    if a + k <= n:
-        vals = ring[a:a + k].astype(np.int64)
-    else:
-        vals = np.concatenate([ring[a:], ring[:a + k - n]]).astype(np.int64)
-    safe_lo = max(lo, count_after - n + 1)
-    if safe_lo > lo:
-        vals = vals[safe_lo - lo:]
-        lost += min(safe_lo, count) - lo
-    return vals, count, lost
-
-
-def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray, count_after: np.ndarray
-                  ) -> tuple[np.ndarray, np.ndarray, int]:
-    """:func:`ring_take` for every slot at once: ``rings`` (slots, ring length), the others
-    (slots,). Returns (the new entries of all slots, slot by slot, oldest first; the new ``last``
-    per slot; entries lost in all). A few numpy calls whatever the number of slots."""
     n = rings.shape[1]
     last = np.where(count < last, 0, last)
     lo = np.maximum(last, count - n)
-    start = np.minimum(np.maximum(lo, count_after - n + 1), count)
-    lost = int((start - last).sum())
-    k = count - start
+    lost = int((lo - last).sum())
+    k = count - lo
     total = int(k.sum())
     if total == 0:
         return np.empty(0, np.int64), count.copy(), lost
-    slot = np.repeat(np.arange(len(k)), k)
-    pos = (np.repeat(start - (np.cumsum(k) - k), k) + np.arange(total)) % n
-    return rings[slot, pos].astype(np.int64), count.copy(), lost
+    first = np.cumsum(k) - k
+    j = np.repeat(lo - first, k) + np.arange(total)  # entry numbers, slot after slot
+    vals = rings[np.repeat(np.arange(len(k)), k), j % n]  # the copy
+    after = np.asarray(reread(), np.int64)
+    keep = j > np.repeat(after, k) - n
+    kept = int(keep.sum())
+    return vals[keep].astype(np.int64), count.copy(), lost + total - kept
+
+
+def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tuple[np.ndarray, int, int]:
+    """:func:`ring_take_all` for one slot whose count after the copy is already known (tests, tools)."""
+    vals, new_last, lost = ring_take_all(ring.reshape(1, -1), np.array([last], np.int64),
+                                         np.array([count], np.int64),
+                                         lambda: np.array([count_after], np.int64))
+    return vals, int(new_last[0]), lost
 
 
 def slots_matrix(views: Sequence[np.ndarray]) -> np.ndarray:
@@ -439,9 +429,8 @@ class SidecarCollector(Collector):
         counts = counts_view.astype(np.int64)
         if (counts == self._ring_last).all():
             return
-        # The copy happens between the two reads of the counts (see ring_take).
         vals, self._ring_last, lost = ring_take_all(rings, self._ring_last, counts,
-                                                    counts_view.astype(np.int64))
+                                                    lambda: counts_view.astype(np.int64))
         self._dropped_ring += lost
         self._client_window.add(now, vals)
 

@@ -202,7 +202,7 @@ def test_ring_take_all_equals_ring_take_slot_by_slot(rng):
         count = np.array([w.count for w in writers], np.int64)
         after = count + rng.integers(0, 3, n_slots) * (rng.random(n_slots) < 0.2)  # writers racing
         rings = np.stack([w.ring for w in writers])
-        vals, new_last, lost = ring_take_all(rings, last, count, after)
+        vals, new_last, lost = ring_take_all(rings, last, count, lambda: after)
         want, want_lost = [], 0
         for i, w in enumerate(writers):
             v, l_i, lo_i = ring_take(w.ring, int(last[i]), int(count[i]), int(after[i]))
@@ -211,6 +211,20 @@ def test_ring_take_all_equals_ring_take_slot_by_slot(rng):
             assert new_last[i] == l_i
         assert vals.tolist() == want and lost == want_lost, step
         last = new_last
+
+
+def test_ring_take_all_rereads_the_counts_after_copying():
+    w = RingWriter(8)
+    for v in range(10):
+        w.write(v)
+
+    def reread() -> np.ndarray:
+        w.ring[:] = 999  # what a writer did after our copy must not be in it
+        return np.array([w.count], np.int64)
+
+    vals, last, lost = ring_take_all(w.ring.reshape(1, -1), np.zeros(1, np.int64),
+                                     np.array([w.count], np.int64), reread)
+    assert vals.tolist() == [3, 4, 5, 6, 7, 8, 9] and last.tolist() == [10] and lost == 3
 
 
 def test_slots_matrix_views_every_slot_without_copying():
