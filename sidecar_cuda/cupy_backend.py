@@ -155,7 +155,7 @@ class CupyBackend:
 
     def __init__(self, storage_dtype: str = "float32", device: int = 0, *, use_graphs: bool = True,
                  timeout_s: float = 30.0, small_batch_max: int = 1,
-                 small_work_max: int = 1 << 14) -> None:
+                 small_work_max: int = 1 << 12) -> None:
         if storage_dtype not in _STORAGE:
             raise ConfigError(f"storage dtype must be float32, float16 or bfloat16, got {storage_dtype!r}")
         self.storage_dtype = storage_dtype
