@@ -321,21 +321,34 @@ class StageAggregator:
         compute = np.fromiter((r.compute_ns for r, _t in stamped), np.int64, n)
         # Records with posting and pick-up times (what serve_pending gives) are done in a few numpy
         # calls for all of them; others one by one.
-        posts: list[Any] = []
+        posts: list[Any] = []  # arrays of posting times, with the batch's pick-up and done times
         picks: list[int] = []
         ends: list[int] = []
+        one_post: list[int] = []  # batches of one request (the sidecar's fast path): plain ints
+        one_pick: list[int] = []
+        one_end: list[int] = []
         queue_parts: list[np.ndarray] = []
         service_parts: list[np.ndarray] = []
         for r, t_obs in stamped:
             t_post, t_pick = getattr(r, "t_post_ns", None), getattr(r, "t_pick_ns", 0)
             if t_post is not None and t_pick:
-                posts.append(t_post)
-                picks.append(t_pick)
-                ends.append(getattr(r, "t_done_ns", 0) or t_obs)
+                end = getattr(r, "t_done_ns", 0) or t_obs
+                if len(t_post) == 1:
+                    one_post.append(int(t_post[0]))
+                    one_pick.append(t_pick)
+                    one_end.append(end)
+                else:
+                    posts.append(t_post)
+                    picks.append(t_pick)
+                    ends.append(end)
             else:
                 q = np.asarray(r.queue_ns, np.int64)
                 queue_parts.append(q)
                 service_parts.append(q + max(_after_pick_ns(r, t_obs), 0))
+        if one_post:
+            post1 = np.array(one_post, np.int64)
+            queue_parts.append(np.array(one_pick, np.int64) - post1)
+            service_parts.append(np.array(one_end, np.int64) - post1)
         if posts:
             lens = np.fromiter(map(len, posts), np.int64, len(posts))
             post = np.concatenate(posts).astype(np.int64)

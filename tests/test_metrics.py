@@ -290,13 +290,16 @@ def test_stage_aggregator_derives_service_time():
         (BatchRecord(size=1, compute_ns=5_000, queue_ns=[1_000], t_pick_ns=2_000_000), 2_008_000),
         # no pick time either: queue + compute
         (BatchRecord(size=1, compute_ns=7_000, queue_ns=[3_000]), 0),
+        # the sidecar's one-request fast path: one posting time as a plain int
+        (BatchRecord(size=1, compute_ns=4_000, t_post_ns=(2_995_000,), t_pick_ns=3_000_000,
+                     t_done_ns=3_015_000), 3_020_000),
     ]
     agg.add(recs, now=1.0)
-    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 3_000, 10_000, 20_000]
-    assert sorted(agg.windows["service"].values(1.0).tolist()) == [9_000, 10_000, 50_000, 60_000]
-    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [5_000, 7_000, 30_000]
-    assert agg.hist["service"].sum() == 4 and agg.sums_ns["service"] == 129_000
-    assert agg.batch_size.sum() == 3 and agg.batch_size_sum == 4
+    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 3_000, 5_000, 10_000, 20_000]
+    assert sorted(agg.windows["service"].values(1.0).tolist()) == [9_000, 10_000, 20_000, 50_000, 60_000]
+    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [4_000, 5_000, 7_000, 30_000]
+    assert agg.hist["service"].sum() == 5 and agg.sums_ns["service"] == 149_000
+    assert agg.batch_size.sum() == 4 and agg.batch_size_sum == 5
 
 
 # --------------------------------------------------------------------------- the collector
