@@ -26,7 +26,8 @@ class RecallClient:
     """
 
     def __init__(self, name: str = "default", *, timeout: float | None = None,
-                 spin_us: float = DEFAULT_SPIN_US, connect_timeout: float = 10.0) -> None:
+                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = 2000.0,
+                 connect_timeout: float = 10.0) -> None:
         self._conn = Connection(name)
         try:
             deadline = time.monotonic() + connect_timeout
@@ -45,6 +46,8 @@ class RecallClient:
         self._slot: ClientSlot = slots[0]
         self._timeout = timeout
         self._spin_s = spin_us * 1e-6
+        self._max_spin_s = max(self._spin_s, max_spin_us * 1e-6)
+        self._rt_ewma_s = 0.0  # typical post -> answer time; the spin window follows it
         self._lock = threading.Lock()
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
@@ -138,9 +141,11 @@ class RecallClient:
     def _wait(self, s: ClientSlot, deadline: float | None) -> None:
         """Spin briefly on the slot state, then block on its response semaphore in slices,
         checking the sidecar's liveness between slices."""
-        end = time.perf_counter() + self._spin_s
+        t0 = time.perf_counter()
+        end = t0 + min(self._max_spin_s, max(self._spin_s, 2.0 * self._rt_ewma_s))
         while time.perf_counter() < end:
             if s.is_done() and s.try_consume():
+                self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
                 return
         while True:
             budget = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
@@ -149,6 +154,7 @@ class RecallClient:
                 raise ResponseTimeout("no answer within the time budget")
             try:
                 s.resp.acquire(budget)
+                self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
                 return
             except posix_ipc.BusyError:
                 self._conn.check_alive()

@@ -5,9 +5,10 @@ Slots are leased up front (like asyncpg's pool creates its connections) and sit 
 One poller task per pool resolves the futures:
 
 * **spin phase**: it checks the states of in-flight slots in shared memory between event-loop turns
-  (``await asyncio.sleep(0)``) for a bounded window (``spin_us``) after the last completion. No
-  syscalls, no threads: this is what makes a round trip cost a few microseconds more than the
-  sidecar's own work.
+  (``await asyncio.sleep(0)``) for a bounded window after the last completion: ``spin_us``, widened
+  to twice the pool's typical round trip (so a 0.5 ms GPU recall is still caught by polling) but
+  never beyond ``max_spin_us``. No threads, no wake-ups: this is what makes a round trip cost only
+  a little more than the sidecar's own work.
 * **blocking phase**: after the window, a waiter thread blocks on the response semaphore of the
   oldest in-flight slot (the sidecar batches every posted slot, so the oldest finishes first) and
   wakes the loop with ``call_soon_threadsafe``; the loop also checks the sidecar's liveness every
@@ -39,6 +40,7 @@ from clients.results import Hits
 
 LIVENESS_S = 0.1
 DEFAULT_SPIN_US = 250.0
+MAX_SPIN_US = 2000.0
 
 
 @dataclass(frozen=True)
@@ -118,13 +120,13 @@ class RecallPool:
 
     ``size`` slots are leased at :meth:`open` (at least ``min_size``, else BrokerUnavailable);
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
-    sidecar is still detected within about a tenth of a second). ``spin_us`` bounds how long the
+    sidecar is still detected within about a tenth of a second). ``spin_us``/``max_spin_us`` bound how long the
     pool polls shared memory after a completion before it blocks.
     """
 
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
                  timeout: float | None = None, connect_timeout: float = 10.0,
-                 spin_us: float = DEFAULT_SPIN_US) -> None:
+                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
         self.name = name
@@ -133,6 +135,8 @@ class RecallPool:
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._spin_ns = int(spin_us * 1000)
+        self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
+        self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
         self._conn: Connection | None = None
         self._slots: list[ClientSlot] = []
         self._free: asyncio.LifoQueue[ClientSlot] | None = None
@@ -372,6 +376,11 @@ class RecallPool:
             assert self._wake is not None
             self._wake.set()
 
+    def spin_window_ns(self) -> int:
+        """How long to poll after the last completion: ``spin_us``, or twice the typical round
+        trip if longer, capped at ``max_spin_us``. Pure."""
+        return int(min(self._max_spin_ns, max(self._spin_ns, 2.0 * self._rt_ewma_ns)))
+
     def _reap(self) -> bool:
         """Complete every in-flight request whose answer is in. Returns True if any was."""
         progressed = False
@@ -394,6 +403,7 @@ class RecallPool:
         except KalosError as x:
             exc = x
         latency = time.monotonic_ns() - e.t0
+        self._rt_ewma_ns += 0.2 * (latency - self._rt_ewma_ns)
         if fut.done():  # the caller was cancelled or timed out: drop the answer
             s.record(latency, ok=False, timed_out=True)
         else:
@@ -414,11 +424,11 @@ class RecallPool:
         """Resolve in-flight requests. Spins between loop turns while answers keep coming (and for
         ``spin_us`` after the last one, so back-to-back requests never pay a wake-up), then blocks
         (waiter thread) or, with nothing in flight, exits."""
-        spin = self._spin_ns
         clock = time.monotonic_ns
         try:
             last = clock()
             while self._state != "closed":
+                spin = self.spin_window_ns()
                 if self._inflight:
                     if self._reap():
                         last = clock()

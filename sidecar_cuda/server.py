@@ -20,7 +20,8 @@ import posix_ipc
 
 from broker.errors import ConfigError
 from broker.layout import (
-    HEADER_FIELDS, HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, Flag, Layout, Metric, Op,
+    HEADER_FIELDS, HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag, Layout,
+    Metric, Op,
     NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status, decode_namespace,
     slot_field_offset, validate_broker_name,
 )
