@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections import deque
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,52 @@ class _Inflight:
     prep: _ops.Prepared
     future: asyncio.Future[Any]
     t0: int
+
+
+class _FreeSlots:
+    """Free slots, the last released first (its cache lines are warm); callers waiting for one are
+    served in arrival order, a released slot going straight to the oldest waiter. A cheaper
+    ``asyncio.LifoQueue`` for this one use: a slot handed to a waiter that was cancelled or timed
+    out meanwhile is put back, never lost."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._slots: list[ClientSlot] = []
+        self._waiters: deque[asyncio.Future[ClientSlot]] = deque()
+
+    def qsize(self) -> int:
+        return len(self._slots)
+
+    def put_nowait(self, slot: ClientSlot) -> None:
+        waiters = self._waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(slot)
+                return
+        self._slots.append(slot)
+
+    def get_nowait(self) -> ClientSlot | None:
+        return self._slots.pop() if self._slots else None
+
+    async def get(self, timeout: float | None) -> ClientSlot:
+        """Wait for a slot; raises TimeoutError after ``timeout`` seconds (None: no limit)."""
+        fut: asyncio.Future[ClientSlot] = self._loop.create_future()
+        self._waiters.append(fut)
+        try:
+            if timeout is None:
+                return await fut
+            return await asyncio.wait_for(fut, timeout)
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self.put_nowait(fut.result())  # handed to us as we gave up: pass it on
+            else:
+                fut.cancel()
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
 
 
 class _Waiter:
@@ -139,7 +186,7 @@ class RecallPool:
         self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
         self._conn: Connection | None = None
         self._slots: list[ClientSlot] = []
-        self._free: asyncio.LifoQueue[ClientSlot] | None = None
+        self._free: _FreeSlots | None = None
         self._inflight: dict[int, _Inflight] = {}
         self._poller: asyncio.Task[None] | None = None
         self._waiter: _Waiter | None = None
@@ -182,7 +229,7 @@ class RecallPool:
         self._conn = conn
         self._layout = conn.layout
         self._slots = slots
-        self._free = asyncio.LifoQueue()
+        self._free = _FreeSlots(self._loop)
         for s in slots:
             self._free.put_nowait(s)
         self._wake = asyncio.Event()
@@ -263,7 +310,8 @@ class RecallPool:
         sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable, ClosedError.
         """
         t0 = time.monotonic_ns()
-        self._check_usable()
+        if self._state != "open" or self._broken is not None:
+            self._check_usable()
         p = _ops.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True)
         return await self._execute(p, timeout, t0)
 
@@ -326,17 +374,14 @@ class RecallPool:
 
     async def _acquire(self, deadline: float | None) -> ClientSlot:
         assert self._free is not None and self._loop is not None
-        try:
-            slot = self._free.get_nowait()
-        except asyncio.QueueEmpty:
-            if deadline is None:
-                slot = await self._free.get()
-            else:
-                try:
-                    slot = await asyncio.wait_for(self._free.get(), max(0.0, deadline - self._loop.time()))
-                except asyncio.TimeoutError:
-                    raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
-                                         "slots, all in flight)") from None
+        slot = self._free.get_nowait()
+        if slot is None:
+            try:
+                slot = await self._free.get(None if deadline is None
+                                            else max(0.0, deadline - self._loop.time()))
+            except asyncio.TimeoutError:
+                raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
+                                     "slots, all in flight)") from None
         if self._state != "open" or self._broken is not None:
             self._free.put_nowait(slot)
             self._check_usable()

@@ -403,3 +403,42 @@ def test_objects_are_private_to_the_owner(sidecar):
 
 
 del json, sys
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_cancel_while_waiting_for_a_slot_restores_it():
+    """A slot handed to a waiter that is cancelled before it runs goes back, never lost (pure)."""
+    from clients.pool import _FreeSlots
+
+    free = _FreeSlots(asyncio.get_running_loop())
+    waiter = asyncio.ensure_future(free.get(None))
+    await asyncio.sleep(0)
+    free.put_nowait("slot-a")  # handed straight to the waiter ...
+    waiter.cancel()  # ... which is cancelled before it resumes
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert free.qsize() == 1 and free.get_nowait() == "slot-a"
+    with pytest.raises(asyncio.TimeoutError):
+        await free.get(0.01)
+    free.put_nowait("slot-b")  # no stale waiter may swallow it
+    assert free.get_nowait() == "slot-b"
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_cancel_mid_acquire_on_a_busy_pool(slow_sidecar, rng):
+    q = rng.standard_normal(256).astype(np.float32)
+    async with RecallPool(slow_sidecar.name, size=1) as pool:
+        first = asyncio.ensure_future(pool.recall(q, k=3, timeout=30))
+        await asyncio.sleep(0)
+        waiting = [asyncio.ensure_future(pool.recall(q, k=3)) for _ in range(5)]
+        await asyncio.sleep(0.001)
+        for t in waiting[::2]:
+            t.cancel()
+        res = await asyncio.gather(first, *waiting, return_exceptions=True)
+        assert len(res[0]) == 3
+        assert sum(isinstance(r, asyncio.CancelledError) for r in res) == 3
+        assert all(len(r) == 3 for r in res[2::2])
+        st = pool.statistics()
+        assert st.free == 1 and st.in_flight == 0
