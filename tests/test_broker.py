@@ -282,8 +282,6 @@ def test_protocol_version_mismatch_is_refused(sidecar):
 
 
 def test_idle_sidecar_burns_no_cpu(sidecar):
-    import resource  # noqa: F401
-
     def cpu() -> float:
         with open(f"/proc/{sidecar.proc.pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
