@@ -142,7 +142,7 @@ class RecallClient:
         """Spin briefly on the slot state, then block on its response semaphore in slices,
         checking the sidecar's liveness between slices."""
         t0 = time.perf_counter()
-        end = t0 + min(self._max_spin_s, max(self._spin_s, 2.0 * self._rt_ewma_s))
+        end = t0 + (min(self._max_spin_s, max(self._spin_s, 2.0 * self._rt_ewma_s)) if self._spin_s else 0.0)
         while time.perf_counter() < end:
             if s.is_done() and s.try_consume():
                 self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)

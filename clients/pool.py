@@ -423,7 +423,9 @@ class RecallPool:
 
     def spin_window_ns(self) -> int:
         """How long to poll after the last completion: ``spin_us``, or twice the typical round
-        trip if longer, capped at ``max_spin_us``. Pure."""
+        trip if longer, capped at ``max_spin_us``; ``spin_us=0`` turns polling off. Pure."""
+        if not self._spin_ns:
+            return 0
         return int(min(self._max_spin_ns, max(self._spin_ns, 2.0 * self._rt_ewma_ns)))
 
     def _reap(self) -> bool:
