@@ -495,6 +495,14 @@ def c_header() -> str:
     return "\n".join(lines) + "\n"
 
 
+def header_field_offset(field: str) -> int:
+    """Byte offset of a header field."""
+    for name, _t, off in HEADER_FIELDS:
+        if name == field:
+            return off
+    raise KeyError(field)
+
+
 def slot_field_offset(layout: Layout, i: int, field: str) -> int:
     """Absolute byte offset of a control-block or stats field of slot i (for word-indexed access)."""
     for name, _t, off in SLOT_FIELDS:

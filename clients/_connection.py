@@ -17,10 +17,10 @@ import posix_ipc
 
 from broker.errors import BrokerUnavailable, ProtocolError
 from broker.layout import (
-    HEADER_BYTES, HEADER_FIELDS, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
+    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
     NAMESPACE_BYTES, OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
     SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
-    slot_field_offset, validate_broker_name,
+    header_field_offset, slot_field_offset, validate_broker_name,
 )
 from broker.procs import process_start_ticks
 
@@ -60,7 +60,7 @@ class ClientSlot:
         self._lat_count, self._lat_sum = w("lat_count", 8), w("lat_sum_ns", 8)
         self._err_count, self._timeout_count = w("err_count", 8), w("timeout_count", 8)
         self._ns_off = slot_field_offset(L, index, "namespace")
-        self._sleeping = next(o for n, _t, o in HEADER_FIELDS if n == "sidecar_sleeping") // 4
+        self._sleeping = header_field_offset("sidecar_sleeping") // 4
         self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
         self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
         self.generation = int(self._w64[self._gen])

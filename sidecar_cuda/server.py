@@ -21,10 +21,10 @@ import posix_ipc
 
 from broker.errors import ConfigError
 from broker.layout import (
-    HEADER_FIELDS, HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag, Layout,
+    HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag, Layout,
     Metric, Op,
     NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status, decode_namespace,
-    slot_field_offset, validate_broker_name,
+    header_field_offset, slot_field_offset, validate_broker_name,
 )
 from broker.procs import pid_alive
 from sidecar_cuda import objects
@@ -34,7 +34,7 @@ from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
 from sidecar_cuda.stats import BatchRecord, SidecarStats
-from sidecar_cuda.store import MemoryStore
+from sidecar_cuda.store import MemoryStore, Namespace
 
 log = logging.getLogger("kalos.sidecar")
 REAP_S = 0.25
@@ -110,8 +110,8 @@ class Sidecar:
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._states = self.seg.slots["state"]
-        self._batches_word = _header_word("batches", 8)
-        self._sleep_word = _header_word("sidecar_sleeping", 4)
+        self._batches_word = header_field_offset("batches") // 8
+        self._sleep_word = header_field_offset("sidecar_sleeping") // 4
         self._k_limit = min(self.layout.max_k, self.backend.max_k)
         self._gather_ns = int(self.cfg.gather_us * 1000)
         self._last_batch = 0
@@ -266,7 +266,7 @@ class Sidecar:
         if len(idx) == 0:
             return 0
         if len(idx) < self._last_batch and self._gather_ns:
-            idx = self._gather(len(idx))
+            idx = self._gather()
         t_pick = time.monotonic_ns()
         taken: list[int] = []
         req = self._objs.req
@@ -304,7 +304,19 @@ class Sidecar:
         u64[self._batches_word] = self.stats.batches
         return n
 
-    def _gather(self, found: int) -> np.ndarray:
+    def _namespace(self, key: tuple[bytes, int]) -> Namespace | None:
+        """The namespace named by a slot's (raw bytes, length), decoded once per distinct key;
+        None if the bytes are not a valid name or the namespace does not exist."""
+        name = self._ns_names.get(key)
+        if name is None:
+            name = decode_namespace(*key)
+            if name is None:
+                return None
+            if len(self._ns_names) < 4096:
+                self._ns_names[key] = name
+        return self.store.get(name)
+
+    def _gather(self) -> np.ndarray:
         """Fewer requests are posted than the last batch held: their callers are most likely
         re-posting right now. Wait a little for them (a quarter of the last batch's service time,
         at most ``gather_us``) so a steady set of callers keeps getting served in full batches
@@ -329,15 +341,7 @@ class Sidecar:
         ns_len = u32[W.ns_len[i]]
         off = self._ns_off[i]
         raw = self._objs.mm[off:off + min(ns_len, NAMESPACE_BYTES)]  # type: ignore[union-attr]
-        key = (raw, ns_len)
-        name = self._ns_names.get(key)
-        if name is None:
-            name = decode_namespace(raw, ns_len)
-            if name is None:
-                return False
-            if len(self._ns_names) < 4096:
-                self._ns_names[key] = name
-        ns = self.store.get(name)
+        ns = self._namespace((raw, ns_len))
         if ns is None:
             return False
         sv = self.seg.slot[i]  # type: ignore[union-attr]
@@ -390,14 +394,7 @@ class Sidecar:
             if not (nsraw == nsraw[0]).all():
                 return False
             key = (bytes(nsraw[0]), int(rec["ns_len"][0]))
-        name = self._ns_names.get(key)
-        if name is None:
-            name = decode_namespace(key[0], key[1])
-            if name is None:
-                return False
-            if len(self._ns_names) < 4096:
-                self._ns_names[key] = name
-        ns = self.store.get(name)
+        ns = self._namespace(key)
         if ns is None:
             return False
         assert self.seg is not None
@@ -664,11 +661,6 @@ class Sidecar:
             log.info("reclaimed %d slots of dead or departed clients", freed)
             self.stats.slots_reclaimed += freed
         return freed
-
-
-def _header_word(field: str, size: int) -> int:
-    off = next(o for name, _t, o in HEADER_FIELDS if name == field)
-    return off // size
 
 
 def run(cfg: ServeConfig) -> int:
