@@ -18,6 +18,8 @@ from broker.cli import start_sidecar_process
 from sidecar_cuda.objects import cleanup
 
 _counter = itertools.count()
+#: Run the behavioural suites against another backend: KALOS_TEST_BACKEND=cuda pytest tests/test_broker.py
+TEST_BACKEND = os.environ.get("KALOS_TEST_BACKEND", "numpy")
 
 
 def unique_name(tag: str) -> str:
@@ -65,6 +67,10 @@ def sidecar_factory():
     def start(tag: str = "s", *args: str, name: str | None = None, ephemeral: bool = True) -> SidecarHandle:
         name = name or unique_name(tag)
         full = (["--ephemeral"] if ephemeral else []) + list(args)
+        if "--backend" in full:  # the suites name numpy; KALOS_TEST_BACKEND swaps it
+            full[full.index("--backend") + 1] = TEST_BACKEND
+        else:
+            full += ["--backend", TEST_BACKEND]
         proc = start_sidecar_process(full, name, timeout=60)
         h = SidecarHandle(name, proc, full)
         handles.append(h)
