@@ -87,7 +87,6 @@ CONTROL_BYTES = 256
 STATS_BYTES = 2560
 PAGE = 4096
 NAMESPACE_BYTES = 64
-DEFAULT_NAMESPACE = "default"
 
 # Client-side end-to-end latency buckets (upper bounds, nanoseconds). Part of the protocol: clients
 # increment ``hist[i]`` for the first bound >= latency (the last bucket is +Inf). Microsecond

@@ -11,7 +11,6 @@ import numpy as np
 
 from broker.errors import InvalidRequest, PayloadTooLarge
 
-INT64_MIN = -(2**63)
 #: Ids are int64; -1 marks "no result" in result arrays, so negative ids are refused.
 MAX_ID = 2**63 - 1
 

@@ -18,7 +18,7 @@ import posix_ipc
 from broker.errors import BrokerUnavailable, ProtocolError
 from broker.layout import (
     HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
-    NAMESPACE_BYTES, OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
+    OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
     SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
     header_field_offset, slot_field_offset, validate_broker_name,
 )
@@ -34,7 +34,6 @@ class ClientSlot:
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
         "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping", "generation", "thread_consumed",
-        "entry",
     )
 
     def __init__(self, conn: Connection, index: int) -> None:
@@ -65,7 +64,6 @@ class ClientSlot:
         self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
         self.generation = int(self._w64[self._gen])
         self.thread_consumed = 0  # resp posts consumed by a waiter thread, not yet accounted
-        self.entry: object = None  # the pool's in-flight record
 
     # -- request ---------------------------------------------------------------------------
     def post(self, op: int, ns: bytes, k: int, nq: int, flags: int, blob_len: int, t0: int) -> int:
@@ -255,7 +253,3 @@ class Connection:
             self.mm.close()
         except BufferError:
             pass  # a view is still referenced somewhere; the mapping goes with it
-
-    @property
-    def ns_limit(self) -> int:
-        return NAMESPACE_BYTES

@@ -70,6 +70,15 @@ def test_blocking_client(sidecar, rng):
             h = c.recall(q, k=7)
             assert_topk(q, sidecar.matrix, h.ids, h.scores, 7)
         assert c.namespaces() == {"default": 2000}
+        qs = rng.standard_normal((8, 32)).astype(np.float32)
+        for q, h in zip(qs, c.recall_many(qs, k=5)):
+            assert_topk(q, sidecar.matrix, h.ids, h.scores, 5)
+        assert c.upsert([1, 2], qs[:2], payloads=[{"a": 1}, None], namespace="b") == 2
+        h = c.recall(qs[0], k=2, namespace="b", with_payload=True)
+        assert {hit.id: hit.payload for hit in h} == {1: {"a": 1}, 2: None}
+        assert c.delete([2, 3], namespace="b") == 1
+        assert c.drop_namespace("b") == 1
+        assert c.namespaces() == {"default": 2000}
     assert slots_free(sidecar.name)
 
 
