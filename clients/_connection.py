@@ -17,10 +17,10 @@ import posix_ipc
 
 from broker.errors import BrokerUnavailable, ProtocolError
 from broker.layout import (
-    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, RING_OFFSET, LATENCY_BOUNDS_NS, MAGIC_U64,
-    OWNER_ABANDONED, S_DONE, S_FREE, S_POSTED, S_WRITING, PROTOCOL_VERSION, RING_LEN, Layout, SegmentView,
-    SidecarState, SlotState, SlotView, bell_name, peek_header, req_name, resp_name, shm_name,
-    header_field_offset, slot_field_offset, validate_broker_name,
+    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
+    MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
+    S_WRITING, Layout, SegmentView, SidecarState, SlotView, bell_name, header_field_offset,
+    peek_header, req_name, resp_name, shm_name, slot_field_offset, validate_broker_name,
 )
 from broker.procs import process_start_ticks
 
@@ -33,7 +33,8 @@ class ClientSlot:
     __slots__ = (
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
-        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping", "generation", "thread_consumed",
+        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping",
+        "generation", "thread_consumed",
     )
 
     def __init__(self, conn: Connection, index: int) -> None:
@@ -213,7 +214,7 @@ class Connection:
         got: list[int] = []
         fcntl.flock(self.shm.fd, fcntl.LOCK_EX)
         try:
-            free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == SlotState.FREE))
+            free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == S_FREE))
             for i in free[:n].tolist():
                 slots[i]["owner_start"] = self.start_ticks
                 slots[i]["owner_pid"] = self.pid
