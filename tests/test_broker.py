@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
-import sys
 import time
 
 import numpy as np
@@ -18,7 +16,7 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
     ResponseTimeout, UnknownNamespace,
 )
-from broker.layout import S_FREE, shm_name
+from broker.layout import PROTOCOL_VERSION, S_FREE, shm_name
 from clients import RecallClient, RecallPool
 from clients._connection import Connection
 from clients.loadgen import LoadSpec, check_samples, run_load
@@ -293,7 +291,7 @@ def test_protocol_version_mismatch_is_refused(sidecar):
         with pytest.raises(ProtocolError, match="protocol version 999"):
             Connection(sidecar.name)
     finally:
-        c.seg.header["version"] = __import__("broker.layout").layout.PROTOCOL_VERSION
+        c.seg.header["version"] = PROTOCOL_VERSION
         c.close()
 
 
@@ -348,7 +346,6 @@ def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
     """Write nonsense straight into a leased slot; the sidecar answers with an error status for
     that slot alone and keeps serving everyone else."""
     from broker.layout import Status
-    from clients import _ops
 
     c = Connection(sidecar.name)
     slot = c.lease(1)[0]
@@ -387,7 +384,6 @@ def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
         finally:
             c.give_back([slot], [])
             c.close()
-    del _ops
 
 
 def test_pool_refuses_when_no_slots_left(sidecar):
@@ -415,8 +411,6 @@ def test_objects_are_private_to_the_owner(sidecar):
     st = os.stat(f"/dev/shm/sem.kalos.{sidecar.name}.bell")
     assert st.st_mode & 0o777 == 0o600
 
-
-del json, sys
 
 
 @pytest.mark.asyncio

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -117,5 +115,3 @@ def test_decode_namespace_rejects_garbage():
     assert L.decode_namespace(b"a b", 3) is None
     assert L.decode_namespace(b"x" * 64, 65) is None
 
-
-del sys, textwrap

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import random
 import subprocess
@@ -16,7 +15,7 @@ import pytest
 
 from broker.errors import InvalidRequest, PayloadTooLarge, UnknownNamespace
 from clients import RecallClient, RecallPool
-from conftest import assert_topk, wait_until
+from conftest import assert_topk
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -354,8 +353,6 @@ def test_export_import_round_trip(sidecar_factory, tmp_path, rng):
         np.testing.assert_array_equal(b[i][0], by_id[i][0])
         assert b[i][1] == by_id[i][1] == a[i][1]
 
-
-del json, wait_until
 
 
 def test_cli_lists_namespaces(sidecar_factory, capsys):
