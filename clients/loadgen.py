@@ -31,6 +31,7 @@ class LoadSpec:
     seed: int = 0
     keep: int = 200  # answers kept per process for checking
     spin_us: float | None = None
+    max_spin_us: float | None = None
     max_requests: int | None = None  # per task, stops early (for tests)
 
 
@@ -57,7 +58,7 @@ class LoadResult:
 
 
 async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any) -> dict:
-    from clients.pool import DEFAULT_SPIN_US, RecallPool
+    from clients.pool import DEFAULT_SPIN_US, MAX_SPIN_US, RecallPool
 
     rng = np.random.default_rng((spec.seed, rank))
     bank = rng.standard_normal((1024, spec.dim), dtype=np.float32)
@@ -65,7 +66,9 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
     samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     errors = 0
     spin = DEFAULT_SPIN_US if spec.spin_us is None else spec.spin_us
-    async with RecallPool(spec.name, size=n_tasks, min_size=n_tasks, spin_us=spin) as pool:
+    max_spin = MAX_SPIN_US if spec.max_spin_us is None else spec.max_spin_us
+    async with RecallPool(spec.name, size=n_tasks, min_size=n_tasks, spin_us=spin,
+                          max_spin_us=max_spin) as pool:
         while time.time() < start_at:
             await asyncio.sleep(0.001)
         t_measure = time.perf_counter() + spec.warmup_s
