@@ -76,6 +76,7 @@ def run_demo(a: argparse.Namespace) -> int:
     matrix = np.random.default_rng(seed).standard_normal((a.rows, a.dim), dtype=np.float32)
     checked, wrong = check_samples(res.samples, matrix, a.k)
     base, base_tput = inproc_numpy(matrix, a.k, seconds=1.0)
+    batch, batch_tput = inproc_numpy(matrix, a.k, seconds=1.0, batch=a.agents)
     p = res.percentiles_us()
     t = Table(title=f"recall latency through the broker ({backend})")
     for col in ("path", "p50 us", "p95 us", "p99 us", "recalls/s"):
@@ -84,6 +85,8 @@ def run_demo(a: argparse.Namespace) -> int:
               f"{p['p99_us']:.1f}", f"{res.throughput:,.0f}")
     t.add_row("in-process numpy, 1 query", f"{base['p50_us']:.1f}", f"{base['p95_us']:.1f}",
               f"{base['p99_us']:.1f}", f"{base_tput:,.0f}")
+    t.add_row(f"in-process numpy, batch of {a.agents}", f"{batch['p50_us']:.1f}", f"{batch['p95_us']:.1f}",
+              f"{batch['p99_us']:.1f}", f"{batch_tput:,.0f}")
     console.print(t)
     console.print(f"{res.count:,} recalls, {res.errors} errors; {checked} answers checked against a "
                   f"numpy float64 reference: [{'green' if not wrong else 'red'}]{wrong} wrong[/]")
