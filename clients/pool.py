@@ -167,8 +167,8 @@ class RecallPool:
 
     ``size`` slots are leased at :meth:`open` (at least ``min_size``, else BrokerUnavailable);
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
-    sidecar is still detected within about a tenth of a second). ``spin_us``/``max_spin_us`` bound how long the
-    pool polls shared memory after a completion before it blocks.
+    sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
+    bound how long the pool polls shared memory after a completion before it blocks.
     """
 
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
@@ -205,7 +205,7 @@ class RecallPool:
         """Attach to the sidecar (waiting up to ``connect_timeout`` for it to be ready) and lease
         slots. Raises BrokerUnavailable, ProtocolError."""
         if self._state != "new":
-            raise ClosedError("pool already opened") if self._state != "open" else ClosedError("pool open")
+            raise ClosedError(f"pool is {self._state}: a pool is opened once")
         self._loop = asyncio.get_running_loop()
         conn = Connection(self.name)
         try:
