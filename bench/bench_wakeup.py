@@ -3,7 +3,8 @@
 compute is ~nothing), with the pool's spin phase (polls shared memory between loop turns) and with
 spinning off (``spin_us=0``: every answer arrives through the waiter thread and
 ``call_soon_threadsafe``), on asyncio and uvloop, and for the blocking client. Compare with the IPC
-floors in PERFORMANCE.md. Writes JSON to bench/results/.
+floors in PERFORMANCE.md, and with a bare posix_ipc ping-pong measured in the same run (the floor
+any semaphore-based design pays on this machine). Writes JSON to bench/results/.
 """
 
 from __future__ import annotations
@@ -22,6 +23,56 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from clients import RecallClient  # noqa: E402
 from clients.loadgen import LoadSpec, environment, run_load  # noqa: E402
+
+
+def _echo(req_name: str, resp_name: str) -> None:
+    import posix_ipc
+
+    req, resp = posix_ipc.Semaphore(req_name), posix_ipc.Semaphore(resp_name)
+    while True:
+        req.acquire()
+        resp.release()
+
+
+def ipc_floor(seconds: float) -> list[dict]:
+    """The same run's floor: a bare posix_ipc semaphore ping-pong with an echo process, the
+    client blocking in sem_wait or polling with sem_trywait (what any design here pays)."""
+    import multiprocessing as mp
+
+    import posix_ipc
+
+    tag = f"/kalos-floor-{os.getpid()}"
+    req = posix_ipc.Semaphore(tag + "-q", posix_ipc.O_CREX)
+    resp = posix_ipc.Semaphore(tag + "-s", posix_ipc.O_CREX)
+    p = mp.get_context("spawn").Process(target=_echo, args=(req.name, resp.name), daemon=True)
+    p.start()
+    out = []
+    try:
+        for mode in ("sem_wait (blocking)", "sem_trywait (polling)"):
+            lat = []
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                t = time.perf_counter_ns()
+                req.release()
+                if mode.startswith("sem_wait"):
+                    resp.acquire()
+                else:
+                    while True:
+                        try:
+                            resp.acquire(0)
+                            break
+                        except posix_ipc.BusyError:
+                            pass
+                lat.append(time.perf_counter_ns() - t)
+            p50, p95, p99 = np.percentile(np.asarray(lat[100:]) / 1e3, [50, 95, 99])
+            out.append({"client": "bare posix_ipc", "mechanism": mode, "spin_us": None,
+                        "p50_us": round(float(p50), 1), "p95_us": round(float(p95), 1),
+                        "p99_us": round(float(p99), 1), "n": len(lat)})
+    finally:
+        p.kill()
+        req.unlink()
+        resp.unlink()
+    return out
 
 
 def main() -> int:
@@ -57,6 +108,7 @@ def main() -> int:
                          "p99_us": round(float(p[2]), 1), "n": len(lat)})
     finally:
         stop_sidecar_process(proc)
+    rows += ipc_floor(a.seconds)
     for r in rows:
         print(f"{r['client']:16} {r['mechanism']:26} p50 {r['p50_us']:7.1f} us  p95 {r['p95_us']:7.1f}  p99 {r['p99_us']:7.1f}")
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
