@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Memory lifecycle benchmark: upserts/s (one record per call, and batched), recall latency while a
-writer is active beside the read-only figure, and how long a restart takes to load N x dim from the
+"""Memory lifecycle benchmark: upserts/s (one record per call, and batched) through the broker and,
+as the in-process baseline, through the same store code without IPC; recall latency while a writer
+is active beside the read-only figure; and how long a restart takes to load N x dim from the
 durable store. Writes JSON to bench/results/.
 
     python bench/bench_lifecycle.py                          # durable (SQLite) and ephemeral
@@ -103,6 +104,38 @@ async def recall_under_writes(name: str, dim: int, seconds: float) -> dict:
     return out
 
 
+def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
+    """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
+    from broker.layout import Metric
+    from sidecar_cuda.numpy_backend import NumpyBackend
+    from sidecar_cuda.persist import Persistence, Write
+    from sidecar_cuda.store import MemoryStore
+
+    rng = np.random.default_rng(4)
+    vecs = rng.standard_normal((4096, dim)).astype(np.float32)
+    out = {}
+    for mode in ("durable", "ephemeral"):
+        store = MemoryStore(NumpyBackend(), dim, Metric.DOT)
+        persist = Persistence(os.path.join(workdir, "inproc-" + mode), dim, "dot") if mode == "durable" else None
+        res = {}
+        for label, size in (("single", 1), ("batched", batch)):
+            n, t_end = 0, time.perf_counter() + seconds
+            t0 = time.perf_counter()
+            while time.perf_counter() < t_end:
+                ids = np.arange(n, n + size, dtype=np.int64)
+                v = vecs[n % 4096:n % 4096 + size] if n % 4096 + size <= 4096 else vecs[:size]
+                pls = [b'{"n":1}'] * size
+                if persist is not None:
+                    persist.commit([Write("upsert", "w", ids=ids, vectors=v, payloads=pls)])
+                store.get_or_create("w").upsert(ids, v, pls)
+                n += size
+            res[label] = {"upserts_per_s": round(n / (time.perf_counter() - t0))}
+        if persist is not None:
+            persist.close()
+        out[mode] = res
+    return out
+
+
 def load_time(rows: int, dim: int, workdir: str) -> dict:
     """Fill a durable store with rows x dim (kalos import), then time a restart's load."""
     name = f"bl-load-{os.getpid()}"
@@ -169,6 +202,8 @@ def main() -> int:
             finally:
                 stop_sidecar_process(proc)
             print(mode, json.dumps(results[f"upserts_{mode}"]), flush=True)
+        results["inproc_upserts"] = inproc_upserts(a.dim, a.seconds, a.batch, work)
+        print("inproc", json.dumps(results["inproc_upserts"]), flush=True)
         name = f"bl-rw-{os.getpid()}"
         proc = start_sidecar_process(["--dim", str(a.dim), "--backend", "numpy", "--ephemeral",
                                       "--random-rows", str(a.rows)], name)
