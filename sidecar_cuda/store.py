@@ -20,6 +20,8 @@ MIN_CAPACITY = 1024
 
 def last_wins(ids: np.ndarray) -> np.ndarray:
     """Indices into ``ids`` keeping the last occurrence of each id, in first-seen order. Pure."""
+    if len(ids) == 1:
+        return np.zeros(1, np.intp)
     rev = ids[::-1]
     _, first_in_rev = np.unique(rev, return_index=True)
     keep = len(ids) - 1 - first_in_rev

@@ -111,6 +111,7 @@ def test_last_wins_and_compaction_moves(rng):
     ids = np.array([5, 3, 5, 9, 3, 3])
     keep = last_wins(ids)
     assert ids[keep].tolist() == [5, 9, 3] and keep.tolist() == [2, 3, 5]
+    assert last_wins(np.array([7])).tolist() == [0]
     for _ in range(200):
         n = int(rng.integers(1, 50))
         holes = rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False)
