@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,14 +42,12 @@ class SidecarStats:
     errors: Counter[int] = field(default_factory=Counter)
     #: Observers called with each BatchRecord from the serving thread (the exporter hooks in here).
     observers: list = field(default_factory=list)
-    recent_batches: deque[BatchRecord] = field(default_factory=lambda: deque(maxlen=4096))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_batch(self, rec: BatchRecord) -> None:
-        # Only the serving thread writes; readers copy the deque (append is atomic under the GIL).
+        # Only the serving thread writes these counters; observers get every record.
         self.batches += 1
         self.requests += rec.size
-        self.recent_batches.append(rec)
         for obs in self.observers:
             obs(rec)
 
