@@ -214,7 +214,7 @@ def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, r
             qb = bank[:b]
             r = timed(lambda: m.search(qb, n, k), max(20, reps // 10), warm=5)
             out.append({"what": f"kalos_batch{b}", **r, "recalls_per_s": round(b / r["p50_us"] * 1e6),
-                        "path": be._plan(b, n, k, m.dpad)[0]})
+                        "path": be._plan(b, n, k, m)[0]})
         ids, scores = m.search(bank[:64], n, k)
         samples = [(bank[j], ids[j], scores[j]) for j in range(64)]
         checked, wrong = check_samples(samples, matrix, k, rtol=RTOL[dtype])

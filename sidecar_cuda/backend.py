@@ -15,6 +15,34 @@ from broker.errors import ConfigError
 from broker.layout import Metric
 
 
+class PendingSearch(Protocol):
+    """A search under way on the backend's device (the sidecar's pipeline keeps up to two)."""
+
+    def done(self) -> bool:
+        """True once ``result()`` would not wait."""
+        ...
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, scores) as ``Matrix.search`` returns them; raises what the search raised.
+        Call it exactly once."""
+        ...
+
+
+class Completed:
+    """A search that finished when it was started (the CPU backend, empty searches)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, rows: np.ndarray, scores: np.ndarray) -> None:
+        self._value = (rows, scores)
+
+    def done(self) -> bool:
+        return True
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._value
+
+
 class Matrix(Protocol):
     """Rows of one namespace, resident on the backend's device. Rows [0, n) are live."""
 
@@ -38,6 +66,11 @@ class Matrix(Protocol):
         Returns (rows int64 (B, kk), scores float32 (B, kk)), kk = min(k, n), best first.
         Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
         """
+
+    def search_async(self, queries: np.ndarray, n: int, k: int) -> PendingSearch:
+        """Start the same search and return at once. ``queries`` must stay untouched until the
+        result is collected. At most two searches of a backend may be pending at a time, and no
+        write, move or growth of the matrix may happen while one of its searches is."""
 
 
 class Backend(Protocol):

@@ -19,11 +19,16 @@ A search takes one of two paths (``_plan``):
   replayed; the kernel reads n, B, k from the header, so one graph serves every such request.
 * **GEMM** (batches, or k > 32): one H2D copy of the queries, one kernel rounding them to the
   storage dtype, then per chunk of rows a cuBLAS GEMM (tensor cores for 16-bit storage, float32
-  accumulation) into a float32 score buffer, and one top-k launch that reads it back; the last block of each query merges the partitions and writes the
-  answer into pinned host memory.
+  accumulation) into a float32 score buffer, and one top-k launch that reads it back; the last
+  block of each query merges the partitions and writes the answer into pinned host memory.
+* **half-score GEMM** (float16 storage, k <= 16, batches): as GEMM, but each query is scaled by a
+  power of two so no score can overflow float16 and cuBLAS writes float16 scores (half the bytes
+  to write and read back); the 32 best rows by those scores are rescored in float32 against the
+  float32 query. A bound on the approximation error proves the answer exact; a query where the
+  proof fails (near-ties at the 32nd candidate, degenerate data) is redone on the GEMM path.
 
-Results are exact up to ties and the storage dtype's rounding: the fused path multiplies float32
-queries with widened rows; the GEMM path rounds queries to the storage dtype as well.
+Results are exact up to ties and the storage dtype's rounding: the fused and half-score paths
+multiply float32 queries with widened rows; the GEMM path rounds queries to the storage dtype.
 
 Errors: failures at start (no CuPy, no device, compilation) are ``ConfigError``; CUDA/cuBLAS
 failures during work are ``ServerError`` (the server answers BACKEND_ERROR); a search that does not
@@ -60,6 +65,10 @@ GEMM_BLOCKS = 528  # top-k blocks aimed for per GEMM chunk (4 per SM on an H100/
 SCORE_BUFFER_FLOATS = 1 << 26  # GEMM path: float32 scores per chunk (256 MiB; 32 MiB chunks that
 # stay in L2 measured 1.6x slower at 1M x 768, b = 256: many small GEMMs lose more than L2 saves)
 GRAPH_CACHE = 256
+HALF_K = 16  # half-score path: largest k (the answer is proven exact against 32 candidates)
+HALF_CAND = 32  # candidates rescored per query (KALOS_HC in the .cu)
+HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
+# 256 queries x 1M rows, so one large GEMM)
 
 _STORAGE: dict[str, tuple[int, Any, int]] = {
     # name: (KALOS_STORAGE, numpy dtype holding the bits, cudaDataType)
@@ -144,6 +153,45 @@ class _Buffer:
         return v[:count]
 
 
+class _BufferSet:
+    """Everything one search writes: two sets let a second search be enqueued behind the first
+    (the sidecar's pipeline) without touching the buffers the first is still using."""
+
+    def __init__(self, cp: Any, stream: Any, index: int) -> None:
+        self.index = index
+        self.epoch = 0  # bumped when a buffer moves: graphs that captured the old one are stale
+        self.h_req = _Buffer(cp, pinned=True)  # request header + float32 queries
+        self.d_req = _Buffer(cp, pinned=False, stream=stream)
+        self.h_out = _Buffer(cp, pinned=True)  # rows, scores (and half-path flags) of the answer
+        self.d_cand = _Buffer(cp, pinned=False, stream=stream)
+        self.d_counters = _Buffer(cp, pinned=False, stream=stream)
+        self.d_q = _Buffer(cp, pinned=False, stream=stream)  # GEMM paths: queries as stored, |q|^2
+        self.d_scores = _Buffer(cp, pinned=False, stream=stream)
+        self.d_top = _Buffer(cp, pinned=False, stream=stream)  # half path: 32 candidates a query
+        self.done = cp.cuda.Event(block=False, disable_timing=True)
+        self.busy = False  # a search using these buffers has not been collected yet
+
+
+class PendingCupySearch:
+    """A search enqueued on the backend's stream (see ``CupyBackend.search_async``)."""
+
+    __slots__ = ("backend", "bufs", "m", "q", "n", "k", "kk", "path", "t0", "_value")
+
+    def __init__(self, backend: CupyBackend, bufs: _BufferSet, m: CupyMatrix, q: np.ndarray,
+                 n: int, k: int, kk: int, path: str, t0: int) -> None:
+        self.backend, self.bufs, self.m, self.q = backend, bufs, m, q
+        self.n, self.k, self.kk, self.path, self.t0 = n, k, kk, path, t0
+        self._value: tuple[np.ndarray, np.ndarray] | None = None
+
+    def done(self) -> bool:
+        return self._value is not None or bool(self.bufs.done.done)
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._value is None:
+            self._value = self.backend._collect(self)
+        return self._value
+
+
 class CupyBackend:
     """The CUDA backend (see the module docstring). ``storage_dtype``: float32, float16 or
     bfloat16. ``use_graphs``: replay CUDA graphs for the fused path. ``timeout_s``: the longest a
@@ -206,24 +254,28 @@ class CupyBackend:
             self._k_scores_w = self._module.get_function("kalos_scores_topk_w")
             self._k_scores_b = self._module.get_function("kalos_scores_topk_b")
             self._k_prep = self._module.get_function("kalos_prep_queries")
+            self._k_prep_h = self._module.get_function("kalos_prep_queries_h")
+            self._k_hscores = {un: self._module.get_function(f"kalos_hscores_top_u{un}")
+                               for un in (2, 4, 8)}
+            self._k_rescore = self._module.get_function("kalos_rescore_h")
             self._k_write = self._module.get_function("kalos_write_rows")
             self._k_move = self._module.get_function("kalos_move_rows")
             for kern in (*self._k_small.values(), self._k_scores_b):
                 kern.max_dynamic_shared_size_bytes = self._smem_optin
             self.compile_s = time.perf_counter() - t0
-            self._h_req = _Buffer(cp, pinned=True)
-            self._d_req = _Buffer(cp, pinned=False, stream=self._stream)
-            self._h_out = _Buffer(cp, pinned=True)
-            self._d_cand = _Buffer(cp, pinned=False, stream=self._stream)
-            self._d_counters = _Buffer(cp, pinned=False, stream=self._stream)
-            self._d_q = _Buffer(cp, pinned=False, stream=self._stream)  # GEMM path: queries in storage dtype, |q|^2
-            self._d_scores = _Buffer(cp, pinned=False, stream=self._stream)
+            self._sets = [_BufferSet(cp, self._stream, i) for i in range(2)]
+            self._cur = self._sets[0]  # the set the search being enqueued writes
+            self.half_fallbacks = 0  # queries the half-score path could not prove exact
+            self.half_unroll = 2  # 16-byte score loads per lane in flight (2, 4 or 8)
+            self.half_blocks = GEMM_BLOCKS  # top-k blocks aimed for per half-score chunk
+            # Profiling aid (bench/probe_gemm.py): CUDA events recorded between the half-score
+            # path's stages (copy, prep, GEMM, top-k, rescore) when set to a list of 6 events.
+            self.stage_events: list[Any] | None = None
             self._alpha = np.ones(1, np.float32)
             self._beta = np.zeros(1, np.float32)
             self._graphs: OrderedDict[tuple, Any] = OrderedDict()
             self._occupancy: dict[tuple[int, int], int] = {}
             self._pinned: list[tuple[int, int, Any]] = []
-            self._buffers_epoch = 0
             self.search_stats: dict[tuple[str, str], list[int]] = {}
             self._stream.synchronize()
         except ConfigError:
@@ -284,14 +336,13 @@ class CupyBackend:
         except Exception as e:
             raise ServerError(f"CUDA {what} failed: {type(e).__name__}: {e}") from e
 
-    def _wait(self) -> None:
-        """Spin until the stream is idle (a few microseconds after the kernel ends); sleep a
-        little once it has taken 2 ms; give up after timeout_s."""
-        s = self._stream
-        if s.done:
+    def _wait(self, ev: Any) -> None:
+        """Spin until event ``ev`` has happened (a few microseconds after the kernel ends); sleep
+        a little once it has taken 2 ms; give up after timeout_s."""
+        if ev.done:
             return
         t0 = time.perf_counter()
-        while not s.done:
+        while not ev.done:
             el = time.perf_counter() - t0
             if el > 0.002:
                 if el > self.timeout_s:
@@ -310,8 +361,7 @@ class CupyBackend:
 
     def _ensure(self, buf: _Buffer, nbytes: int) -> None:
         if buf.ensure(nbytes):
-            self._buffers_epoch += 1
-            self._graphs.clear()
+            self._cur.epoch += 1  # (stale graphs are never replayed, and age out of the cache)
 
     def _occupancy_of(self, qt: int, smem: int) -> int:
         key = (qt, smem)
@@ -332,21 +382,35 @@ class CupyBackend:
         size, in microseconds."""
         parts = [f"{p}/{bk}: {c} x {ns / c / 1e3:.1f} us"
                  for (p, bk), (c, ns) in sorted(self.search_stats.items()) if c]
+        if self.half_fallbacks:
+            parts.append(f"half-score queries redone in float32: {self.half_fallbacks}")
         return "; ".join(parts) or "no searches"
 
-    def _plan(self, b: int, n: int, k: int, dpad: int) -> tuple[str, int]:
-        """("small", QT) or ("gemm", 0) for a batch of b queries."""
+    def _plan(self, b: int, n: int, k: int, m: CupyMatrix) -> tuple[str, int]:
+        """("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries."""
+        dpad = m.dpad
         if k <= WARP_K and (b <= self.small_batch_max or n * b <= self.small_work_max):
             qt = _QT_FOR[min(b, SMALL_QT[-1])]
             while qt > 1 and self.small_smem(qt, dpad) > self._smem_optin:
                 qt //= 2
             if self.small_smem(qt, dpad) <= self._smem_optin:
                 return "small", qt
+        if self._half_ok(m, k):
+            return "gemmh", 0
         return "gemm", 0
+
+    def _half_ok(self, m: CupyMatrix, k: int) -> bool:
+        return self._storage_code == 1 and k <= HALF_K and 0.0 < m.max_norm < 1e30
 
     # ------------------------------------------------------------------ search
     def search(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int,
                path: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        return self.search_async(m, queries, n, k, path).result()
+
+    def search_async(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int,
+                     path: str | None = None) -> PendingCupySearch:
+        """Enqueue a search on the stream and return at once; ``result()`` collects it. Two may
+        be pending (each uses its own buffer set; the second runs right after the first)."""
         self._check_usable()
         q = queries
         if q.dtype != np.float32 or q.ndim != 2 or not q.flags.c_contiguous:
@@ -359,43 +423,82 @@ class CupyBackend:
         if not 0 <= n <= m.capacity:
             raise ValueError(f"n={n} outside the matrix capacity {m.capacity}")
         kk = min(k, n)
+        bufs = next((st for st in self._sets if not st.busy), None)
+        if bufs is None:
+            raise RuntimeError("two searches are pending already: collect one first")
+        p = PendingCupySearch(self, bufs, m, q, n, k, kk, path or "", time.perf_counter_ns())
         if b == 0 or kk == 0:
-            return np.empty((b, kk), np.int64), np.empty((b, kk), np.float32)
+            p._value = (np.empty((b, kk), np.int64), np.empty((b, kk), np.float32))
+            return p
+        qt = 0
         if path is None:
-            path, qt = self._plan(b, n, k, m.dpad)
+            path, qt = self._plan(b, n, k, m)
         elif path == "small":
             if k > WARP_K:
                 raise ValueError("the fused path serves k <= 32")
             qt = _QT_FOR[min(b, SMALL_QT[-1])]
-        t0 = time.perf_counter_ns()
+        elif path == "gemmh" and not self._half_ok(m, k):
+            raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
+        p.path = path
+        bufs.busy = True
         try:
-            self._ensure(self._h_out, 8 * b * kk)
-            if path == "small":
-                self._search_small(m, q, n, k, qt)
-            else:
-                self._search_gemm(m, q, n, k, kk)
-            self._wait()
-            out = self._h_out
+            self._enqueue(bufs, path, m, q, n, k, kk, qt)
+        except BaseException as e:
+            bufs.busy = False
+            if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
+                raise
+            raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+        return p
+
+    def _enqueue(self, bufs: _BufferSet, path: str, m: CupyMatrix, q: np.ndarray, n: int, k: int,
+                 kk: int, qt: int) -> None:
+        self._cur = bufs
+        b = len(q)
+        self._ensure(bufs.h_out, 8 * b * kk + 4 * b)
+        if path == "small":
+            self._search_small(m, q, n, k, qt)
+        elif path == "gemmh":
+            self._search_gemm_h(m, q, n, kk)
+        else:
+            self._search_gemm(m, q, n, k, kk)
+        bufs.done.record(self._stream)
+
+    def _collect(self, p: PendingCupySearch) -> tuple[np.ndarray, np.ndarray]:
+        bufs, b, kk = p.bufs, len(p.q), p.kk
+        try:
+            self._wait(bufs.done)
+            out = bufs.h_out
             rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
             scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
+            if p.path == "gemmh":
+                redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:])
+                if redo.size:  # not proven exact from 32 candidates: the float32 scores decide
+                    self.half_fallbacks += int(redo.size)
+                    qr = np.ascontiguousarray(p.q[redo])
+                    self._enqueue(bufs, "gemm", p.m, qr, p.n, p.k, kk, 0)
+                    self._wait(bufs.done)
+                    rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
+                    scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk:].reshape(-1, kk)
         except (KalosError, ValueError, IndexError, TypeError):
             raise
         except Exception as e:
             raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
-        st = self.search_stats.setdefault((path, _bucket(b)), [0, 0])
+        finally:
+            bufs.busy = False
+        st = self.search_stats.setdefault((p.path, _bucket(b)), [0, 0])
         st[0] += 1
-        st[1] += time.perf_counter_ns() - t0
+        st[1] += time.perf_counter_ns() - p.t0
         return rows, scores
 
     def _stage_queries(self, q: np.ndarray, dpad: int, header: tuple[int, ...] | None) -> None:
         b, d = q.shape
-        self._ensure(self._h_req, HEADER_BYTES + 4 * b * dpad)
+        self._ensure(self._cur.h_req, HEADER_BYTES + 4 * b * dpad)
         if header is not None:
-            self._h_req.view(np.int32, 4)[:] = header
+            self._cur.h_req.view(np.int32, 4)[:] = header
         if d == dpad:
-            self._h_req.view(np.float32, b * d, HEADER_BYTES)[:] = q.reshape(-1)
+            self._cur.h_req.view(np.float32, b * d, HEADER_BYTES)[:] = q.reshape(-1)
         else:
-            dst = self._h_req.view(np.float32, b * dpad, HEADER_BYTES).reshape(b, dpad)
+            dst = self._cur.h_req.view(np.float32, b * dpad, HEADER_BYTES).reshape(b, dpad)
             dst[:, :d] = q
             dst[:, d:] = 0.0
 
@@ -408,12 +511,12 @@ class CupyBackend:
         parts = max(1, min(-(-n // ROWS_PER_BLOCK), per_sm * self._sms // tiles))
         zero_copy = tiles * parts <= ZERO_COPY_BLOCKS
         req_bytes = HEADER_BYTES + 4 * tiles * qt * dpad
-        self._ensure(self._h_req, req_bytes)
+        self._ensure(self._cur.h_req, req_bytes)
         if not zero_copy:
-            self._ensure(self._d_req, req_bytes)
+            self._ensure(self._cur.d_req, req_bytes)
         if parts > 1:
-            self._ensure(self._d_cand, 8 * tiles * qt * parts * k)
-            self._ensure(self._d_counters, 4 * tiles)
+            self._ensure(self._cur.d_cand, 8 * tiles * qt * parts * k)
+            self._ensure(self._cur.d_counters, 4 * tiles)
         self._stage_queries(q, dpad, (n, b, k, m.l2))
         kk = min(k, n)
         s = self._stream
@@ -421,20 +524,21 @@ class CupyBackend:
         if self.use_graphs:
             # Everything a graph bakes in: shapes, the matrix and every buffer's address (the
             # epoch changes when one moves). Scores follow the b * kk rows in the output.
-            key = (qt, tiles, parts, zero_copy, dpad, m.ptrs, b * kk, self._buffers_epoch)
+            key = (qt, tiles, parts, zero_copy, dpad, m.ptrs, b * kk, self._cur.index,
+                   self._cur.epoch)
             g = self._graphs.get(key)
             if g is not None:
                 g.launch(s)
                 return
         kern = self._k_small[qt]
-        out = self._h_out
-        cand_r = self._d_cand.ptr + 4 * tiles * qt * parts * k
-        args = (m.data, m.sqn, np.int32(dpad), self._h_req.ptr if zero_copy else self._d_req.ptr,
-                self._d_cand.ptr, cand_r, self._d_counters.ptr, out.ptr + 4 * b * kk, out.ptr)
+        out = self._cur.h_out
+        cand_r = self._cur.d_cand.ptr + 4 * tiles * qt * parts * k
+        args = (m.data, m.sqn, np.int32(dpad), self._cur.h_req.ptr if zero_copy else self._cur.d_req.ptr,
+                self._cur.d_cand.ptr, cand_r, self._cur.d_counters.ptr, out.ptr + 4 * b * kk, out.ptr)
 
         def enqueue() -> None:
             if not zero_copy:
-                self._rt.memcpyAsync(self._d_req.ptr, self._h_req.ptr, req_bytes,
+                self._rt.memcpyAsync(self._cur.d_req.ptr, self._cur.h_req.ptr, req_bytes,
                                      self._rt.memcpyHostToDevice, s.ptr)
             kern((tiles, parts), (BLOCK,), args, shared_mem=smem, stream=s)
 
@@ -473,26 +577,26 @@ class CupyBackend:
         src = self._pinned_address(q) if d == dpad else None
         if src is None:
             self._stage_queries(q, dpad, None)
-            src = self._h_req.ptr + HEADER_BYTES
+            src = self._cur.h_req.ptr + HEADER_BYTES
         isz = self._itemsize
         qs_bytes = -(-(b * dpad * isz) // 256) * 256
-        self._ensure(self._d_q, 4 * b * dpad + qs_bytes + 4 * b)
-        q32 = self._d_q.ptr
+        self._ensure(self._cur.d_q, 4 * b * dpad + qs_bytes + 4 * b)
+        q32 = self._cur.d_q.ptr
         qs = q32 + 4 * b * dpad
         qn = qs + qs_bytes
         chunk = max(1, min(n, SCORE_BUFFER_FLOATS // b))
-        self._ensure(self._d_scores, 4 * b * chunk)
+        self._ensure(self._cur.d_scores, 4 * b * chunk)
         chunks = [(c0, min(n, c0 + chunk)) for c0 in range(0, n, chunk)]
         parts = []
         for c0, c1 in chunks:
             nc = c1 - c0
             parts.append(max(1, min(-(-GEMM_BLOCKS // b), nc // max(4 * k, 256) or 1, nc)))
         total = sum(parts)
-        self._ensure(self._d_cand, 8 * b * total * k)
-        self._ensure(self._d_counters, 4 * b)
-        cand_s = self._d_cand.ptr
+        self._ensure(self._cur.d_cand, 8 * b * total * k)
+        self._ensure(self._cur.d_counters, 4 * b)
+        cand_s = self._cur.d_cand.ptr
         cand_r = cand_s + 4 * b * total * k
-        out_r = self._h_out.ptr
+        out_r = self._cur.h_out.ptr
         out_s = out_r + 4 * b * kk
         l2 = m.l2
         rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
@@ -512,17 +616,91 @@ class CupyBackend:
                 cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
                               self._alpha.ctypes.data, m.data.data.ptr + c0 * dpad * isz,
                               self._cuda_type, dpad, a_q, self._cuda_type, dpad,
-                              self._beta.ctypes.data, self._d_scores.ptr, 0, nc,
+                              self._beta.ctypes.data, self._cur.d_scores.ptr, 0, nc,
                               _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-                args = (self._d_scores.ptr, np.int32(nc), np.int64(c0), m.sqn, qn, np.int32(l2),
+                args = (self._cur.d_scores.ptr, np.int32(nc), np.int64(c0), m.sqn, qn, np.int32(l2),
                         np.int32(k), np.int32(kk), np.int32(pc), np.int32(p_off), np.int32(total),
-                        cand_s, cand_r, self._d_counters.ptr, out_s, out_r)
+                        cand_s, cand_r, self._cur.d_counters.ptr, out_s, out_r)
                 if big_k:
                     self._k_scores_b((pc, b), (BLOCK,), (*args, np.int32(C)), shared_mem=8 * C + 16,
                                      stream=s)
                 else:
                     self._k_scores_w((pc, b), (BLOCK,), args, stream=s)
                 p_off += pc
+
+
+    def _search_gemm_h(self, m: CupyMatrix, q: np.ndarray, n: int, kk: int) -> None:
+        cp, rt = self._cp, self._rt
+        b, d = q.shape
+        dpad = m.dpad
+        s = self._stream
+        src = self._pinned_address(q) if d == dpad else None
+        if src is None:
+            self._stage_queries(q, dpad, None)
+            src = self._cur.h_req.ptr + HEADER_BYTES
+        qs_bytes = -(-(b * dpad * 2) // 256) * 256
+        self._ensure(self._cur.d_q, 4 * b * dpad + qs_bytes + 8 * b)
+        q32 = self._cur.d_q.ptr
+        qs = q32 + 4 * b * dpad
+        qn = qs + qs_bytes
+        qscale = qn + 4 * b
+        # Row stride of the scores a multiple of 8 (16-byte loads); chunks of rows likewise.
+        n8 = -(-n // 8) * 8
+        chunk = max(8, min(n8, (HALF_SCORE_BYTES // 2 // b) // 8 * 8))
+        self._ensure(self._cur.d_scores, 2 * b * chunk)
+        chunks = [(c0, min(n, c0 + chunk)) for c0 in range(0, n, chunk)]
+        parts = [max(1, min(-(-self.half_blocks // b), -(-(c1 - c0) // 8) // 64 or 1))
+                 for c0, c1 in chunks]
+        total = sum(parts)
+        self._ensure(self._cur.d_cand, 8 * b * total * HALF_CAND)
+        self._ensure(self._cur.d_counters, 4 * b)
+        self._ensure(self._cur.d_top, 8 * b * HALF_CAND)
+        cand_s = self._cur.d_cand.ptr
+        cand_r = cand_s + 4 * b * total * HALF_CAND
+        top_s = self._cur.d_top.ptr
+        top_r = top_s + 4 * b * HALF_CAND
+        out_r = self._cur.h_out.ptr
+        out_s = out_r + 4 * b * kk
+        flags = out_s + 4 * b * kk
+        xmax = np.float32(m.max_norm)
+        ev = self.stage_events
+        if ev:
+            ev[0].record(s)
+        rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
+        if ev:
+            ev[1].record(s)
+        self._k_prep_h((-(-b * 32 // BLOCK),), (BLOCK,),
+                       (q32, qs, qn, qscale, np.int32(b), np.int32(dpad), xmax), stream=s)
+        handle = cp.cuda.device.get_cublas_handle()
+        from cupy_backends.cuda.libs import cublas
+
+        if ev:
+            ev[2].record(s)
+        p_off = 0
+        with s:  # cuBLAS runs on the current stream
+            for (c0, c1), pc in zip(chunks, parts):
+                nc = c1 - c0
+                ld = -(-nc // 8) * 8
+                cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
+                              self._alpha.ctypes.data, m.data.data.ptr + c0 * dpad * 2,
+                              self._cuda_type, dpad, qs, self._cuda_type, dpad,
+                              self._beta.ctypes.data, self._cur.d_scores.ptr, self._cuda_type, ld,
+                              _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+                if ev:
+                    ev[3].record(s)
+                self._k_hscores[self.half_unroll]((pc, b), (BLOCK,),
+                                (self._cur.d_scores.ptr, np.int32(nc), np.int32(ld), np.int64(c0), m.sqn,
+                                 qn, qscale, np.int32(m.l2), np.int32(pc), np.int32(p_off),
+                                 np.int32(total), cand_s, cand_r, self._cur.d_counters.ptr, top_s, top_r),
+                                stream=s)
+                p_off += pc
+        if ev:
+            ev[4].record(s)
+        self._k_rescore((b,), (BLOCK,),
+                        (m.data, m.sqn, np.int32(dpad), q32, qn, qscale, np.int32(m.l2), xmax,
+                         np.int32(kk), top_s, top_r, out_s, out_r, flags), stream=s)
+        if ev:
+            ev[5].record(s)
 
 
 class CupyMatrix:
@@ -540,6 +718,9 @@ class CupyMatrix:
         if self.capacity >= 2**31:
             raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
         self.l2 = int(metric == Metric.L2)
+        # An upper bound on the norm of every stored row (the half-score path's error bound):
+        # raised by writes, never lowered (moves and deletes leave it a valid bound).
+        self.max_norm = 0.0
         with backend._stream:
             self.data = cp.zeros((self.capacity, self.dpad), backend._np_store)
             self.sqn = cp.zeros(self.capacity, np.float32)
@@ -556,6 +737,9 @@ class CupyMatrix:
             raise IndexError(f"row outside [0, {self.capacity})")
         be = self.backend
         be._check_usable()
+        norm = float(np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64).max()))
+        # Rounding to a 16-bit format can lengthen a row by a relative 2^-8 at most.
+        self.max_norm = max(self.max_norm, norm * (1.0 + 2.0 ** -7))
         cp = be._cp
         with be._guard("write_rows"), be._stream:
             d_rows = cp.asarray(rows)
@@ -601,6 +785,9 @@ class CupyMatrix:
 
     def search(self, queries: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
         return self.backend.search(self, queries, n, k)
+
+    def search_async(self, queries: np.ndarray, n: int, k: int) -> PendingCupySearch:
+        return self.backend.search_async(self, queries, n, k)
 
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Stored rows as float32 (m, d): the storage dtype's values, widened (for export)."""

@@ -156,6 +156,32 @@ __device__ __forceinline__ void warp_offer(float& ls, int& lr, float& th, float 
     }
 }
 
+// Floats as ints that order the same way (for atomicMax on a score); the map is its own inverse.
+__device__ __forceinline__ int ord_f(float f) {
+    const int i = __float_as_int(f);
+    return i >= 0 ? i : i ^ 0x7fffffff;
+}
+__device__ __forceinline__ float unord_f(int i) { return __int_as_float(i >= 0 ? i : i ^ 0x7fffffff); }
+
+// The block's gate: the best k-th score of any of its warps' lists (as ord_f). A score at or
+// below it cannot enter the block's top-k (that warp already holds k scores at least as good), so
+// warps skip it: with one shared gate a block inserts about k ln(n/k) candidates over n scores,
+// instead of k ln(n/(W k)) per warp.
+__device__ __forceinline__ float block_gate(const int* gate, float th) {
+    return fmaxf(th, unord_f(*reinterpret_cast<const volatile int*>(gate)));
+}
+
+// Empty warp lists (every entry -inf, row -1) for QT queries.
+template <int QT>
+__device__ __forceinline__ void empty_lists(float (&ls)[QT], float (&th)[QT], int (&lr)[QT]) {
+#pragma unroll
+    for (int q = 0; q < QT; ++q) {
+        ls[q] = neg_inf();
+        th[q] = neg_inf();
+        lr[q] = -1;
+    }
+}
+
 // Merge the block's warp lists (QT queries each) into one list per query and write entries
 // [0, nw) of list q to dst_s/dst_r[q * dstride + j]. Warp w merges queries w, w + W, ...
 template <int QT>
@@ -210,12 +236,7 @@ __device__ void merge_block_lists(const float* cs, const int* cr, i64 qstride, i
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     float ls[QT], th[QT];
     int lr[QT];
-#pragma unroll
-    for (int q = 0; q < QT; ++q) {
-        ls[q] = neg_inf();
-        th[q] = neg_inf();
-        lr[q] = -1;
-    }
+    empty_lists<QT>(ls, th, lr);
     for (int p = warp; p < P; p += W) {
 #pragma unroll
         for (int q = 0; q < QT; ++q) {
@@ -382,12 +403,7 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
 
     float ls[QT], th[QT];
     int lr[QT];
-#pragma unroll
-    for (int q = 0; q < QT; ++q) {
-        ls[q] = neg_inf();
-        th[q] = neg_inf();
-        lr[q] = -1;
-    }
+    empty_lists<QT>(ls, th, lr);
 
     // The loop bound is warp-uniform: shuffles and ballots below need every lane.
     for (i64 wb = rb + (i64)warp * rows_per_warp; wb < re; wb += (i64)W * rows_per_warp) {
@@ -497,10 +513,12 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_w(
     int* cand_r, unsigned* counters, float* out_s, int* out_r) {
     __shared__ float wl_s[(KALOS_BLOCK / 32) * 32];
     __shared__ int wl_r[(KALOS_BLOCK / 32) * 32];
-    __shared__ int flag;
+    __shared__ int flag, gate;
     const int b = blockIdx.y, px = blockIdx.x;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
     const int cb = (int)((i64)nc * px / Pc), ce = (int)((i64)nc * (px + 1) / Pc);
+    if (threadIdx.x == 0) gate = ord_f(neg_inf());
+    __syncthreads();
     const float* Sb = S + (i64)b * nc;
     const float qb = l2 ? qn[b] : 0.0f;
     float ls[1] = {neg_inf()}, th[1] = {neg_inf()};
@@ -513,13 +531,20 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_w(
             const int c = wb + u * 32 + lane;
             v[u] = c < ce ? Sb[c] : neg_inf();
         }
+        const float g = block_gate(&gate, th[0]);
+        float mx = neg_inf();
 #pragma unroll
         for (int u = 0; u < UN; ++u) {
             const int c = wb + u * 32 + lane;
-            float s = v[u];
-            if (l2 && c < ce) s = 2.0f * s - sqn[row0 + c] - qb;
-            warp_offer(ls[0], lr[0], th[0], s, (int)(row0 + c), k, lane);
+            if (l2 && c < ce) v[u] = 2.0f * v[u] - sqn[row0 + c] - qb;
+            if (!(v[u] > g)) v[u] = neg_inf();
+            mx = fmaxf(mx, v[u]);
         }
+        if (!__any_sync(FULL_MASK, mx > th[0])) continue;  // nothing here beats the gate
+#pragma unroll
+        for (int u = 0; u < UN; ++u)
+            warp_offer(ls[0], lr[0], th[0], v[u], (int)(row0 + wb + u * 32 + lane), k, lane);
+        if (lane == 0 && th[0] > g) atomicMax(&gate, ord_f(th[0]));
     }
     const i64 qstride = (i64)P * k;
     block_merge_lists<1>(ls, lr, 1, k, wl_s, wl_r, cand_s + b * qstride + (i64)(p_off + px) * k,
@@ -556,6 +581,213 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_b(
     ls.r = cand_r + b * qstride;
     block_select(ls, qstride, k, bs, br, meta, C, out_s + (i64)b * kk, out_r + (i64)b * kk, kk);
     if (threadIdx.x == 0) counters[b] = 0;
+}
+
+// ------------------------------------------------------------------ half-score GEMM path
+// float16 storage, k <= 16 (cupy_backend._plan). Each query is scaled by a power of two 2^-e
+// (qscale = 2^e) so that no score can overflow float16, rounded to float16, and cuBLAS writes the
+// scores S'[b][c] = 2^-e q'.x as float16 (half the bytes of float32 scores, written once, read
+// once). The 32 best rows by these approximate scores are kept per query, rescored in float32
+// against the float32 query, and sorted. The approximate score a of any row obeys
+// |a - s| <= E (s its float32 score; E from the rounding of the query, of the score and of both
+// accumulations, below); so if the k-th rescored score is >= the 32nd approximate score + E, no
+// row outside the 32 can beat the answer, and the answer is the exact top-k. A query where that
+// does not hold (near-ties, degenerate data) is flagged and redone on the float32 path by the host.
+#define KALOS_HC 32
+
+__device__ __forceinline__ float warp_max(float a) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(FULL_MASK, a, off));
+    return a;
+}
+
+// Queries for the half-score path: qs = float16(q * 2^-e) with 2^e > max(|q| xmax, max|q_i|) / 2^14,
+// so |q'.x| < 2^14 for every stored row (xmax bounds the row norms); qn = |q|^2, qscale = 2^e.
+// One warp per query.
+extern "C" __global__ void kalos_prep_queries_h(const float* __restrict__ q32, unsigned short* qs,
+                                                float* __restrict__ qn, float* __restrict__ qscale,
+                                                int B, int dpad, float xmax) {
+    const int b = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (b >= B) return;  // warp-uniform
+    const float* q = q32 + (i64)b * dpad;
+    float a = 0.0f, mx = 0.0f;
+    for (int j = lane; j < dpad; j += 32) {
+        const float v = q[j];
+        a = fmaf(v, v, a);
+        mx = fmaxf(mx, fabsf(v));
+    }
+    a = warp_sum(a);
+    mx = warp_max(mx);
+    const float need = fmaxf(sqrtf(a) * xmax, mx) * (1.0f / 16384.0f);
+    int e = 0;
+    if (need > 0.0f) {
+        if (isfinite(need)) frexpf(need, &e);  // need < 2^e
+        else e = 100;  // E is infinite then: the query is flagged and redone in float32
+    }
+    e = max(-100, min(100, e));
+    const float sc = ldexpf(1.0f, -e);
+    for (int j = lane; j < dpad; j += 32) {
+        unsigned short h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(q[j] * sc));
+        qs[(i64)b * dpad + j] = h;
+    }
+    if (lane == 0) {
+        qn[b] = a;
+        qscale[b] = ldexpf(1.0f, e);
+    }
+}
+
+// Top-32 of one chunk of float16 scores (S[b][c], c < nc, row stride ld, a multiple of 8, so a
+// lane reads 8 scores per 16-byte load). Grid (Pc, B) as kalos_scores_topk_w; the last of a
+// query's P blocks writes its 32 candidates (approximate scores, rows) to top_s/top_r[b][32].
+template <int UN>
+__device__ __forceinline__ void hscores_top(
+    const unsigned short* __restrict__ S, int nc, int ld, i64 row0, const float* __restrict__ sqn,
+    const float* __restrict__ qn, const float* __restrict__ qscale, int l2, int Pc, int p_off, int P,
+    float* cand_s, int* cand_r, unsigned* counters, float* top_s, int* top_r) {
+    __shared__ float wl_s[(KALOS_BLOCK / 32) * 32];
+    __shared__ int wl_r[(KALOS_BLOCK / 32) * 32];
+    __shared__ int flag, gate;
+    const int b = blockIdx.y, px = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    if (threadIdx.x == 0) gate = ord_f(neg_inf());
+    __syncthreads();
+    const int nv = (nc + 7) >> 3;
+    const int vb = (int)((i64)nv * px / Pc), ve = (int)((i64)nv * (px + 1) / Pc);
+    const unsigned short* Sb = S + (i64)b * ld;
+    const float sc = qscale[b];
+    const float qb = l2 ? qn[b] : 0.0f;
+    float ls[1], th[1];
+    int lr[1];
+    empty_lists<1>(ls, th, lr);
+    for (int wb = vb + warp * 32 * UN; wb < ve; wb += W * 32 * UN) {
+        uint4 u[UN];
+#pragma unroll
+        for (int t = 0; t < UN; ++t) {
+            const int v = wb + t * 32 + lane;
+            if (v < ve) {
+                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(u[t].x), "=r"(u[t].y), "=r"(u[t].z), "=r"(u[t].w)
+                             : "l"(Sb + (i64)v * 8));
+            } else {
+                u[t] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+        const float g = block_gate(&gate, th[0]);
+#pragma unroll
+        for (int t = 0; t < UN; ++t) {
+            const int v = wb + t * 32 + lane;
+            float f[8];
+            half2_to_floats(u[t].x, f[0], f[1]);
+            half2_to_floats(u[t].y, f[2], f[3]);
+            half2_to_floats(u[t].z, f[4], f[5]);
+            half2_to_floats(u[t].w, f[6], f[7]);
+            float mx = neg_inf();
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                const int c = v * 8 + j;
+                float s = f[j] * sc;
+                if (v >= ve || c >= nc) s = neg_inf();
+                else if (l2) s = 2.0f * s - sqn[row0 + c] - qb;
+                f[j] = s > g ? s : neg_inf();
+                mx = fmaxf(mx, f[j]);
+            }
+            if (!__any_sync(FULL_MASK, mx > th[0])) continue;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                warp_offer(ls[0], lr[0], th[0], f[j], (int)(row0 + v * 8 + j), KALOS_HC, lane);
+        }
+        if (lane == 0 && th[0] > g) atomicMax(&gate, ord_f(th[0]));
+    }
+    const i64 qstride = (i64)P * KALOS_HC;
+    block_merge_lists<1>(ls, lr, 1, KALOS_HC, wl_s, wl_r,
+                         cand_s + b * qstride + (i64)(p_off + px) * KALOS_HC,
+                         cand_r + b * qstride + (i64)(p_off + px) * KALOS_HC, qstride, KALOS_HC);
+    if (!last_block(counters + b, P, &flag)) return;
+    merge_block_lists<1>(cand_s + b * qstride, cand_r + b * qstride, qstride, P, 1, KALOS_HC,
+                         KALOS_HC, wl_s, wl_r, top_s + (i64)b * KALOS_HC,
+                         top_r + (i64)b * KALOS_HC);
+    if (threadIdx.x == 0) counters[b] = 0;
+}
+
+// UN 16-byte loads per lane in flight (the host picks one; measured on the H200).
+#define KALOS_HSCORES_KERNEL(UN)                                                                  \
+    extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_hscores_top_u##UN(           \
+        const unsigned short* __restrict__ S, int nc, int ld, i64 row0,                           \
+        const float* __restrict__ sqn, const float* __restrict__ qn,                              \
+        const float* __restrict__ qscale, int l2, int Pc, int p_off, int P, float* cand_s,        \
+        int* cand_r, unsigned* counters, float* top_s, int* top_r) {                              \
+        hscores_top<UN>(S, nc, ld, row0, sqn, qn, qscale, l2, Pc, p_off, P, cand_s, cand_r,       \
+                        counters, top_s, top_r);                                                  \
+    }
+KALOS_HSCORES_KERNEL(2)
+KALOS_HSCORES_KERNEL(4)
+KALOS_HSCORES_KERNEL(8)
+
+// Rescore query b's 32 candidates in float32 (float32 query, widened rows), sort them, write the
+// best kk to out_s/out_r[b][kk] (pinned host memory) and flags[b] = 1 if the answer is not proven
+// exact (see above). Grid (B), one warp per candidate at a time.
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_rescore_h(
+    const store_t* __restrict__ X, const float* __restrict__ sqn, int dpad,
+    const float* __restrict__ q32, const float* __restrict__ qn, const float* __restrict__ qscale,
+    int l2, float xmax, int kk, const float* __restrict__ top_s, const int* __restrict__ top_r,
+    float* out_s, int* out_r, int* flags) {
+    __shared__ float es[KALOS_HC];
+    const int b = blockIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, W = blockDim.x >> 5;
+    const float* q = q32 + (i64)b * dpad;
+    for (int c = warp; c < KALOS_HC; c += W) {
+        const int r = top_r[(i64)b * KALOS_HC + c];  // warp-uniform
+        float a = 0.0f;
+        if (r >= 0) {
+            const store_t* x = X + (i64)r * dpad;
+            for (int j = lane * VEC; j < dpad; j += 32 * VEC) {
+                float f[VEC];
+                widen(*reinterpret_cast<const uint4*>(x + j), f);
+#pragma unroll
+                for (int t = 0; t < VEC; ++t) a = fmaf(q[j + t], f[t], a);
+            }
+        }
+        a = warp_sum(a);
+        if (lane == 0) es[c] = r < 0 ? neg_inf() : (l2 ? 2.0f * a - sqn[r] - qn[b] : a);
+    }
+    __syncthreads();
+    if (warp != 0) return;
+    float s = es[lane];
+    int r = top_r[(i64)b * KALOS_HC + lane];
+    // Bitonic sort across the warp, best first; ties by row so the order is total.
+    for (int size = 2; size <= 32; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            const float os = __shfl_xor_sync(FULL_MASK, s, stride);
+            const int orr = __shfl_xor_sync(FULL_MASK, r, stride);
+            const bool keep_better = ((lane & stride) == 0) == ((lane & size) == 0);
+            const bool other_better = os > s || (os == s && orr < r);
+            const bool mine_better = s > os || (s == os && r < orr);
+            if (keep_better ? other_better : mine_better) {
+                s = os;
+                r = orr;
+            }
+        }
+    }
+    if (lane < kk) {
+        out_s[(i64)b * kk + lane] = s;
+        out_r[(i64)b * kk + lane] = r;
+    }
+    const float tk = __shfl_sync(FULL_MASK, s, kk - 1);
+    if (lane == 0) {
+        const float last = top_s[(i64)b * KALOS_HC + KALOS_HC - 1];
+        const int last_r = top_r[(i64)b * KALOS_HC + KALOS_HC - 1];
+        const float qx = sqrtf(qn[b]) * xmax;  // bounds |q||x| and |q.x| for every stored row
+        // |a - s| for one dot product: query rounding (2^-11 |q||x|), score rounding (2^-11 of
+        // |q.x|), two float32 accumulations over dpad terms (dpad 2^-24 |q||x| each), float16
+        // underflow of the scaled query and score (2^(e-25) sqrt(dpad) xmax and 2^(e-25)); x1.25.
+        const float ev = 1.25f * (qx * (ldexpf(1.0f, -10) + (float)dpad * ldexpf(1.0f, -23)) +
+                                  qscale[b] * ldexpf(1.0f, -25) * (sqrtf((float)dpad) * xmax + 1.0f));
+        // l2 scores are 2 q.x - |x|^2 - |q|^2: twice that, plus the rounding of the sum.
+        const float e = l2 ? 2.0f * ev + ldexpf(1.0f, -21) * (2.0f * qx + xmax * xmax + qn[b]) : ev;
+        flags[b] = (last_r >= 0 && !(tk >= last + e)) ? 1 : 0;
+    }
 }
 
 // ------------------------------------------------------------------ queries and rows

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from broker.layout import Metric
+from sidecar_cuda.backend import Completed
 
 
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,6 +65,9 @@ class NumpyMatrix:
             qn = np.einsum("ij,ij->i", queries, queries)
             scores = 2.0 * scores - self.sqnorm[:n][None, :] - qn[:, None]
         return topk_rows(scores, k)
+
+    def search_async(self, queries: np.ndarray, n: int, k: int) -> Completed:
+        return Completed(*self.search(queries, n, k))
 
 
 class NumpyBackend:

@@ -1,5 +1,11 @@
 """The sidecar: sleeps on the doorbell, gathers every posted slot into one batch, serves it with one
-backend call per namespace, writes results and posts each slot's response semaphore."""
+backend call per namespace, writes results and posts each slot's response semaphore.
+
+Uniform recall batches (the common case under load) are pipelined: a batch is started on the
+device and the loop goes on; while it runs, the callers answered by the batch before it re-post and
+are started as the next batch, queued right behind it. At most two batches are in flight; anything
+else (writes, payloads, several namespaces, bad slots) first finishes what is in flight, so a
+write never moves rows under a search and answers leave in order."""
 
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +35,7 @@ from broker.layout import (
 )
 from broker.procs import pid_alive
 from sidecar_cuda import objects
-from sidecar_cuda.backend import Backend, choose_backend
+from sidecar_cuda.backend import Backend, PendingSearch, choose_backend
 from sidecar_cuda.persist import Persistence, StoreError, Write
 from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
@@ -39,6 +46,20 @@ from sidecar_cuda.store import MemoryStore, Namespace
 log = logging.getLogger("kalos.sidecar")
 REAP_S = 0.25
 _RECALL, _OK = int(Op.RECALL), int(Status.OK)  # plain ints for numpy comparisons
+PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds two searches)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A uniform recall batch started on the backend, not yet answered."""
+
+    sel: np.ndarray  # its slots
+    rec: np.ndarray  # their control blocks as read when the batch was taken
+    taken: list[int]
+    t_pick: int  # CLOCK_MONOTONIC when taken
+    t0: int  # perf_counter_ns when started
+    staging: int  # which staging buffer holds its queries
+    pending: PendingSearch
 
 
 @dataclass
@@ -97,8 +118,12 @@ class Sidecar:
         self._stop = threading.Event()
         self._objs: objects.Objects | None = None
         self.seg: SegmentView | None = None
-        self._staging = self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries,
-                                                  self.layout.dim), np.float32)
+        # Staging for gathered queries (pinned on CUDA): one per batch in flight.
+        self._stagings = [self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries,
+                                                    self.layout.dim), np.float32)
+                          for _ in range(PIPELINE_DEPTH)]
+        self._staging = self._stagings[0]  # the synchronous paths' (nothing in flight then)
+        self._inflight: deque[InFlight] = deque()
         self._heartbeat: threading.Thread | None = None
         self.ready = False
 
@@ -225,7 +250,7 @@ class Sidecar:
         last_work = clock()
         try:
             while not self._stop.is_set():
-                if self.serve_pending():
+                if self.serve_pending() or self._inflight:
                     last_work = clock()
                     continue
                 now = clock()
@@ -247,6 +272,7 @@ class Sidecar:
             # Finish what was posted before the stop, then tell clients.
             self.seg.header["state"] = SidecarState.STOPPING
             self.serve_pending()
+            self._finish_inflight()
         finally:
             self.close()
 
@@ -259,13 +285,25 @@ class Sidecar:
                 return
 
     def serve_pending(self) -> int:
-        """Serve every posted slot as one batch. Returns the number of requests served."""
+        """Answer a finished batch in flight, if any, and take every posted slot as a new batch:
+        a uniform recall batch is started and left in flight, anything else is served now.
+        Returns the number of requests answered."""
         assert self._objs is not None and self.seg is not None
-        u64 = self._words.u64
+        inflight = self._inflight
+        served = 0
+        if inflight and inflight[0].pending.done():
+            served += self._finish_uniform(inflight.popleft())
+        if len(inflight) >= PIPELINE_DEPTH:
+            return served
         idx = posted_slots(self._states)
         if len(idx) == 0:
-            return 0
-        if len(idx) < self._last_batch and self._gather_ns:
+            return served
+        if inflight:
+            # One batch on the device: start the next right behind it once as many callers as
+            # last time have posted, or as soon as the device is about to be idle.
+            if len(idx) < self._last_batch and not inflight[0].pending.done():
+                return served
+        elif len(idx) < self._last_batch and self._gather_ns:
             idx = self._gather()
         t_pick = time.monotonic_ns()
         taken: list[int] = []
@@ -277,18 +315,36 @@ class Sidecar:
                 continue  # client between writing POSTED and posting req; next scan brings it
             taken.append(i)
         if not taken:
-            return 0
-        if len(taken) == 1 and self._serve_single_recall(taken[0], t_pick):
+            return served
+        if not inflight and len(taken) == 1 and self._serve_single_recall(taken[0], t_pick):
             self._last_batch = 1
-            return 1
+            return served + 1
         slots = self.seg.slots
         sel = np.asarray(taken, np.intp)
         slots["state"][sel] = S_BUSY
         slots["t_pick_ns"][sel] = t_pick
         rec = slots[sel]  # a copy of the control blocks: what the clients wrote, read once
         t0 = time.perf_counter_ns()
-        if not self._serve_uniform_recalls(sel, rec):
-            self._serve_general(taken, rec)
+        batch = self._start_uniform(sel, rec, taken, t_pick, t0)
+        if batch is not None:
+            inflight.append(batch)
+            return served
+        served += self._finish_inflight()
+        self._serve_general(taken, rec)
+        return served + self._complete(sel, taken, rec, t_pick, t0)
+
+    def _finish_inflight(self) -> int:
+        """Answer every batch in flight (waiting for the device)."""
+        served = 0
+        while self._inflight:
+            served += self._finish_uniform(self._inflight.popleft())
+        return served
+
+    def _complete(self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int,
+                  t0: int) -> int:
+        """Results are written: stamp the slots, mark them DONE, post each, record the batch."""
+        assert self._objs is not None and self.seg is not None
+        slots = self.seg.slots
         t1 = time.perf_counter_ns()
         n = len(taken)
         self._last_batch, self._last_service_ns = n, t1 - t0
@@ -301,7 +357,7 @@ class Sidecar:
             resp[i].release()
         self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick_ns=t_pick, t_post_ns=rec["t_post_ns"],
                                             t_done_ns=t_done))
-        u64[self._batches_word] = self.stats.batches
+        self._words.u64[self._batches_word] = self.stats.batches
         return n
 
     def _namespace(self, key: tuple[bytes, int]) -> Namespace | None:
@@ -374,46 +430,64 @@ class Sidecar:
         u64[self._batches_word] = self.stats.batches
         return True
 
-    def _serve_uniform_recalls(self, sel: np.ndarray, rec: np.ndarray) -> bool:
-        """The common batch, served with a fixed number of numpy calls whatever its size: every
-        request a one-vector recall without payloads in the same namespace. Returns False (having
-        written nothing) for any other batch."""
+    def _start_uniform(self, sel: np.ndarray, rec: np.ndarray, taken: list[int], t_pick: int,
+                       t0: int) -> InFlight | None:
+        """The common batch, started with a fixed number of numpy calls whatever its size: every
+        request a one-vector recall without payloads in the same namespace. Returns None (having
+        written nothing to the slots) for any other batch."""
         k = rec["k"]
         if len(rec) == 1:  # plain ints: cheaper than array calls for one request
             r = rec[0]
             if not (r["op"] == _RECALL and r["nq"] == 1 and r["flags"] == 0
                     and 1 <= r["k"] <= self._k_limit):
-                return False
+                return None
             key = (bytes(r["namespace"]), int(r["ns_len"]))
         else:
             # k is unsigned: k - 1 wraps to a huge value for k = 0.
             if not ((rec["op"] == _RECALL) & (rec["nq"] == 1) & (rec["flags"] == 0)
                     & (k - 1 < self._k_limit) & (rec["ns_len"] == rec["ns_len"][0])).all():
-                return False
+                return None
             nsraw = rec["namespace"]
             if not (nsraw == nsraw[0]).all():
-                return False
+                return None
             key = (bytes(nsraw[0]), int(rec["ns_len"][0]))
         ns = self._namespace(key)
         if ns is None:
-            return False
+            return None
         assert self.seg is not None
-        q = self.seg.all_queries[sel, 0]  # gathers the batch: one copy
+        # Gather the batch with one copy into a staging buffer no batch in flight uses (pinned:
+        # the CUDA backend copies it to the device from there). A fancy index then a contiguous
+        # copy: 2.7x faster than np.take(out=) here.
+        st = 1 - self._inflight[0].staging if self._inflight else 0
+        q = self._stagings[st][: len(sel)]
+        q[...] = self.seg.all_queries[sel, 0]
         if not np.isfinite(q).all():
-            return False
+            return None
         try:
-            ids, scores = ns.search(q, int(k.max()))
+            pending = ns.search_start(q, int(k.max()))
         except Exception:  # the general path reports it per request
-            return False
+            return None
+        return InFlight(sel, rec, taken, t_pick, t0, st, pending)
+
+    def _finish_uniform(self, b: InFlight) -> int:
+        """Write a started batch's answers (waiting for the device if need be) and post them."""
+        assert self.seg is not None
+        try:
+            ids, scores = b.pending.result()
+        except Exception:  # the general path searches again and reports per request
+            served = self._finish_inflight()  # (it stages queries where a later batch may have)
+            self._serve_general(b.taken, b.rec)
+            return served + self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0)
+        rec, sel = b.rec, b.sel
         kk = ids.shape[1]
         seg, slots = self.seg, self.seg.slots
         seg.all_result_ids[sel, 0, :kk] = ids
         seg.all_result_scores[sel, 0, :kk] = scores
         slots["status"][sel] = _OK
-        slots["n_results"][sel] = np.minimum(k, kk)
+        slots["n_results"][sel] = np.minimum(rec["k"], kk)
         slots["blob_len"][sel] = 0
         slots["resp_generation"][sel] = rec["generation"]
-        return True
+        return self._complete(sel, b.taken, rec, b.t_pick, b.t0)
 
     def _serve_general(self, taken: list[int], rec: np.ndarray) -> None:
         reqs: list[Request] = []

@@ -17,7 +17,7 @@ class BatchRecord:
     __slots__ = ("size", "compute_ns", "t_pick_ns", "t_post_ns", "t_done_ns", "_queue_ns")
 
     def __init__(self, size: int, compute_ns: int, queue_ns: Sequence[int] | None = None,
-                 t_pick_ns: int = 0, t_post_ns: Sequence[int] | None = None,
+                 t_pick_ns: int = 0, t_post_ns: Sequence[int] | np.ndarray | None = None,
                  t_done_ns: int = 0) -> None:
         self.size = size  # requests in the batch
         self.compute_ns = compute_ns  # backend work for the whole batch

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from broker.layout import Metric
-from sidecar_cuda.backend import Backend, prepare_queries, prepare_rows
+from sidecar_cuda.backend import Backend, Completed, PendingSearch, prepare_queries, prepare_rows
 
 MIN_CAPACITY = 1024
 
@@ -40,6 +40,23 @@ def compaction_moves(holes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]
     tail = np.arange(new_n, n, dtype=np.int64)
     src = tail[~np.isin(tail, holes)]
     return src, dst
+
+
+class _IdsOf:
+    """A pending search whose rows become ids when collected."""
+
+    __slots__ = ("_pending", "_row_ids")
+
+    def __init__(self, pending: PendingSearch, row_ids: np.ndarray) -> None:
+        self._pending = pending
+        self._row_ids = row_ids
+
+    def done(self) -> bool:
+        return self._pending.done()
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        rows, scores = self._pending.result()
+        return self._row_ids[rows], scores
 
 
 @dataclass
@@ -131,6 +148,15 @@ class Namespace:
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
         rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k)
         return self.row_ids[rows], scores
+
+    def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:
+        """``search`` started on the device: the pending result maps rows to ids when collected
+        (no write may reach this namespace before then; the sidecar's pipeline makes sure)."""
+        if self.n == 0:
+            b = len(queries)
+            return Completed(np.empty((b, 0), np.int64), np.empty((b, 0), np.float32))
+        return _IdsOf(self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k),
+                      self.row_ids)
 
     def export_page(self, after: int, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32

@@ -67,8 +67,10 @@ def sidecar_factory():
     def start(tag: str = "s", *args: str, name: str | None = None, ephemeral: bool = True) -> SidecarHandle:
         name = name or unique_name(tag)
         full = (["--ephemeral"] if ephemeral else []) + list(args)
-        if "--backend" in full:  # the suites name numpy; KALOS_TEST_BACKEND swaps it
-            full[full.index("--backend") + 1] = TEST_BACKEND
+        if "--backend" in full:  # KALOS_TEST_BACKEND swaps numpy; a test naming cuda keeps it
+            i = full.index("--backend") + 1
+            if full[i] == "numpy":
+                full[i] = TEST_BACKEND
         else:
             full += ["--backend", TEST_BACKEND]
         proc = start_sidecar_process(full, name, timeout=60)

@@ -12,7 +12,7 @@ import pytest
 from broker.errors import ClosedError
 from broker.layout import Metric
 from sidecar_cuda.backend import prepare_queries, prepare_rows
-from sidecar_cuda.cupy_backend import MAX_K, WARP_K, cuda_available
+from sidecar_cuda.cupy_backend import HALF_K, MAX_K, WARP_K, cuda_available
 from sidecar_cuda.numpy_backend import NumpyBackend
 from sidecar_cuda.store import Namespace
 
@@ -118,6 +118,13 @@ def test_search_matches_float64(backend, rng, metric, n, d, k, b):
         check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " fused")
     rows, scores = backend.search(m, q, n, k, path="gemm")
     check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemm")
+    if backend.storage_dtype == "float16" and k <= HALF_K:
+        before = backend.half_fallbacks
+        rows, scores = backend.search(m, q, n, k, path="gemmh")
+        check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemmh")
+        if backend.half_fallbacks == before:  # (redone queries went the GEMM path's way)
+            # Against the stored (rounded) rows the half-score answer is exact to float32 rounding.
+            check(q, rounded(x, "float16"), metric, k, rows, scores, "float32", what + " gemmh tight")
 
 
 def test_large_matrix_d768(backend, rng):
@@ -257,3 +264,77 @@ def test_bad_arguments_and_close(rng):
     be.close()  # twice is fine
     with pytest.raises(ClosedError):
         m.search(np.ones((1, 8), np.float32), 100, 5)
+
+
+# ---------------------------------------------------------------- the half-score path (float16)
+def _half_only(backend) -> None:
+    if backend.storage_dtype != "float16":
+        pytest.skip("the half-score path serves float16 storage")
+
+
+@pytest.mark.parametrize("metric", METRICS, ids=lambda m: m.name.lower())
+def test_half_scores_exact_at_scale(backend, rng, metric):
+    """100k x 768, batches of 1..256: the exact top-k of the stored rows (float32 tolerance)."""
+    _half_only(backend)
+    n, d = 100_003, 768
+    m, x = fill(backend, rng, n, d, metric)
+    xr = rounded(x, "float16")
+    before = backend.half_fallbacks
+    for b, k in ((2, 1), (64, 10), (256, 10), (33, 16)):
+        q = queries(rng, b, d, metric)
+        assert backend._plan(b, n, k, m)[0] == "gemmh"
+        rows, scores = m.search(q, n, k)
+        check(q, xr, metric, k, rows, scores, "float32", f"half {metric.name} b={b} k={k}")
+    # Random data leaves a wide gap between the 10th and the 32nd score: nothing redone.
+    assert backend.half_fallbacks - before <= 2
+
+
+@pytest.mark.parametrize("scale_q,scale_x", [(1e4, 1.0), (1e-5, 1.0), (1.0, 300.0), (3e-3, 1e-3)])
+def test_half_scores_extreme_scales(backend, rng, scale_q, scale_x):
+    """Per-query power-of-two scaling keeps float16 scores finite and precise for huge and tiny
+    vectors (unscaled, 1e4-sized queries against 300-sized rows would overflow float16)."""
+    _half_only(backend)
+    n, d = 20_011, 256
+    x = (rng.standard_normal((n, d), dtype=np.float32) * np.float32(scale_x)).astype(np.float32)
+    m = backend.new_matrix(d, n, Metric.DOT)
+    m.write_rows(np.arange(n), x)
+    q = (rng.standard_normal((40, d), dtype=np.float32) * np.float32(scale_q)).astype(np.float32)
+    rows, scores = backend.search(m, q, n, 10, path="gemmh")
+    assert np.isfinite(scores).all()
+    check(q, rounded(x, "float16"), Metric.DOT, 10, rows, scores, "float32",
+          f"half scales q x{scale_q} rows x{scale_x}")
+
+
+def test_half_scores_fall_back_on_ties(backend, rng):
+    """Forty copies of each query's best row tie far beyond the 32 candidates: the proof fails,
+    those queries are redone on the float32 path, and the answer is still right."""
+    _half_only(backend)
+    n, d = 30_000, 128
+    m, x = fill(backend, rng, n, d, Metric.DOT)
+    q = queries(rng, 6, d, Metric.DOT)
+    hot = rng.choice(n, size=40 * 3, replace=False)
+    x[hot] = np.repeat(q[:3] * np.float32(2.0), 40, axis=0)  # queries 0-2: 40 exact ties on top
+    m.write_rows(hot, x[hot])
+    before = backend.half_fallbacks
+    rows, scores = backend.search(m, q, n, 10, path="gemmh")
+    assert backend.half_fallbacks - before >= 3
+    check(q, x, Metric.DOT, 10, rows, scores, "float16", "half ties")
+    for i in range(3):
+        assert set(rows[i]) <= set(hot[40 * i:40 * (i + 1)].tolist())
+
+
+def test_two_searches_in_flight(backend, rng):
+    """The sidecar's pipeline: a second search is enqueued while the first runs, each on its own
+    buffers; both answers are right whichever is collected first, and a third is refused."""
+    n, d = 50_021, 128
+    m, x = fill(backend, rng, n, d, Metric.DOT)
+    for order in ((0, 1), (1, 0)):
+        qs = [queries(rng, b, d, Metric.DOT) for b in (64, 1)]
+        pend = [m.search_async(q, n, 10) for q in qs]
+        with pytest.raises(RuntimeError):
+            m.search_async(qs[1], n, 10)
+        for i in order:
+            rows, scores = pend[i].result()
+            check(qs[i], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, f"in flight {i}")
+    rows, scores = m.search(qs[0], n, 10)  # both buffer sets are free again
+    check(qs[0], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, "after")

@@ -14,6 +14,7 @@ import pytest
 from clients import RecallPool
 from clients.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk
+from clients._connection import Connection
 from sidecar_cuda.cupy_backend import cuda_available
 
 _WHY = cuda_available()
@@ -29,6 +30,11 @@ def gpu_sidecar(request, sidecar_factory, seed):
                         "--max-k", "128", "--max-queries", "8")
     h.matrix = np.random.default_rng(seed).standard_normal((20000, 64), dtype=np.float32)
     h.rtol = 1e-5 if dtype == "float32" else 2e-3
+    c = Connection(h.name)
+    try:
+        assert int(c.seg.header["backend"]) == 2, "the sidecar under test is not on the CUDA backend"
+    finally:
+        c.close()
     return h
 
 
@@ -42,6 +48,10 @@ async def test_cuda_sidecar_recalls_match_reference(gpu_sidecar, rng):
         hits = await asyncio.gather(*(pool.recall(q, int(k)) for q, k in zip(qs, ks)))
         for q, k, hit in zip(qs, ks, hits):
             assert_topk(q, h.matrix, hit.ids, hit.scores, int(k), rtol=h.rtol)
+        # Uniform batches of k = 10 (the half-score path with float16 storage).
+        hits = await asyncio.gather(*(pool.recall(q, 10) for q in qs))
+        for q, hit in zip(qs, hits):
+            assert_topk(q, h.matrix, hit.ids, hit.scores, 10, rtol=h.rtol)
         many = await pool.recall_many(qs[:8], k=17)
         for q, hit in zip(qs[:8], many):
             assert_topk(q, h.matrix, hit.ids, hit.scores, 17, rtol=h.rtol)
