@@ -224,13 +224,15 @@ def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, r
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         for b in (1, 4, 8, 16, 64, 256):
             qb = np.ascontiguousarray(bank[:b])
-            for path in ("small", "gemm"):
-                if path == "small" and b > 64:
+            for path in ("small", "gemm", "gemmh"):
+                if path == "small" and b > 64 or path == "gemmh" and not be._half_ok(m, k):
                     continue
-                be._ensure(be._h_out, 8 * b * min(k, n))
+                be._cur = be._sets[0]
+                be._ensure(be._cur.h_out, 8 * b * min(k, n) + 4 * b)
                 qt = next((x for x in (1, 2, 4, 8, 16) if x >= b), 16)
-                fn = ((lambda: be._search_small(m, qb, n, k, qt)) if path == "small"
-                      else (lambda: be._search_gemm(m, qb, n, k, min(k, n))))
+                fn = {"small": lambda: be._search_small(m, qb, n, k, qt),
+                      "gemm": lambda: be._search_gemm(m, qb, n, k, min(k, n)),
+                      "gemmh": lambda: be._search_gemm_h(m, qb, n, min(k, n))}[path]
                 ts = []
                 for rep in range(25):
                     e0.record(s)
@@ -259,6 +261,8 @@ def main() -> int:
     ap.add_argument("--loop", default="uvloop")
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--skip-inproc", action="store_true")
+    ap.add_argument("--skip-broker", action="store_true", help="in-process baselines only")
+    ap.add_argument("--out-name", default="", help="JSON file name (default gpu-h200-DATE.json)")
     a = ap.parse_args()
 
     import cupy as cp
@@ -303,6 +307,9 @@ def main() -> int:
                 except Exception as e:  # a baseline that fails is reported, not fatal
                     log(f"# in-process baseline failed: {type(e).__name__}: {e}")
                     results.append({**base, "what": "inproc_error", "error": f"{type(e).__name__}: {e}"})
+        if a.skip_broker:
+            del matrix
+            continue
         name = f"bgpu{os.getpid()}x{n}"
         port = free_port()
         t0 = time.perf_counter()
@@ -343,7 +350,7 @@ def main() -> int:
         del matrix
     date = dt.date.today().isoformat()
     os.makedirs(a.out_dir, exist_ok=True)
-    path = os.path.join(a.out_dir, f"gpu-h200-{date}.json")
+    path = os.path.join(a.out_dir, a.out_name or f"gpu-h200-{date}.json")
     with open(path, "w") as f:
         json.dump({"command": " ".join(["python3", *sys.argv]), "date": dt.datetime.now().isoformat(timespec="seconds"),
                    "seed": seed, "env": env, "copy_TBps": round(bw, 3), "rows": results}, f, indent=1)
