@@ -67,6 +67,9 @@ SCORE_BUFFER_FLOATS = 1 << 26  # GEMM path: float32 scores per chunk (256 MiB; 3
 GRAPH_CACHE = 256
 HALF_K = 16  # half-score path: largest k (the answer is proven exact against 32 candidates)
 HALF_CAND = 32  # candidates rescored per query (KALOS_HC in the .cu)
+HALF_WORK_MIN = 1 << 26  # half-score path from this many scores (rows x queries) up: measured on
+# the H200 it costs ~60 us more than the GEMM path at 100k rows (any batch), the same at 1M x 64,
+# and 17% less at 1M x 256 (docs/gpu.md)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
@@ -395,7 +398,7 @@ class CupyBackend:
                 qt //= 2
             if self.small_smem(qt, dpad) <= self._smem_optin:
                 return "small", qt
-        if self._half_ok(m, k):
+        if n * b >= HALF_WORK_MIN and self._half_ok(m, k):
             return "gemmh", 0
         return "gemm", 0
 

@@ -274,7 +274,8 @@ def _half_only(backend) -> None:
 
 @pytest.mark.parametrize("metric", METRICS, ids=lambda m: m.name.lower())
 def test_half_scores_exact_at_scale(backend, rng, metric):
-    """100k x 768, batches of 1..256: the exact top-k of the stored rows (float32 tolerance)."""
+    """100k x 768, batches of 2..256: the exact top-k of the stored rows (float32 tolerance); and
+    the planner takes this path for large score matrices only."""
     _half_only(backend)
     n, d = 100_003, 768
     m, x = fill(backend, rng, n, d, metric)
@@ -282,11 +283,13 @@ def test_half_scores_exact_at_scale(backend, rng, metric):
     before = backend.half_fallbacks
     for b, k in ((2, 1), (64, 10), (256, 10), (33, 16)):
         q = queries(rng, b, d, metric)
-        assert backend._plan(b, n, k, m)[0] == "gemmh"
-        rows, scores = m.search(q, n, k)
+        rows, scores = backend.search(m, q, n, k, path="gemmh")
         check(q, xr, metric, k, rows, scores, "float32", f"half {metric.name} b={b} k={k}")
     # Random data leaves a wide gap between the 10th and the 32nd score: nothing redone.
     assert backend.half_fallbacks - before <= 2
+    assert backend._plan(256, n, 10, m)[0] == "gemm"  # 25.6M scores: float32 scores are cheaper
+    assert backend._plan(256, 1_000_000, 10, m)[0] == "gemmh"
+    assert backend._plan(256, 1_000_000, 17, m)[0] == "gemm"  # k > 16
 
 
 @pytest.mark.parametrize("scale_q,scale_x", [(1e4, 1.0), (1e-5, 1.0), (1.0, 300.0), (3e-3, 1e-3)])

@@ -48,7 +48,7 @@ async def test_cuda_sidecar_recalls_match_reference(gpu_sidecar, rng):
         hits = await asyncio.gather(*(pool.recall(q, int(k)) for q, k in zip(qs, ks)))
         for q, k, hit in zip(qs, ks, hits):
             assert_topk(q, h.matrix, hit.ids, hit.scores, int(k), rtol=h.rtol)
-        # Uniform batches of k = 10 (the half-score path with float16 storage).
+        # Uniform batches of k = 10.
         hits = await asyncio.gather(*(pool.recall(q, 10) for q in qs))
         for q, hit in zip(qs, hits):
             assert_topk(q, h.matrix, hit.ids, hit.scores, 10, rtol=h.rtol)
