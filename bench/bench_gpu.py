@@ -262,6 +262,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--skip-broker", action="store_true", help="in-process baselines only")
+    ap.add_argument("--sidecar-args", default="", help="extra sidecar arguments, e.g. '--pipeline-depth 1'")
     ap.add_argument("--out-name", default="", help="JSON file name (default gpu-h200-DATE.json)")
     a = ap.parse_args()
 
@@ -316,7 +317,7 @@ def main() -> int:
         proc = start_sidecar_process(
             ["--ephemeral", "--backend", "cuda", "--dtype", dtype, "--dim", str(d), "--random-rows", str(n),
              "--seed", str(seed), "--slots", str(max(64, max(tasks_list) + 16)), "--max-k", "64",
-             "--max-queries", "4", "--metrics-port", str(port)], name, timeout=900)
+             "--max-queries", "4", "--metrics-port", str(port), *a.sidecar_args.split()], name, timeout=900)
         log(f"# sidecar ready in {time.perf_counter() - t0:.1f} s")
         try:
             for tasks in tasks_list:

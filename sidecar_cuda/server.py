@@ -78,6 +78,7 @@ class ServeConfig:
     data_dir: str | None = None  # None: ephemeral (in memory only)
     spin_us: float = 250.0
     gather_us: float = 1000.0
+    pipeline_depth: int = PIPELINE_DEPTH  # uniform recall batches in flight at once (1 or 2)
     random_rows: int = 0
     seed: int = 0
     load_npy: str | None = None
@@ -104,6 +105,8 @@ class Sidecar:
         self.cfg = cfg
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
+        if cfg.pipeline_depth not in (1, 2):
+            raise ConfigError(f"--pipeline-depth must be 1 or 2, got {cfg.pipeline_depth}")
         if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
@@ -139,6 +142,7 @@ class Sidecar:
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
         self._k_limit = min(self.layout.max_k, self.backend.max_k)
         self._gather_ns = int(self.cfg.gather_us * 1000)
+        self._depth = self.cfg.pipeline_depth
         self._last_batch = 0
         self._last_service_ns = 0
         self._ns_names: dict[tuple[bytes, int], str] = {}
@@ -293,7 +297,7 @@ class Sidecar:
         served = 0
         if inflight and inflight[0].pending.done():
             served += self._finish_uniform(inflight.popleft())
-        if len(inflight) >= PIPELINE_DEPTH:
+        if len(inflight) >= self._depth:
             return served
         idx = posted_slots(self._states)
         if len(idx) == 0:
@@ -328,6 +332,8 @@ class Sidecar:
         batch = self._start_uniform(sel, rec, taken, t_pick, t0)
         if batch is not None:
             inflight.append(batch)
+            if self._depth == 1:  # no pipeline: answer it now
+                served += self._finish_inflight()
             return served
         served += self._finish_inflight()
         self._serve_general(taken, rec)
