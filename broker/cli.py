@@ -31,7 +31,7 @@ def _serve_config(a: argparse.Namespace) -> Any:
         blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
         storage_dtype=a.dtype, metric=a.metric, device=a.device,
         data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
-        pipeline_depth=a.pipeline_depth, random_rows=a.random_rows,
+        pipeline=a.pipeline, random_rows=a.random_rows,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port)
 
@@ -157,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--gather-us", type=float, default=1000.0,
                    help="when fewer requests are posted than the last batch held, wait up to a quarter "
                         "of that batch's service time, at most this long, for the rest (default: 1000; 0: off)")
-    s.add_argument("--pipeline-depth", type=int, choices=[1, 2], default=2,
-                   help="uniform recall batches in flight at once: 2 starts the next batch on the device "
-                        "while one runs, 1 serves one batch at a time (default: 2)")
+    s.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
+                   help="start the next recall batch on the device while one runs: on, off, or auto "
+                        "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
     s.add_argument("--random-rows", type=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     s.add_argument("--seed", type=int, default=0, help="seed of --random-rows")
     s.add_argument("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")

@@ -47,6 +47,11 @@ log = logging.getLogger("kalos.sidecar")
 REAP_S = 0.25
 _RECALL, _OK = int(Op.RECALL), int(Status.OK)  # plain ints for numpy comparisons
 PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds two searches)
+# --pipeline auto pipelines a batch of at least this many multiply-adds (rows x queries x dim).
+# Measured on the H200 (bench/results/README.md): pipelining raised 256 tasks at 1M x 768 from
+# ~100-110k to 116-141k recalls/s, but lowered 256 x 128 (339k -> 238k/s) and 100k x 768
+# (237k -> 208k/s), where the host, not the device, bounds a batch.
+PIPELINE_MIN_WORK = 1 << 34
 
 
 @dataclass(slots=True)
@@ -60,6 +65,12 @@ class InFlight:
     t0: int  # perf_counter_ns when started
     staging: int  # which staging buffer holds its queries
     pending: PendingSearch
+    work: int  # rows x queries x dim
+
+
+def pipelined(work: int, min_work: int) -> bool:
+    """Leave a started batch in flight (and take the next one meanwhile)? ``min_work`` < 0: never."""
+    return 0 <= min_work <= work
 
 
 @dataclass
@@ -78,7 +89,7 @@ class ServeConfig:
     data_dir: str | None = None  # None: ephemeral (in memory only)
     spin_us: float = 250.0
     gather_us: float = 1000.0
-    pipeline_depth: int = PIPELINE_DEPTH  # uniform recall batches in flight at once (1 or 2)
+    pipeline: str = "auto"  # on | off | auto: pipeline batches of PIPELINE_MIN_WORK and more
     random_rows: int = 0
     seed: int = 0
     load_npy: str | None = None
@@ -105,8 +116,8 @@ class Sidecar:
         self.cfg = cfg
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
-        if cfg.pipeline_depth not in (1, 2):
-            raise ConfigError(f"--pipeline-depth must be 1 or 2, got {cfg.pipeline_depth}")
+        if cfg.pipeline not in ("auto", "on", "off"):
+            raise ConfigError(f"--pipeline must be auto, on or off, got {cfg.pipeline!r}")
         if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
@@ -142,7 +153,7 @@ class Sidecar:
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
         self._k_limit = min(self.layout.max_k, self.backend.max_k)
         self._gather_ns = int(self.cfg.gather_us * 1000)
-        self._depth = self.cfg.pipeline_depth
+        self._min_work = {"on": 0, "off": -1, "auto": PIPELINE_MIN_WORK}[self.cfg.pipeline]
         self._last_batch = 0
         self._last_service_ns = 0
         self._ns_names: dict[tuple[bytes, int], str] = {}
@@ -297,7 +308,7 @@ class Sidecar:
         served = 0
         if inflight and inflight[0].pending.done():
             served += self._finish_uniform(inflight.popleft())
-        if len(inflight) >= self._depth:
+        if len(inflight) >= PIPELINE_DEPTH:
             return served
         idx = posted_slots(self._states)
         if len(idx) == 0:
@@ -332,7 +343,7 @@ class Sidecar:
         batch = self._start_uniform(sel, rec, taken, t_pick, t0)
         if batch is not None:
             inflight.append(batch)
-            if self._depth == 1:  # no pipeline: answer it now
+            if not pipelined(batch.work, self._min_work):  # answer it now
                 served += self._finish_inflight()
             return served
         served += self._finish_inflight()
@@ -473,7 +484,7 @@ class Sidecar:
             pending = ns.search_start(q, int(k.max()))
         except Exception:  # the general path reports it per request
             return None
-        return InFlight(sel, rec, taken, t_pick, t0, st, pending)
+        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(sel) * self.cfg.dim)
 
     def _finish_uniform(self, b: InFlight) -> int:
         """Write a started batch's answers (waiting for the device if need be) and post them."""

@@ -61,6 +61,19 @@ def test_many_processes_many_tasks_are_correct(sidecar, seed):
     assert slots_free(sidecar.name)
 
 
+def test_pipelined_batches_are_correct(sidecar_factory, seed):
+    """``--pipeline on``: every uniform batch is left in flight while the next is taken."""
+    h = sidecar_factory("pipe", "--dim", "32", "--random-rows", "3000", "--seed", str(seed),
+                        "--slots", "40", "--backend", "numpy", "--pipeline", "on")
+    matrix = np.random.default_rng(seed).standard_normal((3000, 32), dtype=np.float32)
+    res = run_load(LoadSpec(name=h.name, dim=32, procs=3, tasks=30, duration_s=1.5,
+                            warmup_s=0.1, k=10, seed=seed, keep=300, loop="uvloop"))
+    assert res.errors == 0 and res.count > 100
+    checked, wrong = check_samples(res.samples, matrix, 10)
+    assert checked >= 30 and wrong == 0
+    assert slots_free(h.name)
+
+
 def test_blocking_client(sidecar, rng):
     with RecallClient(sidecar.name, timeout=5) as c:
         for _ in range(20):

@@ -114,9 +114,10 @@ async def test_namespace_isolation_with_concurrent_writers(sidecar_factory, rng)
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("strict_loop")
-async def test_read_your_writes_under_concurrency(sidecar_factory, rng):
+@pytest.mark.parametrize("pipeline", ["auto", "on"])
+async def test_read_your_writes_under_concurrency(sidecar_factory, rng, pipeline):
     h = sidecar_factory("ryw", "--dim", "16", "--backend", "numpy", "--metric", "cosine",
-                        "--random-rows", "2000", "--slots", "32")
+                        "--random-rows", "2000", "--slots", "32", "--pipeline", pipeline)
     async with RecallPool(h.name, size=24) as pool:
         async def agent(j: int) -> None:
             for t in range(10):
@@ -134,12 +135,14 @@ async def test_read_your_writes_under_concurrency(sidecar_factory, rng):
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("strict_loop")
-async def test_compaction_under_load_never_loses_stable_rows(sidecar_factory, rng):
+@pytest.mark.parametrize("pipeline", ["auto", "on"])
+async def test_compaction_under_load_never_loses_stable_rows(sidecar_factory, rng, pipeline):
     """Stable records are never touched; churn records (fixed vector per id) are inserted and
     deleted all the time, so rows move constantly. Every answer must contain every stable record
-    that beats its k-th score, and every id must carry its own vector's score."""
+    that beats its k-th score, and every id must carry its own vector's score. With ``--pipeline
+    on`` recall batches are left in flight and every write batch must finish them first."""
     h = sidecar_factory("compact", "--dim", "12", "--backend", "numpy", "--slots", "32",
-                        "--max-queries", "32")
+                        "--max-queries", "32", "--pipeline", pipeline)
     stable = rng.standard_normal((500, 12)).astype(np.float32)
     churn = rng.standard_normal((500, 12)).astype(np.float32)  # id 1000 + j
     async with RecallPool(h.name, size=24) as pool:

@@ -163,3 +163,17 @@ def test_store_upsert_delete_search_match_reference(rng, metric):
             assert (s[j][pos] >= kth - 1e-4).all()
             np.testing.assert_allclose(got_scores[j], s[j][pos], rtol=1e-4, atol=1e-4)
     assert ns.matrix.capacity >= ns.n
+
+
+def test_pipeline_decision():
+    from sidecar_cuda.server import PIPELINE_MIN_WORK, pipelined
+
+    assert not pipelined(10**15, -1)  # --pipeline off
+    assert pipelined(0, 0) and pipelined(1, 0)  # --pipeline on
+    assert not pipelined(PIPELINE_MIN_WORK - 1, PIPELINE_MIN_WORK)  # auto: small batches stay serial
+    assert pipelined(PIPELINE_MIN_WORK, PIPELINE_MIN_WORK)
+    # The sizes measured on the H200: 1M x 768 with ~115 queries a batch is pipelined, 100k x 768
+    # with ~128 and 256 x 128 with ~124 are not.
+    assert pipelined(1_000_000 * 115 * 768, PIPELINE_MIN_WORK)
+    assert not pipelined(100_000 * 128 * 768, PIPELINE_MIN_WORK)
+    assert not pipelined(256 * 124 * 128, PIPELINE_MIN_WORK)
