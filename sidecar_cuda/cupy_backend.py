@@ -277,6 +277,7 @@ class CupyBackend:
             self._alpha = np.ones(1, np.float32)
             self._beta = np.zeros(1, np.float32)
             self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+            self._retired: list[Any] = []  # graphs evicted from the cache while work was pending
             self._occupancy: dict[tuple[int, int], int] = {}
             self._pinned: list[tuple[int, int, Any]] = []
             self.search_stats: dict[tuple[str, str], list[int]] = {}
@@ -488,6 +489,8 @@ class CupyBackend:
             raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
         finally:
             bufs.busy = False
+            if self._retired and not any(x.busy for x in self._sets):
+                self._retired.clear()
         st = self.search_stats.setdefault((p.path, _bucket(b)), [0, 0])
         st[0] += 1
         st[1] += time.perf_counter_ns() - p.t0
@@ -553,7 +556,9 @@ class CupyBackend:
             return  # capture failed and was reported; the work ran directly
         self._graphs[key] = g
         while len(self._graphs) > GRAPH_CACHE:
-            self._graphs.popitem(last=False)
+            # A graph may still run for the other pending search: destroy it only once nothing
+            # is pending (_collect).
+            self._retired.append(self._graphs.popitem(last=False)[1])
         g.launch(s)
 
     def _capture(self, enqueue: Callable[[], None]) -> Any:
