@@ -262,7 +262,7 @@ def main() -> int:
     ap.add_argument("--out-dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--skip-broker", action="store_true", help="in-process baselines only")
-    ap.add_argument("--sidecar-args", default="", help="extra sidecar arguments, e.g. '--pipeline-depth 1'")
+    ap.add_argument("--sidecar-args", default="", help="extra sidecar arguments, e.g. '--pipeline off'")
     ap.add_argument("--out-name", default="", help="JSON file name (default gpu-h200-DATE.json)")
     a = ap.parse_args()
 

@@ -129,7 +129,8 @@ class _Buffer:
 
     def ensure(self, nbytes: int) -> bool:
         """Make room for ``nbytes``; True if the buffer moved (graphs that use it are stale).
-        Only called while the stream is idle, so the old buffer is free to go."""
+        Only called while no pending search uses this buffer (its set is being enqueued), so
+        the old one is free to go (CuPy's pool reuses it in stream order)."""
         if nbytes <= self.nbytes:
             return False
         size = _next_pow2(max(nbytes, 4096))
@@ -173,6 +174,7 @@ class _BufferSet:
         self.d_top = _Buffer(cp, pinned=False, stream=stream)  # half path: 32 candidates a query
         self.done = cp.cuda.Event(block=False, disable_timing=True)
         self.busy = False  # a search using these buffers has not been collected yet
+        self.seq = 0  # which search (CupyBackend._seq) last used them
 
 
 class PendingCupySearch:
@@ -187,7 +189,10 @@ class PendingCupySearch:
         self._value: tuple[np.ndarray, np.ndarray] | None = None
 
     def done(self) -> bool:
-        return self._value is not None or bool(self.bufs.done.done)
+        try:
+            return self._value is not None or bool(self.bufs.done.done)
+        except Exception:  # a CUDA error: result() raises it (as ServerError)
+            return True
 
     def result(self) -> tuple[np.ndarray, np.ndarray]:
         if self._value is None:
@@ -277,7 +282,10 @@ class CupyBackend:
             self._alpha = np.ones(1, np.float32)
             self._beta = np.zeros(1, np.float32)
             self._graphs: OrderedDict[tuple, Any] = OrderedDict()
-            self._retired: list[Any] = []  # graphs evicted from the cache while work was pending
+            # Graphs evicted from the cache, with the number of searches enqueued by then: one
+            # may still run until every search up to that number has been collected.
+            self._retired: list[tuple[int, Any]] = []
+            self._seq = 0  # searches enqueued so far
             self._occupancy: dict[tuple[int, int], int] = {}
             self._pinned: list[tuple[int, int, Any]] = []
             self.search_stats: dict[tuple[str, str], list[int]] = {}
@@ -457,6 +465,8 @@ class CupyBackend:
     def _enqueue(self, bufs: _BufferSet, path: str, m: CupyMatrix, q: np.ndarray, n: int, k: int,
                  kk: int, qt: int) -> None:
         self._cur = bufs
+        self._seq += 1
+        bufs.seq = self._seq
         b = len(q)
         self._ensure(bufs.h_out, 8 * b * kk + 4 * b)
         if path == "small":
@@ -475,7 +485,10 @@ class CupyBackend:
             rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
             scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
             if p.path == "gemmh":
-                redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:])
+                # Flagged by the kernel, or with a row missing (scores beyond float16 even after
+                # scaling, for queries of norm ~2^100 and more): the float32 path decides.
+                redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:]
+                                      | (rows < 0).any(axis=1))
                 if redo.size:  # not proven exact from 32 candidates: the float32 scores decide
                     self.half_fallbacks += int(redo.size)
                     qr = np.ascontiguousarray(p.q[redo])
@@ -489,8 +502,9 @@ class CupyBackend:
             raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
         finally:
             bufs.busy = False
-            if self._retired and not any(x.busy for x in self._sets):
-                self._retired.clear()
+            if self._retired:
+                oldest = min((x.seq for x in self._sets if x.busy), default=self._seq + 1)
+                self._retired = [(s, g) for s, g in self._retired if s >= oldest]
         st = self.search_stats.setdefault((p.path, _bucket(b)), [0, 0])
         st[0] += 1
         st[1] += time.perf_counter_ns() - p.t0
@@ -558,7 +572,7 @@ class CupyBackend:
         while len(self._graphs) > GRAPH_CACHE:
             # A graph may still run for the other pending search: destroy it only once nothing
             # is pending (_collect).
-            self._retired.append(self._graphs.popitem(last=False)[1])
+            self._retired.append((self._seq, self._graphs.popitem(last=False)[1]))
         g.launch(s)
 
     def _capture(self, enqueue: Callable[[], None]) -> Any:
@@ -746,8 +760,9 @@ class CupyMatrix:
         be = self.backend
         be._check_usable()
         norm = float(np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64).max()))
-        # Rounding to a 16-bit format can lengthen a row by a relative 2^-8 at most.
-        self.max_norm = max(self.max_norm, norm * (1.0 + 2.0 ** -7))
+        # Rounding to a 16-bit format lengthens a row by a relative 2^-8 at most, plus 2^-25 per
+        # element where float16 values are subnormal.
+        self.max_norm = max(self.max_norm, norm * (1.0 + 2.0 ** -7) + math.sqrt(self.dpad) * 2.0 ** -24)
         cp = be._cp
         with be._guard("write_rows"), be._stream:
             d_rows = cp.asarray(rows)

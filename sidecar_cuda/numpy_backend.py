@@ -1,6 +1,13 @@
-"""CPU backend: one matrix product for the whole batch, then exact top-k per query."""
+"""CPU backend: one matrix product for the whole batch, then exact top-k per query.
+
+``search_async`` runs the search on the backend's one worker thread (numpy releases the GIL in
+the product and the selection), so the sidecar's pipeline overlaps it with its own work."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -30,8 +37,25 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return part[r, o], v[r, o]
 
 
+class _Threaded:
+    """A search running on the backend's worker thread."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future[tuple[np.ndarray, np.ndarray]]) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> tuple[np.ndarray, np.ndarray]:
+        return self._future.result()
+
+
 class NumpyMatrix:
-    def __init__(self, dim: int, capacity: int, metric: Metric) -> None:
+    def __init__(self, dim: int, capacity: int, metric: Metric,
+                 backend: NumpyBackend | None = None) -> None:
+        self.backend = backend
         self.dim = dim
         self.metric = metric
         self.capacity = max(1, capacity)
@@ -66,8 +90,10 @@ class NumpyMatrix:
             scores = 2.0 * scores - self.sqnorm[:n][None, :] - qn[:, None]
         return topk_rows(scores, k)
 
-    def search_async(self, queries: np.ndarray, n: int, k: int) -> Completed:
-        return Completed(*self.search(queries, n, k))
+    def search_async(self, queries: np.ndarray, n: int, k: int) -> Completed | _Threaded:
+        if self.backend is None:
+            return Completed(*self.search(queries, n, k))
+        return self.backend.submit(self.search, queries, n, k)
 
 
 class NumpyBackend:
@@ -77,12 +103,20 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"
+        self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
-        return NumpyMatrix(dim, capacity, metric)
+        return NumpyMatrix(dim, capacity, metric, self)
+
+    def submit(self, fn: Callable[..., tuple[np.ndarray, np.ndarray]], *args: Any) -> _Threaded:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kalos-search")
+        return _Threaded(self._pool.submit(fn, *args))
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return np.empty(shape, dtype)
 
     def close(self) -> None:
-        pass
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

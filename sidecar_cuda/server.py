@@ -52,6 +52,10 @@ PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds 
 # ~100-110k to 116-141k recalls/s, but lowered 256 x 128 (339k -> 238k/s) and 100k x 768
 # (237k -> 208k/s), where the host, not the device, bounds a batch.
 PIPELINE_MIN_WORK = 1 << 34
+_POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
+# ... and this long: wait for it in result(), where the backend's timeout applies (a hung device
+# then becomes BACKEND_ERROR answers instead of a loop polling forever).
+_BLOCK_AFTER_NS = 500_000_000
 
 
 @dataclass(slots=True)
@@ -265,8 +269,12 @@ class Sidecar:
         last_work = clock()
         try:
             while not self._stop.is_set():
-                if self.serve_pending() or self._inflight:
+                served = self.serve_pending()
+                if served or self._inflight:
                     last_work = clock()
+                    if not served and self._inflight and \
+                            last_work - self._inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
+                        time.sleep(0.00005)  # a long batch on the device: poll gently
                     continue
                 now = clock()
                 if now >= next_reap:
@@ -277,7 +285,7 @@ class Sidecar:
                     continue
                 u32[sleeping] = 1
                 self._drain(bell)  # the try-wait is also the fence before the re-scan
-                if not self.serve_pending():
+                if not self.serve_pending() and not self._inflight:
                     try:
                         bell.acquire(REAP_S)
                     except (posix_ipc.BusyError, posix_ipc.SignalError):
@@ -286,10 +294,15 @@ class Sidecar:
                 last_work = clock()
             # Finish what was posted before the stop, then tell clients.
             self.seg.header["state"] = SidecarState.STOPPING
-            self.serve_pending()
-            self._finish_inflight()
+            self.serve_remaining()
         finally:
             self.close()
+
+    def serve_remaining(self) -> int:
+        """At stop: answer the batches in flight and every request posted before now."""
+        served = self._finish_inflight()  # (first: serve_pending then takes every posted slot)
+        served += self.serve_pending()
+        return served + self._finish_inflight()
 
     @staticmethod
     def _drain(bell: posix_ipc.Semaphore) -> None:
@@ -306,7 +319,8 @@ class Sidecar:
         assert self._objs is not None and self.seg is not None
         inflight = self._inflight
         served = 0
-        if inflight and inflight[0].pending.done():
+        if inflight and (inflight[0].pending.done()
+                         or time.monotonic_ns() - inflight[0].t_pick > _BLOCK_AFTER_NS):
             served += self._finish_uniform(inflight.popleft())
         if len(inflight) >= PIPELINE_DEPTH:
             return served

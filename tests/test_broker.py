@@ -289,6 +289,59 @@ except BrokerUnavailable as e:
         posix_ipc.SharedMemory(shm_name(h.name))
 
 
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_pipeline_never_stalls_after_idle_gaps(sidecar_factory, seed):
+    """``--pipeline on`` with a threaded search: callers that post while the sidecar is about to
+    sleep must not wait for the doorbell's 250 ms timeout (a batch in flight keeps it awake)."""
+    h = sidecar_factory("pipesleep", "--dim", "64", "--random-rows", "20000", "--seed", str(seed),
+                        "--slots", "8", "--backend", "numpy", "--pipeline", "on", "--spin-us", "100")
+    matrix = np.random.default_rng(seed).standard_normal((20000, 64), dtype=np.float32)
+    rng = np.random.default_rng(seed + 1)
+    worst = 0.0
+    async with RecallPool(h.name, size=4) as pool:
+        async def caller() -> None:
+            nonlocal worst
+            for _ in range(60):
+                q = rng.standard_normal(64).astype(np.float32)
+                t = time.perf_counter()
+                hit = await pool.recall(q, k=5)
+                worst = max(worst, time.perf_counter() - t)
+                assert_topk(q, matrix, hit.ids, hit.scores, 5)
+                await asyncio.sleep(float(rng.uniform(0.0, 0.0004)))  # around the spin window
+
+        await asyncio.gather(*(caller() for _ in range(3)))
+    assert worst < 0.15, f"a recall waited {worst * 1e3:.0f} ms"
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("strict_loop")
+async def test_sigterm_under_pipelined_load_answers_or_refuses_cleanly(sidecar_factory, seed):
+    h = sidecar_factory("pipeterm", "--dim", "64", "--random-rows", "50000", "--seed", str(seed),
+                        "--slots", "16", "--backend", "numpy", "--pipeline", "on")
+    matrix = np.random.default_rng(seed).standard_normal((50000, 64), dtype=np.float32)
+    rng = np.random.default_rng(seed + 1)
+    outcomes = {"ok": 0, "unavailable": 0}
+    async with RecallPool(h.name, size=12) as pool:
+        async def caller() -> None:
+            while True:
+                q = rng.standard_normal(64).astype(np.float32)
+                try:
+                    hit = await pool.recall(q, k=3, timeout=10)
+                except BrokerUnavailable:
+                    outcomes["unavailable"] += 1
+                    return
+                assert_topk(q, matrix, hit.ids, hit.scores, 3)
+                outcomes["ok"] += 1
+
+        tasks = [asyncio.ensure_future(caller()) for _ in range(12)]
+        await asyncio.sleep(0.3)
+        h.proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(asyncio.gather(*tasks), 15)
+    assert outcomes["ok"] > 20 and outcomes["unavailable"] == 12
+    assert h.proc.wait(timeout=10) == 0
+
+
 def test_missing_sidecar_is_unavailable_fast():
     t0 = time.monotonic()
     with pytest.raises(BrokerUnavailable):
