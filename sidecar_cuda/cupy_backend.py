@@ -570,8 +570,8 @@ class CupyBackend:
             return  # capture failed and was reported; the work ran directly
         self._graphs[key] = g
         while len(self._graphs) > GRAPH_CACHE:
-            # A graph may still run for the other pending search: destroy it only once nothing
-            # is pending (_collect).
+            # A graph may still run for a pending search: it is destroyed once every search
+            # enqueued before its eviction has been collected (_collect).
             self._retired.append((self._seq, self._graphs.popitem(last=False)[1]))
         g.launch(s)
 
