@@ -372,7 +372,8 @@ _BATCH_LE = [floatToGoString(b) for b in BATCH_SIZE_BOUNDS]
 _STAGE_METRICS = {
     "queue_wait": ("kalos_queue_wait_seconds",
                    "Sidecar queue wait per request: posted by the client -> taken into a batch."),
-    "compute": ("kalos_batch_compute_seconds", "Backend work per batch (all namespaces of the batch)."),
+    "compute": ("kalos_batch_compute_seconds", "Backend work per batch (all namespaces of the batch), "
+                "started to answered; a pipelined batch includes its wait behind the previous one."),
     "service": ("kalos_service_seconds",
                 "Sidecar service time per request: posted by the client -> results written."),
 }
