@@ -13,34 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import pstats
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.errors import BrokerUnavailable  # noqa: E402
-from clients._connection import Connection  # noqa: E402
+from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from clients.loadgen import LoadSpec, run_load  # noqa: E402
-
-
-def wait_ready(proc: subprocess.Popen[bytes], name: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with {proc.returncode} during start")
-        try:
-            c = Connection(name)
-            try:
-                if c.is_ready():
-                    return
-            finally:
-                c.close()
-        except BrokerUnavailable:
-            pass
-        time.sleep(0.05)
-    raise RuntimeError("sidecar not ready in time")
 
 
 def main() -> int:
@@ -59,12 +38,11 @@ def main() -> int:
 
     out = a.out or os.path.join(tempfile.mkdtemp(), "sidecar.prof")
     name = f"prof{os.getpid()}"
-    proc = subprocess.Popen([sys.executable, "-m", "cProfile", "-o", out, "-m", "sidecar_cuda",
-                             "--name", name, "--ephemeral", "--backend", a.backend, "--dtype", a.dtype,
-                             "--dim", str(a.dim), "--random-rows", str(a.rows), "--seed", "1",
-                             "--slots", str(a.tasks + 16), "--max-k", "64", "--max-queries", "4"])
+    proc = start_sidecar_process(
+        ["--ephemeral", "--backend", a.backend, "--dtype", a.dtype, "--dim", str(a.dim),
+         "--random-rows", str(a.rows), "--seed", "1", "--slots", str(a.tasks + 16), "--max-k", "64",
+         "--max-queries", "4"], name, timeout=900, python_args=["-m", "cProfile", "-o", out])
     try:
-        wait_ready(proc, name, 900)
         res = run_load(LoadSpec(name=name, dim=a.dim, procs=a.procs, tasks=a.tasks,
                                 duration_s=a.seconds, warmup_s=0.5, k=a.k, seed=2))
         p = res.percentiles_us()
@@ -72,8 +50,7 @@ def main() -> int:
               f"cProfile: {res.throughput:,.0f}/s, p50 {p['p50_us']:.0f} us, p99 {p['p99_us']:.0f} us",
               flush=True)
     finally:
-        proc.terminate()
-        proc.wait(60)
+        stop_sidecar_process(proc)
     st = pstats.Stats(out)
     st.sort_stats("tottime").print_stats(a.top)
     st.sort_stats("cumulative").print_stats("server.py|cupy_backend.py|store.py", a.top)

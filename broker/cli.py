@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from broker.errors import KalosError
@@ -66,12 +67,13 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
 
 
 def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
-                          stderr: Any = None) -> subprocess.Popen[bytes]:
-    """Start ``python -m sidecar_cuda ARGS`` and wait until it is ready (used by demo/bench/tests)."""
+                          stderr: Any = None, python_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """Start ``python [PYTHON_ARGS] -m sidecar_cuda ARGS`` and wait until it is ready (used by
+    demo/bench/tests; ``python_args`` e.g. ``-m cProfile -o FILE``)."""
     from clients._connection import Connection
     from broker.errors import BrokerUnavailable
 
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name, *args],
+    proc = subprocess.Popen([sys.executable, *python_args, "-m", "sidecar_cuda", "--name", name, *args],
                             stderr=stderr)
     deadline = time.monotonic() + timeout
     while True:

@@ -591,15 +591,21 @@ class CupyBackend:
             enqueue()
             return None
 
+    def _host_queries(self, q: np.ndarray, dpad: int) -> int:
+        """Host address of the queries as float32 rows of dpad values, for one H2D copy: in
+        place when they already sit in pinned memory, else staged into the request buffer."""
+        src = self._pinned_address(q) if q.shape[1] == dpad else None
+        if src is None:
+            self._stage_queries(q, dpad, None)
+            src = self._cur.h_req.ptr + HEADER_BYTES
+        return src
+
     def _search_gemm(self, m: CupyMatrix, q: np.ndarray, n: int, k: int, kk: int) -> None:
         cp, rt = self._cp, self._rt
         b, d = q.shape
         dpad = m.dpad
         s = self._stream
-        src = self._pinned_address(q) if d == dpad else None
-        if src is None:
-            self._stage_queries(q, dpad, None)
-            src = self._cur.h_req.ptr + HEADER_BYTES
+        src = self._host_queries(q, dpad)
         isz = self._itemsize
         qs_bytes = -(-(b * dpad * isz) // 256) * 256
         self._ensure(self._cur.d_q, 4 * b * dpad + qs_bytes + 4 * b)
@@ -650,16 +656,12 @@ class CupyBackend:
                     self._k_scores_w((pc, b), (BLOCK,), args, stream=s)
                 p_off += pc
 
-
     def _search_gemm_h(self, m: CupyMatrix, q: np.ndarray, n: int, kk: int) -> None:
         cp, rt = self._cp, self._rt
         b, d = q.shape
         dpad = m.dpad
         s = self._stream
-        src = self._pinned_address(q) if d == dpad else None
-        if src is None:
-            self._stage_queries(q, dpad, None)
-            src = self._cur.h_req.ptr + HEADER_BYTES
+        src = self._host_queries(q, dpad)
         qs_bytes = -(-(b * dpad * 2) // 256) * 256
         self._ensure(self._cur.d_q, 4 * b * dpad + qs_bytes + 8 * b)
         q32 = self._cur.d_q.ptr
