@@ -3,12 +3,12 @@
 from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, InvalidRequest, KalosError,
     KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
-    UsageError,
+    UntrustedBroker, UsageError,
 )
 from broker.layout import PROTOCOL_VERSION
 
 __all__ = [
     "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "InvalidRequest",
     "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
-    "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
+    "ServerError", "UnknownNamespace", "UntrustedBroker", "UsageError", "PROTOCOL_VERSION",
 ]

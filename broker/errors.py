@@ -12,6 +12,7 @@
      |    +-- AcquireTimeout   no free slot within the budget
      |    +-- ResponseTimeout  the sidecar did not answer within the budget
      +-- BrokerUnavailable     no sidecar, or it died / stopped
+     |    +-- UntrustedBroker  the broker's objects belong to another user or are open to others
      +-- ProtocolError         bad magic, another protocol version, a corrupt slot
      +-- ServerError           the sidecar failed serving a valid request (backend, store)
      +-- ClosedError           the pool or client was closed by its user
@@ -64,6 +65,11 @@ class BrokerUnavailable(KalosError):
     """No sidecar serves this broker name, or it died or stopped."""
 
 
+class UntrustedBroker(BrokerUnavailable):
+    """The broker's shared objects are not owned by the expected user, or others can access them:
+    whoever made them could read the queries and forge the answers, so the client does not attach."""
+
+
 class ProtocolError(KalosError):
     """Shared memory does not follow the protocol: magic, version, or a corrupt slot."""
 
@@ -89,6 +95,7 @@ _STATUS_ERRORS: dict[int, type[KalosError]] = {
     Status.STORE_ERROR: ServerError,
     Status.CAPACITY: ServerError,
     Status.BAD_ID: InvalidRequest,
+    Status.SERVER_ERROR: ServerError,
 }
 
 

@@ -151,6 +151,7 @@ class Status(IntEnum):
     STORE_ERROR = 10
     CAPACITY = 11
     BAD_ID = 12
+    SERVER_ERROR = 13  # the sidecar failed on this request unexpectedly (logged); it serves on
 
 
 class Flag(IntEnum):

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import os
 
+#: The largest pid a Linux kernel hands out (``/proc/sys/kernel/pid_max`` is at most 2**22).
+PID_MAX = 1 << 22
+
 
 def process_start_ticks(pid: int) -> int:
     """Start time of ``pid`` in clock ticks since boot (/proc/PID/stat field 22); 0 if unknown."""
+    if not 0 < pid <= PID_MAX:
+        return 0
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -21,6 +26,8 @@ def process_start_ticks(pid: int) -> int:
 
 
 def _proc_state(pid: int) -> bytes | None:
+    if not 0 < pid <= PID_MAX:
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             data = f.read()
@@ -34,14 +41,18 @@ def pid_alive(pid: int, start_ticks: int = 0) -> bool:
 
     A zombie (killed, not yet reaped by its parent) counts as dead.
     """
-    if pid <= 0:
+    # Any client can write a lease's pid: only values a kernel can hand out are looked up (Linux
+    # caps pids at 2**22; os.kill raises OverflowError beyond a C int).
+    if type(pid) is not int or not 0 < pid <= PID_MAX:
         return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         pass  # exists, owned by someone else
+    except OSError:
+        return False
     state = _proc_state(pid)
     if state is None:
         return os.path.exists("/proc/self") is False  # no procfs: trust kill()

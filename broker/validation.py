@@ -13,6 +13,48 @@ from broker.errors import InvalidRequest, PayloadTooLarge
 
 #: Ids are int64; -1 marks "no result" in result arrays, so negative ids are refused.
 MAX_ID = 2**63 - 1
+#: Deepest nesting of arrays/objects a payload may have. Decoders recurse per level (CPython's
+#: json stops near 1,000 levels with RecursionError), and every reader of a payload (sidecar,
+#: clients, framework adapters) must be able to decode what was stored.
+MAX_PAYLOAD_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value: 0 for a scalar, 1 for ``[]`` or ``{}``. Iterative,
+    so any depth is measured without recursion."""
+    depth = 0
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            children: Any = v.values()
+        elif isinstance(v, list):
+            children = v
+        else:
+            continue
+        depth = max(depth, d)
+        stack.extend((c, d + 1) for c in children if isinstance(c, (dict, list)))
+    return depth
+
+
+def payload_problem(line: bytes) -> str | None:
+    """Why one encoded payload (a JSON text, as stored) is refused, or None. Never raises: a
+    client may have written any bytes."""
+    if line.count(b"[") + line.count(b"{") <= MAX_PAYLOAD_DEPTH:
+        try:  # too few brackets to nest deeper than the limit: only validity to check
+            json.loads(line)
+        except (ValueError, RecursionError):
+            return "payload is not valid JSON"
+        return None
+    try:
+        value = json.loads(line)
+    except RecursionError:
+        return f"payload nests deeper than {MAX_PAYLOAD_DEPTH} levels"
+    except ValueError:
+        return "payload is not valid JSON"
+    if json_depth(value) > MAX_PAYLOAD_DEPTH:
+        return f"payload nests deeper than {MAX_PAYLOAD_DEPTH} levels"
+    return None
 
 
 def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarray:
@@ -89,8 +131,14 @@ def encode_payloads(payloads: Sequence[Any] | None, n: int, limit: int) -> bytes
     try:
         lines = [json.dumps(p, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
                  for p in payloads]
+    except RecursionError:
+        raise InvalidRequest(f"a payload nests deeper than {MAX_PAYLOAD_DEPTH} levels") from None
     except (TypeError, ValueError) as e:
         raise InvalidRequest(f"payloads must be JSON-serialisable: {e}") from None
+    for line in lines:
+        if line.count("[") + line.count("{") > MAX_PAYLOAD_DEPTH and \
+                json_depth(json.loads(line)) > MAX_PAYLOAD_DEPTH:
+            raise InvalidRequest(f"a payload nests deeper than {MAX_PAYLOAD_DEPTH} levels")
     blob = "\n".join(lines).encode()
     if len(blob) > limit:
         raise PayloadTooLarge(f"payloads take {len(blob)} bytes; one request carries at most {limit} "

@@ -15,13 +15,14 @@ import time
 import numpy as np
 import posix_ipc
 
-from broker.errors import BrokerUnavailable, ProtocolError
+from broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from broker.layout import (
     HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
     MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
     S_WRITING, Layout, SegmentView, SidecarState, SlotView, bell_name, header_field_offset,
     peek_header, req_name, resp_name, shm_name, slot_field_offset, validate_broker_name,
 )
+from broker.owners import sem_path, stat_problem
 from broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
@@ -135,10 +136,17 @@ class ClientSlot:
 
 
 class Connection:
-    """A process's attachment to one broker (one per pool or blocking client)."""
+    """A process's attachment to one broker (one per pool or blocking client).
 
-    def __init__(self, name: str) -> None:
+    ``sidecar_uid``: the user the sidecar runs as (default: this process's effective uid). Before
+    anything is written, the segment and every semaphore must belong to that uid and be closed to
+    other users (to its group too when it is our own uid); otherwise UntrustedBroker."""
+
+    def __init__(self, name: str, *, sidecar_uid: int | None = None) -> None:
         self.name = validate_broker_name(name)
+        own = os.geteuid()
+        self._expected_uid = own if sidecar_uid is None else int(sidecar_uid)
+        self._group_ok = self._expected_uid != own
         try:
             self.shm = posix_ipc.SharedMemory(shm_name(name))
         except posix_ipc.ExistentialError:
@@ -148,6 +156,7 @@ class Connection:
             raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
                                     "sidecar's user)") from None
         try:
+            self._check_owner(shm_name(name), os.fstat(self.shm.fd), "shared memory")
             if self.shm.size < HEADER_BYTES:
                 raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
                                     "Kalos segment")
@@ -171,6 +180,13 @@ class Connection:
             self.seg = SegmentView(memoryview(self.mm), self.layout)
             self.w32 = memoryview(self.mm).cast("I")
             self.w64 = memoryview(self.mm).cast("Q")
+            for sem in [bell_name(name)] + [f(name, i) for i in range(self.layout.n_slots)
+                                            for f in (req_name, resp_name)]:
+                try:
+                    st = os.stat(sem_path(sem))
+                except FileNotFoundError:
+                    raise BrokerUnavailable(f"broker {name!r} is going away") from None
+                self._check_owner(sem, st, "semaphore")
             self.bell = posix_ipc.Semaphore(bell_name(name))
         except posix_ipc.ExistentialError:
             self.shm.close_fd()
@@ -181,6 +197,15 @@ class Connection:
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks(self.pid)
         self.closed = False
+
+    def _check_owner(self, obj: str, st: os.stat_result, what: str) -> None:
+        problem = stat_problem(st, expected_uid=self._expected_uid, group_ok=self._group_ok)
+        if problem is not None:
+            raise UntrustedBroker(
+                f"broker {self.name!r}: {what} {obj} {problem}; refusing to attach (nothing was "
+                "sent). Whoever made it could read the queries and forge the answers. If the sidecar "
+                "runs as another user, pass sidecar_uid=; if the object is stale or foreign, have its "
+                f"owner (or root) remove it: `kalos cleanup {self.name}`")
 
     # -- liveness -------------------------------------------------------------------------
     def sidecar_state(self) -> SidecarState:

@@ -122,19 +122,28 @@ def read(slot: ClientSlot, p: Prepared) -> Any:
         scores = v.result_scores[: p.nq, :n].copy()
         payloads = None
         if p.flags & Flag.WITH_PAYLOAD:
-            try:
-                flat = [json.loads(line) for line in slot.blob_text(blob_len).split(b"\n")] if blob_len else []
-            except ValueError as e:
-                raise ProtocolError(f"slot {slot.index}: payload blob is not JSON lines: {e}") from None
+            flat = _json_lines(slot, blob_len)
             if len(flat) != p.nq * n:
                 raise ProtocolError(f"slot {slot.index}: {len(flat)} payloads for {p.nq * n} hits")
             payloads = [flat[i * n:(i + 1) * n] for i in range(p.nq)]
         hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
         return hits[0] if p.single else hits
     if p.op == Op.LIST_NAMESPACES:
-        return json.loads(slot.blob_text(blob_len))
+        listing = _json_lines(slot, blob_len)
+        if len(listing) != 1 or not isinstance(listing[0], dict):
+            raise ProtocolError(f"slot {slot.index}: namespace listing is not one JSON object")
+        return listing[0]
     if p.op == Op.EXPORT:
         v = slot.view
-        lines = slot.blob_text(blob_len).split(b"\n") if n else []
-        return v.ids[:n].copy(), v.queries[:n].copy(), [json.loads(x) for x in lines]
+        return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(slot, blob_len) if n else []
     return n
+
+
+def _json_lines(slot: ClientSlot, blob_len: int) -> list[Any]:
+    """The JSON values of a response blob, one per line; ProtocolError if it is not JSON lines."""
+    if not blob_len:
+        return []
+    try:
+        return [json.loads(line) for line in slot.blob_text(blob_len).split(b"\n")]
+    except (ValueError, RecursionError) as e:
+        raise ProtocolError(f"slot {slot.index}: response blob is not JSON lines: {e}") from None

@@ -27,8 +27,8 @@ class RecallClient:
 
     def __init__(self, name: str = "default", *, timeout: float | None = None,
                  spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = 2000.0,
-                 connect_timeout: float = 10.0) -> None:
-        self._conn = Connection(name)
+                 connect_timeout: float = 10.0, sidecar_uid: int | None = None) -> None:
+        self._conn = Connection(name, sidecar_uid=sidecar_uid)
         try:
             deadline = time.monotonic() + connect_timeout
             while not self._conn.is_ready():

@@ -169,11 +169,14 @@ class RecallPool:
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
     sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
     bound how long the pool polls shared memory after a completion before it blocks.
+    ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
+    to it and be closed to other users; raises UntrustedBroker otherwise).
     """
 
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
                  timeout: float | None = None, connect_timeout: float = 10.0,
-                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US) -> None:
+                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
+                 sidecar_uid: int | None = None) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
         self.name = name
@@ -181,6 +184,7 @@ class RecallPool:
         self._min_size = min_size
         self._timeout = timeout
         self._connect_timeout = connect_timeout
+        self._sidecar_uid = sidecar_uid
         self._spin_ns = int(spin_us * 1000)
         self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
         self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
@@ -207,7 +211,7 @@ class RecallPool:
         if self._state != "new":
             raise ClosedError(f"pool is {self._state}: a pool is opened once")
         self._loop = asyncio.get_running_loop()
-        conn = Connection(self.name)
+        conn = Connection(self.name, sidecar_uid=self._sidecar_uid)
         try:
             deadline = time.monotonic() + self._connect_timeout
             while not conn.is_ready():

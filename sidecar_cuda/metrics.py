@@ -85,6 +85,11 @@ QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 STAGE_BOUNDS_NS: tuple[int, ...] = (1_000, 2_500) + LATENCY_BOUNDS_NS
 BATCH_SIZE_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 OTHER_NAMESPACES = "_other"
+#: Per-slot client counters (written by clients) are clipped to this before they are summed, so
+#: the totals of every slot cannot overflow int64.
+COUNTER_CAP = 1 << 50  # x 4096 slots < 2**63
+#: Longest stage time recorded (a client's posting time is untrusted): one day.
+STAGE_CAP_NS = 86_400 * 10**9
 _STATS_NAMES = tuple(f[0] for f in STATS_FIELDS)  # lat_count, lat_sum_ns, err_count, timeout_count
 _STAGES = ("queue_wait", "compute", "service")
 
@@ -135,7 +140,8 @@ class MonotonicTotals:
         self.totals = np.zeros(columns, np.int64)
 
     def update(self, cur: np.ndarray) -> np.ndarray:
-        cur = np.asarray(cur).astype(np.int64)
+        # Clients write these counters: a wrapped or absurd value must not overflow the totals.
+        cur = np.clip(np.asarray(cur).astype(np.int64), 0, COUNTER_CAP)
         if cur.shape != self._last.shape:
             raise ValueError(f"expected shape {self._last.shape}, got {cur.shape}")
         delta = cur - self._last
@@ -164,6 +170,9 @@ def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
     lost: overwritten before this read, or possibly during the copy).
     """
     n = rings.shape[1]
+    # Counts are client-written u64 read as int64: a negative one (2**63 and up) reads as a reset
+    # to zero, so no slice length can go negative.
+    count = np.maximum(np.asarray(count, np.int64), 0)
     last = np.where(count < last, 0, last)
     lo = np.maximum(last, count - n)
     lost = int((lo - last).sum())
@@ -174,7 +183,7 @@ def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
     first = np.cumsum(k) - k
     j = np.repeat(lo - first, k) + np.arange(total)  # entry numbers, slot after slot
     vals = rings[np.repeat(np.arange(len(k)), k), j % n]  # the copy
-    after = np.asarray(reread(), np.int64)
+    after = np.maximum(np.asarray(reread(), np.int64), 0)
     keep = j > np.repeat(after, k) - n
     kept = int(keep.sum())
     return vals[keep].astype(np.int64), count.copy(), lost + total - kept
@@ -346,16 +355,18 @@ class StageAggregator:
                 queue_parts.append(q)
                 service_parts.append(q + max(_after_pick_ns(r, t_obs), 0))
         if one_post:
-            post1 = np.array(one_post, np.int64)
+            # Client-written u64 stamps, any value: reinterpret as int64 like the batched ones.
+            post1 = np.array(one_post, np.uint64).view(np.int64)
             queue_parts.append(np.array(one_pick, np.int64) - post1)
             service_parts.append(np.array(one_end, np.int64) - post1)
         if posts:
             lens = np.fromiter(map(len, posts), np.int64, len(posts))
-            post = np.concatenate(posts).astype(np.int64)
+            post = np.concatenate(posts).astype(np.uint64).view(np.int64)
             queue_parts.append(np.repeat(np.asarray(picks, np.int64), lens) - post)
             service_parts.append(np.repeat(np.asarray(ends, np.int64), lens) - post)
-        queue = np.maximum(np.concatenate(queue_parts), 0)
-        service = np.maximum(np.concatenate(service_parts), 0)
+        # A posting time after the pick-up (or a wrapped one) is a client's lie: clamp to [0, cap].
+        queue = np.clip(np.concatenate(queue_parts), 0, STAGE_CAP_NS)
+        service = np.clip(np.concatenate(service_parts), 0, STAGE_CAP_NS)
         for stage, vals in (("queue_wait", queue), ("compute", compute), ("service", service)):
             self.hist[stage] += bucket_counts(vals, STAGE_BOUNDS_NS)
             self.sums_ns[stage] += int(vals.sum())
@@ -464,7 +475,10 @@ class SidecarCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         with self._lock:
             now = self._clock()
-            self._harvest_locked(now)
+            try:
+                self._harvest_locked(now)
+            except Exception:  # a scrape still answers with what is there
+                log.exception("metrics harvest failed")
             snap = self._snapshot(now)
         return list(self._families(snap))
 

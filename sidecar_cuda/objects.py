@@ -14,6 +14,7 @@ from broker.errors import ConfigError
 from broker.layout import (
     MAGIC_U64, Layout, SidecarState, bell_name, peek_header, req_name, resp_name, shm_name,
 )
+from broker.owners import owner_problem, sem_path, shm_path
 from broker.procs import pid_alive
 
 log = logging.getLogger("kalos.sidecar")
@@ -70,8 +71,39 @@ def leftover_names(name: str) -> list[str]:
     return sorted(found)
 
 
+def _path(obj: str, name: str) -> str:
+    return shm_path(obj) if obj == shm_name(name) else sem_path(obj)
+
+
+def foreign_objects(name: str) -> list[str]:
+    """This broker's existing objects that this process's user does not own: never ours to serve
+    over or remove (another user may have made them to catch our clients' queries)."""
+    out = []
+    for obj in leftover_names(name):
+        try:
+            st = os.stat(_path(obj, name))
+        except FileNotFoundError:
+            continue
+        problem = owner_problem(st.st_uid, 0, expected_uid=os.geteuid(), group_ok=True)
+        if problem is not None:
+            out.append(f"{_path(obj, name)} {problem}")
+    return out
+
+
+def _refuse_foreign(name: str, doing: str) -> None:
+    foreign = foreign_objects(name)
+    if foreign:
+        more = f" (and {len(foreign) - 3} more)" if len(foreign) > 3 else ""
+        raise ConfigError(
+            f"cannot {doing} broker {name!r}: its objects are not ours: {'; '.join(foreign[:3])}"
+            f"{more}. Kalos never serves over or removes objects it does not own. Have their owner "
+            f"run `kalos cleanup {name}` (or remove them as root), or choose another --name")
+
+
 def cleanup(name: str, *, force: bool = False) -> list[str]:
-    """Unlink every object of broker ``name``. Refuses while a live sidecar owns them (unless force)."""
+    """Unlink every object of broker ``name``. Refuses while a live sidecar owns them (unless
+    force), and always when an object belongs to another user."""
+    _refuse_foreign(name, "clean up")
     owner = _leftover_owner(name)
     if owner and not force:
         pid, state = owner
@@ -92,7 +124,8 @@ def cleanup(name: str, *, force: bool = False) -> list[str]:
 
 def create(name: str, layout: Layout) -> Objects:
     """Create every object exclusively (mode 0600). Leftovers of a dead sidecar are removed first,
-    with a log line; a live sidecar of the same name is an error."""
+    with a log line; a live sidecar of the same name, or objects of another user, are an error."""
+    _refuse_foreign(name, "serve")
     owner = _leftover_owner(name)
     if owner is not None or leftover_names(name):
         pid, state = owner or (0, SidecarState.FAILED)

@@ -38,11 +38,38 @@ class Write:
     payloads: list[bytes | None] | None = None
 
 
+#: Files SQLite keeps beside the database (it creates them with the database file's mode).
+_SIDE_FILES = ("", "-wal", "-shm", "-journal")
+
+
+def make_private(data_dir: str, db_path: str) -> None:
+    """The data directory 0700 and the store's files 0600, whatever the umask: every vector and
+    payload is in them. A looser directory or file left by an earlier version or by hand is
+    tightened, with a log line. Raises OSError."""
+    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    mode = os.stat(data_dir).st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(data_dir, 0o700)
+        log.warning("data dir %s had mode %04o: tightened to 0700 (it holds every memory)", data_dir, mode)
+    # Created here, not by SQLite, so the mode does not depend on the umask; SQLite gives its WAL
+    # and shared-memory files the database file's mode.
+    os.close(os.open(db_path, os.O_RDWR | os.O_CREAT, 0o600))
+    for suffix in _SIDE_FILES:
+        path = db_path + suffix
+        try:
+            mode = os.stat(path).st_mode & 0o777
+        except FileNotFoundError:
+            continue
+        if mode & 0o077:
+            os.chmod(path, 0o600)
+            log.warning("store file %s had mode %04o: tightened to 0600", path, mode)
+
+
 class Persistence:
     def __init__(self, data_dir: str, dim: int, metric: str) -> None:
         self.path = os.path.join(data_dir, DB_FILE)
         try:
-            os.makedirs(data_dir, exist_ok=True)
+            make_private(data_dir, self.path)
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=FULL")
@@ -58,6 +85,8 @@ class Persistence:
             self._check_meta(dim, metric)
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"cannot open store {self.path}: {e}; nothing was changed") from None
+        except OSError as e:
+            raise ConfigError(f"cannot prepare data dir {data_dir}: {e}") from None
 
     def _check_meta(self, dim: int, metric: str) -> None:
         meta = dict(self.db.execute("SELECT key, value FROM meta").fetchall())

@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import posix_ipc
@@ -34,6 +34,7 @@ from broker.layout import (
     header_field_offset, slot_field_offset, validate_broker_name,
 )
 from broker.procs import pid_alive
+from broker.validation import payload_problem
 from sidecar_cuda import objects
 from sidecar_cuda.backend import Backend, PendingSearch, choose_backend
 from sidecar_cuda.persist import Persistence, StoreError, Write
@@ -143,6 +144,7 @@ class Sidecar:
         self._staging = self._stagings[0]  # the synchronous paths' (nothing in flight then)
         self._inflight: deque[InFlight] = deque()
         self._heartbeat: threading.Thread | None = None
+        self._last_error_log = 0.0
         self.ready = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -265,27 +267,30 @@ class Sidecar:
         sleeping = self._sleep_word
         spin_ns = int(self.cfg.spin_us * 1000)
         clock = time.monotonic_ns
-        next_reap = clock() + int(REAP_S * 1e9)
+        reap_ns = int(REAP_S * 1e9)
+        next_reap = clock() + reap_ns
         last_work = clock()
         try:
             while not self._stop.is_set():
-                served = self.serve_pending()
+                served = self.serve_guarded()
+                now = clock()
+                # On time, busy or not: under saturation the slots of dead clients are exactly
+                # what the living ones wait for.
+                if now >= next_reap:
+                    self.reap_guarded()
+                    next_reap = now + reap_ns
                 if served or self._inflight:
-                    last_work = clock()
+                    last_work = now
                     if not served and self._inflight and \
                             last_work - self._inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
                         time.sleep(0.00005)  # a long batch on the device: poll gently
                     continue
-                now = clock()
-                if now >= next_reap:
-                    self.reap_dead_owners()
-                    next_reap = now + int(REAP_S * 1e9)
                 if now - last_work < spin_ns:
                     os.sched_yield()  # polite polling: a client on this core gets to run
                     continue
                 u32[sleeping] = 1
                 self._drain(bell)  # the try-wait is also the fence before the re-scan
-                if not self.serve_pending() and not self._inflight:
+                if not self.serve_guarded() and not self._inflight:
                     try:
                         bell.acquire(REAP_S)
                     except (posix_ipc.BusyError, posix_ipc.SignalError):
@@ -311,6 +316,50 @@ class Sidecar:
                 bell.acquire(0)
             except posix_ipc.BusyError:
                 return
+
+    def serve_guarded(self) -> int:
+        """:meth:`serve_pending`, but nothing a slot holds can end the loop: an unexpected error
+        while serving is logged and every request it stranded gets SERVER_ERROR."""
+        try:
+            return self.serve_pending()
+        except Exception as e:
+            self._log_unexpected("serving a batch failed", e)
+            return self._answer_stranded(e)
+
+    def reap_guarded(self) -> int:
+        try:
+            return self.reap_dead_owners()
+        except Exception as e:
+            self._log_unexpected("reaping leases failed", e)
+            return 0
+
+    def _log_unexpected(self, what: str, e: BaseException) -> None:
+        """Log an unexpected error with its traceback, at most once a second (a bad slot may make
+        every pass fail)."""
+        self.stats.internal_errors += 1
+        now = time.monotonic()
+        if now - self._last_error_log >= 1.0:
+            self._last_error_log = now
+            log.error("%s (%d unexpected errors so far): %s: %s", what, self.stats.internal_errors,
+                      type(e).__name__, e, exc_info=e)
+
+    def _inflight_slots(self) -> set[int]:
+        return {i for b in self._inflight for i in b.taken}
+
+    def _answer_stranded(self, e: BaseException) -> int:
+        """Answer SERVER_ERROR to every slot taken into a batch (BUSY) that no batch in flight
+        will answer. Between two passes of the loop those are exactly the requests an error
+        left behind."""
+        assert self._objs is not None and self.seg is not None
+        slots = self.seg.slots
+        busy = set(np.flatnonzero(slots["state"] == S_BUSY).tolist()) - self._inflight_slots()
+        detail = f"the sidecar failed serving this request ({type(e).__name__}); it was logged"
+        for i in sorted(busy):
+            r = Rejection(i, Status.SERVER_ERROR, detail, int(slots[i]["generation"]))
+            self._set_result(r, r.status, r.detail)
+            slots[i]["state"] = S_DONE  # last field written, then the post (the fence)
+            self._objs.resp[i].release()
+        return len(busy)
 
     def serve_pending(self) -> int:
         """Answer a finished batch in flight, if any, and take every posted slot as a new batch:
@@ -502,6 +551,13 @@ class Sidecar:
 
     def _finish_uniform(self, b: InFlight) -> int:
         """Write a started batch's answers (waiting for the device if need be) and post them."""
+        try:
+            return self._finish_uniform_unguarded(b)
+        except Exception as e:  # its slots are no longer in flight: answer them now
+            self._log_unexpected("answering a batch failed", e)
+            return self._answer_stranded(e)
+
+    def _finish_uniform_unguarded(self, b: InFlight) -> int:
         assert self.seg is not None
         try:
             ids, scores = b.pending.result()
@@ -534,11 +590,23 @@ class Sidecar:
                 reqs.append(p)
         plan = plan_batch(reqs)
         if plan.writes:
-            self._serve_writes(plan.writes)
+            self._guarded(plan.writes, lambda: self._serve_writes(plan.writes))
         for ns, group in plan.recalls.items():
-            self._serve_recalls(ns, group)
+            self._guarded(group, lambda: self._serve_recalls(ns, group))
         for r in plan.others:
-            self._serve_other(r)
+            self._guarded([r], lambda: self._serve_other(r))
+
+    def _guarded(self, group: list[Request], serve: Callable[[], None]) -> None:
+        """Serve a group of requests; an unexpected error answers the whole group SERVER_ERROR
+        (logged) and the rest of the batch is served as usual."""
+        try:
+            serve()
+        except Exception as e:
+            self._log_unexpected(f"serving {len(group)} request(s) failed", e)
+            for r in group:
+                self._set_result(r, Status.SERVER_ERROR,
+                                 f"the sidecar failed serving this request ({type(e).__name__}); "
+                                 "it was logged")
 
     def _set_result(self, r: Request | Rejection, status: Status, detail: str = "",
                     n_results: int = 0, *, keep_blob: bool = False) -> None:
@@ -637,10 +705,9 @@ class Sidecar:
                 if len(line) > self.cfg.payload_limit:
                     return (Status.PAYLOAD_TOO_LARGE,
                             f"a payload of {len(line)} bytes exceeds the limit of {self.cfg.payload_limit}")
-                try:
-                    json.loads(line)
-                except ValueError:
-                    return (Status.BAD_REQUEST, "payload is not valid JSON")
+                problem = payload_problem(line)
+                if problem is not None:
+                    return (Status.BAD_REQUEST, problem)
                 payloads.append(None if line == b"null" else line)
         return Write("upsert", r.namespace, ids=ids, vectors=vecs, payloads=payloads)
 
@@ -731,20 +798,29 @@ class Sidecar:
 
     # ------------------------------------------------------------------ leases
     def reap_dead_owners(self) -> int:
-        """Free the slots of clients that died (or gave them up) while holding them."""
+        """Free the slots of clients that died (or gave them up) while holding them, and slots
+        left in a state other than FREE without an owner (only a broken client leaves those).
+        Every lease field was written by a client: pids are checked by value, never trusted.
+        Slots of a batch in flight are left alone until it is answered."""
         assert self._objs is not None and self.seg is not None
         slots = self.seg.slots
         owners = slots["owner_pid"]
-        if not owners.any():
+        suspects = np.flatnonzero((owners != 0) | (slots["state"] != S_FREE))
+        if len(suspects) == 0:
             return 0
         freed = 0
         alive: dict[tuple[int, int], bool] = {}
+        busy = self._inflight_slots()
         fcntl.flock(self._objs.shm.fd, fcntl.LOCK_EX)
         try:
-            for i in np.flatnonzero(owners).tolist():
+            for i in suspects.tolist():
+                if i in busy:
+                    continue
                 pid = int(slots[i]["owner_pid"])
                 start = int(slots[i]["owner_start"])
-                if pid != OWNER_ABANDONED:
+                if pid == 0 and int(slots[i]["state"]) == S_FREE:
+                    continue  # given back meanwhile
+                if pid not in (0, OWNER_ABANDONED):
                     key = (pid, start)
                     if key not in alive:
                         alive[key] = pid_alive(pid, start)

@@ -39,6 +39,7 @@ class SidecarStats:
     batches: int = 0
     requests: int = 0
     slots_reclaimed: int = 0
+    internal_errors: int = 0  # unexpected errors the serving loop caught (each logged)
     errors: Counter[int] = field(default_factory=Counter)
     #: Observers called with each BatchRecord from the serving thread (the exporter hooks in here).
     observers: list = field(default_factory=list)

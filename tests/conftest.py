@@ -96,6 +96,11 @@ def sidecar(sidecar_factory, seed):
     return h
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fuzz-seconds", type=float, default=8.0,
+                     help="how long the fuzz test attacks a sidecar (CI: 8 s)")
+
+
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on the default loop and on uvloop (the application's choice)."""
     import uvloop

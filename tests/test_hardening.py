@@ -1,0 +1,436 @@
+"""Hostile and broken clients against real sidecars: nothing a client writes can end the sidecar,
+break /metrics, keep dead clients' slots, or trick a client into trusting another user's objects."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import posix_ipc
+import pytest
+
+from broker.errors import InvalidRequest, UntrustedBroker
+from broker.layout import (
+    S_FREE, Layout, SegmentView, SidecarState, Status, bell_name, req_name, resp_name,
+    shm_name,
+)
+from broker.owners import sem_path, shm_path
+from broker.validation import MAX_PAYLOAD_DEPTH
+from clients import RecallClient, RecallPool
+from clients._connection import Connection
+from conftest import assert_topk, run_py, unique_name, wait_until
+from sidecar_cuda.objects import cleanup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NOBODY = 65534
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_status(port: int) -> int:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            r.read()
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        return int(e.code)
+
+
+def nested(depth: int) -> object:
+    v: object = []
+    for _ in range(depth - 1):
+        v = [v]
+    return v
+
+
+def raw_post(c: Connection, slot: object, op: int, ns: bytes, nq: int, blob: bytes) -> tuple[int, str]:
+    """Post a request written by hand (no client-side validation) and return (status, detail)."""
+    s = slot  # a ClientSlot
+    s.view.queries[:nq] = 1.0  # type: ignore[attr-defined]
+    s.view.ids[:nq] = np.arange(nq) + 900  # type: ignore[attr-defined]
+    s.view.blob[: len(blob)] = np.frombuffer(blob, np.uint8)  # type: ignore[attr-defined]
+    s.post(op, ns, 0, nq, 0, len(blob), 0)  # type: ignore[attr-defined]
+    assert wait_until(lambda: s.is_done() and s.try_consume(), 10)  # type: ignore[attr-defined]
+    status, _n, blen = s.outcome()  # type: ignore[attr-defined]
+    detail = s.blob_text(blen).decode(errors="replace")  # type: ignore[attr-defined]
+    s.set_free()  # type: ignore[attr-defined]
+    return status, detail
+
+
+# --------------------------------------------------------------------------- 1. deep JSON
+
+def test_deeply_nested_payload_is_refused_and_the_sidecar_lives(sidecar, rng):
+    with RecallClient(sidecar.name) as client:
+        # The client refuses before anything is sent, at the documented depth and far beyond it.
+        for depth in (MAX_PAYLOAD_DEPTH + 1, 985, 5000):
+            with pytest.raises(InvalidRequest, match="nests deeper"):
+                client.upsert([985], np.ones((1, 32)), payloads=[nested(depth)], namespace="deep")
+        assert client.upsert([1], np.ones((1, 32)), payloads=[nested(MAX_PAYLOAD_DEPTH)],
+                             namespace="deep") == 1
+        # A client writing the protocol by hand: every depth gets BAD_REQUEST, nothing is stored.
+        c = Connection(sidecar.name)
+        slot = c.lease(1)[0]
+        try:
+            for depth in (MAX_PAYLOAD_DEPTH + 1, 985, 8000):
+                blob = b"[" * depth + b"]" * depth
+                status, detail = raw_post(c, slot, 2, b"deep", 1, blob)
+                assert status == Status.BAD_REQUEST and "nests deeper" in detail, (depth, detail)
+            status, detail = raw_post(c, slot, 2, b"deep", 1, b'{"a": [1, {"b": null}]}')
+            assert status == Status.OK, detail
+        finally:
+            c.give_back([slot], [])
+            c.close()
+        assert sidecar.proc.poll() is None
+        assert client.namespaces()["deep"] == 2  # ids 1 and 900: the refused ones wrote nothing
+        q = rng.standard_normal(32).astype(np.float32)
+        h = client.recall(q, k=5)
+        assert_topk(q, sidecar.matrix, h.ids, h.scores, 5)
+
+
+# --------------------------------------------------------------------------- 2. lease pids
+
+@pytest.mark.parametrize("pid", [2**31, 2**31 - 1 + 2**20, 2**63 - 1, -7, (1 << 22) + 1])
+def test_lease_with_an_impossible_owner_pid_is_reclaimed(sidecar, pid):
+    c = Connection(sidecar.name)
+    try:
+        slot = c.lease(1)[0]
+        c.seg.slots[slot.index]["owner_pid"] = pid
+        c.seg.slots[slot.index]["owner_start"] = 12345
+        assert wait_until(lambda: int(c.seg.slots[slot.index]["owner_pid"]) == 0, 3), \
+            "the reaper did not reclaim the slot"
+        assert int(c.seg.slots[slot.index]["state"]) == S_FREE
+        assert sidecar.proc.poll() is None
+        with RecallClient(sidecar.name) as client:
+            assert len(client.recall(np.ones(32, np.float32), k=3)) == 3
+    finally:
+        c.close()
+
+
+# --------------------------------------------------------------------------- 3. reaper under load
+
+LOAD = """
+import asyncio, sys, time, numpy as np
+from clients import RecallPool
+async def main():
+    rng = np.random.default_rng(int(sys.argv[2]))
+    async with RecallPool(sys.argv[1], size=16) as pool:
+        print("ready", flush=True)
+        end = time.monotonic() + float(sys.argv[3])
+        async def task():
+            while time.monotonic() < end:
+                await pool.recall_many(rng.standard_normal((8, 64), dtype=np.float32), k=10)
+        await asyncio.gather(*(task() for _ in range(16)))
+asyncio.run(main())
+"""
+
+HOLD = """
+import asyncio, sys, numpy as np
+from clients import RecallPool
+async def main():
+    async with RecallPool(sys.argv[1], size=int(sys.argv[2])) as pool:
+        print("ready", flush=True)
+        while True:
+            await pool.recall_many(np.ones((8, 64), np.float32), k=10)
+asyncio.run(main())
+"""
+
+
+def test_dead_clients_slots_are_reclaimed_within_a_second_under_load(sidecar_factory):
+    """3 processes x 16 tasks keep the sidecar saturated (each waiting for a slot); a fourth
+    client holding 8 slots is killed -9: its slots are free again within 1 s."""
+    h = sidecar_factory("reap", "--dim", "64", "--random-rows", "20000", "--slots", "56",
+                        "--max-queries", "8", "--backend", "numpy")
+    victim = run_py(HOLD, h.name, "8")
+    assert victim.stdout.readline().strip() == b"ready"
+    loads = [run_py(LOAD, h.name, str(i), "30") for i in range(3)]
+    try:
+        for p in loads:
+            assert p.stdout.readline().strip() == b"ready"
+        time.sleep(1.0)  # saturated: every slot leased, requests posted back to back
+        c = Connection(h.name)
+        try:
+            owners = c.seg.slots["owner_pid"]
+            assert int((owners == victim.pid).sum()) == 8
+            assert int((owners != 0).sum()) == 56
+            victim.kill()
+            t0 = time.monotonic()
+            victim.wait()
+            freed = wait_until(lambda: int((c.seg.slots["owner_pid"] == victim.pid).sum()) == 0,
+                               timeout=10, step=0.005)
+            took = time.monotonic() - t0
+            print(f"\n[reaper] slots of the killed client reclaimed in {took * 1000:.0f} ms under load")
+            assert freed and took < 1.0, f"reclaimed after {took:.2f} s"
+            assert all(p.poll() is None for p in loads), "the load should still be running"
+        finally:
+            c.close()
+    finally:
+        for p in loads:
+            p.kill()
+            p.wait()
+    assert h.proc.poll() is None
+
+
+# --------------------------------------------------------------------------- 4. stats fields
+
+def test_client_written_stats_cannot_break_metrics(sidecar_factory, rng):
+    port = free_port()
+    h = sidecar_factory("stats", "--dim", "32", "--random-rows", "100", "--backend", "numpy",
+                        "--metrics-port", str(port))
+    c = Connection(h.name)
+    try:
+        a, b = c.lease(2)
+        # A request whose posting time is from the future (>= 2**63), through the one-request
+        # fast path and through a batch of several.
+        for slots in ([a], [a, b]):
+            for s in slots:
+                s.view.queries[0] = 1.0
+                s.post(1, b"default", 3, 1, 0, 0, 0)
+                c.seg.slots[s.index]["t_post_ns"] = 2**63 + 12345  # (after post: the sidecar may
+            for s in slots:                                       #  read either; both are lies)
+                assert wait_until(lambda s=s: s.is_done() and s.try_consume(), 5)
+                assert s.outcome()[0] == Status.OK
+                s.set_free()
+            assert scrape_status(port) == 200
+        # Counters at their limits and beyond.
+        for value in (2**64 - 1, 2**63, 2**63 - 1):
+            for field in ("lat_count", "lat_sum_ns", "err_count", "timeout_count"):
+                c.seg.stats[a.index][field] = value
+            a.view.hist[:] = value
+            assert scrape_status(port) == 200
+            assert scrape_status(port) == 200  # and the next scrape too
+        c.seg.stats[a.index]["lat_count"] = 3  # a "reset"
+        assert scrape_status(port) == 200
+        with RecallClient(h.name) as client:
+            client.recall(np.ones(32, np.float32), k=3)
+        assert scrape_status(port) == 200
+        c.give_back([a, b], [])
+    finally:
+        c.close()
+    assert h.proc.poll() is None
+
+
+# --------------------------------------------------------------------------- 5. squatting
+
+def _squat(name: str, layout: Layout, uid: int, mode: int) -> None:
+    """What another local user can do before any sidecar serves ``name``: create its objects,
+    world-accessible, with a valid header naming a live process (this one)."""
+    shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=mode, size=layout.total_bytes)
+    import mmap
+
+    mm = mmap.mmap(shm.fd, layout.total_bytes)
+    seg = SegmentView(memoryview(mm), layout)
+    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns())
+    seg.header["state"] = SidecarState.READY
+    seg.header["heartbeat_ns"] = time.monotonic_ns()
+    os.fchmod(shm.fd, mode)
+    os.fchown(shm.fd, uid, -1)
+    shm.close_fd()
+    del seg
+    names = [bell_name(name)] + [f(name, i) for i in range(layout.n_slots) for f in (req_name, resp_name)]
+    for n in names:
+        posix_ipc.Semaphore(n, posix_ipc.O_CREX, mode=mode, initial_value=0).close()
+        os.chmod(sem_path(n), mode)
+        os.chown(sem_path(n), uid, -1)
+
+
+def _unsquat(name: str, layout: Layout) -> None:
+    for n in [bell_name(name)] + [f(name, i) for i in range(layout.n_slots) for f in (req_name, resp_name)]:
+        try:
+            os.unlink(sem_path(n))
+        except FileNotFoundError:
+            pass
+    try:
+        os.unlink(shm_path(shm_name(name)))
+    except FileNotFoundError:
+        pass
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making objects owned by another uid needs root")
+@pytest.mark.asyncio
+async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
+    name = unique_name("squat")
+    layout = Layout(n_slots=4, dim=8, max_k=8, max_queries=2, blob_bytes=4096)
+    _squat(name, layout, NOBODY, 0o666)
+    try:
+        before = sorted(os.listdir("/dev/shm"))
+        with pytest.raises(UntrustedBroker, match=r"uid 65534 \(nobody\)"):
+            async with RecallPool(name, size=1, connect_timeout=1):
+                pass
+        with pytest.raises(UntrustedBroker, match="refusing to attach"):
+            RecallClient(name, connect_timeout=1)
+        # Expecting the sidecar's uid to be 65534 is not enough either: the objects are open to all.
+        with pytest.raises(UntrustedBroker, match="mode 0666"):
+            RecallClient(name, connect_timeout=1, sidecar_uid=NOBODY)
+        # The real sidecar refuses to start over them, says what to do, and removes nothing.
+        p = subprocess.run([sys.executable, "-m", "sidecar_cuda", "--name", name, "--ephemeral",
+                            "--dim", "8", "--backend", "numpy"], capture_output=True, timeout=60)
+        assert p.returncode != 0
+        err = p.stderr.decode()
+        assert "not ours" in err and "65534" in err and "kalos cleanup" in err, err
+        with pytest.raises(Exception, match="not ours"):
+            cleanup(name, force=True)
+        assert sorted(os.listdir("/dev/shm")) == before, "a foreign object was removed"
+    finally:
+        _unsquat(name, layout)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changing object modes of a live sidecar as root only")
+def test_own_objects_open_to_others_are_refused(sidecar):
+    """Our own uid, but the segment was made world-writable (by hand, or an old version)."""
+    path = shm_path(shm_name(sidecar.name))
+    os.chmod(path, 0o606)
+    try:
+        with pytest.raises(UntrustedBroker, match="mode 0606"):
+            RecallClient(sidecar.name, connect_timeout=1)
+    finally:
+        os.chmod(path, 0o600)
+    os.chmod(sem_path(bell_name(sidecar.name)), 0o640)
+    try:
+        with pytest.raises(UntrustedBroker, match="semaphore"):
+            RecallClient(sidecar.name, connect_timeout=1)
+    finally:
+        os.chmod(sem_path(bell_name(sidecar.name)), 0o600)
+    with RecallClient(sidecar.name) as c:
+        assert len(c.recall(np.ones(32, np.float32), k=2)) == 2
+
+
+AS_NOBODY = """
+import os, sys
+from clients import RecallClient
+from broker.errors import BrokerUnavailable
+import posix_ipc
+os.setgid(65534); os.setuid(65534)   # drop root after the imports (the interpreter lives in /root)
+try:
+    RecallClient(sys.argv[1], connect_timeout=1)
+    print("attached")
+except BrokerUnavailable as e:
+    print("refused:", e)
+try:
+    posix_ipc.Semaphore(sys.argv[2]).release()
+    print("posted")
+except posix_ipc.PermissionsError:
+    print("sem refused")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+def test_another_uid_cannot_attach(sidecar):
+    p = run_py(AS_NOBODY, sidecar.name, bell_name(sidecar.name))
+    out, err = p.communicate(timeout=60)
+    text = out.decode()
+    assert "refused:" in text and "attached" not in text, (text, err.decode())
+    assert "sem refused" in text and "posted" not in text, text
+
+
+# --------------------------------------------------------------------------- 6. data dir
+
+def test_data_dir_and_store_files_are_private_whatever_the_umask(sidecar_factory, tmp_path):
+    fresh = tmp_path / "fresh"
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o755)
+    (loose / "kalos.sqlite3").touch()
+    os.chmod(loose / "kalos.sqlite3", 0o644)
+    old = os.umask(0)  # the sidecar inherits the loosest umask
+    try:
+        for d in (fresh, loose):
+            h = sidecar_factory("dir", "--dim", "8", "--data-dir", str(d), "--backend", "numpy",
+                                ephemeral=False)
+            with RecallClient(h.name) as c:
+                c.upsert([1, 2], np.ones((2, 8)), payloads=[{"secret": 1}, None])
+            assert os.stat(d).st_mode & 0o777 == 0o700
+            files = [f for f in os.listdir(d) if f.startswith("kalos.sqlite3")]
+            assert "kalos.sqlite3-wal" in files, files
+            for f in files:
+                assert os.stat(d / f).st_mode & 0o777 == 0o600, (f, oct(os.stat(d / f).st_mode))
+            h.stop()
+    finally:
+        os.umask(old)
+
+
+# --------------------------------------------------------------------------- the fuzzer
+
+LEGIT = """
+import asyncio, json, sys, time, numpy as np
+from clients import RecallPool
+sys.path.insert(0, sys.argv[4])
+from conftest import assert_topk
+async def main():
+    seed, seconds = int(sys.argv[2]), float(sys.argv[3])
+    matrix = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32)
+    rng = np.random.default_rng(seed + 1)
+    out = {"recalls": 0, "wrong": 0, "errors": []}
+    async with RecallPool(sys.argv[1], size=4, timeout=10) as pool:
+        print(json.dumps({"ready": True}), flush=True)
+        end = time.monotonic() + seconds
+        async def task():
+            while time.monotonic() < end:
+                k = int(rng.integers(1, 17))
+                q = rng.standard_normal((int(rng.integers(1, 5)), 16)).astype(np.float32)
+                try:
+                    hits = await pool.recall_many(q, k=k)
+                except Exception as e:
+                    out["errors"].append(f"{type(e).__name__}: {e}")
+                    continue
+                for row, h in zip(q, hits):
+                    out["recalls"] += 1
+                    try:
+                        assert_topk(row, matrix, h.ids, h.scores, k)
+                    except AssertionError:
+                        out["wrong"] += 1
+        await asyncio.gather(*(task() for _ in range(4)))
+    print(json.dumps(out), flush=True)
+asyncio.run(main())
+"""
+
+
+def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, seed, request):
+    seconds = float(request.config.getoption("--fuzz-seconds"))
+    port = free_port()
+    h = sidecar_factory("fuzz", "--dim", "16", "--random-rows", "500", "--seed", str(seed),
+                        "--slots", "16", "--max-queries", "4", "--max-k", "16",
+                        "--blob-bytes", "65536", "--payload-limit", "65536",
+                        "--metrics-port", str(port), "--backend", "numpy")
+    legit = run_py(LEGIT, h.name, str(seed), str(seconds + 1.0), HERE)
+    assert json.loads(legit.stdout.readline()).get("ready")
+    fuzz = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_client.py"), h.name, str(seed),
+                           str(seconds), f"http://127.0.0.1:{port}/metrics"],
+                          capture_output=True, timeout=seconds + 120)
+    assert fuzz.returncode == 0, fuzz.stderr.decode()
+    f = json.loads(fuzz.stdout.decode().strip().splitlines()[-1])
+    lout, lerr = legit.communicate(timeout=seconds + 60)
+    g = json.loads(lout.decode().strip().splitlines()[-1])
+    print(f"\n[fuzz] seed {seed}: {json.dumps(f)}\n[legit] {json.dumps({**g, 'errors': g['errors'][:3]})}")
+
+    assert h.proc.poll() is None, "the sidecar died"
+    assert f["iterations"] > 50 and f["wellformed"] > 5 and f["garbage_posted"] > 5, f
+    assert f.get("wellformed_answered", 0) == f["wellformed"], f  # answered, generation echoed
+    assert f.get("garbage_echo", 0) == 0 and f.get("garbage_unanswered", 0) == 0, f
+    assert f.get("garbage_answered", 0) + f.get("garbage_reclaimed", 0) == f["garbage_posted"], f
+    assert f.get("scrape_bad", 0) == 0 and f.get("scrape_ok", 0) >= 2, f
+    assert g["wrong"] == 0 and not g["errors"] and g["recalls"] > 20, g
+    # The fuzzer exited holding its slots, many in states a client should never leave: every one
+    # is reclaimed and FREE (the legitimate pool has closed too).
+    c = Connection(h.name)
+    try:
+        assert wait_until(lambda: not c.seg.slots["owner_pid"].any()
+                          and (c.seg.slots["state"] == S_FREE).all(), timeout=3), \
+            (c.seg.slots["owner_pid"], c.seg.slots["state"])
+    finally:
+        c.close()
+    assert scrape_status(port) == 200
+    with RecallClient(h.name) as client:
+        matrix = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32)
+        q = np.ones(16, np.float32)
+        r = client.recall(q, k=7)
+        assert_topk(q, matrix, r.ids, r.scores, 7)
