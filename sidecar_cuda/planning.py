@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker.layout import S_POSTED, Layout, Op, Status, decode_namespace
+from broker.layout import S_POSTED, Layout, Op, Status
+from broker.names import decode_namespace
 
 
 def posted_slots(states: np.ndarray) -> np.ndarray:

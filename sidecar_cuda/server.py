@@ -30,9 +30,10 @@ from broker.errors import ConfigError
 from broker.layout import (
     HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag, Layout,
     Metric, Op,
-    NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status, decode_namespace,
-    header_field_offset, slot_field_offset, validate_broker_name,
+    NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status,
+    header_field_offset, slot_field_offset,
 )
+from broker.names import decode_namespace, validate_broker_name
 from broker.procs import pid_alive
 from sidecar_cuda import objects
 from sidecar_cuda.backend import Backend, PendingSearch, choose_backend

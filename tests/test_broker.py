@@ -16,7 +16,8 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
     ResponseTimeout, UnknownNamespace,
 )
-from broker.layout import PROTOCOL_VERSION, S_FREE, shm_name
+from broker.layout import PROTOCOL_VERSION, S_FREE
+from broker.names import shm_name
 from clients import RecallClient, RecallPool
 from clients._connection import Connection
 from clients.loadgen import LoadSpec, check_samples, run_load
