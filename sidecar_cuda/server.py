@@ -35,12 +35,13 @@ from broker.layout import (
 )
 from broker.names import decode_namespace, validate_broker_name
 from broker.procs import pid_alive
-from sidecar_cuda import objects
-from sidecar_cuda.backend import Backend, PendingSearch, choose_backend
+import sidecar_cuda.objects as objects
+from sidecar_cuda.backend import Backend, PendingSearch
 from sidecar_cuda.persist import Persistence, StoreError, Write
 from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
+from sidecar_cuda.select import choose_backend
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
 
