@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
-import time
-from collections.abc import Sequence
-from typing import Any
 
 from broker.errors import KalosError
+from sidecar_cuda.config import add_serve_arguments, config_from_args
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from sidecar_cuda.config import config_from_args
     from sidecar_cuda.server import run
 
     return run(config_from_args(a))
@@ -41,57 +37,20 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
     return 0
 
 
-def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
-                          stderr: Any = None, python_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    """Start ``python [PYTHON_ARGS] -m sidecar_cuda ARGS`` and wait until it is ready (used by
-    demo/bench/tests; ``python_args`` e.g. ``-m cProfile -o FILE``)."""
-    from clients._connection import Connection
-    from broker.errors import BrokerUnavailable
-
-    proc = subprocess.Popen([sys.executable, *python_args, "-m", "sidecar_cuda", "--name", name, *args],
-                            stderr=stderr)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with code {proc.returncode} during start")
-        try:
-            c = Connection(name)
-            try:
-                if c.is_ready() and int(c.seg.header["sidecar_pid"]) == proc.pid:
-                    return proc
-            finally:
-                c.close()
-        except BrokerUnavailable:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("sidecar did not become ready in time")
-        time.sleep(0.02)
-
-
-def stop_sidecar_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def cmd_demo(a: argparse.Namespace) -> int:
-    from broker.demo import run_demo
+    from kalos.demo import run_demo
 
     return run_demo(a)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from broker.demo import run_bench
+    from kalos.demo import run_bench
 
     return run_bench(a)
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from broker.transfer import export_namespace
+    from kalos.transfer import export_namespace
 
     n = export_namespace(a.name, a.namespace, a.out, timeout=a.timeout)
     print(f"exported {n} records of {a.namespace!r} to {a.out}")
@@ -99,7 +58,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_import(a: argparse.Namespace) -> int:
-    from broker.transfer import import_namespace
+    from kalos.transfer import import_namespace
 
     n, secs = import_namespace(a.name, a.namespace, a.src, timeout=a.timeout)
     print(f"imported {n} records into {a.namespace!r} in {secs:.2f} s ({n / max(secs, 1e-9):,.0f}/s)")
@@ -107,14 +66,12 @@ def cmd_import(a: argparse.Namespace) -> int:
 
 
 def cmd_top(a: argparse.Namespace) -> int:
-    from broker.top import run_top
+    from kalos.top import run_top
 
     return run_top(a.url, a.interval, once=a.once)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sidecar_cuda.config import add_serve_arguments
-
     p = argparse.ArgumentParser(prog="kalos", description="Kalos recall broker: GPU sidecar + shared-memory clients")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -198,4 +155,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["main", "build_parser", "start_sidecar_process", "stop_sidecar_process"]
+__all__ = ["main", "build_parser"]
