@@ -447,7 +447,8 @@ class SegmentView:
 
 def peek_header(buf: memoryview) -> np.ndarray:
     """The header of a segment whose geometry is not known yet (first step of attaching)."""
-    return np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+    hdr: np.ndarray = np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+    return hdr
 
 
 def c_header() -> str:

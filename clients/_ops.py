@@ -32,7 +32,7 @@ class Prepared:
     single: bool = False
 
 
-class NamespaceCache(dict):
+class NamespaceCache(dict[str, bytes]):
     """Validated namespace names -> encoded bytes (the regex check runs once per name)."""
 
     LIMIT = 4096

@@ -15,7 +15,8 @@ from broker.names import decode_namespace
 
 def posted_slots(states: np.ndarray) -> np.ndarray:
     """Indices of slots whose request is complete (state POSTED)."""
-    return (states == S_POSTED).nonzero()[0]
+    posted: np.ndarray = (states == S_POSTED).nonzero()[0]
+    return posted
 
 
 @dataclass(slots=True)

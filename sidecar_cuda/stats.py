@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,7 +41,7 @@ class SidecarStats:
     slots_reclaimed: int = 0
     errors: Counter[int] = field(default_factory=Counter)
     #: Observers called with each BatchRecord from the serving thread (the exporter hooks in here).
-    observers: list = field(default_factory=list)
+    observers: list[Callable[[BatchRecord], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_batch(self, rec: BatchRecord) -> None:
