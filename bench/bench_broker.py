@@ -20,9 +20,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from broker.demo import inproc_numpy  # noqa: E402
-from clients.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
+from kalos.demo import inproc_numpy  # noqa: E402
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
 
 def parse_size(s: str) -> tuple[int, int]:

@@ -27,9 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from broker.layout import Metric  # noqa: E402
-from clients.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
 RTOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}  # check_samples: x (max |score| + 1)
 

@@ -26,9 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from clients import RecallPool  # noqa: E402
-from clients.loadgen import environment  # noqa: E402
+from kalos.testing.loadgen import environment  # noqa: E402
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
 
 def pct(a: list[int]) -> dict[str, float]:
@@ -153,7 +153,7 @@ def load_time(rows: int, dim: int, workdir: str) -> dict:
             "--slots", "32"]
     proc = start_sidecar_process(args, name)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "broker.cli", "import", "default", src, "--name", name,
+    r = subprocess.run([sys.executable, "-m", "kalos.cli", "import", "default", src, "--name", name,
                         "--timeout", "600"], capture_output=True, text=True)
     import_s = time.perf_counter() - t0
     stop_sidecar_process(proc)

@@ -36,11 +36,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from broker.layout import Layout  # noqa: E402
 from clients import RecallClient, RecallPool  # noqa: E402
 from clients._connection import Connection  # noqa: E402
-from clients.loadgen import environment  # noqa: E402
+from kalos.testing.loadgen import environment  # noqa: E402
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from sidecar_cuda.metrics import SidecarCollector  # noqa: E402
 from sidecar_cuda.stats import BatchRecord, SidecarStats  # noqa: E402
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the sidecar's serving thread spends its time under load: runs the sidecar under cProfile
-(``python -m cProfile -m sidecar_cuda``), drives it with client processes (clients.loadgen), stops
+(``python -m cProfile -m sidecar_cuda``), drives it with client processes (kalos.testing.loadgen), stops
 it with SIGTERM and prints the functions with the most own time and the serving path's cumulative
 times. cProfile slows every Python call, so read the shares, not the absolute times.
 
@@ -18,8 +18,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.cli import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from clients.loadgen import LoadSpec, run_load  # noqa: E402
+from kalos.testing.loadgen import LoadSpec, run_load  # noqa: E402
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
 
 def main() -> int:

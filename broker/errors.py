@@ -18,11 +18,11 @@
      +-- ClosedError           the pool or client was closed by its user
 
 posix_ipc, numpy and cupy exceptions are mapped to these at the boundary and never reach callers.
+The error a sidecar status code becomes is :func:`broker.layout.error_for_status`, beside ``Status``.
+This module imports nothing of Kalos, so every other one may import it.
 """
 
 from __future__ import annotations
-
-from broker.layout import Status
 
 
 class KalosError(Exception):
@@ -80,30 +80,3 @@ class ServerError(KalosError):
 
 class ClosedError(KalosError):
     """The pool or client has been closed."""
-
-
-_STATUS_ERRORS: dict[int, type[KalosError]] = {
-    Status.BAD_REQUEST: ProtocolError,
-    Status.DIM_MISMATCH: InvalidRequest,
-    Status.K_OUT_OF_RANGE: InvalidRequest,
-    Status.TOO_MANY_QUERIES: InvalidRequest,
-    Status.NOT_FINITE: InvalidRequest,
-    Status.UNKNOWN_NAMESPACE: UnknownNamespace,
-    Status.PAYLOAD_TOO_LARGE: PayloadTooLarge,
-    Status.BACKEND_ERROR: ServerError,
-    Status.UNKNOWN_OP: ProtocolError,
-    Status.STORE_ERROR: ServerError,
-    Status.CAPACITY: ServerError,
-    Status.BAD_ID: InvalidRequest,
-    Status.SERVER_ERROR: ServerError,
-}
-
-
-def error_for_status(status: int, detail: str) -> KalosError:
-    """Map a sidecar status code to the exception a caller sees."""
-    cls = _STATUS_ERRORS.get(status, ProtocolError)
-    try:
-        name = Status(status).name
-    except ValueError:
-        name = f"status {status}"
-    return cls(f"{name}: {detail}" if detail else name)

@@ -5,7 +5,8 @@ of the segment from :class:`Layout`; ``docs/protocol.md`` describes the same thi
 languages, and ``tests/test_layout.py`` checks the generated C header (:func:`c_header`) against it.
 
 Objects of a broker named ``NAME`` (created by the sidecar, exclusively, mode 0600; the sidecar
-unlinks them on exit and ``kalos cleanup NAME`` removes leftovers of a crashed one)::
+unlinks them on exit and ``kalos cleanup NAME`` removes leftovers of a crashed one; the names are
+spelt in :mod:`broker.names`, with the rules for broker and namespace names)::
 
     /kalos.NAME              shared memory segment (layout below)
     /kalos.NAME.bell         doorbell semaphore: the sidecar sleeps on it when idle (handshake below)
@@ -71,11 +72,14 @@ served to the next owner. The semaphore post/wait pairs are the memory fences of
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from enum import IntEnum
 
 import numpy as np
+
+from broker.errors import (
+    ConfigError, InvalidRequest, KalosError, PayloadTooLarge, ProtocolError, ServerError, UnknownNamespace,
+)
 
 MAGIC = b"KALOSHM\x00"
 MAGIC_U64 = int.from_bytes(MAGIC, "little")
@@ -154,6 +158,33 @@ class Status(IntEnum):
     SERVER_ERROR = 13  # the sidecar failed on this request unexpectedly (logged); it serves on
 
 
+_STATUS_ERRORS: dict[int, type[KalosError]] = {
+    Status.BAD_REQUEST: ProtocolError,
+    Status.DIM_MISMATCH: InvalidRequest,
+    Status.K_OUT_OF_RANGE: InvalidRequest,
+    Status.TOO_MANY_QUERIES: InvalidRequest,
+    Status.NOT_FINITE: InvalidRequest,
+    Status.UNKNOWN_NAMESPACE: UnknownNamespace,
+    Status.PAYLOAD_TOO_LARGE: PayloadTooLarge,
+    Status.BACKEND_ERROR: ServerError,
+    Status.UNKNOWN_OP: ProtocolError,
+    Status.STORE_ERROR: ServerError,
+    Status.CAPACITY: ServerError,
+    Status.BAD_ID: InvalidRequest,
+    Status.SERVER_ERROR: ServerError,
+}
+
+
+def error_for_status(status: int, detail: str) -> KalosError:
+    """The exception a caller sees for a sidecar status code (an unknown code: ProtocolError)."""
+    cls = _STATUS_ERRORS.get(status, ProtocolError)
+    try:
+        name = Status(status).name
+    except ValueError:
+        name = f"status {status}"
+    return cls(f"{name}: {detail}" if detail else name)
+
+
 class Flag(IntEnum):
     WITH_PAYLOAD = 1
 
@@ -227,9 +258,6 @@ STATS_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("timeout_count", "<u8", 24),  # requests whose caller timed out or was cancelled
 )
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
-_NS_RE = re.compile(r"^[A-Za-z0-9_.:@-]{1,64}$")
-
 #: ``owner_pid`` of a slot given up by a live client while its request may still be in flight
 #: (``RecallPool.terminate``); the sidecar's reaper frees it like the slot of a dead owner.
 OWNER_ABANDONED = -1
@@ -262,49 +290,6 @@ def _fields_dtype(fields: tuple[tuple[str, str, int], ...], itemsize: int) -> np
 def slot_dtype(itemsize: int = CONTROL_BYTES) -> np.dtype:
     """Control-block fields; an array of it with itemsize CONTROL_BYTES walks the slots."""
     return _fields_dtype(SLOT_FIELDS, itemsize)
-
-
-def validate_broker_name(name: str) -> str:
-    from broker.errors import ConfigError
-
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ConfigError(f"broker name must match {_NAME_RE.pattern}, got {name!r}")
-    return name
-
-
-def validate_namespace(ns: str) -> bytes:
-    from broker.errors import InvalidRequest
-
-    if not isinstance(ns, str) or not _NS_RE.match(ns):
-        raise InvalidRequest(f"namespace must match {_NS_RE.pattern}, got {ns!r}")
-    return ns.encode()
-
-
-def decode_namespace(raw: bytes, length: int) -> str | None:
-    """Namespace from a slot, or None if what a client wrote there is not a valid name."""
-    if not 1 <= length <= NAMESPACE_BYTES or len(raw) < length:
-        return None
-    try:
-        ns = bytes(raw[:length]).decode()
-    except UnicodeDecodeError:
-        return None
-    return ns if _NS_RE.match(ns) else None
-
-
-def shm_name(name: str) -> str:
-    return f"/kalos.{name}"
-
-
-def bell_name(name: str) -> str:
-    return f"/kalos.{name}.bell"
-
-
-def req_name(name: str, i: int) -> str:
-    return f"/kalos.{name}.{i}.req"
-
-
-def resp_name(name: str, i: int) -> str:
-    return f"/kalos.{name}.{i}.resp"
 
 
 @dataclass(frozen=True)
@@ -369,8 +354,6 @@ class Layout:
         return self.data_offset + i * self.slot_bytes
 
     def check(self) -> None:
-        from broker.errors import ConfigError
-
         for field, lo, hi in (
             ("n_slots", 1, 4096),
             ("dim", 1, 65536),
@@ -466,7 +449,8 @@ class SegmentView:
 
 def peek_header(buf: memoryview) -> np.ndarray:
     """The header of a segment whose geometry is not known yet (first step of attaching)."""
-    return np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+    hdr: np.ndarray = np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
+    return hdr
 
 
 def c_header() -> str:

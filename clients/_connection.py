@@ -19,9 +19,10 @@ from broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from broker.layout import (
     HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
     MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
-    S_WRITING, Layout, SegmentView, SidecarState, SlotView, bell_name, header_field_offset,
-    peek_header, req_name, resp_name, shm_name, slot_field_offset, validate_broker_name,
+    S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, peek_header,
+    slot_field_offset,
 )
+from broker.names import bell_name, req_name, resp_name, shm_name, validate_broker_name
 from broker.owners import sem_path, stat_problem
 from broker.procs import process_start_ticks
 

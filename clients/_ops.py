@@ -11,8 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import ProtocolError, error_for_status
-from broker.layout import Flag, Layout, Op, Status, validate_namespace
+from broker.errors import ProtocolError
+from broker.layout import Flag, Layout, Op, Status, error_for_status
+from broker.names import validate_namespace
 from broker.validation import as_ids, as_queries, check_k, encode_payloads
 from clients._connection import ClientSlot
 from clients.results import Hits
@@ -31,7 +32,7 @@ class Prepared:
     single: bool = False
 
 
-class NamespaceCache(dict):
+class NamespaceCache(dict[str, bytes]):
     """Validated namespace names -> encoded bytes (the regex check runs once per name)."""
 
     LIMIT = 4096

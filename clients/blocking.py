@@ -9,7 +9,7 @@ from typing import Any
 import posix_ipc
 
 from broker.errors import BrokerUnavailable, ClosedError, ResponseTimeout
-from clients import _ops
+import clients._ops as _ops
 from clients._connection import ClientSlot, Connection
 from clients.results import Hits
 

@@ -35,7 +35,7 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, KalosError, ResponseTimeout,
 )
 from broker.layout import Layout
-from clients import _ops
+import clients._ops as _ops
 from clients._connection import ClientSlot, Connection
 from clients.results import Hits
 

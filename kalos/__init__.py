@@ -1,11 +1,22 @@
 """Kalos: exact top-k recall served from a GPU sidecar over POSIX shared memory.
 
-``from kalos import RecallPool`` is the short form of ``from clients import RecallPool``.
+This is the public API: ``from kalos import RecallPool`` is the short form of
+``from clients import RecallPool``. The applications live beside it (:mod:`kalos.cli`, the
+``kalos`` command; :mod:`kalos.testing`, helpers for tests and benchmarks).
 """
 
-from broker import *  # noqa: F401,F403
-from broker import __all__ as _broker_all
+from broker.errors import (
+    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, InvalidRequest, KalosError,
+    KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
+    UsageError,
+)
+from broker.layout import PROTOCOL_VERSION
 from clients import Hit, Hits, PoolStatistics, RecallClient, RecallPool
 
 __version__ = "0.1.0"
-__all__ = [*_broker_all, "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits"]
+__all__ = [
+    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits",
+    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "InvalidRequest",
+    "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
+    "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
+]

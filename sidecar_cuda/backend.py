@@ -2,7 +2,7 @@
 
 A backend owns device memory; everything about ids, namespaces, payloads and durability lives in
 :mod:`sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
-:func:`choose_backend`.
+:func:`sidecar_cuda.select.choose_backend`; this module imports none of them.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from typing import Protocol
 
 import numpy as np
 
-from broker.errors import ConfigError
 from broker.layout import Metric
 
 
@@ -99,26 +98,3 @@ def prepare_rows(vectors: np.ndarray, metric: Metric) -> np.ndarray:
 
 def prepare_queries(queries: np.ndarray, metric: Metric) -> np.ndarray:
     return prepare_rows(queries, metric)
-
-
-def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0) -> Backend:
-    """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise."""
-    if kind not in ("auto", "numpy", "cuda"):
-        raise ConfigError(f"backend must be auto, numpy or cuda, got {kind!r}")
-    if kind in ("auto", "cuda"):
-        try:
-            from sidecar_cuda.cupy_backend import CupyBackend, cuda_available
-        except ImportError as e:  # no cupy_backend module or no cupy
-            if kind == "cuda":
-                raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
-        else:
-            why = cuda_available()
-            if why is None:
-                return CupyBackend(storage_dtype=storage_dtype, device=device)
-            if kind == "cuda":
-                raise ConfigError(f"--backend cuda: {why}")
-    if storage_dtype != "float32":
-        raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
-    from sidecar_cuda.numpy_backend import NumpyBackend
-
-    return NumpyBackend()

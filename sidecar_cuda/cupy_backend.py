@@ -281,7 +281,7 @@ class CupyBackend:
             self.stage_events: list[Any] | None = None
             self._alpha = np.ones(1, np.float32)
             self._beta = np.zeros(1, np.float32)
-            self._graphs: OrderedDict[tuple, Any] = OrderedDict()
+            self._graphs: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
             # Graphs evicted from the cache, with the number of searches enqueued by then: one
             # may still run until every search up to that number has been collected.
             self._retired: list[tuple[int, Any]] = []
@@ -365,7 +365,7 @@ class CupyBackend:
     def _pinned_address(self, a: np.ndarray) -> int | None:
         if not a.flags.c_contiguous:
             return None
-        addr = a.__array_interface__["data"][0]
+        addr: int = a.__array_interface__["data"][0]
         for ptr, nbytes, _mem in self._pinned:
             if ptr <= addr and addr + a.nbytes <= ptr + nbytes:
                 return addr
@@ -823,7 +823,7 @@ class CupyMatrix:
         be._check_usable()
         with be._guard("read_rows"), be._stream:
             sel = self.data[be._cp.asarray(rows)][:, : self.dim]
-            raw = be._cp.asnumpy(sel, stream=be._stream)
+            raw: np.ndarray = be._cp.asnumpy(sel, stream=be._stream)
             be._stream.synchronize()
         if be._storage_code == 0:
             return np.ascontiguousarray(raw, np.float32)

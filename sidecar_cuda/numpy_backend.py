@@ -72,7 +72,8 @@ class NumpyMatrix:
         self.sqnorm[dst] = self.sqnorm[src]
 
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
-        return self.data[rows]
+        picked: np.ndarray = self.data[rows]
+        return picked
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 import posix_ipc
 
 from broker.errors import ConfigError
-from broker.layout import (
-    MAGIC_U64, Layout, SidecarState, bell_name, peek_header, req_name, resp_name, shm_name,
-)
+from broker.layout import MAGIC_U64, Layout, SidecarState, peek_header
+from broker.names import bell_name, req_name, resp_name, shm_name
 from broker.owners import owner_problem, sem_path, shm_path
 from broker.procs import pid_alive
 

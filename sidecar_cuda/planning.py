@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from broker.layout import S_POSTED, Layout, Op, Status, decode_namespace
+from broker.layout import S_POSTED, Layout, Op, Status
+from broker.names import decode_namespace
 
 
 def posted_slots(states: np.ndarray) -> np.ndarray:
     """Indices of slots whose request is complete (state POSTED)."""
-    return (states == S_POSTED).nonzero()[0]
+    posted: np.ndarray = (states == S_POSTED).nonzero()[0]
+    return posted
 
 
 @dataclass(slots=True)

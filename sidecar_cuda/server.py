@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -28,19 +28,22 @@ import posix_ipc
 
 from broker.errors import ConfigError
 from broker.layout import (
-    HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag, Layout,
-    Metric, Op,
-    NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status, decode_namespace,
-    header_field_offset, slot_field_offset, validate_broker_name,
+    HEARTBEAT_S, OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, Flag,
+    Op,
+    NAMESPACE_BYTES, SegmentView, SidecarState, SlotWords, Status,
+    header_field_offset, slot_field_offset,
 )
+from broker.names import decode_namespace, validate_broker_name
 from broker.procs import pid_alive
 from broker.validation import payload_problem
-from sidecar_cuda import objects
-from sidecar_cuda.backend import Backend, PendingSearch, choose_backend
+import sidecar_cuda.objects as objects
+from sidecar_cuda.backend import Backend, PendingSearch
+from sidecar_cuda.config import ServeConfig  # defined there; still importable from here
 from sidecar_cuda.persist import Persistence, StoreError, Write
 from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
+from sidecar_cuda.select import choose_backend
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
 
@@ -76,43 +79,6 @@ class InFlight:
 def pipelined(work: int, min_work: int) -> bool:
     """Leave a started batch in flight (and take the next one meanwhile)? ``min_work`` < 0: never."""
     return 0 <= min_work <= work
-
-
-@dataclass
-class ServeConfig:
-    name: str = "default"
-    dim: int = 128
-    slots: int = 64
-    max_k: int = 128
-    max_queries: int = 32
-    blob_bytes: int = 256 * 1024
-    payload_limit: int = 16 * 1024
-    backend: str = "auto"
-    storage_dtype: str = "float32"
-    metric: str = "dot"
-    device: int = 0
-    data_dir: str | None = None  # None: ephemeral (in memory only)
-    spin_us: float = 250.0
-    gather_us: float = 1000.0
-    pipeline: str = "auto"  # on | off | auto: pipeline batches of PIPELINE_MIN_WORK and more
-    random_rows: int = 0
-    seed: int = 0
-    load_npy: str | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int | None = None  # None: no HTTP endpoint
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def layout(self) -> Layout:
-        lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
-                     max_queries=self.max_queries, blob_bytes=self.blob_bytes)
-        lay.check()
-        return lay
-
-    def metric_enum(self) -> Metric:
-        try:
-            return Metric[self.metric.upper()]
-        except KeyError:
-            raise ConfigError(f"metric must be dot, cosine or l2, got {self.metric!r}") from None
 
 
 class Sidecar:

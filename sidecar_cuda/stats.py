@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +42,7 @@ class SidecarStats:
     internal_errors: int = 0  # unexpected errors the serving loop caught (each logged)
     errors: Counter[int] = field(default_factory=Counter)
     #: Observers called with each BatchRecord from the serving thread (the exporter hooks in here).
-    observers: list = field(default_factory=list)
+    observers: list[Callable[[BatchRecord], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def record_batch(self, rec: BatchRecord) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from broker.cli import start_sidecar_process
+from kalos.testing.sidecar import start_sidecar_process
 from sidecar_cuda.objects import cleanup
 
 _counter = itertools.count()

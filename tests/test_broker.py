@@ -16,10 +16,11 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
     ResponseTimeout, UnknownNamespace,
 )
-from broker.layout import PROTOCOL_VERSION, S_FREE, shm_name
+from broker.layout import PROTOCOL_VERSION, S_FREE
+from broker.names import shm_name
 from clients import RecallClient, RecallPool
 from clients._connection import Connection
-from clients.loadgen import LoadSpec, check_samples, run_load
+from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk, run_py, wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -246,7 +247,7 @@ async def test_kill9_sidecar_gives_broker_unavailable_quickly(sidecar_factory, r
     # A new client refuses at once; `kalos cleanup` removes the leftovers; a new sidecar starts.
     with pytest.raises(BrokerUnavailable):
         RecallClient(h.name, connect_timeout=0.5)
-    from broker.cli import main as kalos
+    from kalos.cli import main as kalos
 
     assert kalos(["cleanup", h.name]) == 0
     with pytest.raises(posix_ipc.ExistentialError):
@@ -462,7 +463,7 @@ def test_pool_refuses_when_no_slots_left(sidecar):
 
 
 def test_cli_help_everywhere():
-    from broker.cli import build_parser
+    from kalos.cli import build_parser
 
     p = build_parser()
     for cmd in ("serve", "demo", "bench", "cleanup", "namespaces", "export", "import", "top"):

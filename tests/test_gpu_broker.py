@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from clients import RecallPool
-from clients.loadgen import LoadSpec, check_samples, run_load
+from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk
 from clients._connection import Connection
 from sidecar_cuda.cupy_backend import cuda_available

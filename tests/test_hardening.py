@@ -17,9 +17,9 @@ import pytest
 
 from broker.errors import InvalidRequest, UntrustedBroker
 from broker.layout import (
-    S_FREE, Layout, SegmentView, SidecarState, Status, bell_name, req_name, resp_name,
-    shm_name,
+    S_FREE, Layout, SegmentView, SidecarState, Status,
 )
+from broker.names import bell_name, req_name, resp_name, shm_name
 from broker.owners import sem_path, shm_path
 from broker.validation import MAX_PAYLOAD_DEPTH
 from clients import RecallClient, RecallPool

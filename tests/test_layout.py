@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from broker import layout as L
+from broker import names
 
 
 def _spans(fields, itemsize):
@@ -105,13 +106,13 @@ def test_layout_rejects_bad_geometry():
         with pytest.raises(ConfigError):
             L.Layout(**args).check()
     with pytest.raises(ConfigError):
-        L.validate_broker_name("../etc")
+        names.validate_broker_name("../etc")
 
 
 def test_decode_namespace_rejects_garbage():
-    assert L.decode_namespace(b"user-7", 6) == "user-7"
-    assert L.decode_namespace(b"user-7", 0) is None
-    assert L.decode_namespace(b"\xff\xfe", 2) is None
-    assert L.decode_namespace(b"a b", 3) is None
-    assert L.decode_namespace(b"x" * 64, 65) is None
+    assert names.decode_namespace(b"user-7", 6) == "user-7"
+    assert names.decode_namespace(b"user-7", 0) is None
+    assert names.decode_namespace(b"\xff\xfe", 2) is None
+    assert names.decode_namespace(b"a b", 3) is None
+    assert names.decode_namespace(b"x" * 64, 65) is None
 

@@ -318,7 +318,7 @@ def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sid
     h.stop()
     db = d / DB_FILE
     digest = hashlib.sha256(db.read_bytes()).hexdigest()
-    from broker.cli import main as kalos
+    from kalos.cli import main as kalos
 
     env_name = f"st-{os.getpid()}"
     r = subprocess.run([sys.executable, "-m", "sidecar_cuda", "--name", env_name, "--dim", "16",
@@ -337,7 +337,7 @@ def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sid
 
 
 def test_export_import_round_trip(sidecar_factory, tmp_path, rng):
-    from broker.cli import main as kalos
+    from kalos.cli import main as kalos
 
     h = sidecar_factory("xfer", "--dim", "8", "--backend", "numpy", "--slots", "20", "--max-queries", "16")
     n = 3000
@@ -359,7 +359,7 @@ def test_export_import_round_trip(sidecar_factory, tmp_path, rng):
 
 
 def test_cli_lists_namespaces(sidecar_factory, capsys):
-    from broker.cli import main as kalos
+    from kalos.cli import main as kalos
 
     h = sidecar_factory("cli", "--dim", "4", "--backend", "numpy")
     with RecallClient(h.name) as c:

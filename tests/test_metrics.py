@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from broker.cli import start_sidecar_process, stop_sidecar_process
 from broker.errors import ConfigError, UnknownNamespace
 from broker.layout import (
     LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
 )
-from broker.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
 from clients import RecallPool
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
 from sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
@@ -771,7 +771,7 @@ def test_readyz_is_503_while_memory_loads():
 
 
 def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
-    from broker.cli import main
+    from kalos.cli import main
 
     h = metrics_sidecar
     stop = threading.Event()

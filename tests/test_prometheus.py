@@ -25,8 +25,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from broker.cli import start_sidecar_process, stop_sidecar_process
 from clients import RecallPool
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from sidecar_cuda.objects import cleanup
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,45 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
-import time
-from collections.abc import Sequence
-from typing import Any
 
 from broker.errors import KalosError
-
-
-def _add_layout_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--name", default="default", help="broker name scoping the shared objects (default: default)")
-    p.add_argument("--dim", type=int, default=128, help="vector dimension (default: 128)")
-    p.add_argument("--slots", type=int, default=64, help="shared-memory slots = max in-flight requests (default: 64)")
-    p.add_argument("--max-k", type=int, default=128, help="largest k a request may ask (default: 128)")
-    p.add_argument("--max-queries", type=int, default=32,
-                   help="rows per slot: queries of recall_many, vectors of one upsert chunk (default: 32)")
-    p.add_argument("--blob-bytes", type=int, default=256 * 1024,
-                   help="per-slot payload area in bytes (default: 262144)")
-
-
-def _serve_config(a: argparse.Namespace) -> Any:
-    from sidecar_cuda.server import ServeConfig
-
-    return ServeConfig(
-        name=a.name, dim=a.dim, slots=a.slots, max_k=a.max_k, max_queries=a.max_queries,
-        blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
-        storage_dtype=a.dtype, metric=a.metric, device=a.device,
-        data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
-        pipeline=a.pipeline, random_rows=a.random_rows,
-        seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port < 0 else a.metrics_port)
+from sidecar_cuda.config import add_serve_arguments, config_from_args
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from sidecar_cuda.server import run
 
-    if a.data_dir is None and not a.ephemeral:
-        raise SystemExit("kalos serve: give --data-dir DIR (durable) or --ephemeral (memory only)")
-    return run(_serve_config(a))
+    return run(config_from_args(a))
 
 
 def cmd_cleanup(a: argparse.Namespace) -> int:
@@ -66,57 +37,20 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
     return 0
 
 
-def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
-                          stderr: Any = None, python_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
-    """Start ``python [PYTHON_ARGS] -m sidecar_cuda ARGS`` and wait until it is ready (used by
-    demo/bench/tests; ``python_args`` e.g. ``-m cProfile -o FILE``)."""
-    from clients._connection import Connection
-    from broker.errors import BrokerUnavailable
-
-    proc = subprocess.Popen([sys.executable, *python_args, "-m", "sidecar_cuda", "--name", name, *args],
-                            stderr=stderr)
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited with code {proc.returncode} during start")
-        try:
-            c = Connection(name)
-            try:
-                if c.is_ready() and int(c.seg.header["sidecar_pid"]) == proc.pid:
-                    return proc
-            finally:
-                c.close()
-        except BrokerUnavailable:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("sidecar did not become ready in time")
-        time.sleep(0.02)
-
-
-def stop_sidecar_process(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def cmd_demo(a: argparse.Namespace) -> int:
-    from broker.demo import run_demo
+    from kalos.demo import run_demo
 
     return run_demo(a)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from broker.demo import run_bench
+    from kalos.demo import run_bench
 
     return run_bench(a)
 
 
 def cmd_export(a: argparse.Namespace) -> int:
-    from broker.transfer import export_namespace
+    from kalos.transfer import export_namespace
 
     n = export_namespace(a.name, a.namespace, a.out, timeout=a.timeout)
     print(f"exported {n} records of {a.namespace!r} to {a.out}")
@@ -124,7 +58,7 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_import(a: argparse.Namespace) -> int:
-    from broker.transfer import import_namespace
+    from kalos.transfer import import_namespace
 
     n, secs = import_namespace(a.name, a.namespace, a.src, timeout=a.timeout)
     print(f"imported {n} records into {a.namespace!r} in {secs:.2f} s ({n / max(secs, 1e-9):,.0f}/s)")
@@ -132,7 +66,7 @@ def cmd_import(a: argparse.Namespace) -> int:
 
 
 def cmd_top(a: argparse.Namespace) -> int:
-    from broker.top import run_top
+    from kalos.top import run_top
 
     return run_top(a.url, a.interval, once=a.once)
 
@@ -144,29 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run a sidecar (until SIGTERM/SIGINT)",
                        description="Run a sidecar that owns the memory and serves recalls through shared memory.")
-    _add_layout_args(s)
-    s.add_argument("--backend", choices=["auto", "numpy", "cuda"], default="auto",
-                   help="auto: CUDA if CuPy and a GPU are usable, else numpy (default: auto)")
-    s.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage dtype of the matrix on the GPU (numpy: float32 only)")
-    s.add_argument("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity (default: dot)")
-    s.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
-    s.add_argument("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
-    s.add_argument("--ephemeral", action="store_true", help="keep memories in memory only")
-    s.add_argument("--payload-limit", type=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
-    s.add_argument("--spin-us", type=float, default=250.0,
-                   help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
-    s.add_argument("--gather-us", type=float, default=1000.0,
-                   help="when fewer requests are posted than the last batch held, wait up to a quarter "
-                        "of that batch's service time, at most this long, for the rest (default: 1000; 0: off)")
-    s.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
-                   help="start the next recall batch on the device while one runs: on, off, or auto "
-                        "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
-    s.add_argument("--random-rows", type=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
-    s.add_argument("--seed", type=int, default=0, help="seed of --random-rows")
-    s.add_argument("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
-    s.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
-    s.add_argument("--metrics-port", type=int, default=-1, help="port of the HTTP endpoint (-1: off)")
+    add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="the main job on the embedded default: sidecar + concurrent async agents",
@@ -243,4 +155,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["main", "build_parser", "start_sidecar_process", "stop_sidecar_process"]
+__all__ = ["main", "build_parser"]

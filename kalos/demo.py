@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from broker.cli import start_sidecar_process, stop_sidecar_process
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
 def inproc_numpy(matrix: np.ndarray, k: int, seconds: float = 1.0, batch: int = 1, seed: int = 1
@@ -45,7 +45,7 @@ def run_demo(a: argparse.Namespace) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
 
-    from clients.loadgen import LoadSpec, check_samples, run_load
+    from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 
     console = Console()
     seed = int.from_bytes(os.urandom(4), "little")
@@ -106,7 +106,7 @@ def _backend_line(name: str) -> str:
 def run_bench(a: argparse.Namespace) -> int:
     import json
 
-    from clients.loadgen import LoadSpec, check_samples, environment, run_load
+    from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
 
     seed = int.from_bytes(os.urandom(4), "little")
     name = f"bench-{os.getpid()}"

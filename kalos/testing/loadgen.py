@@ -8,6 +8,7 @@ against a float64 reference.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import multiprocessing as mp
 import os
 import time
@@ -57,7 +58,8 @@ class LoadResult:
         return self.count / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any) -> dict:
+async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any
+                       ) -> dict[str, Any]:
     from clients.pool import DEFAULT_SPIN_US, MAX_SPIN_US, RecallPool
 
     rng = np.random.default_rng((spec.seed, rank))
@@ -130,7 +132,7 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
           for r, n in enumerate(split)]
     for p in ps:
         p.start()
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     deadline = time.time() + 60 + spec.warmup_s + spec.duration_s + 5 * len(split)
     while len(results) < len(ps):
         if progress_cb is not None and progress is not None:
@@ -184,10 +186,8 @@ def environment() -> dict[str, Any]:
                             "machine": platform.machine(), "node": platform.node(),
                             "cpus": os.cpu_count(), "platform": platform.platform()}
     try:
-        import uvloop
-
-        info["uvloop"] = uvloop.__version__
-    except ImportError:
+        info["uvloop"] = importlib.metadata.version("uvloop")
+    except importlib.metadata.PackageNotFoundError:
         pass
     try:
         with open("/proc/cpuinfo") as f:

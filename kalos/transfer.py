@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 
@@ -44,7 +45,7 @@ def export_namespace(name: str, namespace: str, out_dir: str, *, timeout: float 
     return len(all_ids)
 
 
-def read_export(src: str) -> tuple[np.ndarray, np.ndarray, list | None]:
+def read_export(src: str) -> tuple[np.ndarray, np.ndarray, list[Any] | None]:
     try:
         vectors = np.load(os.path.join(src, "vectors.npy"), mmap_mode="r")
     except (OSError, ValueError) as e:

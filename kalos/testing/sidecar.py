@@ -1,0 +1,50 @@
+"""A sidecar in a child process, for the demo, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from broker.errors import BrokerUnavailable
+from clients._connection import Connection
+
+
+def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
+                          stderr: int | IO[Any] | None = None,
+                          python_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """Start ``python [PYTHON_ARGS] -m sidecar_cuda --name NAME ARGS`` and wait until it is ready.
+
+    ``timeout`` is in seconds; ``python_args`` e.g. ``-m cProfile -o FILE``. Raises RuntimeError
+    if the sidecar exits during start or is not ready within ``timeout`` (it is killed then)."""
+    proc = subprocess.Popen([sys.executable, *python_args, "-m", "sidecar_cuda", "--name", name, *args],
+                            stderr=stderr)
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"sidecar exited with code {proc.returncode} during start")
+        try:
+            c = Connection(name)
+            try:
+                if c.is_ready() and int(c.seg.header["sidecar_pid"]) == proc.pid:
+                    return proc
+            finally:
+                c.close()
+        except BrokerUnavailable:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("sidecar did not become ready in time")
+        time.sleep(0.02)
+
+
+def stop_sidecar_process(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

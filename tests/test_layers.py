@@ -1,0 +1,172 @@
+"""Imports point one way, and no module of ours takes part in an import circle.
+
+Layers (a package may import itself and the packages listed, nothing else of ours)::
+
+    broker        the shared-memory contract: imports nothing of ours
+    clients       -> broker
+    sidecar_cuda  -> broker
+    kalos         -> broker, clients, sidecar_cuda (the applications and the public API)
+
+Modules are parsed, not imported. Every import statement counts, wherever it is: at module level,
+inside a function (a deferred import is still a dependency), and under ``if TYPE_CHECKING:`` too
+(none is needed today, and ``../shared/tools/check_layers.py`` counts those as well).
+``from pkg import name`` depends on ``pkg`` (its ``__init__`` runs, and ``name`` is read from it)
+and, when ``pkg.name`` is a module of ours, on that module as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LAYERS: dict[str, frozenset[str]] = {
+    "broker": frozenset(),
+    "clients": frozenset({"broker"}),
+    "sidecar_cuda": frozenset({"broker"}),
+    "kalos": frozenset({"broker", "clients", "sidecar_cuda"}),
+}
+
+Graph = dict[str, set[str]]
+
+
+def find_modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> source file, for every ``.py`` file under the layered packages."""
+    modules: dict[str, Path] = {}
+    for top in LAYERS:
+        for path in sorted((root / top).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+def _ours(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours that importing ``name`` loads (its longest known prefix), if any."""
+    parts = name.split(".")
+    if parts[0] not in LAYERS:
+        return None
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return name  # a module of ours that does not exist: still an edge, so it is reported
+
+
+def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Modules of ours that ``module`` imports, anywhere in its source."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names
+                                if f"{base}.{alias.name}" in modules]
+        else:
+            continue
+        for target in targets:
+            ours = _ours(target, modules)
+            if ours is not None:
+                found.add(ours)
+    return found
+
+
+def import_graph(root: Path) -> Graph:
+    modules = find_modules(root)
+    return {m: imports_of(m, p, modules) for m, p in modules.items()}
+
+
+def layer_violations(graph: Graph) -> list[str]:
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        layer = module.split(".")[0]
+        for target in sorted(targets):
+            other = target.split(".")[0]
+            if other != layer and other not in LAYERS[layer]:
+                wrong.append(f"{module} imports {target}")
+    return wrong
+
+
+def import_circles(graph: Graph) -> list[list[str]]:
+    """Strongly connected components of the graph that form a circle (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                circles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return sorted(circles)
+
+
+def test_layers_point_one_way() -> None:
+    wrong = layer_violations(import_graph(ROOT))
+    assert not wrong, "imports against the layers:\n  " + "\n  ".join(wrong)
+
+
+def test_no_import_circles() -> None:
+    circles = import_circles(import_graph(ROOT))
+    assert not circles, "import circles:\n  " + "\n  ".join(" <-> ".join(c) for c in circles)
+
+
+def test_every_layer_is_parsed() -> None:
+    tops = {m.split(".")[0] for m in find_modules(ROOT)}
+    assert tops == set(LAYERS)
+
+
+def test_checker_catches_what_it_should(tmp_path: Path) -> None:
+    """The checks above can fail: a tree with each kind of mistake is caught."""
+    files = {
+        "broker/__init__.py": "",
+        "broker/layout.py": "def check():\n    from broker.errors import ConfigError\n",
+        "broker/errors.py": "from broker.layout import Status\n",
+        "broker/cli.py": "import sidecar_cuda.server\n",
+        "clients/__init__.py": "from clients.pool import RecallPool\n",
+        "clients/pool.py": "from clients import _ops\nfrom typing import TYPE_CHECKING\n"
+                           "if TYPE_CHECKING:\n    from kalos import x\n",
+        "clients/_ops.py": "from . import pool\n",
+        "sidecar_cuda/__init__.py": "",
+        "sidecar_cuda/server.py": "from . import objects\n",
+        "sidecar_cuda/objects.py": "import clients.pool as pool\n",
+        "kalos/__init__.py": "import broker\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    graph = import_graph(tmp_path)
+    assert layer_violations(graph) == ["broker.cli imports sidecar_cuda.server", "clients.pool imports kalos",
+                                       "sidecar_cuda.objects imports clients.pool"]
+    assert import_circles(graph) == [["broker.errors", "broker.layout"],
+                                     ["clients", "clients._ops", "clients.pool"]]
