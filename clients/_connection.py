@@ -139,15 +139,16 @@ class ClientSlot:
 class Connection:
     """A process's attachment to one broker (one per pool or blocking client).
 
-    ``sidecar_uid``: the user the sidecar runs as (default: this process's effective uid). Before
-    anything is written, the segment and every semaphore must belong to that uid and be closed to
-    other users (to its group too when it is our own uid); otherwise UntrustedBroker."""
+    ``sidecar_uid``: the user the sidecar runs as. Before anything is written, the segment and
+    every semaphore must belong to that uid (default: this process's effective uid) and be closed
+    to other users, and to the group too unless ``sidecar_uid`` is given (a sidecar run as a
+    dedicated user shares its objects with a group: ``--shm-mode 0660``); else UntrustedBroker."""
 
     def __init__(self, name: str, *, sidecar_uid: int | None = None) -> None:
         self.name = validate_broker_name(name)
         own = os.geteuid()
         self._expected_uid = own if sidecar_uid is None else int(sidecar_uid)
-        self._group_ok = self._expected_uid != own
+        self._group_ok = sidecar_uid is not None
         try:
             self.shm = posix_ipc.SharedMemory(shm_name(name))
         except posix_ipc.ExistentialError:

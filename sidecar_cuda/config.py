@@ -36,6 +36,7 @@ class ServeConfig:
     load_npy: str | None = None
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no HTTP endpoint
+    shm_mode: int = 0o600  # 0o660: shared with the sidecar user's group (a dedicated sidecar user)
 
     def layout(self) -> Layout:
         lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
@@ -82,6 +83,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
     p.add_argument("--metrics-port", type=int, default=-1, help="port of the HTTP endpoint (-1: off)")
+    p.add_argument("--shm-mode", choices=["0600", "0660"], default="0600",
+                   help="mode of the shared objects: 0600 (clients run as this user) or 0660 (clients "
+                        "in this user's group, for a dedicated sidecar user; they pass sidecar_uid=)")
 
 
 def config_from_args(a: argparse.Namespace) -> ServeConfig:
@@ -98,4 +102,4 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
         pipeline=a.pipeline, random_rows=a.random_rows,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port < 0 else a.metrics_port)
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8))

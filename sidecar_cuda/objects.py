@@ -121,9 +121,12 @@ def cleanup(name: str, *, force: bool = False) -> list[str]:
     return removed
 
 
-def create(name: str, layout: Layout) -> Objects:
-    """Create every object exclusively (mode 0600). Leftovers of a dead sidecar are removed first,
+def create(name: str, layout: Layout, mode: int = MODE) -> Objects:
+    """Create every object exclusively (``mode``: 0600, or 0660 to share with the group; set
+    explicitly, whatever the umask). Leftovers of a dead sidecar are removed first,
     with a log line; a live sidecar of the same name, or objects of another user, are an error."""
+    if mode not in (0o600, 0o660):
+        raise ConfigError(f"shm mode must be 0600 or 0660, got {mode:04o}")
     _refuse_foreign(name, "serve")
     owner = _leftover_owner(name)
     if owner is not None or leftover_names(name):
@@ -135,17 +138,21 @@ def create(name: str, layout: Layout) -> Objects:
                     len(removed), pid or "unknown", name)
     made: list[str] = []
     try:
-        shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=MODE, size=layout.total_bytes)
+        shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=mode, size=layout.total_bytes)
         made.append(shm_name(name))
         mm = mmap.mmap(shm.fd, layout.total_bytes)
-        bell = posix_ipc.Semaphore(bell_name(name), posix_ipc.O_CREX, mode=MODE, initial_value=0)
+        bell = posix_ipc.Semaphore(bell_name(name), posix_ipc.O_CREX, mode=mode, initial_value=0)
         made.append(bell_name(name))
         req, resp = [], []
         for i in range(layout.n_slots):
-            req.append(posix_ipc.Semaphore(req_name(name, i), posix_ipc.O_CREX, mode=MODE, initial_value=0))
+            req.append(posix_ipc.Semaphore(req_name(name, i), posix_ipc.O_CREX, mode=mode, initial_value=0))
             made.append(req_name(name, i))
-            resp.append(posix_ipc.Semaphore(resp_name(name, i), posix_ipc.O_CREX, mode=MODE, initial_value=0))
+            resp.append(posix_ipc.Semaphore(resp_name(name, i), posix_ipc.O_CREX, mode=mode, initial_value=0))
             made.append(resp_name(name, i))
+        if mode != MODE:  # posix_ipc applies the umask; the group bits must be set explicitly
+            os.fchmod(shm.fd, mode)
+            for sem_obj in made[1:]:
+                os.chmod(sem_path(sem_obj), mode)
     except (posix_ipc.Error, OSError) as e:
         cleanup(name, force=True)
         raise ConfigError(f"cannot create shared objects for broker {name!r}: {e}") from None

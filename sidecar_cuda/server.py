@@ -117,7 +117,7 @@ class Sidecar:
     def start(self) -> None:
         """Create the objects, load memory, then announce READY."""
         cfg = self.cfg
-        self._objs = objects.create(cfg.name, self.layout)
+        self._objs = objects.create(cfg.name, self.layout, mode=cfg.shm_mode)
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._states = self.seg.slots["state"]

@@ -434,3 +434,33 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
         q = np.ones(16, np.float32)
         r = client.recall(q, k=7)
         assert_topk(q, matrix, r.ids, r.scores, 7)
+
+
+AS_GROUP_MEMBER = """
+import os, sys, numpy as np
+from clients import RecallClient
+from broker.errors import UntrustedBroker
+os.setgroups([]); os.setgid(0); os.setuid(65534)  # another user, in the sidecar user's group
+try:
+    RecallClient(sys.argv[1], connect_timeout=1)
+    print("attached without sidecar_uid")
+except UntrustedBroker as e:
+    print("untrusted:", e)
+with RecallClient(sys.argv[1], connect_timeout=5, sidecar_uid=0) as c:
+    print("recalled", len(c.recall(np.ones(8, np.float32), k=3)))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
+def test_dedicated_sidecar_user_shares_objects_with_its_group(sidecar_factory):
+    """--shm-mode 0660: a client of another uid in the sidecar user's group attaches only when it
+    names the sidecar's uid (sidecar_uid=); the objects stay closed to everyone else."""
+    h = sidecar_factory("grp", "--dim", "8", "--random-rows", "50", "--slots", "4",
+                        "--shm-mode", "0660", "--backend", "numpy")
+    assert os.stat(shm_path(shm_name(h.name))).st_mode & 0o777 == 0o660
+    assert os.stat(sem_path(bell_name(h.name))).st_mode & 0o777 == 0o660
+    p = run_py(AS_GROUP_MEMBER, h.name)
+    out, err = p.communicate(timeout=60)
+    text = out.decode()
+    assert "untrusted:" in text and "belongs to uid 0 (root)" in text, (text, err.decode())
+    assert "recalled 3" in text, (text, err.decode())

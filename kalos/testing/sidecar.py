@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
         if proc.poll() is not None:
             raise RuntimeError(f"sidecar exited with code {proc.returncode} during start")
         try:
-            c = Connection(name)
+            c = Connection(name, sidecar_uid=os.geteuid())
             try:
                 if c.is_ready() and int(c.seg.header["sidecar_pid"]) == proc.pid:
                     return proc
