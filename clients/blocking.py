@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
-
-import posix_ipc
+from typing import Any, cast
 
 from broker.errors import BrokerUnavailable, ClosedError, ResponseTimeout
-import clients._ops as _ops
-from clients._connection import ClientSlot, Connection
+from broker.layout import Layout
+import clients._requests as _requests
+from clients._requests import DEFAULT, Timeout, resolve_timeout
+from clients._transport import ClientSlot, Connection
 from clients.results import Hits
 
 DEFAULT_SPIN_US = 250.0
@@ -51,10 +51,10 @@ class RecallClient:
         self._lock = threading.Lock()
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
-        self._ns = _ops.NamespaceCache()
+        self._ns = _requests.NamespaceCache()
 
     @property
-    def layout(self):  # type: ignore[no-untyped-def]
+    def layout(self) -> Layout:
         return self._conn.layout
 
     def __enter__(self) -> RecallClient:
@@ -76,44 +76,43 @@ class RecallClient:
             self._conn.close()
 
     def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-               timeout: float | None = ..., with_payload: bool = False) -> Hits:  # type: ignore[assignment]
+               timeout: Timeout = DEFAULT, with_payload: bool = False) -> Hits:
         """Top-k of one vector; see RecallPool.recall for semantics and errors."""
         t0 = time.monotonic_ns()
-        p = _ops.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True)
-        return self._call(p, timeout, t0)
+        p = _requests.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True)
+        return cast(Hits, self._call(p, timeout, t0))
 
     def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                    timeout: float | None = ..., with_payload: bool = False) -> list[Hits]:  # type: ignore[assignment]
+                    timeout: Timeout = DEFAULT, with_payload: bool = False) -> list[Hits]:
         t0 = time.monotonic_ns()
-        p = _ops.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False)
-        return self._call(p, timeout, t0)
+        p = _requests.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False)
+        return cast("list[Hits]", self._call(p, timeout, t0))
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-               namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]
+               namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         t0 = time.monotonic_ns()
         return sum(self._call(p, timeout, t0)
-                   for p in _ops.upsert(self.layout, ids, vectors, payloads, namespace))
+                   for p in _requests.upsert(self.layout, ids, vectors, payloads, namespace))
 
-    def delete(self, ids: Any, *, namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]
+    def delete(self, ids: Any, *, namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         t0 = time.monotonic_ns()
-        return sum(self._call(p, timeout, t0) for p in _ops.delete(self.layout, ids, namespace))
+        return sum(self._call(p, timeout, t0) for p in _requests.delete(self.layout, ids, namespace))
 
-    def drop_namespace(self, namespace: str, *, timeout: float | None = ...) -> int:  # type: ignore[assignment]
-        return self._call(_ops.drop(namespace), timeout, time.monotonic_ns())
+    def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
+        return cast(int, self._call(_requests.drop(namespace), timeout, time.monotonic_ns()))
 
-    def namespaces(self, *, timeout: float | None = ...) -> dict[str, int]:  # type: ignore[assignment]
+    def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return self._call(_ops.list_namespaces(), timeout, time.monotonic_ns())
+        return cast("dict[str, int]", self._call(_requests.list_namespaces(), timeout, time.monotonic_ns()))
 
-    def export_page(self, namespace: str, after: int = -1, *, timeout: float | None = ...  # type: ignore[assignment]
+    def export_page(self, namespace: str, after: int = -1, *, timeout: Timeout = DEFAULT
                     ) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order:
         (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
-        return self._call(_ops.export_page(self.layout, namespace, after), timeout, time.monotonic_ns())
+        return cast("tuple[Any, Any, list[Any]]", self._call(_requests.export_page(self.layout, namespace, after), timeout, time.monotonic_ns()))
 
-    def _call(self, p: _ops.Prepared, timeout: float | None, t0: int) -> Any:
-        if timeout is ...:
-            timeout = self._timeout
+    def _call(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
+        timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
@@ -123,13 +122,13 @@ class RecallClient:
                 self._wait(s, deadline)
                 s.set_free()
                 self._pending = False
-            blob_len = _ops.write(s, p)
+            blob_len = _requests.write(s.view, p)
             s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
             self._pending = True
             self._wait(s, deadline)
             self._pending = False
             try:
-                result = _ops.read(s, p)
+                result = _requests.read(s.view, s.outcome(), p)
             except Exception:
                 s.record(time.monotonic_ns() - t0, ok=False)
                 s.set_free()
@@ -152,11 +151,7 @@ class RecallClient:
             if budget <= 0:
                 s.record(0, ok=False, timed_out=True)
                 raise ResponseTimeout("no answer within the time budget")
-            try:
-                s.resp.acquire(budget)
+            if s.wait(budget):
                 self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
                 return
-            except posix_ipc.BusyError:
-                self._conn.check_alive()
-            except posix_ipc.SignalError:
-                continue
+            self._conn.check_alive()

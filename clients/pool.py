@@ -23,20 +23,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from collections import deque
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import posix_ipc
+from typing import Any, cast
 
 from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, KalosError, ResponseTimeout,
 )
 from broker.layout import Layout
-import clients._ops as _ops
-from clients._connection import ClientSlot, Connection
+import clients._requests as _requests
+from clients._requests import DEFAULT, Timeout, resolve_timeout
+from clients._transport import ClientSlot, Connection, Waiter
 from clients.results import Hits
 
 LIVENESS_S = 0.1
@@ -59,7 +58,7 @@ class PoolStatistics:
 @dataclass(slots=True)
 class _Inflight:
     slot: ClientSlot
-    prep: _ops.Prepared
+    prep: _requests.Prepared
     future: asyncio.Future[Any]
     t0: int
 
@@ -110,58 +109,6 @@ class _FreeSlots:
             raise
 
 
-class _Waiter:
-    """The thread that blocks on one response semaphore while the pool is idle-waiting."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Any) -> None:
-        self._loop = loop
-        self._on_wake = on_wake
-        self._cv = threading.Condition()
-        self._target: ClientSlot | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kalos-pool-waiter", daemon=True)
-        self._thread.start()
-
-    def arm(self, slot: ClientSlot) -> None:
-        with self._cv:
-            self._target = slot
-            self._cv.notify()
-
-    def disarm(self) -> None:
-        with self._cv:
-            self._target = None
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._target = None
-            self._cv.notify()
-        # Joined before the semaphores are closed: the thread may be inside sem_timedwait.
-        self._thread.join(timeout=2.0)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._target is None and not self._closed:
-                    self._cv.wait()
-                if self._closed or self._target is None:
-                    return
-                slot = self._target
-            try:
-                slot.resp.acquire(0.05)
-            except (posix_ipc.BusyError, posix_ipc.SignalError):
-                continue
-            except posix_ipc.Error:
-                return
-            # The loop only reads this after seeing the slot DONE, and the next post of this slot
-            # cannot exist before the loop consumed this one, so the two never update it at once.
-            slot.thread_consumed += 1
-            try:
-                self._loop.call_soon_threadsafe(self._on_wake)
-            except RuntimeError:  # loop closed
-                return
-
-
 class RecallPool:
     """A pool of leased slots of one broker, for asyncio (default loop or uvloop).
 
@@ -170,13 +117,16 @@ class RecallPool:
     sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
     bound how long the pool polls shared memory after a completion before it blocks.
     ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
-    to it and be closed to other users; raises UntrustedBroker otherwise).
+    to it and be closed to other users; raises UntrustedBroker otherwise). ``connect(name,
+    sidecar_uid)`` makes the transport (default: :class:`clients._transport.Connection`; tests
+    inject :class:`clients.fake.FakeConnection`).
     """
 
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
                  timeout: float | None = None, connect_timeout: float = 10.0,
                  spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
-                 sidecar_uid: int | None = None) -> None:
+                 sidecar_uid: int | None = None,
+                 connect: Callable[[str, int | None], Connection] | None = None) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
         self.name = name
@@ -185,6 +135,7 @@ class RecallPool:
         self._timeout = timeout
         self._connect_timeout = connect_timeout
         self._sidecar_uid = sidecar_uid
+        self._connect = connect or _connect
         self._spin_ns = int(spin_us * 1000)
         self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
         self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
@@ -193,7 +144,7 @@ class RecallPool:
         self._free: _FreeSlots | None = None
         self._inflight: dict[int, _Inflight] = {}
         self._poller: asyncio.Task[None] | None = None
-        self._waiter: _Waiter | None = None
+        self._waiter: Waiter | None = None
         self._wake: asyncio.Event | None = None
         self._blocking = False
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,7 +152,7 @@ class RecallPool:
         self._broken: BrokerUnavailable | None = None
         self._requests = 0
         self._errors = 0
-        self._ns = _ops.NamespaceCache()
+        self._ns = _requests.NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
 
     # ------------------------------------------------------------------ lifecycle
@@ -211,7 +162,7 @@ class RecallPool:
         if self._state != "new":
             raise ClosedError(f"pool is {self._state}: a pool is opened once")
         self._loop = asyncio.get_running_loop()
-        conn = Connection(self.name, sidecar_uid=self._sidecar_uid)
+        conn = self._connect(self.name, self._sidecar_uid)
         try:
             deadline = time.monotonic() + self._connect_timeout
             while not conn.is_ready():
@@ -237,7 +188,7 @@ class RecallPool:
         for s in slots:
             self._free.put_nowait(s)
         self._wake = asyncio.Event()
-        self._waiter = _Waiter(self._loop, self._wake.set)
+        self._waiter = conn.waiter(self._loop, self._wake.set, self._break)
         self._state = "open"
         return self
 
@@ -306,7 +257,7 @@ class RecallPool:
 
     # ------------------------------------------------------------------ public operations
     async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-                     timeout: float | None = ..., with_payload: bool = False) -> Hits:  # type: ignore[assignment]
+                     timeout: Timeout = DEFAULT, with_payload: bool = False) -> Hits:
         """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first.
 
         ``timeout`` (seconds, None = no limit; default: the pool's) covers waiting for a free slot
@@ -316,21 +267,21 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state != "open" or self._broken is not None:
             self._check_usable()
-        p = _ops.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True)
-        return await self._execute(p, timeout, t0)
+        p = _requests.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True)
+        return cast(Hits, await self._execute(p, timeout, t0))
 
     async def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                          timeout: float | None = ..., with_payload: bool = False  # type: ignore[assignment]
+                          timeout: Timeout = DEFAULT, with_payload: bool = False
                           ) -> list[Hits]:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
         slot and one round trip. Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = _ops.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False)
-        return await self._execute(p, timeout, t0)
+        p = _requests.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False)
+        return cast("list[Hits]", await self._execute(p, timeout, t0))
 
     async def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-                     namespace: str = "default", timeout: float | None = ...) -> int:  # type: ignore[assignment]
+                     namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Insert or replace records (vector and payload together); returns the rows written.
 
         Rows are sent in chunks of max_queries, concurrently over the pool's slots; each chunk is
@@ -338,30 +289,31 @@ class RecallPool:
         last wins. Payloads must be JSON-serialisable (PayloadTooLarge beyond the limit).
         """
         t0 = time.monotonic_ns()
-        preps = _ops.upsert(self.layout, ids, vectors, payloads, namespace)
-        return sum(await self._execute_all(preps, timeout, t0))
+        preps = _requests.upsert(self.layout, ids, vectors, payloads, namespace)
+        return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
 
     async def delete(self, ids: Any, *, namespace: str = "default",
-                     timeout: float | None = ...) -> int:  # type: ignore[assignment]
+                     timeout: Timeout = DEFAULT) -> int:
         """Delete records by id; returns how many existed. Unknown ids/namespace: 0, no error."""
         t0 = time.monotonic_ns()
-        preps = _ops.delete(self.layout, ids, namespace)
-        return sum(await self._execute_all(preps, timeout, t0))
+        preps = _requests.delete(self.layout, ids, namespace)
+        return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
 
-    async def drop_namespace(self, namespace: str, *, timeout: float | None = ...) -> int:  # type: ignore[assignment]
+    async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         """Remove a namespace and all its records; returns the rows it held (0 if unknown)."""
-        return await self._execute(_ops.drop(namespace), timeout, time.monotonic_ns())
+        return cast(int, await self._execute(_requests.drop(namespace), timeout, time.monotonic_ns()))
 
-    async def namespaces(self, *, timeout: float | None = ...) -> dict[str, int]:  # type: ignore[assignment]
+    async def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return await self._execute(_ops.list_namespaces(), timeout, time.monotonic_ns())
+        return cast("dict[str, int]", await self._execute(_requests.list_namespaces(), timeout,
+                                                           time.monotonic_ns()))
 
     async def export_page(self, namespace: str, after: int = -1, *,
-                          timeout: float | None = ...) -> tuple[Any, Any, list[Any]]:  # type: ignore[assignment]
+                          timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order:
         (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
-        return await self._execute(_ops.export_page(self.layout, namespace, after), timeout,
-                                   time.monotonic_ns())
+        return cast("tuple[Any, Any, list[Any]]", await self._execute(
+            _requests.export_page(self.layout, namespace, after), timeout, time.monotonic_ns()))
 
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:
@@ -371,7 +323,7 @@ class RecallPool:
         if self._broken is not None:
             raise BrokerUnavailable(str(self._broken))
 
-    async def _execute_all(self, preps: list[_ops.Prepared], timeout: float | None, t0: int) -> list[Any]:
+    async def _execute_all(self, preps: list[_requests.Prepared], timeout: Timeout, t0: int) -> list[Any]:
         if len(preps) == 1:
             return [await self._execute(preps[0], timeout, t0)]
         return list(await asyncio.gather(*(self._execute(p, timeout, t0) for p in preps)))
@@ -391,16 +343,15 @@ class RecallPool:
             self._check_usable()
         return slot
 
-    async def _execute(self, p: _ops.Prepared, timeout: float | None, t0: int) -> Any:
+    async def _execute(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
         self._check_usable()
         loop = self._loop
         assert loop is not None and self._free is not None
-        if timeout is ...:
-            timeout = self._timeout
+        timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
         slot = await self._acquire(deadline)
         try:
-            blob_len = _ops.write(slot, p)
+            blob_len = _requests.write(slot.view, p)
             slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
         except BaseException:
             slot.set_free()
@@ -450,7 +401,7 @@ class RecallPool:
         result: Any = None
         exc: BaseException | None = None
         try:
-            result = _ops.read(s, e.prep)
+            result = _requests.read(s.view, s.outcome(), e.prep)
         except KalosError as x:
             exc = x
         latency = time.monotonic_ns() - e.t0
@@ -528,6 +479,10 @@ class RecallPool:
                 e.future.set_exception(BrokerUnavailable(str(exc)))
             self._free.put_nowait(e.slot)  # wakes acquirers, who then see the pool broken
         self._inflight.clear()
+
+
+def _connect(name: str, sidecar_uid: int | None) -> Connection:
+    return Connection(name, sidecar_uid=sidecar_uid)
 
 
 __all__ = ["RecallPool", "PoolStatistics"]

@@ -17,13 +17,12 @@ import urllib.request
 from collections import Counter
 
 import numpy as np
-import posix_ipc
 
 from broker.layout import (
     CONTROL_BYTES, STATS_BYTES, S_DONE, S_FREE, S_POSTED, Flag, Op, Status,
 )
-from clients import _ops
-from clients._connection import ClientSlot, Connection
+import clients._requests as _requests
+from clients._transport import ClientSlot, Connection, Semaphore
 
 N_SLOTS = 6
 DEEP = b"[" * 20000 + b"]" * 20000  # beyond any JSON decoder's recursion limit
@@ -47,12 +46,9 @@ class Fuzzer:
     def ours(self, s: ClientSlot) -> bool:
         return int(self.conn.seg.slots[s.index]["owner_pid"]) == os.getpid()
 
-    def drain(self, sem: posix_ipc.Semaphore) -> None:
-        while True:
-            try:
-                sem.acquire(0)
-            except posix_ipc.BusyError:
-                return
+    def drain(self, sem: Semaphore) -> None:
+        while sem.try_acquire():
+            pass
 
     def reset(self, s: ClientSlot) -> None:
         """Make a slot usable again after a fuzz step (leftover posts drained, state FREE)."""
@@ -109,19 +105,19 @@ class Fuzzer:
         vecs = rng.standard_normal((nq, L.dim)).astype(np.float32)
         ids = rng.integers(0, 50, nq)
         if kind == 0:
-            p = _ops.recall(L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(),
+            p = _requests.recall(L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(),
                             bool(rng.integers(2)), single=False)
         elif kind == 1:
-            p = _ops.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns)[0]
+            p = _requests.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns)[0]
         elif kind == 2:
-            p = _ops.delete(L, ids, ns)[0]
+            p = _requests.delete(L, ids, ns)[0]
         elif kind == 3:
-            p = _ops.export_page(L, ns, int(rng.integers(-1, 40)))
+            p = _requests.export_page(L, ns, int(rng.integers(-1, 40)))
         elif kind == 4:
-            p = _ops.list_namespaces()
+            p = _requests.list_namespaces()
         else:
-            p = _ops.drop(ns)
-        blob_len = _ops.write(s, p)
+            p = _requests.drop(ns)
+        blob_len = _requests.write(s.view, p)
         gen = s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, time.monotonic_ns())
         self.c["wellformed"] += 1
         self.c["wellformed_" + self.wait_answer(s, gen)] += 1

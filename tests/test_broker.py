@@ -19,7 +19,7 @@ from broker.errors import (
 from broker.layout import PROTOCOL_VERSION, S_FREE
 from broker.names import shm_name
 from clients import RecallClient, RecallPool
-from clients._connection import Connection
+from clients._transport import Connection
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk, run_py, wait_until
 

@@ -14,7 +14,7 @@ import pytest
 from clients import RecallPool
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk
-from clients._connection import Connection
+from clients._transport import Connection
 from sidecar_cuda.cupy_backend import cuda_available
 
 _WHY = cuda_available()

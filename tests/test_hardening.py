@@ -23,7 +23,7 @@ from broker.names import bell_name, req_name, resp_name, shm_name
 from broker.owners import sem_path, shm_path
 from broker.validation import MAX_PAYLOAD_DEPTH
 from clients import RecallClient, RecallPool
-from clients._connection import Connection
+from clients._transport import Connection
 from conftest import assert_topk, run_py, unique_name, wait_until
 from sidecar_cuda.objects import cleanup
 

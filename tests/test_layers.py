@@ -156,7 +156,7 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "clients/__init__.py": "from clients.pool import RecallPool\n",
         "clients/pool.py": "from clients import _ops\nfrom typing import TYPE_CHECKING\n"
                            "if TYPE_CHECKING:\n    from kalos import x\n",
-        "clients/_ops.py": "from . import pool\n",
+        "clients/_requests.py": "from . import pool\n",
         "sidecar_cuda/__init__.py": "",
         "sidecar_cuda/server.py": "from . import objects\n",
         "sidecar_cuda/objects.py": "import clients.pool as pool\n",

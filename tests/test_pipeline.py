@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from broker.layout import S_DONE, Op, Status
-from clients._connection import Connection
+from clients._transport import Connection
 from conftest import unique_name
 from sidecar_cuda.server import ServeConfig, Sidecar
 

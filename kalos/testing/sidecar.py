@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import IO, Any
 
 from broker.errors import BrokerUnavailable
-from clients._connection import Connection
+from clients._transport import Connection
 
 
 def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,

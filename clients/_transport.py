@@ -1,16 +1,23 @@
-"""Attaching to a running sidecar and leasing slots. Shared by the async pool and the blocking client.
+"""The client transport: the only client module that touches posix_ipc and the mapped segment.
 
-Clients never create or unlink anything: they open the segment and the semaphores, lease slots under
-an ``flock`` of the segment, and on close give the leases back.
+Attaching (owner checks, header checks), leasing slots, posting a request, consuming a response
+(non-blocking or blocking), the waiter thread, liveness. Every OS error is mapped to a Kalos error
+here (BrokerUnavailable when the objects went away or broke), so the async pool and the blocking
+client above it never see posix_ipc. Clients never create or unlink anything: they open the
+segment and the semaphores, lease slots under an ``flock`` of the segment, and on close give the
+leases back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
-from bisect import bisect_left
 import mmap
 import os
+import threading
 import time
+from bisect import bisect_left
+from collections.abc import Callable
 
 import numpy as np
 import posix_ipc
@@ -29,6 +36,51 @@ from broker.procs import process_start_ticks
 _BOUNDS = list(LATENCY_BOUNDS_NS)
 
 
+class Semaphore:
+    """A named POSIX semaphore of a broker, with Kalos errors: the one wrapper of posix_ipc's
+    semaphores (a fake with the same four methods stands in for it in unit tests)."""
+
+    __slots__ = ("_sem", "_what")
+
+    def __init__(self, posix_name: str, what: str) -> None:
+        self._what = what
+        try:
+            self._sem = posix_ipc.Semaphore(posix_name)
+        except posix_ipc.Error as e:
+            raise BrokerUnavailable(f"{what}: {e}") from None
+
+    def try_acquire(self) -> bool:
+        try:
+            self._sem.acquire(0)
+            return True
+        except posix_ipc.BusyError:
+            return False
+        except posix_ipc.Error as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; False if no post came (or a signal interrupted)."""
+        try:
+            self._sem.acquire(timeout)
+            return True
+        except (posix_ipc.BusyError, posix_ipc.SignalError):
+            return False
+        except posix_ipc.Error as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def release(self) -> None:
+        try:
+            self._sem.release()
+        except posix_ipc.Error as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def close(self) -> None:
+        try:
+            self._sem.close()
+        except posix_ipc.Error:
+            pass
+
+
 class ClientSlot:
     """One leased slot: its views, its semaphores and the owner's bookkeeping."""
 
@@ -36,15 +88,16 @@ class ClientSlot:
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
         "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping",
-        "generation", "thread_consumed",
+        "generation", "name",
     )
 
-    def __init__(self, conn: Connection, index: int) -> None:
+    def __init__(self, conn: Connection, index: int, req: Semaphore, resp: Semaphore) -> None:
         L = conn.layout
         self.index = index
+        self.name = conn.name
         self.view: SlotView = conn.seg.slot[index]
-        self.req = posix_ipc.Semaphore(req_name(conn.name, index))
-        self.resp = posix_ipc.Semaphore(resp_name(conn.name, index))
+        self.req = req
+        self.resp = resp
         self.bell = conn.bell
         self._mm = conn.mm
         self._w32 = conn.w32
@@ -66,7 +119,6 @@ class ClientSlot:
         self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
         self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
         self.generation = int(self._w64[self._gen])
-        self.thread_consumed = 0  # resp posts consumed by a waiter thread, not yet accounted
 
     # -- request ---------------------------------------------------------------------------
     def post(self, op: int, ns: bytes, k: int, nq: int, flags: int, blob_len: int, t0: int) -> int:
@@ -96,14 +148,20 @@ class ClientSlot:
 
     def try_consume(self) -> bool:
         """Consume the response post of a DONE slot (the fence before reading results)."""
-        if self.thread_consumed:
-            self.thread_consumed -= 1
-            return True
-        try:
-            self.resp.acquire(0)
-            return True
-        except posix_ipc.BusyError:
+        return self.resp.try_acquire()
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for the response post and consume it. False if none
+        came (or a signal interrupted the wait); BrokerUnavailable if the semaphore broke."""
+        return self.resp.acquire(timeout)
+
+    def wait_no_consume(self, timeout: float) -> bool:
+        """Block until a response is posted, then post it back for :meth:`try_consume` (the
+        waiter thread's wait: the loop stays the only consumer of answers)."""
+        if not self.wait(timeout):
             return False
+        self.resp.release()
+        return True
 
     def outcome(self) -> tuple[int, int, int]:
         """(status, n_results, blob_len) of a consumed response; checks the generation echo."""
@@ -113,7 +171,7 @@ class ClientSlot:
         return (int(np.int32(self._w32[self._status])), self._w32[self._nres], self._w32[self._blob_len])
 
     def blob_text(self, n: int) -> bytes:
-        return self.view.blob[:n].tobytes()
+        return bytes(self.view.blob[:n].tobytes())
 
     def set_free(self) -> None:
         self._w32[self._state] = S_FREE
@@ -157,6 +215,8 @@ class Connection:
         except posix_ipc.PermissionsError as e:
             raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
                                     "sidecar's user)") from None
+        except posix_ipc.Error as e:
+            raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         try:
             self._check_owner(shm_name(name), os.fstat(self.shm.fd), "shared memory")
             if self.shm.size < HEADER_BYTES:
@@ -189,10 +249,13 @@ class Connection:
                 except FileNotFoundError:
                     raise BrokerUnavailable(f"broker {name!r} is going away") from None
                 self._check_owner(sem, st, "semaphore")
-            self.bell = posix_ipc.Semaphore(bell_name(name))
+            self.bell = Semaphore(bell_name(name), f"broker {name!r}: doorbell")
         except posix_ipc.ExistentialError:
             self.shm.close_fd()
             raise BrokerUnavailable(f"broker {name!r} is going away") from None
+        except (posix_ipc.Error, OSError) as e:
+            self.shm.close_fd()
+            raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         except BaseException:
             self.shm.close_fd()
             raise
@@ -239,23 +302,34 @@ class Connection:
         """Lease up to ``n`` free slots (possibly none)."""
         slots = self.seg.slots
         got: list[int] = []
-        fcntl.flock(self.shm.fd, fcntl.LOCK_EX)
-        try:
+        with self._locked():
             free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == S_FREE))
             for i in free[:n].tolist():
                 slots[i]["owner_start"] = self.start_ticks
                 slots[i]["owner_pid"] = self.pid
                 got.append(i)
-        finally:
-            fcntl.flock(self.shm.fd, fcntl.LOCK_UN)
-        return [ClientSlot(self, i) for i in got]
+        out: list[ClientSlot] = []
+        try:
+            for i in got:
+                what = f"broker {self.name!r}: slot {i}"
+                out.append(ClientSlot(self, i, Semaphore(req_name(self.name, i), what),
+                                      Semaphore(resp_name(self.name, i), what)))
+        except BrokerUnavailable:
+            for s in out:
+                s.close()
+            with self._locked():
+                for i in got:
+                    if int(slots[i]["owner_pid"]) == self.pid:
+                        slots[i]["owner_start"] = 0
+                        slots[i]["owner_pid"] = 0
+            raise
+        return out
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         """End leases: idle slots become free now; busy ones (request in flight) are marked
         abandoned and freed by the sidecar's reaper once it is done with them."""
         slots = self.seg.slots
-        fcntl.flock(self.shm.fd, fcntl.LOCK_EX)
-        try:
+        with self._locked():
             for s in idle:
                 if int(slots[s.index]["owner_pid"]) == self.pid:
                     slots[s.index]["owner_start"] = 0
@@ -263,10 +337,16 @@ class Connection:
             for s in busy:
                 if int(slots[s.index]["owner_pid"]) == self.pid:
                     slots[s.index]["owner_pid"] = OWNER_ABANDONED
-        finally:
-            fcntl.flock(self.shm.fd, fcntl.LOCK_UN)
         for s in idle + busy:
             s.close()
+
+    def _locked(self) -> _Flock:
+        return _Flock(self.shm.fd, self.name)
+
+    def waiter(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
+               on_error: Callable[[BrokerUnavailable], None]) -> Waiter:
+        """A thread that blocks on one slot's response for an asyncio pool (see :class:`Waiter`)."""
+        return Waiter(loop, on_wake, on_error)
 
     def close(self) -> None:
         if self.closed:
@@ -281,3 +361,88 @@ class Connection:
             self.mm.close()
         except BufferError:
             pass  # a view is still referenced somewhere; the mapping goes with it
+
+
+class _Flock:
+    """``with`` the segment's lease lock (``flock``); OS errors become BrokerUnavailable."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self._fd = fd
+        self._name = name
+
+    def __enter__(self) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise BrokerUnavailable(f"broker {self._name!r}: lease lock: {e}") from None
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except OSError:
+            pass
+
+
+class Waiter:
+    """The thread that blocks on the response semaphore of one slot while an asyncio pool has
+    nothing better to do, and wakes the loop with ``call_soon_threadsafe``.
+
+    It never consumes an answer (it posts it back: :meth:`ClientSlot.wait_no_consume`), so the
+    loop stays the only reader of responses. If waiting fails (the semaphore is gone or broke),
+    ``on_error`` gets a BrokerUnavailable on the loop and the thread ends: callers are failed,
+    never left hanging."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
+                 on_error: Callable[[BrokerUnavailable], None]) -> None:
+        self._loop = loop
+        self._on_wake = on_wake
+        self._on_error = on_error
+        self._cv = threading.Condition()
+        self._target: ClientSlot | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kalos-pool-waiter", daemon=True)
+        self._thread.start()
+
+    def arm(self, slot: ClientSlot) -> None:
+        with self._cv:
+            self._target = slot
+            self._cv.notify()
+
+    def disarm(self) -> None:
+        with self._cv:
+            self._target = None
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._target = None
+            self._cv.notify()
+        # Joined before the semaphores are closed: the thread may be inside sem_timedwait.
+        self._thread.join(timeout=2.0)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._target is None and not self._closed:
+                    self._cv.wait()
+                if self._closed or self._target is None:
+                    return
+                slot = self._target
+            try:
+                posted = slot.wait_no_consume(0.05)
+            except BrokerUnavailable as e:
+                self._call(self._on_error, e)
+                return
+            if posted:
+                with self._cv:  # one wake per arming: the loop re-arms when it waits again
+                    if self._target is slot:
+                        self._target = None
+                if not self._call(self._on_wake):
+                    return

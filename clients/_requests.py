@@ -1,4 +1,6 @@
-"""Requests as data: how each operation is validated, written into a slot and read back.
+"""Requests as data: how each operation is validated, encoded into a slot's data areas and
+decoded from its answer. Pure with respect to I/O: it reads and writes numpy views of a slot
+(``broker.layout.SlotView``) and never touches a semaphore; the transport posts and consumes.
 
 Shared by the async pool and the blocking client; validation happens before a slot is claimed.
 """
@@ -6,17 +8,36 @@ Shared by the async pool and the blocking client; validation happens before a sl
 from __future__ import annotations
 
 import json
+import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, Union
 
 import numpy as np
 
 from broker.errors import ProtocolError
-from broker.layout import Flag, Layout, Op, Status, error_for_status
+from broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
 from broker.names import validate_namespace
 from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from clients._connection import ClientSlot
 from clients.results import Hits
+
+
+class _Default(enum.Enum):
+    """The type of :data:`DEFAULT`."""
+
+    TIMEOUT = 0
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+#: "Use the pool's (or client's) default timeout": the default of every call's ``timeout``.
+DEFAULT: Final = _Default.TIMEOUT
+#: A call's time budget: seconds, None for no limit, or DEFAULT.
+Timeout = Union[float, None, _Default]
+
+
+def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
+    return default if isinstance(timeout, _Default) else timeout
 
 
 @dataclass(slots=True)
@@ -98,9 +119,8 @@ def list_namespaces() -> Prepared:
     return Prepared(Op.LIST_NAMESPACES, b"")
 
 
-def write(slot: ClientSlot, p: Prepared) -> int:
-    """Copy the request's arrays into the slot; returns blob_len."""
-    v = slot.view
+def write(v: SlotView, p: Prepared) -> int:
+    """Copy the request's arrays into the slot's data areas; returns blob_len."""
     if p.vectors is not None:
         v.queries[: p.nq] = p.vectors
     if p.ids is not None:
@@ -110,41 +130,44 @@ def write(slot: ClientSlot, p: Prepared) -> int:
     return len(p.blob)
 
 
-def read(slot: ClientSlot, p: Prepared) -> Any:
-    """Result of a consumed response: Hits / list[Hits] / int / dict. Raises the mapped error."""
-    status, n, blob_len = slot.outcome()
+def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
+    """Result of a consumed response whose (status, n_results, blob_len) is ``outcome``:
+    Hits / list[Hits] / int / dict / export page. Raises the mapped error."""
+    status, n, blob_len = outcome
     if status != Status.OK:
-        raise error_for_status(status, slot.blob_text(blob_len).decode(errors="replace"))
+        raise error_for_status(status, _blob(v, blob_len).decode(errors="replace"))
     if p.op == Op.RECALL:
-        v = slot.view
         if p.single and not p.flags:  # the common case, with the fewest calls
             return Hits(v.result_ids[0, :n].copy(), v.result_scores[0, :n].copy())
         ids = v.result_ids[: p.nq, :n].copy()
         scores = v.result_scores[: p.nq, :n].copy()
         payloads = None
         if p.flags & Flag.WITH_PAYLOAD:
-            flat = _json_lines(slot, blob_len)
+            flat = _json_lines(v, blob_len)
             if len(flat) != p.nq * n:
-                raise ProtocolError(f"slot {slot.index}: {len(flat)} payloads for {p.nq * n} hits")
+                raise ProtocolError(f"slot {v.index}: {len(flat)} payloads for {p.nq * n} hits")
             payloads = [flat[i * n:(i + 1) * n] for i in range(p.nq)]
         hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
         return hits[0] if p.single else hits
     if p.op == Op.LIST_NAMESPACES:
-        listing = _json_lines(slot, blob_len)
+        listing = _json_lines(v, blob_len)
         if len(listing) != 1 or not isinstance(listing[0], dict):
-            raise ProtocolError(f"slot {slot.index}: namespace listing is not one JSON object")
+            raise ProtocolError(f"slot {v.index}: namespace listing is not one JSON object")
         return listing[0]
     if p.op == Op.EXPORT:
-        v = slot.view
-        return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(slot, blob_len) if n else []
+        return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
     return n
 
 
-def _json_lines(slot: ClientSlot, blob_len: int) -> list[Any]:
+def _blob(v: SlotView, n: int) -> bytes:
+    return bytes(v.blob[:n].tobytes())
+
+
+def _json_lines(v: SlotView, blob_len: int) -> list[Any]:
     """The JSON values of a response blob, one per line; ProtocolError if it is not JSON lines."""
     if not blob_len:
         return []
     try:
-        return [json.loads(line) for line in slot.blob_text(blob_len).split(b"\n")]
+        return [json.loads(line) for line in _blob(v, blob_len).split(b"\n")]
     except (ValueError, RecursionError) as e:
-        raise ProtocolError(f"slot {slot.index}: response blob is not JSON lines: {e}") from None
+        raise ProtocolError(f"slot {v.index}: response blob is not JSON lines: {e}") from None

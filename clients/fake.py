@@ -1,0 +1,147 @@
+"""An in-memory stand-in for the shared-memory transport, for unit tests of the pool's logic
+(free-slot stack, timeouts, cancellation, orphan draining, a broken waiter) without a sidecar.
+
+:class:`FakeConnection` lays out a real segment (``broker.layout``) in a bytearray and gives out
+real :class:`~clients._transport.ClientSlot` objects whose semaphores are counters; the test plays
+the sidecar with :meth:`FakeConnection.serve`::
+
+    conn = FakeConnection(Layout(n_slots=2, dim=4, max_k=4, max_queries=2, blob_bytes=1024))
+    pool = RecallPool("fake", size=2, connect=lambda name, uid: conn)
+    ...
+    conn.serve(lambda view, op, k, nq: (ids, scores))   # answers every posted request
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from broker.errors import BrokerUnavailable
+from broker.layout import (
+    S_BUSY, S_DONE, S_FREE, S_POSTED, Layout, SegmentView, SidecarState, SlotView, Status,
+)
+from clients._transport import ClientSlot, Connection, Waiter
+
+#: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
+#: or a Status to answer with an error.
+Answer = Callable[[SlotView, int, int, int], "tuple[np.ndarray, np.ndarray] | Status"]
+
+
+class FakeSemaphore:
+    """A counting semaphore in one process (what posix_ipc gives across processes)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.value = 0
+        self.broken: BrokerUnavailable | None = None
+
+    def try_acquire(self) -> bool:
+        return self.acquire(0.0)
+
+    def acquire(self, timeout: float) -> bool:
+        with self._cv:
+            if self.broken is not None:
+                raise self.broken
+            if self.value == 0 and timeout > 0:
+                self._cv.wait_for(lambda: self.value > 0 or self.broken is not None, timeout)
+            if self.broken is not None:
+                raise self.broken
+            if self.value == 0:
+                return False
+            self.value -= 1
+            return True
+
+    def release(self) -> None:
+        with self._cv:
+            self.value += 1
+            self._cv.notify()
+
+    def close(self) -> None:
+        pass
+
+    def break_(self, e: BrokerUnavailable) -> None:
+        with self._cv:
+            self.broken = e
+            self._cv.notify_all()
+
+
+class FakeConnection(Connection):
+    """A transport over a bytearray: same interface as :class:`Connection`, no OS objects."""
+
+    def __init__(self, layout: Layout, name: str = "fake") -> None:  # noqa: super() not called
+        self.name = name
+        self.layout = layout
+        self.mm = bytearray(layout.total_bytes)  # type: ignore[assignment]
+        self.seg = SegmentView(memoryview(self.mm), layout)
+        self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns())
+        self.seg.header["state"] = SidecarState.READY
+        self.w32 = memoryview(self.mm).cast("I")
+        self.w64 = memoryview(self.mm).cast("Q")
+        self.bell = FakeSemaphore()  # type: ignore[assignment]
+        self.req = [FakeSemaphore() for _ in range(layout.n_slots)]
+        self.resp = [FakeSemaphore() for _ in range(layout.n_slots)]
+        self.pid = 1
+        self.start_ticks = 0
+        self.closed = False
+        self.alive = True  # set False to play a dead sidecar
+        self.leased: list[int] = []
+
+    def check_alive(self) -> None:
+        if not self.alive:
+            raise BrokerUnavailable(f"broker {self.name!r}: fake sidecar is dead")
+
+    def lease(self, n: int) -> list[ClientSlot]:
+        slots = self.seg.slots
+        free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == S_FREE))[:n].tolist()
+        for i in free:
+            slots[i]["owner_pid"] = self.pid
+        self.leased += free
+        return [ClientSlot(self, i, self.req[i], self.resp[i]) for i in free]
+
+    def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
+        for s in idle:
+            self.seg.slots[s.index]["owner_pid"] = 0
+        for s in busy:
+            self.seg.slots[s.index]["owner_pid"] = -1
+
+    def waiter(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
+               on_error: Callable[[BrokerUnavailable], None]) -> Waiter:
+        return Waiter(loop, on_wake, on_error)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def posted(self) -> list[int]:
+        return [int(i) for i in np.flatnonzero(self.seg.slots["state"] == S_POSTED)]
+
+    def serve(self, answer: Answer) -> int:
+        """Play the sidecar once: answer every posted request (in slot order) through the real
+        protocol fields: results, status, resp_generation, DONE, then the response post."""
+        served = 0
+        for i in self.posted():
+            if not self.req[i].try_acquire():
+                continue
+            rec = self.seg.slots[i]
+            rec["state"] = S_BUSY
+            v = self.seg.slot[i]
+            out = answer(v, int(rec["op"]), int(rec["k"]), int(rec["nq"]))
+            if isinstance(out, Status):
+                rec["status"], rec["n_results"], rec["blob_len"] = int(out), 0, 0
+            else:
+                ids, scores = out
+                kk = ids.shape[1]
+                v.result_ids[: len(ids), :kk] = ids
+                v.result_scores[: len(ids), :kk] = scores
+                rec["status"], rec["n_results"], rec["blob_len"] = int(Status.OK), kk, 0
+            rec["resp_generation"] = rec["generation"]
+            rec["state"] = S_DONE
+            self.resp[i].release()
+            served += 1
+        return served
+
+
+__all__ = ["Answer", "FakeConnection", "FakeSemaphore"]

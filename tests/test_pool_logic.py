@@ -1,0 +1,169 @@
+"""The pool's logic on the in-memory fake transport (clients.fake): free-slot stack, timeouts,
+cancellation, orphan draining, a dead sidecar and a broken waiter, without processes or a sidecar.
+The fake plays the sidecar through the real slot fields, so answers are still checked against a
+float64 reference."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from broker.errors import AcquireTimeout, BrokerUnavailable, ClosedError, ResponseTimeout
+from broker.layout import Layout, SlotView, Status
+from clients import RecallPool
+from clients.fake import FakeConnection
+from conftest import assert_topk
+
+LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
+pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("strict_loop")]
+
+
+def topk_answer(matrix: np.ndarray):
+    def answer(v: SlotView, op: int, k: int, nq: int):
+        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
+        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
+        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
+    return answer
+
+
+async def open_pool(conn: FakeConnection, size: int = 3, **kw) -> RecallPool:
+    pool = RecallPool("fake", size=size, connect=lambda name, uid: conn, spin_us=50, **kw)
+    return await pool.open()
+
+
+async def until(pred, timeout: float = 2.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        assert loop.time() < end, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+async def serve_soon(conn: FakeConnection, answer, n: int = 1) -> None:
+    """Answer the next ``n`` posted requests as they arrive."""
+    served = 0
+    while served < n:
+        served += conn.serve(answer)
+        await asyncio.sleep(0.0005)
+
+
+async def test_recall_through_the_fake_matches_float64(rng):
+    matrix = rng.standard_normal((20, 8)).astype(np.float32)
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn)
+    q = rng.standard_normal(8).astype(np.float32)
+    server = asyncio.ensure_future(serve_soon(conn, topk_answer(matrix)))
+    hits = await pool.recall(q, k=5, timeout=2)
+    await server
+    assert_topk(q, matrix, hits.ids, hits.scores, 5)
+    st = pool.statistics()
+    assert (st.requests, st.errors, st.free, st.in_flight) == (1, 0, 3, 0)
+    await pool.close()
+    assert conn.seg.slots["owner_pid"].tolist() == [0, 0, 0]  # leases given back
+
+
+async def test_free_slots_are_lifo_and_waiters_fifo():
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn)
+    order = []
+    a = await pool._acquire(None)
+    b = await pool._acquire(None)
+    pool._free.put_nowait(b)
+    pool._free.put_nowait(a)
+    assert (await pool._acquire(None)) is a  # last released, first reused
+    c = await pool._acquire(None)
+    d = await pool._acquire(None)  # the third slot
+    assert {c.index, d.index, a.index} == {0, 1, 2}
+
+    async def want(tag):
+        s = await pool._acquire(None)
+        order.append((tag, s.index))
+    w1 = asyncio.ensure_future(want("first"))
+    await asyncio.sleep(0)
+    w2 = asyncio.ensure_future(want("second"))
+    await asyncio.sleep(0)
+    pool._free.put_nowait(c)
+    pool._free.put_nowait(d)
+    await asyncio.gather(w1, w2)
+    assert order == [("first", c.index), ("second", d.index)]
+    pool.terminate()
+
+
+async def test_timeouts_then_the_orphan_is_drained_and_the_slot_reused(rng):
+    matrix = rng.standard_normal((10, 8)).astype(np.float32)
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn, size=1)
+    q = np.ones(8, np.float32)
+    with pytest.raises(ResponseTimeout):
+        await pool.recall(q, k=3, timeout=0.05)  # nobody serves
+    st = pool.statistics()
+    assert (st.free, st.in_flight, st.orphaned) == (0, 1, 1)
+    with pytest.raises(AcquireTimeout):
+        await pool.recall(q, k=3, timeout=0.02)  # the only slot is still in flight
+    assert conn.serve(topk_answer(matrix)) == 1  # the late answer arrives ...
+    await until(lambda: pool.statistics().free == 1)  # ... is dropped, the slot comes back
+    st = pool.statistics()
+    assert (st.in_flight, st.orphaned, st.requests) == (0, 0, 1)
+    server = asyncio.ensure_future(serve_soon(conn, topk_answer(matrix)))
+    h = await pool.recall(q, k=3, timeout=2)  # and serves a fresh, correct answer
+    await server
+    assert_topk(q, matrix, h.ids, h.scores, 3)
+    assert int(np.asarray(conn.seg.stats["timeout_count"]).sum()) == 1
+    await pool.close()
+
+
+async def test_cancel_mid_acquire_restores_the_free_count():
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn, size=1)
+    held = await pool._acquire(None)
+    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    pool._free.put_nowait(held)
+    assert pool.statistics().free == 1 and not pool._free._waiters
+    pool.terminate()
+
+
+async def test_error_status_reaches_the_caller_and_is_counted():
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn)
+    server = asyncio.ensure_future(serve_soon(conn, lambda v, op, k, nq: Status.BACKEND_ERROR))
+    from broker.errors import ServerError
+    with pytest.raises(ServerError, match="BACKEND_ERROR"):
+        await pool.recall(np.ones(8, np.float32), k=2, timeout=2)
+    await server
+    assert pool.statistics().errors == 1 and pool.statistics().free == 3
+    await pool.close()
+
+
+async def test_dead_sidecar_fails_waiting_callers_and_later_calls():
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn)
+    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
+    await asyncio.sleep(0.05)  # past the spin window: the pool blocks and checks liveness
+    conn.alive = False
+    with pytest.raises(BrokerUnavailable, match="dead"):
+        await asyncio.wait_for(task, 2)
+    with pytest.raises(BrokerUnavailable):
+        await pool.recall(np.ones(8, np.float32), k=2)
+    pool.terminate()
+    with pytest.raises(ClosedError):
+        await pool.recall(np.ones(8, np.float32), k=2)
+
+
+async def test_a_broken_waiter_thread_fails_the_callers_at_once():
+    """The waiter thread's semaphore breaks: callers get BrokerUnavailable well before the
+    liveness check, never a silent hang."""
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn, size=1)
+    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
+    await asyncio.sleep(0.03)  # blocking phase: the waiter thread sits on the response semaphore
+    slot = pool._slots[0]
+    conn.resp[slot.index].break_(BrokerUnavailable("resp semaphore vanished"))
+    with pytest.raises(BrokerUnavailable, match="vanished"):
+        await asyncio.wait_for(task, 0.5)
+    pool.terminate()
