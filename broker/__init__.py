@@ -1,14 +1,14 @@
 """Kalos broker core: the shared-memory contract, errors and validation shared by sidecar and clients."""
 
 from broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, InvalidRequest, KalosError,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
     KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
     UntrustedBroker, UsageError,
 )
 from broker.layout import PROTOCOL_VERSION
 
 __all__ = [
-    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "InvalidRequest",
+    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
     "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
     "ServerError", "UnknownNamespace", "UntrustedBroker", "UsageError", "PROTOCOL_VERSION",
 ]

@@ -5,6 +5,7 @@
     KalosError
      +-- UsageError            the caller's mistake: bad arguments or configuration
      |    +-- ConfigError      bad broker name, layout parameters, CLI options
+     |    +-- ForkedPoolError  a pool used in a forked child of the process that opened it
      |    +-- InvalidRequest   wrong dim/dtype/shape, NaN/inf, k out of range, too many queries ...
      |         +-- UnknownNamespace
      |         +-- PayloadTooLarge
@@ -39,6 +40,11 @@ class ConfigError(UsageError):
 
 class InvalidRequest(UsageError):
     """A request that can never succeed as written (validated before touching shared memory)."""
+
+
+class ForkedPoolError(UsageError):
+    """A pool or client used in a process other than the one that opened it (after ``fork``):
+    its slots belong to the parent. Open one in each worker after forking."""
 
 
 class UnknownNamespace(InvalidRequest):

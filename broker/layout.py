@@ -84,7 +84,8 @@ from broker.errors import (
 MAGIC = b"KALOSHM\x00"
 MAGIC_U64 = int.from_bytes(MAGIC, "little")
 #: Bumped on every incompatible change of this module. 2: namespaces/upsert/delete ops.
-PROTOCOL_VERSION = 2
+#: 3: leases and sidecar liveness held as locks on the lease file (broker.leases).
+PROTOCOL_VERSION = 3
 
 HEADER_BYTES = 4096
 CONTROL_BYTES = 256

@@ -60,3 +60,9 @@ def req_name(name: str, i: int) -> str:
 def resp_name(name: str, i: int) -> str:
     """The response semaphore of slot ``i``."""
     return f"/kalos.{name}.{i}.resp"
+
+
+def leases_path(name: str) -> str:
+    """The lease-lock file of broker ``name`` (a plain file beside the POSIX objects; see
+    :mod:`broker.leases`)."""
+    return f"/dev/shm/kalos.{name}.leases"

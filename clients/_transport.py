@@ -11,6 +11,7 @@ leases back.
 from __future__ import annotations
 
 import asyncio
+import random
 import fcntl
 import mmap
 import os
@@ -29,11 +30,25 @@ from broker.layout import (
     S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, peek_header,
     slot_field_offset,
 )
-from broker.names import bell_name, req_name, resp_name, shm_name, validate_broker_name
+from broker import leases
+from broker.names import (
+    bell_name, leases_path, req_name, resp_name, shm_name, validate_broker_name,
+)
 from broker.owners import sem_path, stat_problem
 from broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
+
+#: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
+BACKOFF_MIN_S = 0.01
+BACKOFF_MAX_S = 0.2
+
+
+def backoff_s(attempt: int, rng: random.Random) -> float:
+    """Delay before re-attach attempt ``attempt`` (0-based): full jitter over an exponential
+    ceiling, so N workers of one host do not stampede a starting sidecar. Pure but for ``rng``."""
+    ceiling = min(BACKOFF_MAX_S, BACKOFF_MIN_S * (2 ** min(attempt, 16)))
+    return rng.uniform(BACKOFF_MIN_S / 2, ceiling)
 
 
 class Semaphore:
@@ -250,6 +265,20 @@ class Connection:
                     raise BrokerUnavailable(f"broker {name!r} is going away") from None
                 self._check_owner(sem, st, "semaphore")
             self.bell = Semaphore(bell_name(name), f"broker {name!r}: doorbell")
+            try:
+                self.leases_fd = os.open(leases_path(name), os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self.bell.close()
+                raise BrokerUnavailable(f"broker {name!r} is going away") from None
+            try:
+                self._check_owner(leases_path(name), os.fstat(self.leases_fd), "lease file")
+            except BaseException:
+                os.close(self.leases_fd)
+                self.bell.close()
+                raise
+            self._sidecar_byte = leases.sidecar_byte(self.layout.n_slots)
+            self._heartbeat_word = header_field_offset("heartbeat_ns") // 8
+            self.epoch = int(self.seg.header["start_epoch_ns"])
         except posix_ipc.ExistentialError:
             self.shm.close_fd()
             raise BrokerUnavailable(f"broker {name!r} is going away") from None
@@ -282,29 +311,45 @@ class Connection:
         state = int(h["state"])
         if state in (SidecarState.STOPPING, SidecarState.STOPPED, SidecarState.FAILED):
             raise BrokerUnavailable(f"broker {self.name!r}: sidecar is {SidecarState(state).name.lower()}")
+        if not self._sidecar_locked():
+            raise BrokerUnavailable(f"broker {self.name!r}: sidecar pid {int(h['sidecar_pid'])} "
+                                    "is gone (its lease-file lock was released)")
         age = (time.monotonic_ns() - int(h["heartbeat_ns"])) / 1e9
         if age > HEARTBEAT_STALE_S:
             raise BrokerUnavailable(f"broker {self.name!r}: sidecar heartbeat is {age:.1f} s old")
-        if age > 4 * HEARTBEAT_S:
-            pid = int(h["sidecar_pid"])
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                raise BrokerUnavailable(f"broker {self.name!r}: sidecar pid {pid} is gone") from None
-            except PermissionError:
-                pass
+
+    def _sidecar_locked(self) -> bool:
+        """The kernel's word on the sidecar's liveness (in any PID namespace): its lock byte."""
+        try:
+            return leases.is_locked(self.leases_fd, self._sidecar_byte)
+        except OSError as e:
+            raise BrokerUnavailable(f"broker {self.name!r}: lease file: {e}") from None
+
+    def quiet(self) -> bool:
+        """Cheap (no system call): has the heartbeat been quiet for a while? Then
+        :meth:`check_alive` before posting, so a request is not sent to a dead sidecar."""
+        return time.monotonic_ns() - self.w64[self._heartbeat_word] > 4 * HEARTBEAT_S * 1e9
 
     def is_ready(self) -> bool:
         return self.sidecar_state() == SidecarState.READY
 
     # -- leases ---------------------------------------------------------------------------
     def lease(self, n: int) -> list[ClientSlot]:
-        """Lease up to ``n`` free slots (possibly none)."""
+        """Lease up to ``n`` free slots (possibly none). Each lease is held as a lock on the slot's
+        byte of the lease file, taken before the owner fields are written (the sidecar's reaper
+        looks under the same flock), so the kernel ends the lease when this process dies."""
         slots = self.seg.slots
         got: list[int] = []
         with self._locked():
             free = np.flatnonzero((slots["owner_pid"] == 0) & (slots["state"] == S_FREE))
-            for i in free[:n].tolist():
+            for i in free.tolist():
+                if len(got) == n:
+                    break
+                try:
+                    if not leases.try_lock(self.leases_fd, i):
+                        continue  # still held by a process that inherited it: not free
+                except OSError as e:
+                    raise BrokerUnavailable(f"broker {self.name!r}: lease lock: {e}") from None
                 slots[i]["owner_start"] = self.start_ticks
                 slots[i]["owner_pid"] = self.pid
                 got.append(i)
@@ -322,6 +367,7 @@ class Connection:
                     if int(slots[i]["owner_pid"]) == self.pid:
                         slots[i]["owner_start"] = 0
                         slots[i]["owner_pid"] = 0
+                    self._unlock(i)
             raise
         return out
 
@@ -337,8 +383,16 @@ class Connection:
             for s in busy:
                 if int(slots[s.index]["owner_pid"]) == self.pid:
                     slots[s.index]["owner_pid"] = OWNER_ABANDONED
+            for s in idle + busy:
+                self._unlock(s.index)
         for s in idle + busy:
             s.close()
+
+    def _unlock(self, i: int) -> None:
+        try:
+            leases.unlock(self.leases_fd, i)
+        except OSError:
+            pass  # the file is gone with its sidecar: nothing left to release
 
     def _locked(self) -> _Flock:
         return _Flock(self.shm.fd, self.name)
@@ -353,6 +407,7 @@ class Connection:
             return
         self.closed = True
         self.bell.close()
+        os.close(self.leases_fd)  # drops every lease lock this attachment still holds
         for mv in (self.w32, self.w64):
             mv.release()
         del self.seg

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import random
 import threading
 import time
 from typing import Any, cast
 
-from broker.errors import BrokerUnavailable, ClosedError, ResponseTimeout
+from broker.errors import (
+    BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout, UntrustedBroker,
+)
 from broker.layout import Layout
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
-from clients._transport import ClientSlot, Connection
+from clients._transport import ClientSlot, Connection, backoff_s
 from clients.results import Hits
 
 DEFAULT_SPIN_US = 250.0
@@ -22,28 +26,22 @@ class RecallClient:
 
     ``timeout`` (seconds, None = no limit) is the default budget of each call. A request that times
     out stays in flight: the next call first waits for the sidecar to finish it, so a stale answer
-    never reaches a later caller.
+    never reaches a later caller. Opening waits up to ``connect_timeout`` for a sidecar to serve
+    the name. Restarts and forks as for :class:`~clients.pool.RecallPool` (``reconnect``).
     """
 
     def __init__(self, name: str = "default", *, timeout: float | None = None,
                  spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = 2000.0,
-                 connect_timeout: float = 10.0, sidecar_uid: int | None = None) -> None:
-        self._conn = Connection(name, sidecar_uid=sidecar_uid)
-        try:
-            deadline = time.monotonic() + connect_timeout
-            while not self._conn.is_ready():
-                self._conn.check_alive()
-                if time.monotonic() > deadline:
-                    raise BrokerUnavailable(f"broker {name!r} not ready after {connect_timeout} s")
-                time.sleep(0.01)
-            self._conn.check_alive()
-            slots = self._conn.lease(1)
-            if not slots:
-                raise BrokerUnavailable(f"broker {name!r}: no free slot")
-        except BaseException:
-            self._conn.close()
-            raise
-        self._slot: ClientSlot = slots[0]
+                 connect_timeout: float = 10.0, sidecar_uid: int | None = None,
+                 reconnect: bool = True) -> None:
+        self.name = name
+        self._sidecar_uid = sidecar_uid
+        self._reconnect = reconnect
+        self._rng = random.Random()
+        self._pid = os.getpid()
+        self._broken: Exception | None = None
+        self._conn: Connection | None = None
+        self._slot: ClientSlot
         self._timeout = timeout
         self._spin_s = spin_us * 1e-6
         self._max_spin_s = max(self._spin_s, max_spin_us * 1e-6)
@@ -52,10 +50,47 @@ class RecallClient:
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
         self._ns = _requests.NamespaceCache()
+        self._attach(time.monotonic() + connect_timeout, f"after {connect_timeout} s")
+        assert self._conn is not None
+        self._layout: Layout = self._conn.layout
+
+    def _attach(self, deadline: float | None, waited: str) -> None:
+        """Attach and lease one slot, retrying (jittered backoff) until ``deadline`` while no
+        sidecar serves the name, it loads, or a dead one is being replaced. Raises
+        BrokerUnavailable (naming ``waited``), UntrustedBroker, ProtocolError."""
+
+        attempt = 0
+        while True:
+            try:
+                conn = Connection(self.name, sidecar_uid=self._sidecar_uid)
+                try:
+                    while not conn.is_ready():
+                        conn.check_alive()
+                        if deadline is not None and time.monotonic() > deadline:
+                            raise BrokerUnavailable(f"broker {self.name!r} not ready {waited}")
+                        time.sleep(0.005)
+                    conn.check_alive()
+                    slots = conn.lease(1)
+                    if not slots:
+                        raise BrokerUnavailable(f"broker {self.name!r}: no free slot")
+                except BaseException:
+                    conn.close()
+                    raise
+            except (UntrustedBroker, ProtocolError):
+                raise
+            except BrokerUnavailable as e:
+                if deadline is not None and time.monotonic() > deadline:
+                    raise BrokerUnavailable(f"{e} (no sidecar serving it {waited})") from None
+                time.sleep(backoff_s(attempt, self._rng))
+                attempt += 1
+                continue
+            self._conn, self._slot = conn, slots[0]
+            self._pending = False
+            return
 
     @property
     def layout(self) -> Layout:
-        return self._conn.layout
+        return self._layout
 
     def __enter__(self) -> RecallClient:
         return self
@@ -69,11 +104,17 @@ class RecallClient:
             if self._closed:
                 return
             self._closed = True
-            if self._pending:
-                self._conn.give_back([], [self._slot])
-            else:
-                self._conn.give_back([self._slot], [])
-            self._conn.close()
+            if os.getpid() != self._pid or self._conn is None:
+                return  # a forked copy (the parent's lease) or no sidecar: nothing to give back
+            try:
+                if self._pending:
+                    self._conn.give_back([], [self._slot])
+                else:
+                    self._conn.give_back([self._slot], [])
+            except BrokerUnavailable:
+                pass
+            finally:
+                self._conn.close()
 
     def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
                timeout: Timeout = DEFAULT, with_payload: bool = False) -> Hits:
@@ -117,25 +158,81 @@ class RecallClient:
         with self._lock:
             if self._closed:
                 raise ClosedError("client is closed")
-            s = self._slot
-            if self._pending:  # finish the abandoned request first
-                self._wait(s, deadline)
-                s.set_free()
-                self._pending = False
-            blob_len = _requests.write(s.view, p)
-            s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
-            self._pending = True
-            self._wait(s, deadline)
-            self._pending = False
+            if os.getpid() != self._pid:
+                raise ForkedPoolError(
+                    f"this client was opened in process {self._pid} and cannot be used in process "
+                    f"{os.getpid()} (a fork): open one in each worker after forking")
+            if self._broken is not None:
+                raise self._broken
+            if self._conn is None or self._conn.quiet():
+                self._ensure_attached(deadline)
+            assert self._conn is not None
             try:
-                result = _requests.read(s.view, s.outcome(), p)
-            except Exception:
-                s.record(time.monotonic_ns() - t0, ok=False)
-                s.set_free()
-                raise
-            s.record(time.monotonic_ns() - t0, ok=True)
+                return self._roundtrip(self._slot, p, deadline, t0)
+            except BrokerUnavailable as e:
+                if not self._reconnect:
+                    self._broken = e
+                    raise
+                self._drop()  # the answer can no longer come; the next call re-attaches
+                raise BrokerUnavailable(f"{e} (the request was in flight; the client re-attaches "
+                                        "on its next call)") from None
+
+    def _ensure_attached(self, deadline: float | None) -> None:
+        """Before posting: a sidecar that died or stopped is replaced (waiting within the
+        call's budget for the next one to serve the name)."""
+        if self._conn is not None:
+            try:
+                self._conn.check_alive()
+                return
+            except BrokerUnavailable as e:
+                if not self._reconnect:
+                    self._broken = e
+                    raise
+                self._drop()
+        self._attach(deadline, "within the time budget")
+        assert self._conn is not None
+        new = self._conn.layout
+        old = self._layout
+        if (new.dim, new.max_k, new.max_queries, new.blob_bytes) != \
+                (old.dim, old.max_k, old.max_queries, old.blob_bytes):
+            self._drop(give_back=True)
+            self._broken = ProtocolError(
+                f"broker {self.name!r} came back with another geometry (dim {new.dim}, was "
+                f"{old.dim}; max_k {new.max_k}, was {old.max_k}): reopen the client")
+            raise self._broken
+
+    def _drop(self, give_back: bool = False) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                if give_back:
+                    conn.give_back([self._slot], [])
+            except BrokerUnavailable:
+                pass
+            finally:
+                conn.close()
+        self._pending = False
+
+    def _roundtrip(self, s: ClientSlot, p: _requests.Prepared, deadline: float | None,
+                   t0: int) -> Any:
+        if self._pending:  # finish the abandoned request first
+            self._wait(s, deadline)
             s.set_free()
-            return result
+            self._pending = False
+        blob_len = _requests.write(s.view, p)
+        s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
+        self._pending = True
+        self._wait(s, deadline)
+        self._pending = False
+        try:
+            result = _requests.read(s.view, s.outcome(), p)
+        except Exception:
+            s.record(time.monotonic_ns() - t0, ok=False)
+            s.set_free()
+            raise
+        s.record(time.monotonic_ns() - t0, ok=True)
+        s.set_free()
+        return result
 
     def _wait(self, s: ClientSlot, deadline: float | None) -> None:
         """Spin briefly on the slot state, then block on its response semaphore in slices,
@@ -154,4 +251,5 @@ class RecallClient:
             if s.wait(budget):
                 self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
                 return
+            assert self._conn is not None
             self._conn.check_alive()

@@ -23,6 +23,7 @@ import numpy as np
 from broker.errors import BrokerUnavailable
 from broker.layout import (
     S_BUSY, S_DONE, S_FREE, S_POSTED, Layout, SegmentView, SidecarState, SlotView, Status,
+    header_field_offset,
 )
 from clients._transport import ClientSlot, Connection, Waiter
 
@@ -88,6 +89,9 @@ class FakeConnection(Connection):
         self.start_ticks = 0
         self.closed = False
         self.alive = True  # set False to play a dead sidecar
+        self.epoch = int(self.seg.header["start_epoch_ns"])
+        self._heartbeat_word = header_field_offset("heartbeat_ns") // 8
+        self.seg.header["heartbeat_ns"] = 2**62  # never quiet: liveness is ``alive``
         self.leased: list[int] = []
 
     def check_alive(self) -> None:

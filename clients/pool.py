@@ -23,24 +23,28 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 from broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, KalosError, ResponseTimeout,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
+    ProtocolError, ResponseTimeout, UntrustedBroker,
 )
 from broker.layout import Layout
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
-from clients._transport import ClientSlot, Connection, Waiter
+from clients._transport import ClientSlot, Connection, Waiter, backoff_s
 from clients.results import Hits
 
 LIVENESS_S = 0.1
 DEFAULT_SPIN_US = 250.0
 MAX_SPIN_US = 2000.0
+
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,25 @@ class PoolStatistics:
     orphaned: int  # in flight whose caller was cancelled or timed out
     requests: int  # completed requests
     errors: int  # completed with an error
+    outages: int = 0  # times the sidecar was found dead or stopped
+    reattaches: int = 0  # times the pool attached to a new sidecar after an outage
+    unavailable_s: float = 0.0  # time spent without a sidecar (the current outage included)
+    attached: bool = False  # attached to a serving sidecar now
+
+
+_POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """Pools opened before a fork belong to the parent: the child's copies must never touch the
+    parent's slots, so they are marked forked (every use raises ForkedPoolError at once) and
+    dropped without giving anything back."""
+    for pool in list(_POOLS):
+        pool._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass(slots=True)
@@ -86,6 +109,17 @@ class _FreeSlots:
                 return
         self._slots.append(slot)
 
+    def drain(self) -> None:
+        """Forget the free slots (their attachment is gone); waiters keep waiting."""
+        self._slots.clear()
+
+    def wake_all(self, exc: BaseException) -> None:
+        """Fail every waiter with ``exc`` (the pool broke)."""
+        while self._waiters:
+            w = self._waiters.popleft()
+            if not w.done():
+                w.set_exception(exc)
+
     def get_nowait(self) -> ClientSlot | None:
         return self._slots.pop() if self._slots else None
 
@@ -117,7 +151,20 @@ class RecallPool:
     sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
     bound how long the pool polls shared memory after a completion before it blocks.
     ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
-    to it and be closed to other users; raises UntrustedBroker otherwise). ``connect(name,
+    to it and be closed to other users; raises UntrustedBroker otherwise).
+
+    **Restarts.** With ``reconnect=True`` (the default) the pool survives its sidecar: when it
+    finds the sidecar dead or stopped, requests in flight fail with BrokerUnavailable (their
+    answers can no longer come), and the pool re-attaches to the next sidecar that serves the name
+    (jittered backoff, off the event loop's critical path). Calls made meanwhile wait for it
+    within their own timeout (then BrokerUnavailable). A sidecar that comes back with another
+    geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach.
+    ``reconnect=False``: the first outage breaks the pool for good (BrokerUnavailable).
+    Upserts and deletes are idempotent: one that failed with BrokerUnavailable may or may not
+    have been applied, and retrying it is safe.
+
+    **Processes.** A pool belongs to the process (and event loop) that opened it; after ``fork``
+    the child's copy raises ForkedPoolError. Open one pool per worker, after forking. ``connect(name,
     sidecar_uid)`` makes the transport (default: :class:`clients._transport.Connection`; tests
     inject :class:`clients.fake.FakeConnection`).
     """
@@ -125,7 +172,7 @@ class RecallPool:
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
                  timeout: float | None = None, connect_timeout: float = 10.0,
                  spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
-                 sidecar_uid: int | None = None,
+                 sidecar_uid: int | None = None, reconnect: bool = True,
                  connect: Callable[[str, int | None], Connection] | None = None) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
@@ -136,6 +183,15 @@ class RecallPool:
         self._connect_timeout = connect_timeout
         self._sidecar_uid = sidecar_uid
         self._connect = connect or _connect
+        self._reconnect = reconnect
+        self._rng = random.Random()
+        self._attached: asyncio.Event | None = None  # set while attached to a serving sidecar
+        self._reattacher: asyncio.Task[None] | None = None
+        self._outages = 0
+        self._reattaches = 0
+        self._unavailable_ns = 0
+        self._down_since = 0  # monotonic ns when the current outage began (0: none)
+        self._pid = os.getpid()
         self._spin_ns = int(spin_us * 1000)
         self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
         self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
@@ -148,8 +204,8 @@ class RecallPool:
         self._wake: asyncio.Event | None = None
         self._blocking = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._state = "new"  # new -> open -> closing -> closed
-        self._broken: BrokerUnavailable | None = None
+        self._state = "new"  # new -> open -> closing -> closed; "forked" in a child process
+        self._broken: KalosError | None = None
         self._requests = 0
         self._errors = 0
         self._ns = _requests.NamespaceCache()
@@ -157,20 +213,44 @@ class RecallPool:
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
-        """Attach to the sidecar (waiting up to ``connect_timeout`` for it to be ready) and lease
-        slots. Raises BrokerUnavailable, ProtocolError."""
+        """Attach to the sidecar and lease slots, waiting up to ``connect_timeout`` seconds while
+        no sidecar serves the name yet, while it loads, or while a dead one is being replaced.
+        Raises BrokerUnavailable (none became ready in time, or no free slots), UntrustedBroker,
+        ProtocolError."""
         if self._state != "new":
             raise ClosedError(f"pool is {self._state}: a pool is opened once")
         self._loop = asyncio.get_running_loop()
+        self._free = _FreeSlots(self._loop)
+        self._wake = asyncio.Event()
+        self._attached = asyncio.Event()
+        deadline = time.monotonic() + self._connect_timeout
+        attempt = 0
+        while True:
+            try:
+                conn, slots = await self._attach_once()
+                break
+            except (UntrustedBroker, ProtocolError):
+                raise
+            except BrokerUnavailable as e:
+                if time.monotonic() > deadline:
+                    raise BrokerUnavailable(f"{e} (waited {self._connect_timeout} s for a sidecar "
+                                            "to serve it)") from None
+            await asyncio.sleep(backoff_s(attempt, self._rng))
+            attempt += 1
+        self._layout = conn.layout
+        self._install(conn, slots)
+        self._state = "open"
+        _POOLS.add(self)
+        return self
+
+    async def _attach_once(self) -> tuple[Connection, list[ClientSlot]]:
+        """One attempt: open the objects, wait (briefly) for READY, lease slots. Raises
+        BrokerUnavailable if it cannot be done now."""
         conn = self._connect(self.name, self._sidecar_uid)
         try:
-            deadline = time.monotonic() + self._connect_timeout
             while not conn.is_ready():
-                conn.check_alive()
-                if time.monotonic() > deadline:
-                    raise BrokerUnavailable(f"broker {self.name!r} not ready after "
-                                            f"{self._connect_timeout} s (still loading?)")
-                await asyncio.sleep(0.01)
+                conn.check_alive()  # a dead or stopped one is being replaced: try again later
+                await asyncio.sleep(0.005)
             conn.check_alive()
             slots = conn.lease(self._size)
             if len(slots) < self._min_size:
@@ -181,16 +261,18 @@ class RecallPool:
         except BaseException:
             conn.close()
             raise
+        return conn, slots
+
+    def _install(self, conn: Connection, slots: list[ClientSlot]) -> None:
+        """Make an attachment current: its slots free, its waiter thread started."""
+        assert self._loop is not None and self._free is not None and self._wake is not None
+        assert self._attached is not None
         self._conn = conn
-        self._layout = conn.layout
         self._slots = slots
-        self._free = _FreeSlots(self._loop)
         for s in slots:
             self._free.put_nowait(s)
-        self._wake = asyncio.Event()
-        self._waiter = conn.waiter(self._loop, self._wake.set, self._break)
-        self._state = "open"
-        return self
+        self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
+        self._attached.set()
 
     async def __aenter__(self) -> RecallPool:
         return await self.open()
@@ -201,8 +283,7 @@ class RecallPool:
     @property
     def layout(self) -> Layout:
         self._check_usable()
-        assert self._conn is not None
-        return self._conn.layout
+        return self._layout
 
     async def close(self) -> None:
         """Wait for in-flight requests, then give the slots back. Closing twice is fine. If the
@@ -210,9 +291,11 @@ class RecallPool:
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
+        if self._state == "forked":
+            return
         self._state = "closing"
         try:
-            while self._inflight and self._broken is None:
+            while self._inflight and self._broken is None and self._conn is not None:
                 futs = [e.future for e in self._inflight.values() if not e.future.done()]
                 if futs:
                     await asyncio.wait(futs, timeout=LIVENESS_S)
@@ -228,32 +311,62 @@ class RecallPool:
     def terminate(self) -> None:
         """Close now: pending callers get ClosedError; slots still in flight are handed to the
         sidecar's reaper (freed once it has answered them)."""
-        if self._state == "closed":
+        if self._state in ("closed", "forked"):
+            self._state = "closed"
             return
         self._state = "closed"
-        if self._poller is not None and not self._poller.done():
-            self._poller.cancel()
+        _POOLS.discard(self)
+        for task in (self._poller, self._reattacher):
+            if task is not None and not task.done():
+                task.cancel()
+        self._detach(ClosedError("pool terminated"), give_back=True)
+
+    def _detach(self, exc: KalosError, *, give_back: bool) -> None:
+        """Drop the current attachment: callers in flight get ``exc``; the leases go back (idle
+        slots freed, busy ones abandoned to the reaper) when ``give_back``."""
         if self._waiter is not None:
             self._waiter.close()
+            self._waiter = None
         busy = [e.slot for e in self._inflight.values()]
         for e in self._inflight.values():
             if not e.future.done():
-                e.future.set_exception(ClosedError("pool terminated"))
+                e.future.set_exception(exc)
         self._inflight.clear()
-        if self._conn is not None:
+        if self._free is not None:
+            self._free.drain()
+        if self._attached is not None:
+            self._attached.clear()
+        conn, self._conn, slots, self._slots = self._conn, None, self._slots, []
+        if conn is not None:
             busy_idx = {s.index for s in busy}
-            idle = [s for s in self._slots if s.index not in busy_idx]
             try:
-                self._conn.give_back(idle, busy)
+                if give_back:
+                    conn.give_back([s for s in slots if s.index not in busy_idx], busy)
+            except BrokerUnavailable:
+                pass  # the sidecar's objects are gone: so are the leases
             finally:
-                self._conn.close()
+                conn.close()
+
+    def _forked(self) -> None:
+        """In a child after fork: the parent's slots, threads and loop are not ours. Forget them
+        without touching shared memory (the parent still uses them)."""
+        self._state = "forked"
+        self._conn = None
+        self._slots = []
+        self._inflight = {}
+        self._waiter = None
+        self._poller = self._reattacher = None
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             size=len(self._slots), free=self._free.qsize() if self._free else 0,
             in_flight=len(self._inflight),
             orphaned=sum(1 for e in self._inflight.values() if e.future.done()),
-            requests=self._requests, errors=self._errors)
+            requests=self._requests, errors=self._errors, outages=self._outages,
+            reattaches=self._reattaches,
+            unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since
+                                                   if self._down_since else 0)) / 1e9,
+            attached=self._conn is not None)
 
     # ------------------------------------------------------------------ public operations
     async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
@@ -318,10 +431,15 @@ class RecallPool:
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:
         if self._state != "open":
+            if self._state == "forked":
+                raise ForkedPoolError(
+                    f"this pool was opened in process {self._pid} and cannot be used in process "
+                    f"{os.getpid()} (a fork): open a RecallPool in each worker after forking "
+                    "(e.g. in the FastAPI lifespan or gunicorn's post_fork)")
             raise ClosedError(f"pool is {self._state}" if self._state != "new" else
                               "pool is not open (use `async with RecallPool(...)` or await open())")
         if self._broken is not None:
-            raise BrokerUnavailable(str(self._broken))
+            raise self._broken
 
     async def _execute_all(self, preps: list[_requests.Prepared], timeout: Timeout, t0: int) -> list[Any]:
         if len(preps) == 1:
@@ -329,19 +447,29 @@ class RecallPool:
         return list(await asyncio.gather(*(self._execute(p, timeout, t0) for p in preps)))
 
     async def _acquire(self, deadline: float | None) -> ClientSlot:
+        """A free slot of the current attachment, waiting (within ``deadline``) for one to be
+        answered or for a sidecar to re-attach to."""
         assert self._free is not None and self._loop is not None
-        slot = self._free.get_nowait()
-        if slot is None:
-            try:
-                slot = await self._free.get(None if deadline is None
-                                            else max(0.0, deadline - self._loop.time()))
-            except asyncio.TimeoutError:
-                raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
-                                     "slots, all in flight)") from None
-        if self._state != "open" or self._broken is not None:
-            self._free.put_nowait(slot)
-            self._check_usable()
-        return slot
+        while True:
+            slot = self._free.get_nowait()
+            if slot is None:
+                try:
+                    slot = await self._free.get(None if deadline is None
+                                                else max(0.0, deadline - self._loop.time()))
+                except asyncio.TimeoutError:
+                    self._check_usable()
+                    if self._conn is None:
+                        raise BrokerUnavailable(
+                            f"broker {self.name!r}: no sidecar within the time budget (down for "
+                            f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
+                            "re-attaches as soon as one serves the name)") from None
+                    raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
+                                         "slots, all in flight)") from None
+            if self._state != "open" or self._broken is not None:
+                self._free.put_nowait(slot)
+                self._check_usable()
+            if self._conn is not None and slot in self._slots:  # not a slot of a dead attachment
+                return slot
 
     async def _execute(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
         self._check_usable()
@@ -350,6 +478,16 @@ class RecallPool:
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
         slot = await self._acquire(deadline)
+        conn = self._conn
+        assert conn is not None
+        if conn.quiet():  # the heartbeat is late: is the sidecar still there before we post?
+            try:
+                conn.check_alive()
+            except BrokerUnavailable as e:
+                self._free.put_nowait(slot)
+                self._unavailable(e)
+                return await self._execute(p, budget if deadline is None
+                                           else max(0.0, deadline - loop.time()), t0)
         try:
             blob_len = _requests.write(slot.view, p)
             slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
@@ -429,7 +567,7 @@ class RecallPool:
         clock = time.monotonic_ns
         try:
             last = clock()
-            while self._state != "closed":
+            while self._state != "closed" and self._conn is not None:
                 spin = self.spin_window_ns()
                 if self._inflight:
                     if self._reap():
@@ -446,7 +584,7 @@ class RecallPool:
                     return
                 await asyncio.sleep(0)
         except BrokerUnavailable as e:
-            self._break(e)
+            self._unavailable(e)
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # a bug: fail the callers rather than hang them
@@ -461,24 +599,78 @@ class RecallPool:
         self._waiter.arm(oldest)
         try:
             if any(e.slot.is_done() for e in self._inflight.values()):
-                return  # answered while arming
+                # Answered while arming, or DONE with its response not posted yet: look again
+                # shortly, and make sure a sidecar that died in between is noticed.
+                await asyncio.sleep(0.0002)
+                if self._conn.quiet():
+                    self._conn.check_alive()
+                return
             try:
                 await asyncio.wait_for(self._wake.wait(), LIVENESS_S)
             except asyncio.TimeoutError:
                 self._conn.check_alive()
         finally:
             self._blocking = False
-            self._waiter.disarm()
+            if self._waiter is not None:
+                self._waiter.disarm()
 
-    def _break(self, exc: BrokerUnavailable) -> None:
-        """The sidecar is gone: fail every caller now; later calls raise BrokerUnavailable."""
+    def _unavailable(self, exc: BrokerUnavailable) -> None:
+        """The sidecar is dead or stopped (or its objects broke). Fail what was in flight, and
+        re-attach in the background (or break for good without ``reconnect``)."""
+        if self._state not in ("open", "closing") or self._conn is None:
+            return
+        if not self._reconnect:
+            self._break(exc)
+            return
+        self._outages += 1
+        self._down_since = time.monotonic_ns()
+        # The dead sidecar's segment is gone with it; leases in it need no giving back, but the
+        # locks are released by closing the attachment.
+        self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"),
+                     give_back=False)
+        assert self._loop is not None
+        self._reattacher = self._loop.create_task(self._reattach(exc))
+
+    async def _reattach(self, cause: BrokerUnavailable) -> None:
+        attempt = 0
+        while self._state in ("open", "closing"):
+            await asyncio.sleep(backoff_s(attempt, self._rng))
+            attempt += 1
+            try:
+                conn, slots = await self._attach_once()
+            except (UntrustedBroker, ProtocolError) as e:
+                self._break(e)
+                return
+            except BrokerUnavailable:
+                continue
+            if (conn.layout.dim, conn.layout.max_k, conn.layout.max_queries,
+                    conn.layout.blob_bytes) != (self._layout.dim, self._layout.max_k,
+                                                self._layout.max_queries, self._layout.blob_bytes):
+                new = conn.layout
+                conn.give_back(slots, [])
+                conn.close()
+                self._break(ProtocolError(
+                    f"broker {self.name!r} came back with another geometry (dim {new.dim}, max_k "
+                    f"{new.max_k}, max_queries {new.max_queries}, blob {new.blob_bytes} bytes; was "
+                    f"dim {self._layout.dim}, max_k {self._layout.max_k}, max_queries "
+                    f"{self._layout.max_queries}, blob {self._layout.blob_bytes}): reopen the pool"))
+                return
+            if self._state not in ("open", "closing"):
+                conn.give_back(slots, [])
+                conn.close()
+                return
+            self._unavailable_ns += time.monotonic_ns() - self._down_since
+            self._down_since = 0
+            self._reattaches += 1
+            self._install(conn, slots)
+            return
+
+    def _break(self, exc: KalosError) -> None:
+        """No more service from this pool: fail every caller now; later calls raise ``exc``."""
         self._broken = exc
-        assert self._free is not None
-        for e in self._inflight.values():
-            if not e.future.done():
-                e.future.set_exception(BrokerUnavailable(str(exc)))
-            self._free.put_nowait(e.slot)  # wakes acquirers, who then see the pool broken
-        self._inflight.clear()
+        self._detach(exc, give_back=True)
+        if self._free is not None:
+            self._free.wake_all(exc)
 
 
 def _connect(name: str, sidecar_uid: int | None) -> Connection:

@@ -6,7 +6,7 @@ This is the public API: ``from kalos import RecallPool`` is the short form of
 """
 
 from broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, InvalidRequest, KalosError,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
     KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
     UsageError,
 )
@@ -16,7 +16,7 @@ from clients import Hit, Hits, PoolStatistics, RecallClient, RecallPool
 __version__ = "0.1.0"
 __all__ = [
     "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits",
-    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "InvalidRequest",
+    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
     "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
     "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
 ]

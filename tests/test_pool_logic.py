@@ -10,7 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from broker.errors import AcquireTimeout, BrokerUnavailable, ClosedError, ResponseTimeout
+from broker.errors import (
+    AcquireTimeout, BrokerUnavailable, ClosedError, ProtocolError, ResponseTimeout,
+)
 from broker.layout import Layout, SlotView, Status
 from clients import RecallPool
 from clients.fake import FakeConnection
@@ -140,9 +142,9 @@ async def test_error_status_reaches_the_caller_and_is_counted():
     await pool.close()
 
 
-async def test_dead_sidecar_fails_waiting_callers_and_later_calls():
+async def test_dead_sidecar_without_reconnect_breaks_the_pool():
     conn = FakeConnection(LAY)
-    pool = await open_pool(conn)
+    pool = await open_pool(conn, reconnect=False)
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
     await asyncio.sleep(0.05)  # past the spin window: the pool blocks and checks liveness
     conn.alive = False
@@ -153,6 +155,51 @@ async def test_dead_sidecar_fails_waiting_callers_and_later_calls():
     pool.terminate()
     with pytest.raises(ClosedError):
         await pool.recall(np.ones(8, np.float32), k=2)
+
+
+async def test_dead_sidecar_fails_in_flight_then_the_pool_reattaches(rng):
+    """In flight: BrokerUnavailable. During the outage: calls wait within their timeout. A new
+    sidecar (a new FakeConnection): the pool attaches by itself and serves again."""
+    matrix = rng.standard_normal((10, 8)).astype(np.float32)
+    first, second = FakeConnection(LAY), FakeConnection(LAY)
+    sidecars = [first]
+    pool = RecallPool("fake", size=2, spin_us=50, connect=lambda name, uid: sidecars[-1])
+    await pool.open()
+    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
+    await asyncio.sleep(0.05)
+    first.alive = False
+    with pytest.raises(BrokerUnavailable, match="in flight"):
+        await asyncio.wait_for(task, 2)
+    with pytest.raises(BrokerUnavailable, match="no sidecar within the time budget"):
+        await pool.recall(np.ones(8, np.float32), k=2, timeout=0.1)
+    st = pool.statistics()
+    assert st.outages == 1 and not st.attached and st.unavailable_s > 0.09
+    waiting = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2, timeout=5))
+    await asyncio.sleep(0.05)
+    sidecars.append(second)  # a new sidecar serves the name
+    server = asyncio.ensure_future(serve_soon(second, topk_answer(matrix)))
+    h = await waiting
+    await server
+    assert_topk(np.ones(8, np.float32), matrix, h.ids, h.scores, 2)
+    st = pool.statistics()
+    assert st.attached and st.reattaches == 1 and st.outages == 1
+    assert second.seg.slots["owner_pid"].tolist() == [1, 1, 0]  # leased the new sidecar's slots
+    await pool.close()
+
+
+async def test_a_new_sidecar_with_another_geometry_is_an_error_not_a_reattach():
+    first = FakeConnection(LAY)
+    other = FakeConnection(Layout(n_slots=3, dim=16, max_k=8, max_queries=2, blob_bytes=1024))
+    sidecars = [first]
+    pool = RecallPool("fake", size=1, spin_us=50, connect=lambda name, uid: sidecars[-1])
+    await pool.open()
+    sidecars.append(other)
+    first.alive = False
+    pool._unavailable(BrokerUnavailable("gone"))
+    await until(lambda: pool._broken is not None)
+    with pytest.raises(ProtocolError, match="dim 16"):
+        await pool.recall(np.ones(8, np.float32), k=2, timeout=1)
+    pool.terminate()
 
 
 async def test_a_broken_waiter_thread_fails_the_callers_at_once():
