@@ -192,6 +192,7 @@ class RecallPool:
         self._unavailable_ns = 0
         self._down_since = 0  # monotonic ns when the current outage began (0: none)
         self._pid = os.getpid()
+        self._last_check_ns = 0  # last liveness check while answers were DONE but not posted
         self._spin_ns = int(spin_us * 1000)
         self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
         self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
@@ -599,10 +600,12 @@ class RecallPool:
         self._waiter.arm(oldest)
         try:
             if any(e.slot.is_done() for e in self._inflight.values()):
-                # Answered while arming, or DONE with its response not posted yet: look again
-                # shortly, and make sure a sidecar that died in between is noticed.
+                # Answered while arming, or DONE with its response not posted yet (the sidecar
+                # may have died in between): look again shortly, checking liveness on schedule.
                 await asyncio.sleep(0.0002)
-                if self._conn.quiet():
+                now = time.monotonic_ns()
+                if now - self._last_check_ns > LIVENESS_S * 1e9:
+                    self._last_check_ns = now
                     self._conn.check_alive()
                 return
             try:

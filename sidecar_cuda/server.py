@@ -34,7 +34,7 @@ from broker.layout import (
     header_field_offset, slot_field_offset,
 )
 from broker.names import decode_namespace, validate_broker_name
-from broker.procs import pid_alive
+from broker import leases
 from broker.validation import payload_problem
 import sidecar_cuda.objects as objects
 from sidecar_cuda.backend import Backend, PendingSearch
@@ -766,8 +766,9 @@ class Sidecar:
     def reap_dead_owners(self) -> int:
         """Free the slots of clients that died (or gave them up) while holding them, and slots
         left in a state other than FREE without an owner (only a broken client leaves those).
-        Every lease field was written by a client: pids are checked by value, never trusted.
-        Slots of a batch in flight are left alone until it is answered."""
+        A lease is alive while its byte of the lease file is locked (the kernel drops the lock
+        when the holder dies, in any PID namespace: broker.leases); the pid a client wrote is
+        only for diagnostics. Slots of a batch in flight are left alone until it is answered."""
         assert self._objs is not None and self.seg is not None
         slots = self.seg.slots
         owners = slots["owner_pid"]
@@ -775,23 +776,18 @@ class Sidecar:
         if len(suspects) == 0:
             return 0
         freed = 0
-        alive: dict[tuple[int, int], bool] = {}
         busy = self._inflight_slots()
+        lease_fd = self._objs.leases_fd
         fcntl.flock(self._objs.shm.fd, fcntl.LOCK_EX)
         try:
             for i in suspects.tolist():
                 if i in busy:
                     continue
                 pid = int(slots[i]["owner_pid"])
-                start = int(slots[i]["owner_start"])
                 if pid == 0 and int(slots[i]["state"]) == S_FREE:
                     continue  # given back meanwhile
-                if pid not in (0, OWNER_ABANDONED):
-                    key = (pid, start)
-                    if key not in alive:
-                        alive[key] = pid_alive(pid, start)
-                    if alive[key]:
-                        continue
+                if pid not in (0, OWNER_ABANDONED) and leases.is_locked(lease_fd, i):
+                    continue  # its holder lives
                 for sem in (self._objs.req[i], self._objs.resp[i]):
                     while True:
                         try:

@@ -214,3 +214,19 @@ async def test_a_broken_waiter_thread_fails_the_callers_at_once():
     with pytest.raises(BrokerUnavailable, match="vanished"):
         await asyncio.wait_for(task, 0.5)
     pool.terminate()
+
+
+async def test_done_but_never_posted_then_dead_is_noticed_not_spun_on():
+    """The sidecar marked the slot DONE and died before posting its response: the pool notices
+    the dead sidecar (within its liveness period) instead of spinning until the caller's timeout."""
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn, size=1, reconnect=False)
+    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))  # no timeout at all
+    await until(lambda: len(conn.posted()) == 1)
+    i = conn.posted()[0]
+    conn.req[i].try_acquire()
+    conn.seg.slots[i]["state"] = 4  # DONE, and no response post: the sidecar died right here
+    conn.alive = False
+    with pytest.raises(BrokerUnavailable, match="dead"):
+        await asyncio.wait_for(task, 1.0)
+    pool.terminate()
