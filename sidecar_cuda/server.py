@@ -37,13 +37,13 @@ from broker.names import decode_namespace, validate_broker_name
 from broker.procs import pid_alive
 from broker.validation import payload_problem
 import sidecar_cuda.objects as objects
-from sidecar_cuda.backend import Backend, PendingSearch
+from sidecar_cuda.backends.base import Backend, PendingSearch
 from sidecar_cuda.config import ServeConfig  # defined there; still importable from here
 from sidecar_cuda.persist import Persistence, StoreError, Write
 from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
-from sidecar_cuda.select import choose_backend
+from sidecar_cuda.backends.select import choose_backend
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
 
@@ -696,7 +696,7 @@ class Sidecar:
         try:
             for name, extra in need.items():
                 ns = self.store.get_or_create(name)
-                ns._ensure_capacity(ns.n + extra)
+                ns.ensure_capacity(ns.n + extra)
         except Exception as e:
             log.exception("growing capacity failed")
             for r, _w in accepted:

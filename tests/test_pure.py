@@ -8,7 +8,7 @@ import pytest
 from broker.errors import InvalidRequest, PayloadTooLarge
 from broker.layout import Layout, Metric, Op, Status
 from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from sidecar_cuda.numpy_backend import NumpyBackend, topk_rows
+from sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
 from sidecar_cuda.planning import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
