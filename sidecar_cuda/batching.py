@@ -6,8 +6,8 @@ fastest first, as :func:`classify` picks them for the requests taken in one pass
 
 ========  ======================================================================================
 SINGLE    one plain recall (one query vector, no payloads, k in range, a namespace that exists,
-          a finite query) and no batch in flight: fields read and written through word views,
-          the query searched in place; no record is copied.
+          a finite query) and no batch in flight: fields read (:class:`SlotRef`) and written
+          through word views, the query searched in place; no record is copied.
 UNIFORM   every request such a recall, all in one namespace: one gathered search, decided with a
           fixed number of numpy calls whatever the batch size. ``pipelined``: big enough to be
           left in flight while the next batch is taken (``--pipeline``, :func:`pipelined`).
@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import enum
 import math
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from broker.layout import S_POSTED, Flag, Layout, Op, Status
+from broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
 from broker.names import decode_namespace
 
 _RECALL = int(Op.RECALL)  # plain ints: cheaper than enum members in comparisons
@@ -81,14 +82,14 @@ class Limits(NamedTuple):
     min_work: int  # pipeline a batch of this many multiply-adds and more; < 0: never
 
 
-class SlotHead(NamedTuple):
-    """The fields the fast routes look at, read from one slot's words (no record copy)."""
+class SlotRef(NamedTuple):
+    """One slot's request as the SINGLE route reads it: in place, word by word, through word
+    views of the segment. Made once per slot, so classifying a request allocates nothing for it."""
 
-    op: int
-    nq: int
-    flags: int
-    k: int
-    namespace: tuple[bytes, int]  # (raw bytes, ns_len)
+    words: SlotWords
+    mem: mmap.mmap  # the segment, where the namespace bytes are sliced from
+    slot: int
+    ns_off: int  # byte offset of the slot's namespace field (broker.layout.slot_field_offset)
 
 
 class Plan(Generic[N]):
@@ -110,38 +111,51 @@ class Plan(Generic[N]):
                 f"{', pipelined' if self.pipelined else ''})")
 
 
-def head_of(record: np.void) -> SlotHead:
-    """The fast routes' fields of one control-block record (``broker.layout.slot_dtype()``)."""
-    return SlotHead(int(record["op"]), int(record["nq"]), int(record["flags"]), int(record["k"]),
-                    (bytes(record["namespace"]), int(record["ns_len"])))
-
-
-def classify(batch: SlotHead | np.ndarray, queries: np.ndarray, lookup: Lookup[N],
+def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N],
              limits: Limits) -> Plan[N]:
     """The route of the requests taken in one pass.
 
-    ``batch``: a :class:`SlotHead` (one request, no batch in flight: a SINGLE candidate), or the
-    control-block records of the taken slots (UNIFORM candidates). ``queries``: each request's
-    first query row, (len, dim) float32 (gathered, or the slot's own row for a SlotHead)."""
-    if isinstance(batch, SlotHead):
-        return _classify_one(batch, queries, lookup, limits, Route.SINGLE)
+    ``batch``: a :class:`SlotRef` (one request, no batch in flight: the SINGLE candidate), or the
+    control-block records of the taken slots (``broker.layout.slot_dtype()``: UNIFORM
+    candidates). ``queries``: each request's first query row, (len, dim) float32 (gathered, or the
+    slot's own row for a SlotRef)."""
+    if type(batch) is SlotRef:
+        return _classify_slot(batch, queries, lookup, limits)
+    assert isinstance(batch, np.ndarray)
     if len(batch) == 1:
-        return _classify_one(head_of(batch[0]), queries, lookup, limits, Route.UNIFORM)
+        return _classify_record(batch[0], queries, lookup, limits)
     return _classify_many(batch, queries, lookup, limits)
 
 
-def _classify_one(head: SlotHead, q: np.ndarray, lookup: Lookup[N], limits: Limits,
-                  route: Route) -> Plan[N]:
-    k = head.k
-    if not (head.op == _RECALL and head.nq == 1 and head.flags == 0 and 1 <= k <= limits.k_limit):
-        return Plan(Route.GENERAL, _field_problem(head.op, head.nq, head.flags, k, limits.k_limit))
-    ns = lookup(head.namespace)
+def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+    W, i = ref.words, ref.slot
+    u32 = W.u32
+    k = u32[W.k[i]]
+    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and u32[W.flags[i]] == 0
+            and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], k,
+                                                  limits.k_limit))
+    ns_len = u32[W.ns_len[i]]
+    off = ref.ns_off
+    ns = lookup((ref.mem[off:off + (ns_len if ns_len < NAMESPACE_BYTES else NAMESPACE_BYTES)],
+                 ns_len))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")
     if not math.isfinite(q.sum()) and not np.isfinite(q).all():  # (a finite sum may overflow)
         return Plan(Route.GENERAL, "non-finite query")
-    if route is Route.SINGLE:
-        return Plan(Route.SINGLE, "", ns, k)
+    return Plan(Route.SINGLE, "", ns, k)
+
+
+def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+    """One request behind a batch in flight: its control block read with plain ints."""
+    op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
+    if not (op == _RECALL and nq == 1 and flags == 0 and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(op, nq, flags, k, limits.k_limit))
+    ns = lookup((bytes(r["namespace"]), int(r["ns_len"])))
+    if ns is None:
+        return Plan(Route.GENERAL, "unknown namespace")
+    if not np.isfinite(q).all():
+        return Plan(Route.GENERAL, "non-finite query")
     return Plan(Route.UNIFORM, "a batch is in flight", ns, k,
                 pipelined(ns.n * limits.dim, limits.min_work))
 

@@ -27,11 +27,11 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from broker.layout import NAMESPACE_BYTES, S_BUSY, SegmentView, SlotWords, Status, slot_field_offset
+from broker.layout import S_BUSY, SegmentView, SlotWords, Status, slot_field_offset
 from broker.names import decode_namespace
 from sidecar_cuda.answers import AnswerWriter
 from sidecar_cuda.backends.base import PendingSearch
-from sidecar_cuda.batching import Limits, Plan, Route, SlotHead, classify, posted_slots
+from sidecar_cuda.batching import Limits, Plan, Route, SlotRef, classify, posted_slots
 from sidecar_cuda.general import GeneralRoute
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
@@ -79,7 +79,6 @@ class Pipeline:
                  on_unexpected: Callable[[str, BaseException], None]) -> None:
         self.seg = seg
         self._words = words
-        self._mem = mem
         self._req = req
         self.writer = writer
         self.general = general
@@ -91,10 +90,12 @@ class Pipeline:
         self._batches_word = batches_word
         self._on_unexpected = on_unexpected
         self._states = seg.slots["state"]
-        self._ns_off = [slot_field_offset(seg.layout, i, "namespace") for i in range(seg.layout.n_slots)]
         self._ns_names: dict[tuple[bytes, int], str] = {}
         self._lookup = self._namespace  # (bound once: the SINGLE route runs per request)
-        self._query1 = [sv.queries[:1] for sv in seg.slot]  # each slot's first query row
+        # Per slot, made once: its request read in place, and its first query row.
+        self._refs = [SlotRef(words, mem, i, slot_field_offset(seg.layout, i, "namespace"))
+                      for i in range(seg.layout.n_slots)]
+        self._query1 = [sv.queries[:1] for sv in seg.slot]
         self.inflight: deque[InFlight] = deque()
         self._last_batch = 0
         self._last_service_ns = 0
@@ -111,14 +112,17 @@ class Pipeline:
             served += self.finish_uniform(inflight.popleft())
         if len(inflight) >= PIPELINE_DEPTH:
             return served
-        taken, t_pick = self._take()
+        idx = posted_slots(self._states)
+        if len(idx) == 0:
+            return served
+        taken, t_pick = self._take(idx)
         if not taken:
             return served
         plan: Plan[Namespace] | None = None
         if not inflight and len(taken) == 1:
             i = taken[0]
             q = self._query1[i]
-            plan = classify(self._head(i), q, self._lookup, self.limits)
+            plan = classify(self._refs[i], q, self._lookup, self.limits)
             if plan.route is Route.SINGLE:
                 return served + self._serve_single(i, t_pick, plan, q)
         # Every other route starts from the control blocks, read once.
@@ -147,13 +151,10 @@ class Pipeline:
         served += self.finish_inflight()
         return served + self._serve_general(sel, taken, rec, t_pick, t0, plan.reason)
 
-    def _take(self) -> tuple[list[int], int]:
-        """The posted slots whose request semaphore could be taken (the try-wait is the fence
-        before reading the request), and when they were taken."""
+    def _take(self, idx: np.ndarray) -> tuple[list[int], int]:
+        """Of the posted slots ``idx``, those whose request semaphore could be taken (the
+        try-wait is the fence before reading the request), and when they were taken."""
         inflight = self.inflight
-        idx = posted_slots(self._states)
-        if len(idx) == 0:
-            return [], 0
         if inflight:
             # One batch on the device: start the next right behind it once as many callers as
             # last time have posted, or as soon as the device is about to be idle.
@@ -183,14 +184,6 @@ class Pipeline:
             idx = posted_slots(self._states)
             if len(idx) >= want or time.monotonic_ns() >= end:
                 return idx
-
-    def _head(self, i: int) -> SlotHead:
-        W = self._words
-        u32 = W.u32
-        ns_len = u32[W.ns_len[i]]
-        off = self._ns_off[i]
-        raw = self._mem[off:off + min(ns_len, NAMESPACE_BYTES)]
-        return SlotHead(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], u32[W.k[i]], (raw, ns_len))
 
     def _namespace(self, key: tuple[bytes, int]) -> Namespace | None:
         """The namespace named by a slot's (raw bytes, length), decoded once per distinct key;
@@ -225,8 +218,7 @@ class Pipeline:
         t1 = time.perf_counter_ns()
         t_done = self.writer.answer_single(i, ids, scores)
         self._last_batch = 1
-        self.stats.record_batch(BatchRecord(1, t1 - t0, t_pick_ns=t_pick,
-                                            t_post_ns=(u64[W.t_post_ns[i]],), t_done_ns=t_done))
+        self.stats.record_batch(BatchRecord(1, t1 - t0, t_pick, (u64[W.t_post_ns[i]],), t_done))
         u64[self._batches_word] = self.stats.batches
         return 1
 
@@ -284,8 +276,7 @@ class Pipeline:
         n = len(taken)
         self._last_batch, self._last_service_ns = n, t1 - t0
         t_done = self.writer.deliver(sel, taken)
-        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick_ns=t_pick, t_post_ns=rec["t_post_ns"],
-                                            t_done_ns=t_done))
+        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done))
         self._words.u64[self._batches_word] = self.stats.batches
         return n
 

@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,6 +73,7 @@ class Sidecar:
                                                     self.layout.dim), np.float32)
                           for _ in range(PIPELINE_DEPTH)]
         self.pipeline: Pipeline | None = None  # built by start()
+        self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
         self._last_error_log = 0.0
         self.ready = False
@@ -99,6 +101,7 @@ class Sidecar:
                          len(self.store.namespaces), cfg.data_dir, secs)
             self._fill_initial()
             self.pipeline = self._build_pipeline()
+            self._pass = self.pipeline.serve_pending
         except BaseException:
             self.seg.header["state"] = SidecarState.FAILED
             self.close()
@@ -242,8 +245,11 @@ class Sidecar:
 
     def serve_pending(self) -> int:
         """One pass of the loop, unguarded (:meth:`Pipeline.serve_pending`)."""
-        assert self.pipeline is not None
-        return self.pipeline.serve_pending()
+        return self._pass()
+
+    @staticmethod
+    def _not_started() -> int:
+        raise RuntimeError("the sidecar is not started")
 
     def serve_remaining(self) -> int:
         """At stop: answer the batches in flight and every request posted before now."""
@@ -265,7 +271,7 @@ class Sidecar:
         """:meth:`serve_pending`, but nothing a slot holds can end the loop: an unexpected error
         while serving is logged and every request it stranded gets SERVER_ERROR."""
         try:
-            return self.serve_pending()
+            return self._pass()
         except Exception as e:
             self._log_unexpected("serving a batch failed", e)
             return self._answer_stranded(e)

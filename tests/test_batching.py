@@ -1,15 +1,17 @@
 """The route of a batch (``sidecar_cuda.batching.classify``), alone: control blocks built with
-``broker.layout.slot_dtype()``, namespaces from a dict; no processes, no shared memory."""
+``broker.layout.slot_dtype()``, or one slot of a segment in anonymous process memory read through
+word views; namespaces from a dict. No processes, no shared memory."""
 
 from __future__ import annotations
 
+import mmap
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from broker.layout import Flag, Op, slot_dtype
-from sidecar_cuda.batching import Limits, Plan, Route, SlotHead, classify, head_of
+from broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
+from sidecar_cuda.batching import Limits, Plan, Route, SlotRef, classify
 
 DIM = 8
 LIMITS = Limits(k_limit=16, dim=DIM, min_work=-1)
@@ -34,11 +36,14 @@ def records(n: int, **fields: object) -> np.ndarray:
     return rec
 
 
-def head(**fields: object) -> SlotHead:
-    base: dict[str, object] = dict(op=int(Op.RECALL), nq=1, flags=0, k=5,
-                                   namespace=(b"default", 7))
-    base.update(fields)
-    return SlotHead(**base)
+def slot_ref(**fields: object) -> SlotRef:
+    """Slot 1 of a segment holding the request of :func:`records` (one), as the SINGLE route
+    reads it: word by word, in place."""
+    layout = Layout(n_slots=3, dim=DIM, max_k=16, max_queries=4, blob_bytes=64)
+    mem = mmap.mmap(-1, layout.total_bytes)
+    seg = SegmentView(memoryview(mem), layout)
+    seg.slots[1] = records(1, **fields)[0]
+    return SlotRef(SlotWords(memoryview(mem), layout), mem, 1, slot_field_offset(layout, 1, "namespace"))
 
 
 def queries(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -46,7 +51,7 @@ def queries(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def test_one_plain_recall_takes_the_single_route(rng):
-    plan = classify(head(k=16), queries(1, rng), lookup, LIMITS)
+    plan = classify(slot_ref(k=16), queries(1, rng), lookup, LIMITS)
     assert plan.route is Route.SINGLE and plan.reason == ""
     assert plan.namespace is NAMESPACES["default"] and plan.k == 16
 
@@ -70,9 +75,8 @@ ONE_REQUEST_PROBLEMS = [  # (fields of the one request, reason)
 def test_one_request_off_the_fast_routes_says_why(rng, fields, reason):
     """The same reason whether the request is read through word views (no batch in flight) or
     from its control block (behind a batch in flight)."""
-    rec = records(1, **fields)
     q = queries(1, rng)
-    for batch in (head_of(rec[0]), rec):
+    for batch in (slot_ref(**fields), records(1, **fields)):
         plan = classify(batch, q, lookup, LIMITS)
         assert plan.route is Route.GENERAL and plan.reason == reason, plan
         assert plan.namespace is None
@@ -82,20 +86,19 @@ def test_non_finite_queries_go_the_general_way_and_huge_finite_ones_do_not(rng):
     for bad in (np.nan, np.inf, -np.inf):
         q = queries(1, rng)
         q[0, 3] = bad
-        assert classify(head(), q, lookup, LIMITS).reason == "non-finite query"
+        assert classify(slot_ref(), q, lookup, LIMITS).reason == "non-finite query"
         qs = queries(6, rng)
         qs[4, 0] = bad
         assert classify(records(6), qs, lookup, LIMITS).reason == "non-finite query"
     big = np.full((1, DIM), 3e38, np.float32)  # the sum overflows; every value is finite
     with np.errstate(over="ignore"):
-        assert classify(head(), big, lookup, LIMITS).route is Route.SINGLE
+        assert classify(slot_ref(), big, lookup, LIMITS).route is Route.SINGLE
 
 
 def test_one_record_is_a_uniform_batch_behind_a_batch_in_flight(rng):
     plan = classify(records(1, k=7), queries(1, rng), lookup, LIMITS)
     assert plan.route is Route.UNIFORM and plan.reason == "a batch is in flight"
     assert plan.k == 7 and plan.namespace is NAMESPACES["default"] and not plan.pipelined
-    assert head_of(records(1, k=7)[0]) == head(k=7)
 
 
 def test_a_uniform_batch_takes_the_largest_k(rng):
