@@ -190,7 +190,7 @@ def cupy_naive(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, rep
 def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict]:
     """This backend called in-process: latency of Matrix.search (graphs on and off), recalls/s of
     batches, and GPU time per batch (CUDA events) on each path; also checks the answers."""
-    from sidecar_cuda.cupy_backend import CupyBackend
+    from sidecar_cuda.backends.cuda import CupyBackend
 
     n, d = matrix.shape
     out: list[dict] = []

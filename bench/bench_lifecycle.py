@@ -107,7 +107,7 @@ async def recall_under_writes(name: str, dim: int, seconds: float) -> dict:
 def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
     """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
     from broker.layout import Metric
-    from sidecar_cuda.numpy_backend import NumpyBackend
+    from sidecar_cuda.backends.numpy_backend import NumpyBackend
     from sidecar_cuda.persist import Persistence, Write
     from sidecar_cuda.store import MemoryStore
 

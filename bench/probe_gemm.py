@@ -50,7 +50,7 @@ def main() -> int:
     import cupy as cp
     from cupy_backends.cuda.libs import cublas
 
-    from sidecar_cuda.cupy_backend import CupyBackend
+    from sidecar_cuda.backends.cuda import CupyBackend
 
     n, d = a.rows, a.dim
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))

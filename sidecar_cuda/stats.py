@@ -11,26 +11,18 @@ import numpy as np
 
 
 class BatchRecord:
-    """One served batch. ``queue_ns`` (per request: posted -> picked up) is computed when read,
-    off the serving path, from the posting times unless given directly."""
+    """One served batch, as the serving thread reports it: cheap to make (no arrays are built);
+    the exporter derives the per-request stage times from it, off the serving path."""
 
-    __slots__ = ("size", "compute_ns", "t_pick_ns", "t_post_ns", "t_done_ns", "_queue_ns")
+    __slots__ = ("size", "compute_ns", "t_pick_ns", "t_post_ns", "t_done_ns")
 
-    def __init__(self, size: int, compute_ns: int, queue_ns: Sequence[int] | None = None,
-                 t_pick_ns: int = 0, t_post_ns: Sequence[int] | np.ndarray | None = None,
-                 t_done_ns: int = 0) -> None:
+    def __init__(self, size: int, compute_ns: int, t_pick_ns: int,
+                 t_post_ns: Sequence[int] | np.ndarray, t_done_ns: int = 0) -> None:
         self.size = size  # requests in the batch
         self.compute_ns = compute_ns  # backend work for the whole batch
-        self.t_pick_ns = t_pick_ns  # CLOCK_MONOTONIC when the batch was taken (0: unknown)
+        self.t_pick_ns = t_pick_ns  # CLOCK_MONOTONIC when the batch was taken
         self.t_post_ns = t_post_ns  # per request: CLOCK_MONOTONIC when the client posted it
         self.t_done_ns = t_done_ns  # CLOCK_MONOTONIC when the results were written (0: unknown)
-        self._queue_ns = queue_ns
-
-    @property
-    def queue_ns(self) -> np.ndarray:
-        if self._queue_ns is None:
-            self._queue_ns = list(self.t_pick_ns - np.asarray(self.t_post_ns, np.int64))
-        return np.asarray(self._queue_ns, np.int64)
 
 
 @dataclass

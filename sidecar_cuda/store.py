@@ -8,12 +8,12 @@ full (one device-side copy). This module holds no I/O of its own; durability is 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from broker.layout import Metric
-from sidecar_cuda.backend import Backend, Completed, PendingSearch, prepare_queries, prepare_rows
+from sidecar_cuda.backends.base import (
+    Backend, PendingSearch, SearchResult, completed, prepare_queries, prepare_rows,
+)
 
 MIN_CAPACITY = 1024
 
@@ -42,29 +42,6 @@ def compaction_moves(holes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]
     return src, dst
 
 
-class _IdsOf:
-    """A pending search whose rows become ids when collected."""
-
-    __slots__ = ("_pending", "_row_ids")
-
-    def __init__(self, pending: PendingSearch, row_ids: np.ndarray) -> None:
-        self._pending = pending
-        self._row_ids = row_ids
-
-    def done(self) -> bool:
-        return self._pending.done()
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        rows, scores = self._pending.result()
-        return self._row_ids[rows], scores
-
-
-@dataclass
-class NamespaceStats:
-    rows: int
-    capacity: int
-
-
 class Namespace:
     def __init__(self, name: str, backend: Backend, dim: int, metric: Metric,
                  capacity: int = MIN_CAPACITY) -> None:
@@ -78,7 +55,9 @@ class Namespace:
         self.n = 0
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id, for export
 
-    def _ensure_capacity(self, need: int) -> None:
+    def ensure_capacity(self, need: int) -> None:
+        """Room for ``need`` rows (capacity doubles until it fits). Raises what the backend
+        raises when it cannot grow; nothing is changed then."""
         cap = self.matrix.capacity
         if need <= cap:
             return
@@ -103,7 +82,7 @@ class Namespace:
                 r = self.n + new
                 new += 1
             rows[j] = r
-        self._ensure_capacity(self.n + new)
+        self.ensure_capacity(self.n + new)
         self.matrix.write_rows(rows, vectors)
         for j, i in enumerate(ids.tolist()):
             r = int(rows[j])
@@ -141,7 +120,7 @@ class Namespace:
         self.row_ids[self.n:self.n + len(holes)] = -1
         return len(holes)
 
-    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, k: int) -> SearchResult:
         """Top-k (ids, scores) over the live rows; fewer than k columns when the namespace is small."""
         if self.n == 0:
             b = len(queries)
@@ -150,13 +129,13 @@ class Namespace:
         return self.row_ids[rows], scores
 
     def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:
-        """``search`` started on the device: the pending result maps rows to ids when collected
-        (no write may reach this namespace before then; the sidecar's pipeline makes sure)."""
+        """``search`` started on the device: a Future of (ids, scores). No write may reach this
+        namespace before it is collected (the sidecar's pipeline makes sure)."""
         if self.n == 0:
             b = len(queries)
-            return Completed(np.empty((b, 0), np.int64), np.empty((b, 0), np.float32))
-        return _IdsOf(self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k),
-                      self.row_ids)
+            return completed(np.empty((b, 0), np.int64), np.empty((b, 0), np.float32))
+        return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k,
+                                        row_ids=self.row_ids)
 
     def export_page(self, after: int, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32
@@ -171,9 +150,6 @@ class Namespace:
         rows = srows[lo:lo + limit]
         vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
         return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
-
-    def stats(self) -> NamespaceStats:
-        return NamespaceStats(rows=self.n, capacity=self.matrix.capacity)
 
 
 class MemoryStore:

@@ -11,9 +11,9 @@ import pytest
 
 from broker.errors import ClosedError
 from broker.layout import Metric
-from sidecar_cuda.backend import prepare_queries, prepare_rows
-from sidecar_cuda.cupy_backend import HALF_K, MAX_K, WARP_K, cuda_available
-from sidecar_cuda.numpy_backend import NumpyBackend
+from sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, cuda_available
+from sidecar_cuda.backends.numpy_backend import NumpyBackend
 from sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
@@ -29,7 +29,7 @@ REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
 
 @pytest.fixture(scope="module", params=DTYPES)
 def backend(request):
-    from sidecar_cuda.cupy_backend import CupyBackend
+    from sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype=request.param)
     yield be
@@ -150,7 +150,7 @@ def test_graph_replays_follow_n_b_k(backend, rng):
 
 
 def test_without_graphs(rng):
-    from sidecar_cuda.cupy_backend import CupyBackend
+    from sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float16", use_graphs=False)
     try:
@@ -248,7 +248,7 @@ def test_pinned_host_buffer_is_used_in_place(backend, rng):
 
 
 def test_bad_arguments_and_close(rng):
-    from sidecar_cuda.cupy_backend import CupyBackend
+    from sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float32")
     m, _x = fill(be, rng, 100, 8, Metric.DOT)

@@ -15,7 +15,7 @@ from clients import RecallPool
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk
 from clients._transport import Connection
-from sidecar_cuda.cupy_backend import cuda_available
+from sidecar_cuda.backends.cuda import cuda_available
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),

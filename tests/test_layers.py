@@ -154,7 +154,7 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "broker/errors.py": "from broker.layout import Status\n",
         "broker/cli.py": "import sidecar_cuda.server\n",
         "clients/__init__.py": "from clients.pool import RecallPool\n",
-        "clients/pool.py": "from clients import _ops\nfrom typing import TYPE_CHECKING\n"
+        "clients/pool.py": "from clients import _requests\nfrom typing import TYPE_CHECKING\n"
                            "if TYPE_CHECKING:\n    from kalos import x\n",
         "clients/_requests.py": "from . import pool\n",
         "sidecar_cuda/__init__.py": "",
@@ -169,4 +169,4 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
     assert layer_violations(graph) == ["broker.cli imports sidecar_cuda.server", "clients.pool imports kalos",
                                        "sidecar_cuda.objects imports clients.pool"]
     assert import_circles(graph) == [["broker.errors", "broker.layout"],
-                                     ["clients", "clients._ops", "clients.pool"]]
+                                     ["clients", "clients._requests", "clients.pool"]]

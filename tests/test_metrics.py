@@ -34,7 +34,7 @@ from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_to
 from sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
-    ring_take, ring_take_all, slots_matrix, top_namespaces,
+    ring_take_all, slots_matrix, top_namespaces,
 )
 from sidecar_cuda.objects import cleanup
 from sidecar_cuda.stats import BatchRecord, SidecarStats
@@ -115,6 +115,14 @@ def test_monotonic_totals_never_go_backwards_across_owner_changes(rng):
 def test_monotonic_totals_reject_a_layout_change():
     with pytest.raises(ValueError):
         MonotonicTotals(2, 2).update(np.zeros((3, 2)))
+
+
+def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tuple[np.ndarray, int, int]:
+    """:func:`ring_take_all` for one slot whose count after the copy is already known."""
+    vals, new_last, lost = ring_take_all(ring.reshape(1, -1), np.array([last], np.int64),
+                                         np.array([count], np.int64),
+                                         lambda: np.array([count_after], np.int64))
+    return vals, int(new_last[0]), lost
 
 
 class RingWriter:
@@ -287,19 +295,17 @@ def test_stage_aggregator_derives_service_time():
         (BatchRecord(size=2, compute_ns=30_000, t_post_ns=[990_000, 980_000], t_pick_ns=1_000_000,
                      t_done_ns=1_040_000), 1_090_000),
         # no done time: until the observer ran
-        (BatchRecord(size=1, compute_ns=5_000, queue_ns=[1_000], t_pick_ns=2_000_000), 2_008_000),
-        # no pick time either: queue + compute
-        (BatchRecord(size=1, compute_ns=7_000, queue_ns=[3_000]), 0),
+        (BatchRecord(size=1, compute_ns=5_000, t_post_ns=[1_999_000], t_pick_ns=2_000_000), 2_008_000),
         # the sidecar's one-request fast path: one posting time as a plain int
         (BatchRecord(size=1, compute_ns=4_000, t_post_ns=(2_995_000,), t_pick_ns=3_000_000,
                      t_done_ns=3_015_000), 3_020_000),
     ]
     agg.add(recs, now=1.0)
-    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 3_000, 5_000, 10_000, 20_000]
-    assert sorted(agg.windows["service"].values(1.0).tolist()) == [9_000, 10_000, 20_000, 50_000, 60_000]
-    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [4_000, 5_000, 7_000, 30_000]
-    assert agg.hist["service"].sum() == 5 and agg.sums_ns["service"] == 149_000
-    assert agg.batch_size.sum() == 4 and agg.batch_size_sum == 5
+    assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 5_000, 10_000, 20_000]
+    assert sorted(agg.windows["service"].values(1.0).tolist()) == [9_000, 20_000, 50_000, 60_000]
+    assert sorted(agg.windows["compute"].values(1.0).tolist()) == [4_000, 5_000, 30_000]
+    assert agg.hist["service"].sum() == 4 and agg.sums_ns["service"] == 139_000
+    assert agg.batch_size.sum() == 3 and agg.batch_size_sum == 4
 
 
 # --------------------------------------------------------------------------- the collector
@@ -398,11 +404,12 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     col = SidecarCollector(sc, namespace_labels=5)
     reg.register(col)
     col.attach()
-    sc.stats.record_batch(BatchRecord(size=3, compute_ns=40_000, queue_ns=[5_000, 6_000, 7_000],
-                                      t_pick_ns=time.monotonic_ns()))
-    sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, queue_ns=[4_000]))
+    t = time.monotonic_ns()
+    sc.stats.record_batch(BatchRecord(size=3, compute_ns=40_000, t_post_ns=[t - 5_000, t - 6_000, t - 7_000],
+                                      t_pick_ns=t))
+    sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, t_post_ns=[t - 4_000], t_pick_ns=t))
     col.detach()
-    sc.stats.record_batch(BatchRecord(size=1, compute_ns=1, queue_ns=[1]))  # not observed any more
+    sc.stats.record_batch(BatchRecord(size=1, compute_ns=1, t_post_ns=[t - 1], t_pick_ns=t))  # not observed any more
     sc.stats.record_error(Status.DIM_MISMATCH)
     sc.stats.record_error(Status.DIM_MISMATCH)
     sc.stats.record_error(Status.BACKEND_ERROR)

@@ -8,8 +8,8 @@ import pytest
 from broker.errors import InvalidRequest, PayloadTooLarge
 from broker.layout import Layout, Metric, Op, Status
 from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from sidecar_cuda.numpy_backend import NumpyBackend, topk_rows
-from sidecar_cuda.planning import (
+from sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
+from sidecar_cuda.batching import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
 from sidecar_cuda.store import MemoryStore, compaction_moves, last_wins
@@ -166,7 +166,7 @@ def test_store_upsert_delete_search_match_reference(rng, metric):
 
 
 def test_pipeline_decision():
-    from sidecar_cuda.server import PIPELINE_MIN_WORK, pipelined
+    from sidecar_cuda.batching import PIPELINE_MIN_WORK, pipelined
 
     assert not pipelined(10**15, -1)  # --pipeline off
     assert pipelined(0, 0) and pipelined(1, 0)  # --pipeline on

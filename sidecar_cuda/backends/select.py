@@ -1,13 +1,13 @@
 """The one place a backend is chosen: ``--backend auto|numpy|cuda`` becomes a :class:`Backend`.
 
 The backends are imported here, when chosen, and by nothing else of the sidecar:
-:mod:`sidecar_cuda.backend` stays the interface that every backend imports, with no circle.
+:mod:`sidecar_cuda.backends.base` stays the interface that every backend imports, with no circle.
 """
 
 from __future__ import annotations
 
 from broker.errors import ConfigError
-from sidecar_cuda.backend import Backend
+from sidecar_cuda.backends.base import Backend
 
 
 def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0) -> Backend:
@@ -19,8 +19,8 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0
         raise ConfigError(f"backend must be auto, numpy or cuda, got {kind!r}")
     if kind in ("auto", "cuda"):
         try:
-            from sidecar_cuda.cupy_backend import CupyBackend, cuda_available
-        except ImportError as e:  # no cupy_backend module or no cupy
+            from sidecar_cuda.backends.cuda import CupyBackend, cuda_available
+        except ImportError as e:  # no CUDA backend module or no CuPy
             if kind == "cuda":
                 raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
         else:
@@ -31,6 +31,6 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0
                 raise ConfigError(f"--backend cuda: {why}")
     if storage_dtype != "float32":
         raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
-    from sidecar_cuda.numpy_backend import NumpyBackend
+    from sidecar_cuda.backends.numpy_backend import NumpyBackend
 
     return NumpyBackend()

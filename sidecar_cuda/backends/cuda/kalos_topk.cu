@@ -1,11 +1,17 @@
 // Exact top-k similarity search for the Kalos sidecar.
 //
-// Compiled once per process by cupy.RawModule (NVRTC, for the device's own architecture) with
-// -DKALOS_STORAGE=0|1|2 choosing how matrix rows are stored: float32, float16 or bfloat16 (the two
-// 16-bit formats are held as raw unsigned shorts and widened here; no CUDA headers are needed).
+// Compiled once per process by cupy.RawModule (NVRTC, for the device's own architecture). Every
+// constant the host code shares with these kernels comes from sidecar_cuda/backends/cuda/kernels.py
+// as a -D option (compile_options); none has a default here, so a build without them fails:
+//   KALOS_STORAGE      0|1|2: matrix rows stored as float32, float16 or bfloat16 (the two 16-bit
+//                      formats are held as raw unsigned shorts and widened here; no CUDA headers)
+//   KALOS_VEC          storage elements per 16-byte vector (rows are padded to 16 bytes)
+//   KALOS_BLOCK        threads per block of every search kernel
+//   KALOS_HEADER_INTS  int32 words of the request header before the queries
+//   KALOS_HC           candidates rescored per query on the half-score path (one per lane)
 // All arithmetic accumulates in float32.
 //
-// Layout shared with sidecar_cuda/cupy_backend.py (keep the two in step):
+// Layout shared with sidecar_cuda/backends/cuda/ (backend.py, paths.py):
 //   matrix X      store_t [capacity][dpad]  rows padded with zeros to dpad (16-byte rows)
 //   sqn           float   [capacity]        squared norm of each stored (rounded) row, for l2
 //   request       int32 header[16] = {n, B, k, l2, 0...} then float32 queries [B][dpad]
@@ -23,22 +29,29 @@
 //     buffer of C = next_pow2(k + blockDim) entries; whenever it could overflow within the next
 //     step it is bitonic-sorted and cut back to k, which raises the threshold.
 
-#ifndef KALOS_STORAGE
-#define KALOS_STORAGE 0
+#if !defined(KALOS_STORAGE) || !defined(KALOS_VEC) || !defined(KALOS_BLOCK) || \
+    !defined(KALOS_HEADER_INTS) || !defined(KALOS_HC)
+#error "compile with the -D options of sidecar_cuda/backends/cuda/kernels.py (compile_options)"
+#endif
+#if KALOS_HC != 32
+#error "KALOS_HC must be 32: kalos_rescore_h gives each lane of a warp one candidate"
+#endif
+#if KALOS_BLOCK % 32 != 0
+#error "KALOS_BLOCK must be a whole number of warps"
 #endif
 
 #define FULL_MASK 0xffffffffu
-#define KALOS_BLOCK 256
-#define KALOS_HEADER_INTS 16
+#define VEC KALOS_VEC
 
 typedef long long i64;
 
 #if KALOS_STORAGE == 0
 typedef float store_t;
-#define VEC 4
 #else
 typedef unsigned short store_t;
-#define VEC 8
+#endif
+#if KALOS_VEC * (KALOS_STORAGE == 0 ? 4 : 2) != 16
+#error "KALOS_VEC must fill 16 bytes with the storage type"
 #endif
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
@@ -584,7 +597,7 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_b(
 }
 
 // ------------------------------------------------------------------ half-score GEMM path
-// float16 storage, k <= 16 (cupy_backend._plan). Each query is scaled by a power of two 2^-e
+// float16 storage, k <= 16 (backends/cuda/planner.py). Each query is scaled by a power of two 2^-e
 // (qscale = 2^e) so that no score can overflow float16, rounded to float16, and cuBLAS writes the
 // scores S'[b][c] = 2^-e q'.x as float16 (half the bytes of float32 scores, written once, read
 // once). The 32 best rows by these approximate scores are kept per query, rescored in float32
@@ -593,7 +606,6 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_scores_topk_b(
 // accumulations, below); so if the k-th rescored score is >= the 32nd approximate score + E, no
 // row outside the 32 can beat the answer, and the answer is the exact top-k. A query where that
 // does not hold (near-ties, degenerate data) is flagged and redone on the float32 path by the host.
-#define KALOS_HC 32
 
 __device__ __forceinline__ float warp_max(float a) {
 #pragma unroll

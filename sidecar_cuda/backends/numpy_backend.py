@@ -1,18 +1,19 @@
 """CPU backend: one matrix product for the whole batch, then exact top-k per query.
 
 ``search_async`` runs the search on the backend's one worker thread (numpy releases the GIL in
-the product and the selection), so the sidecar's pipeline overlaps it with its own work."""
+the product and the selection) and returns its Future, so the sidecar's pipeline overlaps it with
+its own work."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from broker.layout import Metric
-from sidecar_cuda.backend import Completed
+from sidecar_cuda.backends.base import PendingSearch, SearchResult
 
 
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -37,25 +38,9 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return part[r, o], v[r, o]
 
 
-class _Threaded:
-    """A search running on the backend's worker thread."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future[tuple[np.ndarray, np.ndarray]]) -> None:
-        self._future = future
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def result(self) -> tuple[np.ndarray, np.ndarray]:
-        return self._future.result()
-
-
 class NumpyMatrix:
-    def __init__(self, dim: int, capacity: int, metric: Metric,
-                 backend: NumpyBackend | None = None) -> None:
-        self.backend = backend
+    def __init__(self, dim: int, capacity: int, metric: Metric, backend: NumpyBackend) -> None:
+        self.backend = backend  # its worker thread runs search_async
         self.dim = dim
         self.metric = metric
         self.capacity = max(1, capacity)
@@ -84,17 +69,21 @@ class NumpyMatrix:
         sq[: self.capacity] = self.sqnorm
         self.data, self.sqnorm, self.capacity = data, sq, capacity
 
-    def search(self, queries: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
         scores = queries.dot(self.data[:n].T)
         if self.metric == Metric.L2:
             qn = np.einsum("ij,ij->i", queries, queries)
             scores = 2.0 * scores - self.sqnorm[:n][None, :] - qn[:, None]
         return topk_rows(scores, k)
 
-    def search_async(self, queries: np.ndarray, n: int, k: int) -> Completed | _Threaded:
-        if self.backend is None:
-            return Completed(*self.search(queries, n, k))
-        return self.backend.submit(self.search, queries, n, k)
+    def search_async(self, queries: np.ndarray, n: int, k: int, *,
+                     row_ids: np.ndarray | None = None) -> PendingSearch:
+        return self.backend.submit(self._search_ids, queries, n, k, row_ids)
+
+    def _search_ids(self, queries: np.ndarray, n: int, k: int,
+                    row_ids: np.ndarray | None) -> SearchResult:
+        rows, scores = self.search(queries, n, k)
+        return (rows if row_ids is None else row_ids[rows]), scores
 
 
 class NumpyBackend:
@@ -109,10 +98,11 @@ class NumpyBackend:
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
         return NumpyMatrix(dim, capacity, metric, self)
 
-    def submit(self, fn: Callable[..., tuple[np.ndarray, np.ndarray]], *args: Any) -> _Threaded:
+    def submit(self, fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:
+        """Run ``fn(*args)`` on the backend's one worker thread (started on first use)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kalos-search")
-        return _Threaded(self._pool.submit(fn, *args))
+        return self._pool.submit(fn, *args)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return np.empty(shape, dtype)

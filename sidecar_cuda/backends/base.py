@@ -1,0 +1,133 @@
+"""The backend interface: where the memory matrix lives and how a batch is searched.
+
+A backend owns device memory; everything about ids, namespaces, payloads and durability lives in
+:mod:`sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
+:func:`sidecar_cuda.backends.select.choose_backend`; this module imports none of them.
+
+A search started with ``search_async`` is a :class:`concurrent.futures.Future` of (rows, scores):
+a finished one (:func:`completed`), the numpy backend's worker-thread future, or a
+:class:`PolledFuture` (the CUDA backend's, and the store's mapping of rows to ids), which nobody
+resolves from another thread: ``done()`` asks the device without blocking, ``result()`` collects.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Protocol, TypeVar
+
+import numpy as np
+
+from broker.layout import Metric
+
+#: (rows or ids int64 (B, kk), scores float32 (B, kk)), best first.
+SearchResult = tuple[np.ndarray, np.ndarray]
+#: A search under way on a backend's device (the sidecar's pipeline keeps up to two).
+PendingSearch = Future[SearchResult]
+
+T = TypeVar("T")
+
+
+def completed(rows: np.ndarray, scores: np.ndarray) -> PendingSearch:
+    """A search that finished when it was started (empty searches)."""
+    f: PendingSearch = Future()
+    f.set_result((rows, scores))
+    return f
+
+
+class PolledFuture(Future[T]):
+    """A Future resolved by whoever asks, on the asking thread (the sidecar's serving thread).
+
+    ``done()`` never blocks: it is True once the work has finished (or failed), so that
+    ``result()`` will not wait. ``result()`` collects the work (waiting if need be), resolves the
+    future with its value or its exception, and returns or raises it; later calls return the same.
+    Subclasses give ``_poll()`` (non-blocking: has the work finished?) and ``_collect()``.
+    Not for other threads: nothing resolves it until ``result()`` is called."""
+
+    _collected = False  # resolved (set_result or set_exception done)
+
+    def _poll(self) -> bool:
+        raise NotImplementedError
+
+    def _collect(self) -> T:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        if self._collected:
+            return True
+        try:
+            return self._poll()
+        except Exception:  # a failed device: result() raises it
+            return True
+
+    def result(self, timeout: float | None = None) -> T:
+        if not self._collected:
+            self._collected = True
+            try:
+                value = self._collect()
+            except BaseException as e:
+                self.set_exception(e)
+                raise
+            self.set_result(value)
+            return value
+        return super().result(timeout)
+
+
+class Matrix(Protocol):
+    """Rows of one namespace, resident on the backend's device. Rows [0, n) are live."""
+
+    capacity: int
+
+    def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        """Store float32 ``vectors`` (m, d) at row indices ``rows`` (m,) (already metric-prepared)."""
+
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy rows ``src`` onto rows ``dst`` (compaction after deletes; src and dst disjoint)."""
+
+    def grow(self, capacity: int) -> None:
+        """Grow to hold ``capacity`` rows, keeping the existing ones."""
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Stored rows as float32 (m, d), for export."""
+
+    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
+        """Exact top-k over rows [0, n) for float32 ``queries`` (B, d).
+
+        Returns (rows int64 (B, kk), scores float32 (B, kk)), kk = min(k, n), best first.
+        Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
+        """
+
+    def search_async(self, queries: np.ndarray, n: int, k: int, *,
+                     row_ids: np.ndarray | None = None) -> PendingSearch:
+        """Start the same search and return at once. ``queries`` must stay untouched until the
+        result is collected. At most two searches of a backend may be pending at a time, and no
+        write, move or growth of the matrix may happen while one of its searches is.
+        ``row_ids``: the result's rows come back as ``row_ids[rows]`` (the store's ids of its
+        rows), looked up where the search finishes (the numpy backend's worker thread)."""
+
+
+class Backend(Protocol):
+    name: str  # "numpy" | "cuda"
+    code: int  # header "backend" field: 1 numpy, 2 cuda
+    description: str  # human-readable device line, printed at start
+    max_k: int  # largest k this backend can serve
+
+    def new_matrix(self, dim: int, capacity: int, metric: Metric) -> Matrix: ...
+
+    def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """Staging memory for gathering a batch (pinned on CUDA)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def prepare_rows(vectors: np.ndarray, metric: Metric) -> np.ndarray:
+    """Cosine stores unit rows (normalised at insert); dot and l2 store rows as given."""
+    if metric == Metric.COSINE:
+        norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+        norms[norms == 0] = 1.0
+        return np.ascontiguousarray(vectors / norms, dtype=np.float32)
+    return vectors
+
+
+def prepare_queries(queries: np.ndarray, metric: Metric) -> np.ndarray:
+    return prepare_rows(queries, metric)

@@ -1,0 +1,144 @@
+"""Rows of one namespace on the GPU: the CUDA backend's :class:`~sidecar_cuda.backends.base.Matrix`.
+
+Rows are stored in the storage dtype, padded with zeros to whole 16-byte vectors, with the squared
+norm of every stored row beside them (for l2). Writes, moves and growth are device-side updates of
+just those rows; searches are the backend's (:class:`MatrixOwner`).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import numpy as np
+
+from broker.layout import Metric
+from sidecar_cuda.backends.base import PendingSearch, SearchResult
+from sidecar_cuda.backends.cuda.kernels import BLOCK, Kernels
+
+
+class MatrixOwner(Protocol):
+    """What a matrix uses of its backend (:class:`~sidecar_cuda.backends.cuda.backend.CupyBackend`)."""
+
+    _cp: Any
+    _stream: Any
+    _kern: Kernels
+    _vec: int
+    _np_store: Any
+    _storage_code: int
+
+    def _check_usable(self) -> None: ...
+
+    def _guard(self, what: str) -> AbstractContextManager[None]: ...
+
+    def search(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int) -> SearchResult: ...
+
+    def search_async(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int, path: str | None = None,
+                     *, row_ids: np.ndarray | None = None) -> PendingSearch: ...
+
+
+class CupyMatrix:
+    """Rows [0, capacity) of one namespace on the GPU (see the module docstring)."""
+
+    def __init__(self, backend: MatrixOwner, dim: int, capacity: int, metric: Metric) -> None:
+        if dim < 1:
+            raise ValueError(f"dim must be >= 1, got {dim}")
+        cp = backend._cp
+        self.backend = backend
+        self.dim = dim
+        self.metric = metric
+        self.dpad = -(-dim // backend._vec) * backend._vec
+        self.capacity = max(1, int(capacity))
+        if self.capacity >= 2**31:
+            raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
+        self.l2 = int(metric == Metric.L2)
+        # An upper bound on the norm of every stored row (the half-score path's error bound):
+        # raised by writes, never lowered (moves and deletes leave it a valid bound).
+        self.max_norm = 0.0
+        with backend._stream:
+            self.data = cp.zeros((self.capacity, self.dpad), backend._np_store)
+            self.sqn = cp.zeros(self.capacity, np.float32)
+        self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
+
+    def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
+        rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+        vectors = np.ascontiguousarray(vectors, np.float32)
+        if vectors.ndim != 2 or vectors.shape != (len(rows), self.dim):
+            raise ValueError(f"vectors of shape {vectors.shape} for {len(rows)} rows of dim {self.dim}")
+        if len(rows) == 0:
+            return
+        if rows.min() < 0 or rows.max() >= self.capacity:
+            raise IndexError(f"row outside [0, {self.capacity})")
+        be = self.backend
+        be._check_usable()
+        norm = float(np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64).max()))
+        # Rounding to a 16-bit format lengthens a row by a relative 2^-8 at most, plus 2^-25 per
+        # element where float16 values are subnormal.
+        self.max_norm = max(self.max_norm, norm * (1.0 + 2.0 ** -7) + math.sqrt(self.dpad) * 2.0 ** -24)
+        cp = be._cp
+        with be._guard("write_rows"), be._stream:
+            d_rows = cp.asarray(rows)
+            d_vec = cp.asarray(vectors)
+            m = len(rows)
+            be._kern.write((-(-m * 32 // BLOCK),), (BLOCK,),
+                        (self.data, self.sqn, np.int32(self.dpad), d_rows, d_vec, np.int32(m),
+                         np.int32(self.dim)), stream=be._stream)
+
+    def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
+        src = np.ascontiguousarray(src, np.int64).reshape(-1)
+        dst = np.ascontiguousarray(dst, np.int64).reshape(-1)
+        if len(src) != len(dst):
+            raise ValueError("src and dst differ in length")
+        if len(src) == 0:
+            return
+        if min(src.min(), dst.min()) < 0 or max(src.max(), dst.max()) >= self.capacity:
+            raise IndexError(f"row outside [0, {self.capacity})")
+        be = self.backend
+        be._check_usable()
+        cp = be._cp
+        with be._guard("move_rows"), be._stream:
+            m = len(src)
+            be._kern.move((-(-m * 32 // BLOCK),), (BLOCK,),
+                       (self.data, self.sqn, np.int32(self.dpad), cp.asarray(src), cp.asarray(dst),
+                        np.int32(m)), stream=be._stream)
+
+    def grow(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        if capacity >= 2**31:
+            raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
+        be = self.backend
+        be._check_usable()
+        cp = be._cp
+        with be._guard(f"growing a matrix to {capacity} rows"), be._stream:
+            data = cp.zeros((capacity, self.dpad), be._np_store)
+            sqn = cp.zeros(capacity, np.float32)
+            data[: self.capacity] = self.data  # device-to-device
+            sqn[: self.capacity] = self.sqn
+            self.data, self.sqn, self.capacity = data, sqn, capacity
+            self.ptrs = (int(data.data.ptr), int(sqn.data.ptr))
+
+    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
+        return self.backend.search(self, queries, n, k)
+
+    def search_async(self, queries: np.ndarray, n: int, k: int, *,
+                     row_ids: np.ndarray | None = None) -> PendingSearch:
+        return self.backend.search_async(self, queries, n, k, row_ids=row_ids)
+
+    def read_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Stored rows as float32 (m, d): the storage dtype's values, widened (for export)."""
+        rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+        if len(rows) and (rows.min() < 0 or rows.max() >= self.capacity):
+            raise IndexError(f"row outside [0, {self.capacity})")
+        be = self.backend
+        be._check_usable()
+        with be._guard("read_rows"), be._stream:
+            sel = self.data[be._cp.asarray(rows)][:, : self.dim]
+            raw: np.ndarray = be._cp.asnumpy(sel, stream=be._stream)
+            be._stream.synchronize()
+        if be._storage_code == 0:
+            return np.ascontiguousarray(raw, np.float32)
+        if be._storage_code == 1:
+            return raw.view(np.float16).astype(np.float32)
+        return (raw.astype(np.uint32) << 16).view(np.float32)

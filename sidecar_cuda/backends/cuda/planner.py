@@ -1,0 +1,63 @@
+"""Which path a CUDA search takes, and how big its pieces are. Pure: no CuPy, no device.
+
+* ``small``: the fused kernel (k <= 32, and one query or a small score matrix);
+* ``gemmh``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
+* ``gemm``: the float32-score GEMM, everything else.
+
+The thresholds were measured on an H200 (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+from sidecar_cuda.backends.cuda.kernels import BLOCK, SMALL_QT, WARP_K
+
+ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
+ZERO_COPY_BLOCKS = 4  # at most this many blocks read the request from host memory directly
+GEMM_BLOCKS = 528  # top-k blocks aimed for per GEMM chunk (4 per SM on an H100/H200)
+SCORE_BUFFER_FLOATS = 1 << 26  # GEMM path: float32 scores per chunk (256 MiB; 32 MiB chunks that
+# stay in L2 measured 1.6x slower at 1M x 768, b = 256: many small GEMMs lose more than L2 saves)
+GRAPH_CACHE = 256  # CUDA graphs of the fused path kept (one per launch shape)
+HALF_K = 16  # half-score path: largest k (the answer is proven exact against 32 candidates)
+HALF_WORK_MIN = 1 << 26  # half-score path from this many scores (rows x queries) up: measured on
+# the H200 it costs ~60 us more than the GEMM path at 100k rows (any batch), the same at 1M x 64,
+# and 17% less at 1M x 256 (docs/gpu.md)
+HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
+# 256 queries x 1M rows, so one large GEMM)
+
+#: Batch size -> queries per block of the fused kernel (the smallest QT >= b).
+QT_FOR = {b: next(q for q in SMALL_QT if q >= b) for b in range(1, SMALL_QT[-1] + 1)}
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def small_smem(qt: int, dpad: int) -> int:
+    """Dynamic shared memory of the fused kernel for ``qt`` queries of ``dpad`` floats."""
+    warps = BLOCK // 32
+    return 4 * (qt * dpad + qt) + warps * qt * 32 * 8 + 16
+
+
+def half_ok(storage_code: int, k: int, max_norm: float) -> bool:
+    """Can the half-score path serve k over rows whose norms are bounded by ``max_norm``?"""
+    return storage_code == 1 and k <= HALF_K and 0.0 < max_norm < 1e30
+
+
+def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch_max: int,
+              small_work_max: int, half: bool) -> tuple[str, int]:
+    """("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries over n rows.
+    ``half``: :func:`half_ok` for this matrix and k."""
+    if k <= WARP_K and (b <= small_batch_max or n * b <= small_work_max):
+        qt = QT_FOR[min(b, SMALL_QT[-1])]
+        while qt > 1 and small_smem(qt, dpad) > smem_optin:
+            qt //= 2
+        if small_smem(qt, dpad) <= smem_optin:
+            return "small", qt
+    if n * b >= HALF_WORK_MIN and half:
+        return "gemmh", 0
+    return "gemm", 0
+
+
+def size_bucket(b: int) -> str:
+    """Batch-size bucket of the per-path search statistics."""
+    return "1" if b == 1 else "2-8" if b <= 8 else "9-64" if b <= 64 else "65-512" if b <= 512 else ">512"

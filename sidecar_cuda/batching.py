@@ -1,0 +1,292 @@
+"""Pure decisions of the sidecar: which slots are ready, which route a batch takes (and why not a
+faster one), what a slot asks for, how a batch is grouped and packed.
+
+No I/O here: the sidecar reads shared memory, calls these, and acts on what they return. Routes,
+fastest first, as :func:`classify` picks them for the requests taken in one pass:
+
+========  ======================================================================================
+SINGLE    one plain recall (one query vector, no payloads, k in range, a namespace that exists,
+          a finite query) and no batch in flight: fields read (:class:`SlotRef`) and written
+          through word views, the query searched in place; no record is copied.
+UNIFORM   every request such a recall, all in one namespace: one gathered search, decided with a
+          fixed number of numpy calls whatever the batch size. ``pipelined``: big enough to be
+          left in flight while the next batch is taken (``--pipeline``, :func:`pipelined`).
+GENERAL   anything else: each request parsed (:func:`parse_request`), rejected with a status or
+          grouped (:func:`plan_batch`): writes first in posting order, then recalls by namespace.
+========  ======================================================================================
+
+A plan that is not SINGLE says in ``reason`` why the faster route was not taken ("2 namespaces",
+"payloads requested", "k=0 out of range 1..128", "non-finite query", "unknown namespace", ...).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, Protocol, TypeVar
+
+import numpy as np
+
+from broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
+from broker.names import decode_namespace
+
+_RECALL = int(Op.RECALL)  # plain ints: cheaper than enum members in comparisons
+_OPS = {int(o): o for o in Op}
+
+#: ``--pipeline auto`` pipelines a batch of at least this many multiply-adds (rows x queries x
+#: dim). Measured on the H200 (bench/results/README.md): pipelining raised 256 tasks at 1M x 768
+#: from ~100-110k to 116-141k recalls/s, but lowered 256 x 128 (339k -> 238k/s) and 100k x 768
+#: (237k -> 208k/s), where the host, not the device, bounds a batch.
+PIPELINE_MIN_WORK = 1 << 34
+
+
+def pipelined(work: int, min_work: int) -> bool:
+    """Leave a started batch in flight (and take the next one meanwhile)? ``min_work`` < 0: never."""
+    return 0 <= min_work <= work
+
+
+def posted_slots(states: np.ndarray) -> np.ndarray:
+    """Indices of slots whose request is complete (state POSTED)."""
+    posted: np.ndarray = (states == S_POSTED).nonzero()[0]
+    return posted
+
+
+# --------------------------------------------------------------------------- routes
+
+class Route(enum.Enum):
+    SINGLE = "single"
+    UNIFORM = "uniform"
+    GENERAL = "general"
+
+
+class HasRows(Protocol):
+    """What classify needs of a namespace: its live rows (the pipeline's work estimate)."""
+
+    @property
+    def n(self) -> int: ...
+
+
+N = TypeVar("N", bound=HasRows)
+#: (raw namespace bytes, ns_len) as a client wrote them -> the namespace, or None (invalid or absent).
+Lookup = Callable[[tuple[bytes, int]], "N | None"]
+
+
+class Limits(NamedTuple):
+    """What a plan depends on besides the requests: fixed for a sidecar's life."""
+
+    k_limit: int  # largest k served: min(layout max_k, backend max_k)
+    dim: int
+    min_work: int  # pipeline a batch of this many multiply-adds and more; < 0: never
+
+
+class SlotRef(NamedTuple):
+    """One slot's request as the SINGLE route reads it: in place, word by word, through word
+    views of the segment. Made once per slot, so classifying a request allocates nothing for it."""
+
+    words: SlotWords
+    mem: mmap.mmap  # the segment, where the namespace bytes are sliced from
+    slot: int
+    ns_off: int  # byte offset of the slot's namespace field (broker.layout.slot_field_offset)
+
+
+class Plan(Generic[N]):
+    """What to do with the requests taken in one pass. ``namespace`` and ``k`` (the largest k
+    asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only."""
+
+    __slots__ = ("route", "reason", "namespace", "k", "pipelined")
+
+    def __init__(self, route: Route, reason: str = "", namespace: N | None = None, k: int = 0,
+                 pipelined: bool = False) -> None:
+        self.route = route
+        self.reason = reason
+        self.namespace = namespace
+        self.k = k
+        self.pipelined = pipelined
+
+    def __repr__(self) -> str:
+        return (f"Plan({self.route.name}, {self.reason!r}, k={self.k}"
+                f"{', pipelined' if self.pipelined else ''})")
+
+
+def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N],
+             limits: Limits) -> Plan[N]:
+    """The route of the requests taken in one pass.
+
+    ``batch``: a :class:`SlotRef` (one request, no batch in flight: the SINGLE candidate), or the
+    control-block records of the taken slots (``broker.layout.slot_dtype()``: UNIFORM
+    candidates). ``queries``: each request's first query row, (len, dim) float32 (gathered, or the
+    slot's own row for a SlotRef)."""
+    if type(batch) is SlotRef:
+        return _classify_slot(batch, queries, lookup, limits)
+    assert isinstance(batch, np.ndarray)
+    if len(batch) == 1:
+        return _classify_record(batch[0], queries, lookup, limits)
+    return _classify_many(batch, queries, lookup, limits)
+
+
+def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+    W, i = ref.words, ref.slot
+    u32 = W.u32
+    k = u32[W.k[i]]
+    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and u32[W.flags[i]] == 0
+            and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], k,
+                                                  limits.k_limit))
+    ns_len = u32[W.ns_len[i]]
+    off = ref.ns_off
+    ns = lookup((ref.mem[off:off + (ns_len if ns_len < NAMESPACE_BYTES else NAMESPACE_BYTES)],
+                 ns_len))
+    if ns is None:
+        return Plan(Route.GENERAL, "unknown namespace")
+    if not math.isfinite(q.sum()) and not np.isfinite(q).all():  # (a finite sum may overflow)
+        return Plan(Route.GENERAL, "non-finite query")
+    return Plan(Route.SINGLE, "", ns, k)
+
+
+def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+    """One request behind a batch in flight: its control block read with plain ints."""
+    op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
+    if not (op == _RECALL and nq == 1 and flags == 0 and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(op, nq, flags, k, limits.k_limit))
+    ns = lookup((bytes(r["namespace"]), int(r["ns_len"])))
+    if ns is None:
+        return Plan(Route.GENERAL, "unknown namespace")
+    if not np.isfinite(q).all():
+        return Plan(Route.GENERAL, "non-finite query")
+    return Plan(Route.UNIFORM, "a batch is in flight", ns, k,
+                pipelined(ns.n * limits.dim, limits.min_work))
+
+
+def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+    k = rec["k"]
+    ns_len = rec["ns_len"]
+    # k is unsigned: k - 1 wraps to a huge value for k = 0.
+    if not ((rec["op"] == _RECALL) & (rec["nq"] == 1) & (rec["flags"] == 0)
+            & (k - 1 < limits.k_limit) & (ns_len == ns_len[0])).all():
+        return Plan(Route.GENERAL, _batch_problem(rec, limits.k_limit))
+    nsraw = rec["namespace"]
+    if not (nsraw == nsraw[0]).all():
+        return Plan(Route.GENERAL, f"{len(set(nsraw.tolist()))} namespaces")
+    ns = lookup((bytes(nsraw[0]), int(ns_len[0])))
+    if ns is None:
+        return Plan(Route.GENERAL, "unknown namespace")
+    if not np.isfinite(q).all():
+        return Plan(Route.GENERAL, "non-finite query")
+    return Plan(Route.UNIFORM, "several requests", ns, int(k.max()),
+                pipelined(ns.n * len(rec) * limits.dim, limits.min_work))
+
+
+def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int) -> str:
+    """Why one request's fields keep it off the fast routes (the first reason found)."""
+    if op != _RECALL:
+        name = _OPS[op].name if op in _OPS else str(op)
+        return f"op {name} is not a recall"
+    if nq != 1:
+        return f"nq={nq}: not one query"
+    if flags & Flag.WITH_PAYLOAD:
+        return "payloads requested"
+    if flags:
+        return f"flags={flags:#x}"
+    return f"k={k} out of range 1..{k_limit}"
+
+
+def _batch_problem(rec: np.ndarray, k_limit: int) -> str:
+    """:func:`_field_problem` of the first request that has one, else the namespaces' lengths."""
+    for r in rec:
+        op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
+        if not (op == _RECALL and nq == 1 and flags == 0 and 1 <= k <= k_limit):
+            return _field_problem(op, nq, flags, k, k_limit)
+    return f"{len(set(zip(rec['namespace'].tolist(), rec['ns_len'].tolist())))} namespaces"
+
+
+# --------------------------------------------------------------------------- the general route
+
+@dataclass(slots=True)
+class Request:
+    slot: int
+    op: Op
+    namespace: str
+    k: int
+    nq: int
+    flags: int
+    t_post_ns: int
+    generation: int
+
+
+@dataclass(slots=True)
+class Rejection:
+    slot: int
+    status: Status
+    detail: str
+    generation: int
+
+
+@dataclass(slots=True)
+class SlotFields:
+    """A slot's request header as read from shared memory (any values a client could write)."""
+
+    op: int
+    k: int
+    nq: int
+    flags: int
+    blob_len: int
+    ns_len: int
+    namespace: bytes
+    generation: int
+    t_post_ns: int
+
+
+def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) -> Request | Rejection:
+    """Check a slot's header fields as a broken client could have written them."""
+    gen = f.generation
+    op = _OPS.get(f.op)
+    if op is None:
+        return Rejection(slot, Status.UNKNOWN_OP, f"unknown op {f.op}", gen)
+    ns = decode_namespace(f.namespace, f.ns_len)
+    if ns is None and op != Op.LIST_NAMESPACES:
+        return Rejection(slot, Status.BAD_REQUEST, "invalid namespace field", gen)
+    nq = f.nq
+    k = f.k
+    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT):
+        if not 1 <= nq <= layout.max_queries:
+            return Rejection(slot, Status.TOO_MANY_QUERIES,
+                             f"nq={nq} outside 1..{layout.max_queries}", gen)
+    if op == Op.RECALL:
+        limit = min(layout.max_k, backend_max_k)
+        if not 1 <= k <= limit:
+            return Rejection(slot, Status.K_OUT_OF_RANGE, f"k={k} outside 1..{limit}", gen)
+    if f.blob_len > layout.blob_bytes:
+        return Rejection(slot, Status.BAD_REQUEST, f"blob_len={f.blob_len} > {layout.blob_bytes}", gen)
+    return Request(slot, op, ns or "", k, nq, f.flags, f.t_post_ns, gen)
+
+
+@dataclass
+class BatchPlan:
+    """Writes first, in posting order (so acknowledged order is apply order), then recalls by
+    namespace (one backend call each), then the rest."""
+
+    writes: list[Request] = field(default_factory=list)
+    recalls: dict[str, list[Request]] = field(default_factory=dict)
+    others: list[Request] = field(default_factory=list)
+
+
+def plan_batch(requests: list[Request]) -> BatchPlan:
+    plan = BatchPlan()
+    for r in sorted(requests, key=lambda r: r.t_post_ns):
+        if r.op == Op.RECALL:
+            plan.recalls.setdefault(r.namespace, []).append(r)
+        elif r.op in (Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE):
+            plan.writes.append(r)
+        else:
+            plan.others.append(r)
+    return plan
+
+
+def pack_offsets(nqs: list[int]) -> np.ndarray:
+    """Start row of each request's queries in the gathered batch matrix (plus the total). Pure."""
+    out = np.zeros(len(nqs) + 1, np.int64)
+    np.cumsum(nqs, out=out[1:])
+    return out

@@ -1,0 +1,244 @@
+"""The GENERAL route: any batch, request by request. Every op is served here (writes, payloads,
+several namespaces, listing, export) and every request a broken client wrote gets its own status.
+
+Each request is parsed (:func:`~sidecar_cuda.batching.parse_request`); a rejected one is answered
+at once with its status; the rest are grouped (:func:`~sidecar_cuda.batching.plan_batch`): writes
+first in posting order (made durable, then applied), then one search per namespace, then the other
+ops. An unexpected error in a group answers that group SERVER_ERROR (logged) and the rest of the
+batch is served as usual. Answers are written through the :class:`~sidecar_cuda.answers.AnswerWriter`
+and published by the caller once the whole batch is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from broker.layout import Flag, Op, SegmentView, Status
+from broker.validation import payload_problem
+from sidecar_cuda.answers import AnswerWriter
+from sidecar_cuda.batching import Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch
+from sidecar_cuda.persist import Persistence, StoreError, Write
+from sidecar_cuda.store import MemoryStore
+
+log = logging.getLogger("kalos.sidecar")
+
+
+class GeneralRoute:
+    """Serves batches request by request (see the module docstring).
+
+    ``staging``: room for every query of a batch (only used while no batch is in flight);
+    ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
+
+    def __init__(self, seg: SegmentView, writer: AnswerWriter, store: MemoryStore,
+                 persist: Persistence | None, staging: np.ndarray, *, backend_max_k: int,
+                 payload_limit: int, on_unexpected: Callable[[str, BaseException], None]) -> None:
+        self.seg = seg
+        self.layout = seg.layout
+        self.writer = writer
+        self.store = store
+        self.persist = persist
+        self._staging = staging
+        self._backend_max_k = backend_max_k
+        self._payload_limit = payload_limit
+        self._on_unexpected = on_unexpected
+
+    def serve(self, taken: list[int], rec: np.ndarray) -> None:
+        """Answer (not yet publish) the requests of slots ``taken``, whose control blocks were read
+        into ``rec`` when they were taken."""
+        reqs: list[Request] = []
+        for i, r in zip(taken, rec):
+            f = SlotFields(op=int(r["op"]), k=int(r["k"]), nq=int(r["nq"]), flags=int(r["flags"]),
+                           blob_len=int(r["blob_len"]), ns_len=int(r["ns_len"]),
+                           namespace=bytes(r["namespace"]), generation=int(r["generation"]),
+                           t_post_ns=int(r["t_post_ns"]))
+            p = parse_request(i, f, self.layout, self._backend_max_k)
+            if isinstance(p, Rejection):
+                self._answer(p, p.status, p.detail)
+            else:
+                reqs.append(p)
+        plan = plan_batch(reqs)
+        if plan.writes:
+            self._guarded(plan.writes, lambda: self._serve_writes(plan.writes))
+        for ns, group in plan.recalls.items():
+            self._guarded(group, lambda: self._serve_recalls(ns, group))
+        for r in plan.others:
+            self._guarded([r], lambda: self._serve_other(r))
+
+    def _guarded(self, group: list[Request], serve: Callable[[], None]) -> None:
+        """Serve a group of requests; an unexpected error answers the whole group SERVER_ERROR
+        (logged) and the rest of the batch is served as usual."""
+        try:
+            serve()
+        except Exception as e:
+            self._on_unexpected(f"serving {len(group)} request(s) failed", e)
+            for r in group:
+                self._answer(r, Status.SERVER_ERROR,
+                             f"the sidecar failed serving this request ({type(e).__name__}); "
+                             "it was logged")
+
+    def _answer(self, r: Request | Rejection, status: Status, detail: str = "",
+                n_results: int = 0) -> None:
+        self.writer.answer(r.slot, r.generation, status, detail, n_results)
+
+    # ------------------------------------------------------------------ recalls
+    def _serve_recalls(self, ns_name: str, group: list[Request]) -> None:
+        ns = self.store.get(ns_name)
+        if ns is None:
+            for r in group:
+                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
+            return
+        if len(group) == 1:  # read the queries in place: no gather copy
+            offs = [0]
+            q = self.seg.slot[group[0].slot].queries[: group[0].nq]
+        else:
+            offs = pack_offsets([r.nq for r in group]).tolist()
+            q = self._staging[: offs[-1]]
+            for r, o in zip(group, offs):
+                q[o:o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
+        if not np.isfinite(q).all():
+            # A broken client wrote garbage; reject its request alone and serve the others.
+            good = []
+            for r, o in zip(group, offs):
+                if np.isfinite(q[o:o + r.nq]).all():
+                    good.append(r)
+                else:
+                    self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
+            if good:
+                self._serve_recalls(ns_name, good)
+            return
+        kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
+        try:
+            ids, scores = ns.search(q, kmax)
+        except Exception as e:  # backend failure: every caller gets a clean error status
+            log.exception("backend search failed")
+            for r in group:
+                self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+            return
+        kk = ids.shape[1]
+        for r, o in zip(group, offs):
+            kr = min(r.k, kk)
+            hit_ids = ids[o:o + r.nq, :kr]
+            self.writer.hits(r.slot, hit_ids, scores[o:o + r.nq, :kr])
+            if r.flags & Flag.WITH_PAYLOAD:
+                blob = b"\n".join(ns.payloads.get(i, b"null") for i in hit_ids.ravel().tolist())
+                if len(blob) > self.layout.blob_bytes:
+                    self._answer(r, Status.PAYLOAD_TOO_LARGE,
+                                 f"payloads of the hits take {len(blob)} bytes, the slot holds "
+                                 f"{self.layout.blob_bytes}; lower k or raise --blob-bytes")
+                    continue
+                self.writer.answer_blob(r.slot, r.generation, kr, blob)
+                continue
+            self._answer(r, Status.OK, n_results=kr)
+
+    # ------------------------------------------------------------------ writes
+    def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
+        """Read and check an upsert/delete/drop from its slot (a broken client may have written it)."""
+        sv = self.seg.slot[r.slot]
+        if r.op == Op.DROP_NAMESPACE:
+            return Write("drop", r.namespace)
+        ids = sv.ids[: r.nq].copy()
+        if (ids < 0).any():
+            return (Status.BAD_ID, "ids must be >= 0")
+        if r.op == Op.DELETE:
+            return Write("delete", r.namespace, ids=ids)
+        vecs = sv.queries[: r.nq].copy()
+        if not np.isfinite(vecs).all():
+            return (Status.NOT_FINITE, "vectors contain NaN or infinity")
+        payloads: list[bytes | None] | None = None
+        blob_len = int(self.seg.slots["blob_len"][r.slot])
+        if blob_len:
+            lines = sv.blob[:blob_len].tobytes().split(b"\n")
+            if len(lines) != r.nq:
+                return (Status.BAD_REQUEST, f"{len(lines)} payload lines for {r.nq} vectors")
+            payloads = []
+            for line in lines:
+                if len(line) > self._payload_limit:
+                    return (Status.PAYLOAD_TOO_LARGE,
+                            f"a payload of {len(line)} bytes exceeds the limit of {self._payload_limit}")
+                problem = payload_problem(line)
+                if problem is not None:
+                    return (Status.BAD_REQUEST, problem)
+                payloads.append(None if line == b"null" else line)
+        return Write("upsert", r.namespace, ids=ids, vectors=vecs, payloads=payloads)
+
+    def _serve_writes(self, writes: list[Request]) -> None:
+        accepted: list[tuple[Request, Write]] = []
+        for r in writes:
+            w = self._decode_write(r)
+            if isinstance(w, tuple):
+                self._answer(r, *w)
+            else:
+                accepted.append((r, w))
+        if not accepted:
+            return
+        # Capacity first, so nothing can fail in memory once the writes are durable.
+        need: dict[str, int] = {}
+        for _r, w in accepted:
+            if w.op == "upsert":
+                assert w.ids is not None
+                need[w.namespace] = need.get(w.namespace, 0) + len(w.ids)
+        try:
+            for name, extra in need.items():
+                ns = self.store.get_or_create(name)
+                ns.ensure_capacity(ns.n + extra)
+        except Exception as e:
+            log.exception("growing capacity failed")
+            for r, _w in accepted:
+                self._answer(r, Status.CAPACITY, f"{type(e).__name__}: {e}")
+            return
+        if self.persist is not None:
+            try:
+                self.persist.commit([w for _r, w in accepted])
+            except StoreError as e:
+                log.error("store commit failed: %s", e)
+                for r, _w in accepted:
+                    self._answer(r, Status.STORE_ERROR, str(e))
+                return
+        for r, w in accepted:
+            try:
+                if w.op == "upsert":
+                    assert w.ids is not None and w.vectors is not None
+                    n = self.store.get_or_create(w.namespace).upsert(w.ids, w.vectors, w.payloads)
+                elif w.op == "delete":
+                    assert w.ids is not None
+                    target = self.store.get(w.namespace)
+                    n = 0 if target is None else target.delete(w.ids)
+                else:
+                    n = self.store.drop(w.namespace)
+                    if w.namespace == "default":
+                        self.store.get_or_create("default")
+            except Exception as e:
+                log.exception("applying a write failed")
+                self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+                continue
+            self._answer(r, Status.OK, n_results=n)
+
+    # ------------------------------------------------------------------ the rest
+    def _serve_other(self, r: Request) -> None:
+        if r.op == Op.LIST_NAMESPACES:
+            blob = json.dumps(self.store.counts(), separators=(",", ":")).encode()
+            if len(blob) > self.layout.blob_bytes:
+                self._answer(r, Status.PAYLOAD_TOO_LARGE, "namespace list exceeds the slot")
+                return
+            self.writer.answer_blob(r.slot, r.generation, len(self.store.namespaces), blob)
+        elif r.op == Op.EXPORT:
+            ns = self.store.get(r.namespace)
+            if ns is None:
+                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+                return
+            ids, vecs, pls = ns.export_page(int(self.seg.slot[r.slot].ids[0]), r.nq)
+            blob = b"\n".join(pls)
+            while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
+                ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
+                blob = b"\n".join(pls)
+            if len(blob) > self.layout.blob_bytes:
+                self._answer(r, Status.PAYLOAD_TOO_LARGE, "a payload exceeds the slot's blob area")
+                return
+            self.writer.rows(r.slot, ids, vecs)
+            self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
+        else:
+            self._answer(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")

@@ -1,0 +1,369 @@
+"""The Prometheus collector of a sidecar: everything is read at scrape time, through the narrow
+view :class:`SidecarView` (a ``sidecar_cuda.server.Sidecar`` is one), and registered in the
+registry the caller passes. See the package docstring for the sources of every metric."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import numpy as np
+from prometheus_client.metrics_core import (
+    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric,
+)
+from prometheus_client.registry import Collector
+
+from broker.errors import ConfigError
+from broker.layout import (
+    HIST_BUCKETS, LATENCY_BOUNDS_NS, STATS_FIELDS, Layout, SegmentView, SidecarState, SlotState,
+    Status,
+)
+from sidecar_cuda.metrics.aggregate import (
+    BATCH_SIZE_BOUNDS, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGES, MonotonicTotals,
+    SlidingWindow, StageAggregator, cumulative_buckets, le_text, ring_take_all, slots_matrix,
+    top_namespaces,
+)
+from sidecar_cuda.stats import BatchRecord, SidecarStats
+
+log = logging.getLogger("kalos.metrics")
+
+
+class NamespaceCounts(Protocol):
+    def counts(self) -> dict[str, int]:
+        """Rows per namespace (a copy; may raise RuntimeError if a namespace is added meanwhile)."""
+        ...
+
+
+class BackendIdentity(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+
+class ConfigIdentity(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def storage_dtype(self) -> str: ...
+
+    @property
+    def metric(self) -> str: ...
+
+    @property
+    def dim(self) -> int: ...
+
+    @property
+    def device(self) -> int: ...
+
+
+class SidecarView(Protocol):
+    """What the collector and the HTTP endpoint read of a sidecar, from their own threads: its
+    segment (None until it exists), counters, namespace sizes, identity and readiness."""
+
+    @property
+    def layout(self) -> Layout: ...
+
+    @property
+    def seg(self) -> SegmentView | None: ...
+
+    @property
+    def stats(self) -> SidecarStats: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def store(self) -> NamespaceCounts: ...
+
+    @property
+    def backend(self) -> BackendIdentity: ...
+
+    @property
+    def cfg(self) -> ConfigIdentity: ...
+
+
+_STATS_NAMES = tuple(f[0] for f in STATS_FIELDS)  # lat_count, lat_sum_ns, err_count, timeout_count
+_LAT_LE = [le_text(b / 1e9) for b in LATENCY_BOUNDS_NS]
+_STAGE_LE = [le_text(b / 1e9) for b in STAGE_BOUNDS_NS]
+_BATCH_LE = [le_text(b) for b in BATCH_SIZE_BOUNDS]
+_STAGE_METRICS = {
+    "queue_wait": ("kalos_queue_wait_seconds",
+                   "Sidecar queue wait per request: posted by the client -> taken into a batch."),
+    "compute": ("kalos_batch_compute_seconds", "Backend work per batch (all namespaces of the batch), "
+                "started to answered; a pipelined batch includes its wait behind the previous one."),
+    "service": ("kalos_service_seconds",
+                "Sidecar service time per request: posted by the client -> results written."),
+}
+
+
+class SidecarCollector(Collector):
+    """Reads a sidecar (its SegmentView, SidecarStats, store and backend) at scrape time.
+
+    Call :meth:`observe_batch` for each BatchRecord (see :meth:`attach`), :meth:`harvest` often
+    (the MetricsServer's harvest thread does), and let the registry call :meth:`collect`.
+    """
+
+    def __init__(self, sidecar: SidecarView, *, window_s: float = 60.0, window_samples: int = 20_000,
+                 namespace_labels: int = 10, pending_limit: int = 1 << 16,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if namespace_labels < 0:
+            raise ConfigError("namespace_labels must be >= 0")
+        self._sc = sidecar
+        self._clock = clock
+        self._lock = threading.Lock()
+        n = sidecar.layout.n_slots
+        self._n_slots = n
+        self._client = MonotonicTotals(n, HIST_BUCKETS + len(_STATS_NAMES))
+        self._ring_last = np.zeros(n, np.int64)
+        self._seg_views: tuple[SegmentView, np.ndarray, np.ndarray] | None = None  # (seg, rings, hists)
+        self._client_window = SlidingWindow(window_s, window_samples)
+        self._stages = StageAggregator(window_s, window_samples)
+        self._pending: deque[tuple[BatchRecord, int]] = deque(maxlen=pending_limit)
+        self._pending_limit = pending_limit
+        self._dropped_batches = 0  # written by the serving thread only
+        self._dropped_ring = 0
+        self._namespace_labels = namespace_labels
+
+    # -- feeding ----------------------------------------------------------------------------
+    def observe_batch(self, rec: BatchRecord) -> None:
+        """The SidecarStats observer: runs in the serving thread, so it only stamps and queues."""
+        p = self._pending
+        if len(p) >= self._pending_limit:
+            self._dropped_batches += 1  # the harvest thread fell behind; the deque drops the oldest
+        p.append((rec, time.monotonic_ns()))
+
+    def attach(self) -> None:
+        self._sc.stats.observers.append(self.observe_batch)
+
+    def detach(self) -> None:
+        try:
+            self._sc.stats.observers.remove(self.observe_batch)
+        except ValueError:
+            pass
+
+    def harvest(self) -> None:
+        """Move new ring entries and queued batch records into the windows and histograms."""
+        with self._lock:
+            self._harvest_locked(self._clock())
+
+    def _harvest_locked(self, now: float) -> None:
+        p = self._pending
+        stamped = [p.popleft() for _ in range(len(p))]
+        self._stages.add(stamped, now)
+        views = self._views()
+        if views is None:
+            return
+        seg, rings, _hists = views
+        counts_view = seg.stats["lat_count"]
+        counts = counts_view.astype(np.int64)
+        if (counts == self._ring_last).all():
+            return
+        vals, self._ring_last, lost = ring_take_all(rings, self._ring_last, counts,
+                                                    lambda: counts_view.astype(np.int64))
+        self._dropped_ring += lost
+        self._client_window.add(now, vals)
+
+    def _views(self) -> tuple[SegmentView, np.ndarray, np.ndarray] | None:
+        seg = self._sc.seg
+        if seg is None:
+            return None
+        if self._seg_views is None or self._seg_views[0] is not seg:
+            self._seg_views = (seg, slots_matrix([v.ring for v in seg.slot]),
+                               slots_matrix([v.hist for v in seg.slot]))
+        return self._seg_views
+
+    # -- scraping ---------------------------------------------------------------------------
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            now = self._clock()
+            try:
+                self._harvest_locked(now)
+            except Exception:  # a scrape still answers with what is there
+                log.exception("metrics harvest failed")
+            snap = self._snapshot(now)
+        return list(self._families(snap))
+
+    def _snapshot(self, now: float) -> dict[str, Any]:
+        sc = self._sc
+        views = self._views()
+        s: dict[str, Any] = {"ready": self._is_ready(), "counts": {}}
+        if views is not None:
+            seg, _rings, hists = views
+            st = seg.stats
+            cur = np.column_stack([hists.astype(np.int64)] +
+                                  [st[name].astype(np.int64) for name in _STATS_NAMES])
+            self._client.update(cur)
+            slots = seg.slots
+            states = slots["state"].astype(np.int64)
+            owners = slots["owner_pid"]
+            s["slot_states"] = np.bincount(np.clip(states, 0, len(SlotState)), minlength=len(SlotState) + 1)
+            s["leased"] = int((owners != 0).sum())
+            s["start_epoch_ns"] = int(seg.header["start_epoch_ns"])
+        tot = self._client.totals
+        s["client_hist"] = tot[:HIST_BUCKETS].copy()
+        for j, name in enumerate(_STATS_NAMES):
+            s[name] = int(tot[HIST_BUCKETS + j])
+        s["client_q"] = self._client_window.quantiles(QUANTILES, now)
+        s["client_window"] = len(self._client_window)
+        s["stage_q"] = {st: self._stages.windows[st].quantiles(QUANTILES, now) for st in STAGES}
+        s["stage_window"] = {st: len(self._stages.windows[st]) for st in STAGES}
+        stats = sc.stats
+        with stats.lock:
+            s["errors"] = dict(stats.errors)
+        s["batches"], s["requests"] = stats.batches, stats.requests
+        s["reclaimed"] = stats.slots_reclaimed
+        try:
+            s["counts"] = dict(sc.store.counts())
+        except RuntimeError:  # the serving thread added a namespace mid-copy: next scrape
+            s["counts"] = None
+        return s
+
+    def _is_ready(self) -> bool:
+        seg = self._sc.seg
+        return bool(self._sc.ready and seg is not None
+                    and int(seg.header["state"]) == SidecarState.READY)
+
+    def _families(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
+        """Every metric family; without a snapshot, empty ones (for ``describe``)."""
+        g = snap is not None
+        s: dict[str, Any] = snap if snap is not None else {}
+        # End to end, as callers see it.
+        h = HistogramMetricFamily(
+            "kalos_recall_latency_seconds",
+            "End-to-end latency of completed requests as callers see it (call -> result, including "
+            "the wait for a slot), from every slot's client stats in shared memory.")
+        if g:
+            h.add_metric([], cumulative_buckets(s["client_hist"], _LAT_LE), s["lat_sum_ns"] / 1e9)
+        yield h
+        q = GaugeMetricFamily("kalos_recall_latency_quantile_seconds",
+                              "End-to-end latency quantiles (nearest rank) over the sliding window "
+                              "of recent requests read from the slots' latency rings.",
+                              labels=["quantile"])
+        if g:
+            for qq, v in zip(QUANTILES, s["client_q"]):
+                q.add_metric([le_text(qq)], v / 1e9)
+        yield q
+        c = CounterMetricFamily("kalos_client_requests", "Requests completed as callers saw them, by "
+                                "outcome (timeout: the caller gave up or was cancelled).",
+                                labels=["outcome"])
+        if g:
+            c.add_metric(["ok"], float(s["client_hist"].sum()))
+            c.add_metric(["error"], float(s["err_count"]))
+            c.add_metric(["timeout"], float(s["timeout_count"]))
+        yield c
+        # The sidecar's stages.
+        sq = GaugeMetricFamily("kalos_stage_latency_quantile_seconds",
+                               "Sidecar stage latency quantiles (nearest rank) over the sliding window.",
+                               labels=["stage", "quantile"])
+        for stage in STAGES:
+            name, doc = _STAGE_METRICS[stage]
+            sh = HistogramMetricFamily(name, doc)
+            if g:
+                agg = self._stages
+                sh.add_metric([], cumulative_buckets(agg.hist[stage], _STAGE_LE),
+                              agg.sums_ns[stage] / 1e9)
+                for qq, v in zip(QUANTILES, s["stage_q"][stage]):
+                    sq.add_metric([stage, le_text(qq)], v / 1e9)
+            yield sh
+        yield sq
+        ws = GaugeMetricFamily("kalos_latency_window_samples",
+                               "Samples in each quantile window.", labels=["source"])
+        if g:
+            ws.add_metric(["client"], s["client_window"])
+            for stage in STAGES:
+                ws.add_metric([stage], s["stage_window"][stage])
+        yield ws
+        bs = HistogramMetricFamily("kalos_batch_size", "Requests per batch served by the sidecar.")
+        if g:
+            bs.add_metric([], cumulative_buckets(self._stages.batch_size, _BATCH_LE),
+                          float(self._stages.batch_size_sum))
+        yield bs
+        # Counters of the serving loop.
+        for name, key, doc in (
+            ("kalos_requests", "requests", "Requests served by the sidecar (every op)."),
+            ("kalos_batches", "batches", "Batches served by the sidecar."),
+            ("kalos_slots_reclaimed", "reclaimed", "Slots freed after their owner died or left."),
+        ):
+            cm = CounterMetricFamily(name, doc)
+            if g:
+                cm.add_metric([], float(s[key]))
+            yield cm
+        e = CounterMetricFamily("kalos_errors", "Requests the sidecar answered with an error, by kind "
+                                "(the protocol's Status names).", labels=["kind"])
+        if g:
+            errs = dict(s["errors"])
+            for st in Status:
+                if st != Status.OK:
+                    e.add_metric([st.name], float(errs.pop(int(st), 0)))
+            unknown = sum(v for k, v in errs.items() if k != Status.OK)
+            if unknown:
+                e.add_metric(["UNKNOWN"], float(unknown))
+        yield e
+        d = CounterMetricFamily("kalos_metrics_dropped_samples",
+                                "Samples the exporter lost: ring entries overwritten before they were "
+                                "read (quantile windows only), batch records queued past the limit.",
+                                labels=["source"])
+        if g:
+            d.add_metric(["ring"], float(self._dropped_ring))
+            d.add_metric(["batches"], float(self._dropped_batches))
+        yield d
+        # Slots.
+        total = GaugeMetricFamily("kalos_slots", "Slots of the segment.")
+        leased = GaugeMetricFamily("kalos_slots_leased", "Slots leased by client processes.")
+        inflight = GaugeMetricFamily("kalos_slots_in_flight",
+                                     "Slots holding a request (any state but FREE).")
+        by_state = GaugeMetricFamily("kalos_slots_by_state", "Slots by state.", labels=["state"])
+        if g:
+            total.add_metric([], self._n_slots)
+            if "slot_states" in s:
+                st_counts = s["slot_states"]
+                leased.add_metric([], s["leased"])
+                inflight.add_metric([], int(st_counts[1:].sum()))
+                for ss in SlotState:
+                    by_state.add_metric([ss.name.lower()], int(st_counts[int(ss)]))
+                by_state.add_metric(["invalid"], int(st_counts[len(SlotState)]))
+        yield from (total, leased, inflight, by_state)
+        # Memory.
+        rows = GaugeMetricFamily("kalos_memory_rows",
+                                 f"Rows per namespace: the {self._namespace_labels} largest by rows, the "
+                                 f"rest summed under namespace=\"{OTHER_NAMESPACES}\".",
+                                 labels=["namespace"])
+        nss = GaugeMetricFamily("kalos_namespaces", "Namespaces in memory.")
+        if g and s["counts"] is not None:
+            for label, n in top_namespaces(s["counts"], self._namespace_labels):
+                rows.add_metric([label], n)
+            nss.add_metric([], len(s["counts"]))
+        yield rows
+        yield nss
+        # Identity and state.
+        info = InfoMetricFamily("kalos_backend", "Backend and configuration of the sidecar.")
+        if g:
+            cfg = self._sc.cfg
+            backend = self._sc.backend
+            info.add_metric([], {
+                "broker": str(cfg.name), "backend": str(backend.name),
+                "description": str(backend.description), "dtype": str(cfg.storage_dtype),
+                "metric": str(cfg.metric), "dim": str(cfg.dim),
+                "device": str(cfg.device) if backend.name == "cuda" else "cpu",
+            })
+        yield info
+        ready = GaugeMetricFamily("kalos_ready", "1 when memory is loaded and the sidecar serves.")
+        start = GaugeMetricFamily("kalos_start_time_seconds", "Sidecar start, seconds since the epoch.")
+        up = GaugeMetricFamily("kalos_uptime_seconds", "Seconds since the sidecar started.")
+        if g:
+            ready.add_metric([], 1.0 if s["ready"] else 0.0)
+            if s.get("start_epoch_ns"):
+                start.add_metric([], s["start_epoch_ns"] / 1e9)
+                up.add_metric([], max(0.0, time.time() - s["start_epoch_ns"] / 1e9))
+        yield from (ready, start, up)
+

@@ -1,0 +1,174 @@
+"""Backends without a GPU: searches under way are ``concurrent.futures.Future`` objects (numpy's
+worker thread, finished ones, the polled kind the CUDA backend and its pipeline use), the CUDA
+path planner, and the constants the kernels are compiled with."""
+
+from __future__ import annotations
+
+import re
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+from broker.layout import Metric
+from sidecar_cuda.backends.base import PolledFuture, completed
+from sidecar_cuda.backends.cuda import kernels, planner
+from sidecar_cuda.backends.numpy_backend import NumpyBackend
+from sidecar_cuda.store import MemoryStore
+
+pytestmark = pytest.mark.timeout(30)
+
+
+# --------------------------------------------------------------------------- futures
+
+class Device(PolledFuture[int]):
+    """A polled search whose device is a flag the test sets."""
+
+    def __init__(self, fail_poll: bool = False, fail_collect: bool = False) -> None:
+        super().__init__()
+        self.finished = False
+        self.collects = 0
+        self.fail_poll, self.fail_collect = fail_poll, fail_collect
+
+    def _poll(self) -> bool:
+        if self.fail_poll:
+            raise RuntimeError("device lost")
+        return self.finished
+
+    def _collect(self) -> int:
+        self.collects += 1
+        if self.fail_collect or self.fail_poll:
+            raise RuntimeError("search failed")
+        return 42
+
+
+def test_a_polled_future_polls_without_blocking_and_collects_once():
+    f = Device()
+    seen: list[int] = []
+    f.add_done_callback(lambda fut: seen.append(fut.result()))
+    assert isinstance(f, Future)
+    assert not f.done() and not f.done()  # asks the device, never waits
+    assert f.collects == 0
+    f.finished = True
+    assert f.done() and f.collects == 0  # done() means result() will not wait; it collects nothing
+    assert f.result() == 42 and f.result() == 42 and f.collects == 1
+    assert seen == [42] and f.exception() is None
+
+
+def test_a_polled_future_reports_failures_from_result():
+    f = Device(fail_poll=True)
+    assert f.done()  # a failed device counts as done: result() raises
+    with pytest.raises(RuntimeError, match="search failed"):
+        f.result()
+    with pytest.raises(RuntimeError, match="search failed"):
+        f.result()
+    assert f.collects == 1 and isinstance(f.exception(), RuntimeError)
+    g = Device(fail_collect=True)
+    g.finished = True
+    with pytest.raises(RuntimeError):
+        g.result()
+
+
+def test_result_waits_for_work_that_has_not_finished():
+    """result() on an unfinished search collects it (the backend waits for its device)."""
+    f = Device()
+    assert f.result() == 42 and f.done()
+
+
+def test_completed_and_numpy_searches_are_futures(rng):
+    f = completed(np.zeros((2, 0), np.int64), np.zeros((2, 0), np.float32))
+    assert isinstance(f, Future) and f.done() and f.result()[0].shape == (2, 0)
+    be = NumpyBackend()
+    try:
+        m = be.new_matrix(8, 64, Metric.DOT)
+        x = rng.standard_normal((50, 8)).astype(np.float32)
+        m.write_rows(np.arange(50), x)
+        q = rng.standard_normal((3, 8)).astype(np.float32)
+        pending = m.search_async(q, 50, 5)
+        assert isinstance(pending, Future)
+        rows, scores = pending.result(timeout=10)
+        ref_rows, ref_scores = m.search(q, 50, 5)
+        np.testing.assert_array_equal(rows, ref_rows)
+        np.testing.assert_array_equal(scores, ref_scores)
+        # Rows come back as ids when the store's row -> id map is given (on the worker thread).
+        row_ids = np.arange(1000, 1050)
+        ids, _s = m.search_async(q, 50, 5, row_ids=row_ids).result(timeout=10)
+        np.testing.assert_array_equal(ids, row_ids[ref_rows])
+        # The search ran on the backend's worker thread.
+        where = be.submit(lambda: (threading.current_thread().name, None)).result(timeout=10)
+        assert where[0].startswith("kalos-search")
+    finally:
+        be.close()
+
+
+def test_a_namespace_search_started_gives_ids(rng):
+    store = MemoryStore(NumpyBackend(), 8, Metric.COSINE)
+    ns = store.get_or_create("x")
+    q = rng.standard_normal((2, 8)).astype(np.float32)
+    empty = ns.search_start(q, 4)
+    assert empty.done() and empty.result()[0].shape == (2, 0)
+    ids = rng.choice(10**6, 300, replace=False)
+    ns.upsert(ids, rng.standard_normal((300, 8)).astype(np.float32), None)
+    got_ids, got_scores = ns.search_start(q, 7).result(timeout=10)
+    ref_ids, ref_scores = ns.search(q, 7)
+    np.testing.assert_array_equal(got_ids, ref_ids)
+    np.testing.assert_allclose(got_scores, ref_scores)
+    assert set(got_ids.ravel().tolist()) <= set(ids.tolist())
+    store.backend.close()
+
+
+def test_ensure_capacity_is_public_and_keeps_rows(rng):
+    store = MemoryStore(NumpyBackend(), 4, Metric.L2)  # (l2: a row is its own nearest)
+    ns = store.get_or_create("x", capacity=4)
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    ns.upsert(np.array([5, 6, 7]), x, None)
+    cap = ns.matrix.capacity
+    ns.ensure_capacity(cap + 1)
+    assert ns.matrix.capacity >= cap + 1 and ns.n == 3
+    got, _ = ns.search(x[:1], 1)
+    assert got.tolist() == [[5]]
+
+
+# --------------------------------------------------------------------------- CUDA planning
+
+PLAN = dict(smem_optin=227 * 1024, small_batch_max=1, small_work_max=1 << 12)
+
+
+def test_the_cuda_planner_picks_the_measured_paths():
+    assert planner.plan_path(1, 1_000_000, 10, 768, **PLAN, half=False) == ("small", 1)
+    assert planner.plan_path(3, 1000, 10, 128, **PLAN, half=False) == ("small", 4)  # 3000 scores
+    assert planner.plan_path(1, 1000, 33, 128, **PLAN, half=False) == ("gemm", 0)  # k > 32
+    assert planner.plan_path(64, 100_000, 10, 768, **PLAN, half=True) == ("gemm", 0)
+    assert planner.plan_path(256, 1_000_000, 10, 768, **PLAN, half=True) == ("gemmh", 0)
+    assert planner.plan_path(256, 1_000_000, 10, 768, **PLAN, half=False) == ("gemm", 0)
+    # A query too wide for the shared memory of 16 per block: fewer per block.
+    big = planner.plan_path(16, 200, 10, 4096, **{**PLAN, "smem_optin": 100 * 1024}, half=False)
+    assert big[0] == "small" and planner.small_smem(big[1], 4096) <= 100 * 1024 and big[1] < 16
+    assert planner.half_ok(1, 16, 3.0) and not planner.half_ok(1, 17, 3.0)
+    assert not planner.half_ok(0, 10, 3.0) and not planner.half_ok(1, 10, 0.0)
+    assert [planner.next_pow2(x) for x in (1, 2, 3, 257, 1024)] == [1, 2, 4, 512, 1024]
+
+
+def test_kernel_constants_come_from_python_only():
+    """Every constant the host shares with the kernels reaches the .cu as a -D option; the .cu
+    defines none of them and stops without them; its kernels are the ones the host looks up."""
+    src = kernels.kernel_source()
+    opts = kernels.compile_options("float16")
+    defined = dict(o[2:].split("=") for o in opts if o.startswith("-D"))
+    assert defined == {"KALOS_STORAGE": "1", "KALOS_VEC": "8", "KALOS_BLOCK": str(kernels.BLOCK),
+                       "KALOS_HEADER_INTS": str(kernels.HEADER_BYTES // 4),
+                       "KALOS_HC": str(kernels.HALF_CAND)}
+    assert dict(o[2:].split("=") for o in kernels.compile_options("float32")
+                if o.startswith("-D"))["KALOS_VEC"] == "4"
+    for name in defined:
+        assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
+        assert f"!defined({name})" in src, name
+    assert "#error" in src
+    instantiated = [int(x) for x in re.findall(r"^KALOS_SMALL_KERNEL\((\d+)\)", src, re.M)]
+    assert tuple(instantiated) == kernels.SMALL_QT
+    unrolls = [int(x) for x in re.findall(r"^KALOS_HSCORES_KERNEL\((\d+)\)", src, re.M)]
+    assert tuple(unrolls) == kernels.HSCORE_UNROLLS
+    for fn in ("kalos_scores_topk_w", "kalos_scores_topk_b", "kalos_prep_queries",
+               "kalos_prep_queries_h", "kalos_rescore_h", "kalos_write_rows", "kalos_move_rows"):
+        assert re.search(rf"\b{fn}\(", src), fn

@@ -1,0 +1,137 @@
+"""The route of a batch (``sidecar_cuda.batching.classify``), alone: control blocks built with
+``broker.layout.slot_dtype()``, or one slot of a segment in anonymous process memory read through
+word views; namespaces from a dict. No processes, no shared memory."""
+
+from __future__ import annotations
+
+import mmap
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
+from sidecar_cuda.batching import Limits, Plan, Route, SlotRef, classify
+
+DIM = 8
+LIMITS = Limits(k_limit=16, dim=DIM, min_work=-1)
+NAMESPACES = {"default": SimpleNamespace(n=1000), "other": SimpleNamespace(n=10)}
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def lookup(key: tuple[bytes, int]) -> SimpleNamespace | None:
+    raw, n = key
+    return NAMESPACES.get(bytes(raw[:n]).decode(errors="replace")) if 1 <= n <= 64 else None
+
+
+def records(n: int, **fields: object) -> np.ndarray:
+    """n plain one-query recalls of k=5 in "default"; ``fields`` override (a list: per record)."""
+    rec = np.zeros(n, slot_dtype())
+    rec["op"], rec["nq"], rec["k"], rec["flags"] = int(Op.RECALL), 1, 5, 0
+    rec["namespace"], rec["ns_len"] = b"default", 7
+    rec["generation"] = np.arange(n) + 1
+    for name, value in fields.items():
+        rec[name] = value
+    return rec
+
+
+def slot_ref(**fields: object) -> SlotRef:
+    """Slot 1 of a segment holding the request of :func:`records` (one), as the SINGLE route
+    reads it: word by word, in place."""
+    layout = Layout(n_slots=3, dim=DIM, max_k=16, max_queries=4, blob_bytes=64)
+    mem = mmap.mmap(-1, layout.total_bytes)
+    seg = SegmentView(memoryview(mem), layout)
+    seg.slots[1] = records(1, **fields)[0]
+    return SlotRef(SlotWords(memoryview(mem), layout), mem, 1, slot_field_offset(layout, 1, "namespace"))
+
+
+def queries(n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.standard_normal((n, DIM)).astype(np.float32)
+
+
+def test_one_plain_recall_takes_the_single_route(rng):
+    plan = classify(slot_ref(k=16), queries(1, rng), lookup, LIMITS)
+    assert plan.route is Route.SINGLE and plan.reason == ""
+    assert plan.namespace is NAMESPACES["default"] and plan.k == 16
+
+
+ONE_REQUEST_PROBLEMS = [  # (fields of the one request, reason)
+    (dict(flags=int(Flag.WITH_PAYLOAD)), "payloads requested"),
+    (dict(flags=4), "flags=0x4"),
+    (dict(k=0), "k=0 out of range 1..16"),
+    (dict(k=17), "k=17 out of range 1..16"),
+    (dict(k=2**32 - 1), "k=4294967295 out of range 1..16"),
+    (dict(op=int(Op.UPSERT)), "op UPSERT is not a recall"),
+    (dict(op=99), "op 99 is not a recall"),
+    (dict(nq=3), "nq=3: not one query"),
+    (dict(nq=0), "nq=0: not one query"),
+    (dict(namespace=b"nowhere"), "unknown namespace"),
+    (dict(ns_len=0), "unknown namespace"),
+]
+
+
+@pytest.mark.parametrize("fields,reason", ONE_REQUEST_PROBLEMS, ids=[r for _f, r in ONE_REQUEST_PROBLEMS])
+def test_one_request_off_the_fast_routes_says_why(rng, fields, reason):
+    """The same reason whether the request is read through word views (no batch in flight) or
+    from its control block (behind a batch in flight)."""
+    q = queries(1, rng)
+    for batch in (slot_ref(**fields), records(1, **fields)):
+        plan = classify(batch, q, lookup, LIMITS)
+        assert plan.route is Route.GENERAL and plan.reason == reason, plan
+        assert plan.namespace is None
+
+
+def test_non_finite_queries_go_the_general_way_and_huge_finite_ones_do_not(rng):
+    for bad in (np.nan, np.inf, -np.inf):
+        q = queries(1, rng)
+        q[0, 3] = bad
+        assert classify(slot_ref(), q, lookup, LIMITS).reason == "non-finite query"
+        qs = queries(6, rng)
+        qs[4, 0] = bad
+        assert classify(records(6), qs, lookup, LIMITS).reason == "non-finite query"
+    big = np.full((1, DIM), 3e38, np.float32)  # the sum overflows; every value is finite
+    with np.errstate(over="ignore"):
+        assert classify(slot_ref(), big, lookup, LIMITS).route is Route.SINGLE
+
+
+def test_one_record_is_a_uniform_batch_behind_a_batch_in_flight(rng):
+    plan = classify(records(1, k=7), queries(1, rng), lookup, LIMITS)
+    assert plan.route is Route.UNIFORM and plan.reason == "a batch is in flight"
+    assert plan.k == 7 and plan.namespace is NAMESPACES["default"] and not plan.pipelined
+
+
+def test_a_uniform_batch_takes_the_largest_k(rng):
+    plan = classify(records(5, k=[1, 9, 3, 16, 2]), queries(5, rng), lookup, LIMITS)
+    assert plan.route is Route.UNIFORM and plan.reason == "several requests"
+    assert plan.k == 16 and plan.namespace is NAMESPACES["default"]
+
+
+def test_pipelining_follows_the_work_of_the_batch(rng):
+    q = queries(5, rng)
+    work = NAMESPACES["default"].n * 5 * DIM
+    for min_work, expect in ((-1, False), (0, True), (work, True), (work + 1, False)):
+        plan = classify(records(5), q, lookup, LIMITS._replace(min_work=min_work))
+        assert plan.route is Route.UNIFORM and plan.pipelined is expect, min_work
+
+
+@pytest.mark.parametrize("fields,reason", [
+    (dict(namespace=[b"default", b"other", b"default"], ns_len=[7, 5, 7]), "2 namespaces"),
+    (dict(namespace=[b"other", b"other", b"other"], ns_len=5), None),
+    (dict(ns_len=[7, 7, 6]), "2 namespaces"),  # same bytes, another length: another field
+    (dict(flags=[0, int(Flag.WITH_PAYLOAD), 0]), "payloads requested"),
+    (dict(k=[3, 0, 4]), "k=0 out of range 1..16"),  # unsigned: k - 1 wraps for 0
+    (dict(op=[int(Op.RECALL), int(Op.RECALL), int(Op.DELETE)]), "op DELETE is not a recall"),
+    (dict(nq=[1, 2, 1]), "nq=2: not one query"),
+    (dict(namespace=b"nowhere"), "unknown namespace"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_a_batch_off_the_uniform_route_says_why(rng, fields, reason):
+    plan = classify(records(3, **fields), queries(3, rng), lookup, LIMITS)
+    if reason is None:
+        assert plan.route is Route.UNIFORM and plan.namespace is NAMESPACES["other"]
+    else:
+        assert plan.route is Route.GENERAL and plan.reason == reason, plan
+
+
+def test_a_plan_prints_its_route_and_reason():
+    assert repr(Plan(Route.GENERAL, "2 namespaces")) == "Plan(GENERAL, '2 namespaces', k=0)"
