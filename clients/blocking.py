@@ -11,13 +11,14 @@ from typing import Any, cast
 from broker.errors import (
     BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from broker.layout import Layout
+from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, backoff_s
 from clients.results import Hits
 
 DEFAULT_SPIN_US = 250.0
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
 _SLICE_S = 0.05
 
 
@@ -164,18 +165,21 @@ class RecallClient:
                     f"{os.getpid()} (a fork): open one in each worker after forking")
             if self._broken is not None:
                 raise self._broken
-            if self._conn is None or self._conn.quiet():
-                self._ensure_attached(deadline)
-            assert self._conn is not None
-            try:
-                return self._roundtrip(self._slot, p, deadline, t0)
-            except BrokerUnavailable as e:
-                if not self._reconnect:
-                    self._broken = e
-                    raise
-                self._drop()  # the answer can no longer come; the next call re-attaches
-                raise BrokerUnavailable(f"{e} (the request was in flight; the client re-attaches "
-                                        "on its next call)") from None
+            while True:
+                if self._conn is None or self._conn.quiet():
+                    self._ensure_attached(deadline)
+                assert self._conn is not None
+                try:
+                    return self._roundtrip(self._slot, p, deadline, t0)
+                except BrokerUnavailable as e:
+                    if not self._reconnect:
+                        self._broken = e
+                        raise
+                    self._drop()  # the answer can no longer come from this sidecar
+                    if p.op in _READS and (deadline is None or time.monotonic() < deadline):
+                        continue  # a read: send it again to the next sidecar, same budget
+                    raise BrokerUnavailable(f"{e} (the request was in flight; the client "
+                                            "re-attaches on its next call)") from None
 
     def _ensure_attached(self, deadline: float | None) -> None:
         """Before posting: a sidecar that died or stopped is replaced (waiting within the

@@ -35,13 +35,15 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
     ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from broker.layout import Layout
+from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, Waiter, backoff_s
 from clients.results import Hits
 
 LIVENESS_S = 0.1
+#: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
 DEFAULT_SPIN_US = 250.0
 MAX_SPIN_US = 2000.0
 
@@ -157,7 +159,9 @@ class RecallPool:
     finds the sidecar dead or stopped, requests in flight fail with BrokerUnavailable (their
     answers can no longer come), and the pool re-attaches to the next sidecar that serves the name
     (jittered backoff, off the event loop's critical path). Calls made meanwhile wait for it
-    within their own timeout (then BrokerUnavailable). A sidecar that comes back with another
+    within their own timeout (then BrokerUnavailable). Reads (recall, recall_many, namespaces,
+    export_page) lost with the old sidecar are sent again to the new one within their timeout;
+    writes in flight fail with BrokerUnavailable. A sidecar that comes back with another
     geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach.
     ``reconnect=False``: the first outage breaks the pool for good (BrokerUnavailable).
     Upserts and deletes are idempotent: one that failed with BrokerUnavailable may or may not
@@ -478,6 +482,23 @@ class RecallPool:
         assert loop is not None and self._free is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            try:
+                return await self._execute_once(p, timeout, deadline, t0)
+            except BrokerUnavailable:
+                # A read lost to a sidecar that went away (in flight, or posted just before the
+                # pool noticed) is sent again once the pool has re-attached, within the same
+                # budget: reads are idempotent. Writes are not retried (they may have been
+                # applied; retrying them is the caller's call, and safe).
+                if not (self._reconnect and p.op in _READS and self._broken is None
+                        and self._state == "open"
+                        and (deadline is None or loop.time() < deadline)):
+                    raise
+
+    async def _execute_once(self, p: _requests.Prepared, timeout: float | None,
+                            deadline: float | None, t0: int) -> Any:
+        loop = self._loop
+        assert loop is not None and self._free is not None
         slot = await self._acquire(deadline)
         conn = self._conn
         assert conn is not None
@@ -487,8 +508,7 @@ class RecallPool:
             except BrokerUnavailable as e:
                 self._free.put_nowait(slot)
                 self._unavailable(e)
-                return await self._execute(p, budget if deadline is None
-                                           else max(0.0, deadline - loop.time()), t0)
+                raise
         try:
             blob_len = _requests.write(slot.view, p)
             slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)

@@ -157,30 +157,32 @@ async def test_dead_sidecar_without_reconnect_breaks_the_pool():
         await pool.recall(np.ones(8, np.float32), k=2)
 
 
-async def test_dead_sidecar_fails_in_flight_then_the_pool_reattaches(rng):
-    """In flight: BrokerUnavailable. During the outage: calls wait within their timeout. A new
-    sidecar (a new FakeConnection): the pool attaches by itself and serves again."""
+async def test_dead_sidecar_fails_writes_in_flight_resends_reads_and_reattaches(rng):
+    """In flight when the sidecar dies: a write fails with BrokerUnavailable (it may or may not
+    have been applied); a read waits and is sent again to the next sidecar. During the outage
+    calls wait within their timeout. A new sidecar (a new FakeConnection): the pool attaches by
+    itself and serves again."""
     matrix = rng.standard_normal((10, 8)).astype(np.float32)
     first, second = FakeConnection(LAY), FakeConnection(LAY)
     sidecars = [first]
     pool = RecallPool("fake", size=2, spin_us=50, connect=lambda name, uid: sidecars[-1])
     await pool.open()
-    task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
+    q = np.ones(8, np.float32)
+    write = asyncio.ensure_future(pool.upsert([1], q[None]))
+    read = asyncio.ensure_future(pool.recall(q, k=2, timeout=5))
     await asyncio.sleep(0.05)
     first.alive = False
     with pytest.raises(BrokerUnavailable, match="in flight"):
-        await asyncio.wait_for(task, 2)
+        await asyncio.wait_for(write, 2)
     with pytest.raises(BrokerUnavailable, match="no sidecar within the time budget"):
-        await pool.recall(np.ones(8, np.float32), k=2, timeout=0.1)
+        await pool.recall(q, k=2, timeout=0.1)
     st = pool.statistics()
-    assert st.outages == 1 and not st.attached and st.unavailable_s > 0.09
-    waiting = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2, timeout=5))
-    await asyncio.sleep(0.05)
+    assert st.outages == 1 and not st.attached and st.unavailable_s > 0.09 and not read.done()
     sidecars.append(second)  # a new sidecar serves the name
     server = asyncio.ensure_future(serve_soon(second, topk_answer(matrix)))
-    h = await waiting
+    h = await read  # the read lost with the first sidecar, answered by the second
     await server
-    assert_topk(np.ones(8, np.float32), matrix, h.ids, h.scores, 2)
+    assert_topk(q, matrix, h.ids, h.scores, 2)
     st = pool.statistics()
     assert st.attached and st.reattaches == 1 and st.outages == 1
     assert second.seg.slots["owner_pid"].tolist() == [1, 1, 0]  # leased the new sidecar's slots
@@ -206,7 +208,7 @@ async def test_a_broken_waiter_thread_fails_the_callers_at_once():
     """The waiter thread's semaphore breaks: callers get BrokerUnavailable well before the
     liveness check, never a silent hang."""
     conn = FakeConnection(LAY)
-    pool = await open_pool(conn, size=1)
+    pool = await open_pool(conn, size=1, reconnect=False)
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
     await asyncio.sleep(0.03)  # blocking phase: the waiter thread sits on the response semaphore
     slot = pool._slots[0]

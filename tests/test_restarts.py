@@ -283,7 +283,8 @@ async def main():
         await asyncio.sleep(3600)
 asyncio.run(main())
 """
-    p = subprocess.Popen([UNSHARE, "--pid", "--fork", "--mount-proc", sys.executable, "-c", code,
+    p = subprocess.Popen([UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc",
+                          sys.executable, "-c", code,
                           h.name, str(seed), HERE], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = p.stdout.readline().decode()
     if not line:
@@ -300,8 +301,7 @@ asyncio.run(main())
         assert int((owners == 1).sum()) == 4  # its leases carry its namespace-local pid
         time.sleep(0.6)  # two reaper passes: a live client in another namespace keeps its slots
         assert int((c.seg.slots["owner_pid"] == 1).sum()) == 4
-        os.killpg(p.pid, signal.SIGKILL) if False else p.kill()  # unshare's child dies with it
-        subprocess.run(["pkill", "-9", "-f", f"RecallPool\\(sys.argv\\[1\\]"], check=False)
+        p.kill()  # kill -9 unshare; --kill-child makes the kernel SIGKILL the client with it
         t0 = time.monotonic()
         freed = wait_until(lambda: int((c.seg.slots["owner_pid"] == 1).sum()) == 0, 5, 0.005)
         took = time.monotonic() - t0
@@ -310,3 +310,30 @@ asyncio.run(main())
     finally:
         c.close()
         p.wait()
+
+
+def test_blocking_client_resends_a_read_and_waits_for_the_next_sidecar(seed):
+    name = unique_name("blk")
+    proc, _ = start(name, seed)
+    matrix = np.random.default_rng(seed).standard_normal((3000, 16), dtype=np.float32)
+    try:
+        with RecallClient(name, timeout=10) as c:
+            q = np.ones(16, np.float32)
+            c.recall(q, k=3)
+            proc.kill()
+            proc.wait()
+            restarter = __import__("threading").Timer(0.5, lambda: restarted.append(start(name, seed)[0]))
+            restarted: list[subprocess.Popen[bytes]] = []
+            restarter.start()
+            h = c.recall(q, k=3)  # made during the outage: waits, then the new sidecar answers
+            assert_topk(q, matrix, h.ids, h.scores, 3)
+            restarter.join()
+            proc = restarted[0]
+            with pytest.raises(BrokerUnavailable):  # a write in an outage beyond its budget
+                proc.kill()
+                proc.wait()
+                c.upsert([1], q[None], timeout=0.3)
+    finally:
+        proc.kill()
+        proc.wait()
+        cleanup(name, force=True)
