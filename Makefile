@@ -16,6 +16,7 @@ demo: $(STAMP)
 	$(BIN)/kalos demo
 
 test: $(STAMP)
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 test-gpu: $(STAMP)

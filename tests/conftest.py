@@ -101,6 +101,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="how long the fuzz test attacks a sidecar (CI: 8 s)")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every async test runs under ``strict_loop``: an unhandled event-loop exception fails it."""
+    for item in items:
+        if item.get_closest_marker("asyncio") and "strict_loop" not in item.fixturenames:
+            item.fixturenames.append("strict_loop")  # type: ignore[attr-defined]
+
+
 def pytest_asyncio_loop_factories(config, item):
     """Every async test runs on the default loop and on uvloop (the application's choice)."""
     import uvloop

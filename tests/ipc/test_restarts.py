@@ -20,7 +20,7 @@ from conftest import assert_topk, run_py, unique_name, wait_until
 from kalos.testing import start_sidecar_process
 from sidecar_cuda.objects import cleanup
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: conftest.py
 TIMEOUT = 1.0  # every client call's own budget in the restart loop
 
 CLIENT = """
@@ -169,7 +169,6 @@ asyncio.run(main())
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
     """A restarted sidecar that takes seconds to load: calls wait for it within their timeout.
     One that comes back with another dim: a clear ProtocolError, not a silent re-attach."""

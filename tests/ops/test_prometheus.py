@@ -29,7 +29,7 @@ from clients import RecallPool
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from sidecar_cuda.objects import cleanup
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 
 pytestmark = pytest.mark.timeout(180)

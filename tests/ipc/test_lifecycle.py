@@ -38,7 +38,6 @@ def dump(name: str, namespace: str) -> dict[int, tuple[np.ndarray, object]]:
 # --------------------------------------------------------------------------- API semantics
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_upsert_recall_with_payload_delete_drop(sidecar_factory, rng):
     h = sidecar_factory("api", "--dim", "8", "--backend", "numpy", "--max-queries", "4",
                         "--blob-bytes", "4096", "--payload-limit", "512")
@@ -86,7 +85,6 @@ async def test_upsert_recall_with_payload_delete_drop(sidecar_factory, rng):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_namespace_isolation_with_concurrent_writers(sidecar_factory, rng):
     h = sidecar_factory("iso", "--dim", "16", "--backend", "numpy", "--slots", "32")
     data = {ns: rng.standard_normal((300, 16)).astype(np.float32) for ns in ("a", "b", "c")}
@@ -113,7 +111,6 @@ async def test_namespace_isolation_with_concurrent_writers(sidecar_factory, rng)
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 @pytest.mark.parametrize("pipeline", ["auto", "on"])
 async def test_read_your_writes_under_concurrency(sidecar_factory, rng, pipeline):
     h = sidecar_factory("ryw", "--dim", "16", "--backend", "numpy", "--metric", "cosine",
@@ -134,7 +131,6 @@ async def test_read_your_writes_under_concurrency(sidecar_factory, rng, pipeline
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 @pytest.mark.parametrize("pipeline", ["auto", "on"])
 async def test_compaction_under_load_never_loses_stable_rows(sidecar_factory, rng, pipeline):
     """Stable records are never touched; churn records (fixed vector per id) are inserted and

@@ -21,7 +21,7 @@ from kalos.testing import start_sidecar_process
 from sidecar_cuda.objects import cleanup
 
 uvicorn = pytest.importorskip("uvicorn")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 2.0
 
 

@@ -28,6 +28,7 @@ from conftest import assert_topk, run_py, unique_name, wait_until
 from sidecar_cuda.objects import cleanup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # where conftest.py lives
 NOBODY = 65534
 
 
@@ -409,7 +410,7 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
                         "--slots", "16", "--max-queries", "4", "--max-k", "16",
                         "--blob-bytes", "65536", "--payload-limit", "65536",
                         "--metrics-port", str(port), "--backend", "numpy")
-    legit = run_py(LEGIT, h.name, str(seed), str(seconds + 1.0), HERE)
+    legit = run_py(LEGIT, h.name, str(seed), str(seconds + 1.0), TESTS)
     assert json.loads(legit.stdout.readline()).get("ready")
     fuzz = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_client.py"), h.name, str(seed),
                            str(seconds), f"http://127.0.0.1:{port}/metrics"],

@@ -39,7 +39,6 @@ def gpu_sidecar(request, sidecar_factory, seed):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_cuda_sidecar_recalls_match_reference(gpu_sidecar, rng):
     h = gpu_sidecar
     async with RecallPool(h.name, size=16) as pool:

@@ -38,7 +38,6 @@ def slots_free(name: str) -> bool:
 # --------------------------------------------------------------------------- correctness
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_recall_matches_float64_reference_concurrently(sidecar, rng):
     async with RecallPool(sidecar.name, size=8) as pool:
         qs = rng.standard_normal((200, 32)).astype(np.float32)
@@ -120,7 +119,6 @@ def test_k_larger_than_namespace_returns_all_rows(sidecar_factory, rng):
 # --------------------------------------------------------------------------- cancellation, timeouts
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_cancellation_storm_leaks_nothing(sidecar, rng):
     done: list[tuple[np.ndarray, object]] = []
     async with RecallPool(sidecar.name, size=6) as pool:
@@ -162,7 +160,6 @@ def slow_sidecar(sidecar_factory, seed):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_response_and_acquire_timeouts(slow_sidecar, rng):
     q = rng.standard_normal(256).astype(np.float32)
     async with RecallPool(slow_sidecar.name, size=1) as pool:
@@ -217,7 +214,6 @@ def test_kill9_client_holding_slots_frees_them(slow_sidecar):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_kill9_sidecar_gives_broker_unavailable_quickly(sidecar_factory, rng):
     h = sidecar_factory("victim", "--dim", "64", "--random-rows", "200000", "--backend", "numpy",
                         "--slots", "8")
@@ -291,7 +287,6 @@ except BrokerUnavailable as e:
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_pipeline_never_stalls_after_idle_gaps(sidecar_factory, seed):
     """``--pipeline on`` with a threaded search: callers that post while the sidecar is about to
     sleep must not wait for the doorbell's 250 ms timeout (a batch in flight keeps it awake)."""
@@ -316,7 +311,6 @@ async def test_pipeline_never_stalls_after_idle_gaps(sidecar_factory, seed):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_sigterm_under_pipelined_load_answers_or_refuses_cleanly(sidecar_factory, seed):
     h = sidecar_factory("pipeterm", "--dim", "64", "--random-rows", "50000", "--seed", str(seed),
                         "--slots", "16", "--backend", "numpy", "--pipeline", "on")
@@ -380,7 +374,6 @@ def test_idle_sidecar_burns_no_cpu(sidecar):
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_bad_input_is_refused_before_shared_memory(sidecar):
     async with RecallPool(sidecar.name, size=2) as pool:
         good = np.zeros(32, np.float32)
@@ -483,7 +476,6 @@ def test_objects_are_private_to_the_owner(sidecar):
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_cancel_while_waiting_for_a_slot_restores_it():
     """A slot handed to a waiter that is cancelled before it runs goes back, never lost (pure)."""
     from clients.pool import _FreeSlots
@@ -503,7 +495,6 @@ async def test_cancel_while_waiting_for_a_slot_restores_it():
 
 
 @pytest.mark.asyncio
-@pytest.mark.usefixtures("strict_loop")
 async def test_cancel_mid_acquire_on_a_busy_pool(slow_sidecar, rng):
     q = rng.standard_normal(256).astype(np.float32)
     async with RecallPool(slow_sidecar.name, size=1) as pool:

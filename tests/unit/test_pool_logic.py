@@ -19,7 +19,7 @@ from clients.fake import FakeConnection
 from conftest import assert_topk
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
-pytestmark = [pytest.mark.asyncio, pytest.mark.usefixtures("strict_loop")]
+pytestmark = pytest.mark.asyncio
 
 
 def topk_answer(matrix: np.ndarray):
@@ -232,3 +232,8 @@ async def test_done_but_never_posted_then_dead_is_noticed_not_spun_on():
     with pytest.raises(BrokerUnavailable, match="dead"):
         await asyncio.wait_for(task, 1.0)
     pool.terminate()
+
+
+async def test_every_async_test_runs_under_the_strict_loop_fixture():
+    """conftest applies strict_loop to async tests without a marker: its handler is installed."""
+    assert asyncio.get_running_loop().get_exception_handler() is not None
