@@ -97,6 +97,7 @@ class _FreeSlots:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._slots: list[ClientSlot] = []
+        self._current: frozenset[ClientSlot] = frozenset()  # the slots of the live attachment
         self._waiters: deque[asyncio.Future[ClientSlot]] = deque()
 
     def qsize(self) -> int:
@@ -274,6 +275,7 @@ class RecallPool:
         assert self._attached is not None
         self._conn = conn
         self._slots = slots
+        self._current = frozenset(slots)
         for s in slots:
             self._free.put_nowait(s)
         self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
@@ -342,6 +344,7 @@ class RecallPool:
         if self._attached is not None:
             self._attached.clear()
         conn, self._conn, slots, self._slots = self._conn, None, self._slots, []
+        self._current = frozenset()
         if conn is not None:
             busy_idx = {s.index for s in busy}
             try:
@@ -473,7 +476,7 @@ class RecallPool:
             if self._state != "open" or self._broken is not None:
                 self._free.put_nowait(slot)
                 self._check_usable()
-            if self._conn is not None and slot in self._slots:  # not a slot of a dead attachment
+            if self._conn is not None and slot in self._current:  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
