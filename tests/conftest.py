@@ -76,6 +76,16 @@ def sidecar_factory():
         proc = start_sidecar_process(full, name, timeout=60)
         h = SidecarHandle(name, proc, full)
         handles.append(h)
+        backend = full[full.index("--backend") + 1]
+        if backend in ("numpy", "cuda"):  # assert what runs: the header names the backend
+            from clients._transport import Connection
+
+            c = Connection(name)
+            try:
+                ran = {1: "numpy", 2: "cuda"}.get(int(c.seg.header["backend"]))
+            finally:
+                c.close()
+            assert ran == backend, f"asked for a {backend} sidecar, the header says {ran}"
         return h
 
     yield start
