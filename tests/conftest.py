@@ -80,7 +80,7 @@ def sidecar_factory():
         if backend in ("numpy", "cuda"):  # assert what runs: the header names the backend
             from clients._transport import Connection
 
-            c = Connection(name)
+            c = Connection(name, sidecar_uid=os.geteuid())  # (--shm-mode 0660 sidecars too)
             try:
                 ran = {1: "numpy", 2: "cuda"}.get(int(c.seg.header["backend"]))
             finally:

@@ -26,7 +26,10 @@ def dump(name: str, namespace: str) -> dict[int, tuple[np.ndarray, object]]:
     with RecallClient(name, timeout=10) as c:
         after = -1
         while True:
-            ids, vecs, pls = c.export_page(namespace, after)
+            try:
+                ids, vecs, pls = c.export_page(namespace, after)
+            except UnknownNamespace:  # nothing was ever acknowledged in it (e.g. killed during
+                return out            # a CUDA sidecar's first, compiling write)
             if not len(ids):
                 return out
             for i, v, p in zip(ids.tolist(), vecs, pls):
