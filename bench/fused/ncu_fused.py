@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Three launches of the fused search at 1M x 768 for ncu (profile the third ft_fused):
     ncu --clock-control none --kernel-name ft_fused --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats python3 .fused/ncu_fused.py [B]"""
+        --section SpeedOfLight --section WarpStateStats python3 bench/fused/ncu_fused.py [B]"""
 import os
 import sys
 

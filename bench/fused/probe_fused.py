@@ -11,7 +11,7 @@ Per batch size: CUDA-event GPU time (median of --reps after warm-up) of
   (c) cuBLAS gemmEx alone (float16 in, float32 compute; float32 and float16 output) as a floor;
 and the answers of (a), every sweep shape and (b) against a float64 reference (all queries).
 
-Run from the repository root:  python3 .fused/probe_fused.py [--out FILE]
+Run from the repository root:  python3 bench/fused/probe_fused.py [--out FILE]
 """
 
 from __future__ import annotations
