@@ -18,7 +18,7 @@ from broker.errors import ProtocolError
 from broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
 from broker.names import validate_namespace
 from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from clients.results import Hits
+from clients.results import Hits, Records
 
 
 class _Default(enum.Enum):
@@ -51,6 +51,7 @@ class Prepared:
     ids: np.ndarray | None = None
     blob: bytes = b""
     single: bool = False
+    with_vectors: bool = True  # GET: copy the vectors out of the answer
 
 
 class NamespaceCache(dict[str, bytes]):
@@ -106,6 +107,28 @@ def delete(layout: Layout, ids: Any, namespace: str) -> list[Prepared]:
             for lo in range(0, len(idarr), step)]
 
 
+def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool) -> list[Prepared]:
+    """One request per slot-full of ids (answers come back in the slot's ids/queries areas)."""
+    ns = validate_namespace(namespace)
+    idarr = as_ids(ids)
+    step = layout.max_queries
+    return [Prepared(Op.GET, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step],
+                     with_vectors=with_vectors)
+            for lo in range(0, len(idarr), step)]
+
+
+def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Records:
+    """One :class:`Records` from the answers of :func:`get`'s chunks, in the order asked."""
+    if len(parts) == 1:
+        return parts[0]
+    vecs = None
+    if asked[0].with_vectors:
+        vecs = np.concatenate([p.vectors for p in parts if p.vectors is not None])
+    return Records(np.concatenate([p.ids for p in parts]), vecs,
+                   [x for p in parts for x in p.payloads],
+                   np.concatenate([p.missing for p in parts]))
+
+
 def drop(namespace: str) -> Prepared:
     return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
 
@@ -156,7 +179,24 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
         return listing[0]
     if p.op == Op.EXPORT:
         return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
+    if p.op == Op.GET:
+        return _records(v, n, blob_len, p)
     return n
+
+
+def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:
+    assert p.ids is not None
+    if n > p.nq:
+        raise ProtocolError(f"slot {v.index}: {n} records for {p.nq} ids asked")
+    ids = v.ids[:n].copy()
+    payloads = _json_lines(v, blob_len) if n else []
+    if len(payloads) != n:
+        raise ProtocolError(f"slot {v.index}: {len(payloads)} payloads for {n} records")
+    found = set(ids.tolist())
+    if not found <= set(p.ids.tolist()):
+        raise ProtocolError(f"slot {v.index}: the answer holds ids that were not asked for")
+    missing = np.array([i for i in p.ids.tolist() if i not in found], np.int64)
+    return Records(ids, v.queries[:n].copy() if p.with_vectors else None, payloads, missing)
 
 
 def _blob(v: SlotView, n: int) -> bytes:

@@ -15,10 +15,10 @@ from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, backoff_s
-from clients.results import Hits
+from clients.results import Hits, Records
 
 DEFAULT_SPIN_US = 250.0
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET})
 _SLICE_S = 0.05
 
 
@@ -139,6 +139,14 @@ class RecallClient:
     def delete(self, ids: Any, *, namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         t0 = time.monotonic_ns()
         return sum(self._call(p, timeout, t0) for p in _requests.delete(self.layout, ids, namespace))
+
+    def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
+            timeout: Timeout = DEFAULT) -> Records:
+        """Records by id; see RecallPool.get for semantics and errors."""
+        t0 = time.monotonic_ns()
+        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
+        return _requests.merge_records(preps, parts, self.layout.dim)
 
     def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         return cast(int, self._call(_requests.drop(namespace), timeout, time.monotonic_ns()))

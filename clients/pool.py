@@ -39,11 +39,11 @@ from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, Waiter, backoff_s
-from clients.results import Hits
+from clients.results import Hits, Records
 
 LIVENESS_S = 0.1
 #: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET})
 DEFAULT_SPIN_US = 250.0
 MAX_SPIN_US = 2000.0
 
@@ -419,6 +419,18 @@ class RecallPool:
         t0 = time.monotonic_ns()
         preps = _requests.delete(self.layout, ids, namespace)
         return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
+
+    async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
+                  timeout: Timeout = DEFAULT) -> Records:
+        """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload),
+        and the ids that do not (``Records.missing``; not an error). More ids than max_queries are
+        sent in chunks, concurrently. Raises InvalidRequest (bad ids, before anything is sent),
+        UnknownNamespace, PayloadTooLarge (the payloads of one chunk exceed the slot's blob area),
+        and the errors of :meth:`recall`."""
+        t0 = time.monotonic_ns()
+        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
+        return _requests.merge_records(preps, parts, self.layout.dim)
 
     async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         """Remove a namespace and all its records; returns the rows it held (0 if unknown)."""

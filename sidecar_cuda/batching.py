@@ -250,7 +250,7 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
         return Rejection(slot, Status.BAD_REQUEST, "invalid namespace field", gen)
     nq = f.nq
     k = f.k
-    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT):
+    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT, Op.GET):
         if not 1 <= nq <= layout.max_queries:
             return Rejection(slot, Status.TOO_MANY_QUERIES,
                              f"nq={nq} outside 1..{layout.max_queries}", gen)

@@ -240,5 +240,28 @@ class GeneralRoute:
                 return
             self.writer.rows(r.slot, ids, vecs)
             self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
+        elif r.op == Op.GET:
+            self._serve_get(r)
         else:
             self._answer(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
+
+    def _serve_get(self, r: Request) -> None:
+        """Records of the asked ids that exist, in the order asked, into the slot's ids and
+        queries areas (the asked ids are read first: the answer overwrites them)."""
+        ns = self.store.get(r.namespace)
+        if ns is None:
+            self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+            return
+        asked = self.seg.slot[r.slot].ids[: r.nq].copy()
+        if (asked < 0).any():
+            self._answer(r, Status.BAD_ID, "ids must be >= 0")
+            return
+        ids, vecs, pls = ns.get(asked)
+        blob = b"\n".join(pls)
+        if len(blob) > self.layout.blob_bytes:
+            self._answer(r, Status.PAYLOAD_TOO_LARGE,
+                         f"payloads of the records take {len(blob)} bytes, the slot holds "
+                         f"{self.layout.blob_bytes}; ask for fewer ids or raise --blob-bytes")
+            return
+        self.writer.rows(r.slot, ids, vecs)
+        self.writer.answer_blob(r.slot, r.generation, len(ids), blob)

@@ -137,6 +137,16 @@ class Namespace:
         return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k,
                                         row_ids=self.row_ids)
 
+    def get(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """The records of ``asked`` that exist, in the order asked: (ids, float32 vectors as
+        stored, payload JSON lines)."""
+        id_row = self.id_row
+        pairs = [(i, id_row[i]) for i in asked.tolist() if i in id_row]
+        ids = np.array([i for i, _r in pairs], np.int64)
+        rows = np.array([r for _i, r in pairs], np.int64)
+        vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
+        return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
+
     def export_page(self, after: int, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32
         vectors as stored, payload JSON lines). A cursor over ids stays correct while writes go on."""
