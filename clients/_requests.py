@@ -17,7 +17,8 @@ import numpy as np
 from broker.errors import ProtocolError
 from broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
 from broker.names import validate_namespace
-from broker.validation import as_ids, as_queries, check_k, encode_payloads
+from broker.errors import InvalidRequest
+from broker.validation import as_ids, as_queries, check_k, encode_payloads, encode_where
 from clients.results import Hits, Records
 
 
@@ -68,13 +69,18 @@ class NamespaceCache(dict[str, bytes]):
         return b
 
 
-def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool) -> Prepared:
+def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool,
+           where: Any = None) -> Prepared:
     """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
     q = as_queries(x, layout.dim, layout.max_queries, single=single)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
-    return Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
-                    vectors=q, single=single)
+    p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
+                 vectors=q, single=single)
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags |= Flag.WHERE
+    return p
 
 
 def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
@@ -99,8 +105,12 @@ def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str
     return out
 
 
-def delete(layout: Layout, ids: Any, namespace: str) -> list[Prepared]:
+def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared]:
     ns = validate_namespace(namespace)
+    if (ids is None) == (where is None):
+        raise InvalidRequest("delete takes ids or where=, one of them")
+    if where is not None:
+        return [Prepared(Op.DELETE, ns, flags=Flag.WHERE, blob=encode_where(where, layout.blob_bytes))]
     idarr = as_ids(ids)
     step = layout.max_queries
     return [Prepared(Op.DELETE, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step])
@@ -133,9 +143,21 @@ def drop(namespace: str) -> Prepared:
     return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
 
 
-def export_page(layout: Layout, namespace: str, after: int) -> Prepared:
-    return Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
-                    ids=np.array([after], np.int64))
+def export_page(layout: Layout, namespace: str, after: int, where: Any = None) -> Prepared:
+    p = Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
+                 ids=np.array([after], np.int64))
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags = Flag.WHERE
+    return p
+
+
+def count(layout: Layout, namespace: str, where: Any = None) -> Prepared:
+    p = Prepared(Op.COUNT, validate_namespace(namespace))
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags = Flag.WHERE
+    return p
 
 
 def list_namespaces() -> Prepared:
