@@ -137,6 +137,8 @@ class PayloadIndex:
             hit = np.zeros(n, bool)
         elif len(wanted) == 1:
             hit = codes[:n] == wanted[0]
-        else:
-            hit = np.isin(codes[:n], np.asarray(wanted, np.int32))
+        else:  # a lookup table over the codes (np.isin sorts: ~60x slower at 100k rows)
+            lut = np.zeros(len(vals) - OTHER, bool)
+            lut[np.asarray(wanted, np.intp) - OTHER] = True
+            hit = lut[codes[:n] - OTHER]
         return ~hit if kind in ("ne", "nin") else hit
