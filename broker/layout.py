@@ -85,7 +85,8 @@ MAGIC = b"KALOSHM\x00"
 MAGIC_U64 = int.from_bytes(MAGIC, "little")
 #: Bumped on every incompatible change of this module. 2: namespaces/upsert/delete ops.
 #: 3: leases and sidecar liveness held as locks on the lease file (broker.leases).
-PROTOCOL_VERSION = 3
+#: 4: GET (records by id), COUNT, filters (Flag.WHERE).
+PROTOCOL_VERSION = 4
 
 HEADER_BYTES = 4096
 CONTROL_BYTES = 256
@@ -138,6 +139,8 @@ class Op(IntEnum):
     DROP_NAMESPACE = 4
     LIST_NAMESPACES = 5
     EXPORT = 6  # page of records with id > ids[0], ascending: ids, vectors, payload lines
+    GET = 7  # records of ids[0..nq) that exist, in the order asked: ids, vectors, payload lines
+    COUNT = 8  # rows of a namespace (that match the filter, with Flag.WHERE): n_results
 
 
 class Status(IntEnum):
@@ -188,6 +191,7 @@ def error_for_status(status: int, detail: str) -> KalosError:
 
 class Flag(IntEnum):
     WITH_PAYLOAD = 1
+    WHERE = 2  # the request's blob holds a filter (compact JSON): RECALL, DELETE, EXPORT, COUNT
 
 
 class Dtype(IntEnum):

@@ -144,3 +144,109 @@ def encode_payloads(payloads: Sequence[Any] | None, n: int, limit: int) -> bytes
         raise PayloadTooLarge(f"payloads take {len(blob)} bytes; one request carries at most {limit} "
                               "(split the upsert or raise the sidecar's --blob-bytes)")
     return blob
+
+
+# --------------------------------------------------------------------------- filters (where=)
+
+#: A parsed filter: ("and"|"or", (node, ...)), ("eq"|"ne", field, scalar), ("in"|"nin", field,
+#: (scalar, ...)), ("gt"|"gte"|"lt"|"lte", field, number), ("exists", field, bool).
+WhereNode = tuple[Any, ...]
+#: Bounds of one filter: ``$or``/``$and`` nesting, conditions in all, values of one ``$in``.
+MAX_WHERE_DEPTH = 8
+MAX_WHERE_TERMS = 256
+MAX_WHERE_VALUES = 1024
+_RANGE_OPS = {"$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
+_FIELD_OPS = frozenset({"$in", "$nin", "$ne", "$exists", *_RANGE_OPS})
+
+
+def is_scalar(v: Any) -> bool:
+    """A value equality filters may name: str, int, float (finite), bool or None."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return v is None or isinstance(v, (str, int, bool))
+
+
+def parse_where(where: Any) -> WhereNode:
+    """Check a filter (a dict ANDing conditions on top-level payload fields) and return its parsed
+    form. Pure; raises InvalidRequest naming the first problem. Used by clients before anything is
+    sent and by the sidecar on the bytes a client wrote (untrusted)."""
+    terms = [0]
+    return _parse_where(where, 0, terms)
+
+
+def _parse_where(where: Any, depth: int, terms: list[int]) -> WhereNode:
+    if not isinstance(where, dict):
+        raise InvalidRequest(f"a filter is a dict of conditions, got {type(where).__name__}")
+    if depth > MAX_WHERE_DEPTH:
+        raise InvalidRequest(f"filters nest $or/$and at most {MAX_WHERE_DEPTH} deep")
+    out: list[WhereNode] = []
+    for key, cond in where.items():
+        if not isinstance(key, str) or not key:
+            raise InvalidRequest(f"filter fields are non-empty strings, got {key!r}")
+        if key in ("$or", "$and"):
+            if not isinstance(cond, list) or not cond:
+                raise InvalidRequest(f"{key} takes a non-empty list of filters")
+            out.append((key[1:], tuple(_parse_where(c, depth + 1, terms) for c in cond)))
+            continue
+        if key.startswith("$"):
+            raise InvalidRequest(f"unknown filter operator {key!r} (at the top: $or, $and)")
+        if isinstance(cond, dict):
+            if not cond:
+                raise InvalidRequest(f"empty condition on {key!r}")
+            for op, arg in cond.items():
+                out.append(_field_condition(key, op, arg))
+                terms[0] += 1
+        elif is_scalar(cond):
+            out.append(("eq", key, cond))
+            terms[0] += 1
+        else:
+            raise InvalidRequest(f"field {key!r}: equality takes a str, int, float, bool or None "
+                                 f"(or an operator dict), got {type(cond).__name__}")
+        if terms[0] > MAX_WHERE_TERMS:
+            raise InvalidRequest(f"a filter has at most {MAX_WHERE_TERMS} conditions")
+    return ("and", tuple(out))
+
+
+def _field_condition(field: str, op: Any, arg: Any) -> WhereNode:
+    if op not in _FIELD_OPS:
+        raise InvalidRequest(f"field {field!r}: unknown operator {op!r} "
+                             f"(known: {', '.join(sorted(_FIELD_OPS))})")
+    if op in ("$in", "$nin"):
+        if not isinstance(arg, list) or len(arg) > MAX_WHERE_VALUES or not all(map(is_scalar, arg)):
+            raise InvalidRequest(f"field {field!r}: {op} takes a list of at most {MAX_WHERE_VALUES} "
+                                 "scalars (str, int, float, bool, None)")
+        return (op[1:], field, tuple(arg))
+    if op == "$ne":
+        if not is_scalar(arg):
+            raise InvalidRequest(f"field {field!r}: $ne takes a scalar (str, int, float, bool, None)")
+        return ("ne", field, arg)
+    if op == "$exists":
+        if not isinstance(arg, bool):
+            raise InvalidRequest(f"field {field!r}: $exists takes true or false")
+        return ("exists", field, arg)
+    if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not math.isfinite(arg):
+        raise InvalidRequest(f"field {field!r}: {op} takes a finite number")
+    return (_RANGE_OPS[op], field, float(arg))
+
+
+def encode_where(where: Any, limit: int) -> bytes:
+    """The canonical encoding of a valid filter (compact JSON, keys sorted) for a slot's blob;
+    raises InvalidRequest (invalid, or longer than ``limit`` bytes)."""
+    parse_where(where)
+    try:
+        blob = json.dumps(where, separators=(",", ":"), sort_keys=True, ensure_ascii=False,
+                          allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as e:
+        raise InvalidRequest(f"filter is not JSON-serialisable: {e}") from None
+    if len(blob) > limit:
+        raise InvalidRequest(f"filter takes {len(blob)} bytes; a request carries at most {limit}")
+    return blob
+
+
+def decode_where(blob: bytes) -> WhereNode:
+    """A filter as a client wrote it (any bytes): parsed, or InvalidRequest. Never anything else."""
+    try:
+        where = json.loads(blob)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise InvalidRequest("filter is not valid JSON") from None
+    return parse_where(where)

@@ -2,6 +2,6 @@
 
 from clients.blocking import RecallClient
 from clients.pool import PoolStatistics, RecallPool
-from clients.results import Hit, Hits
+from clients.results import Hit, Hits, Records
 
-__all__ = ["RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits"]
+__all__ = ["RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records"]

@@ -17,8 +17,9 @@ import numpy as np
 from broker.errors import ProtocolError
 from broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
 from broker.names import validate_namespace
-from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from clients.results import Hits
+from broker.errors import InvalidRequest
+from broker.validation import as_ids, as_queries, check_k, encode_payloads, encode_where
+from clients.results import Hits, Records
 
 
 class _Default(enum.Enum):
@@ -51,6 +52,7 @@ class Prepared:
     ids: np.ndarray | None = None
     blob: bytes = b""
     single: bool = False
+    with_vectors: bool = True  # GET: copy the vectors out of the answer
 
 
 class NamespaceCache(dict[str, bytes]):
@@ -67,13 +69,18 @@ class NamespaceCache(dict[str, bytes]):
         return b
 
 
-def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool) -> Prepared:
+def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool,
+           where: Any = None) -> Prepared:
     """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
     q = as_queries(x, layout.dim, layout.max_queries, single=single)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
-    return Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
-                    vectors=q, single=single)
+    p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
+                 vectors=q, single=single)
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags |= Flag.WHERE
+    return p
 
 
 def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
@@ -98,21 +105,59 @@ def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str
     return out
 
 
-def delete(layout: Layout, ids: Any, namespace: str) -> list[Prepared]:
+def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared]:
     ns = validate_namespace(namespace)
+    if (ids is None) == (where is None):
+        raise InvalidRequest("delete takes ids or where=, one of them")
+    if where is not None:
+        return [Prepared(Op.DELETE, ns, flags=Flag.WHERE, blob=encode_where(where, layout.blob_bytes))]
     idarr = as_ids(ids)
     step = layout.max_queries
     return [Prepared(Op.DELETE, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step])
             for lo in range(0, len(idarr), step)]
 
 
+def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool) -> list[Prepared]:
+    """One request per slot-full of ids (answers come back in the slot's ids/queries areas)."""
+    ns = validate_namespace(namespace)
+    idarr = as_ids(ids)
+    step = layout.max_queries
+    return [Prepared(Op.GET, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step],
+                     with_vectors=with_vectors)
+            for lo in range(0, len(idarr), step)]
+
+
+def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Records:
+    """One :class:`Records` from the answers of :func:`get`'s chunks, in the order asked."""
+    if len(parts) == 1:
+        return parts[0]
+    vecs = None
+    if asked[0].with_vectors:
+        vecs = np.concatenate([p.vectors for p in parts if p.vectors is not None])
+    return Records(np.concatenate([p.ids for p in parts]), vecs,
+                   [x for p in parts for x in p.payloads],
+                   np.concatenate([p.missing for p in parts]))
+
+
 def drop(namespace: str) -> Prepared:
     return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
 
 
-def export_page(layout: Layout, namespace: str, after: int) -> Prepared:
-    return Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
-                    ids=np.array([after], np.int64))
+def export_page(layout: Layout, namespace: str, after: int, where: Any = None) -> Prepared:
+    p = Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
+                 ids=np.array([after], np.int64))
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags = Flag.WHERE
+    return p
+
+
+def count(layout: Layout, namespace: str, where: Any = None) -> Prepared:
+    p = Prepared(Op.COUNT, validate_namespace(namespace))
+    if where is not None:
+        p.blob = encode_where(where, layout.blob_bytes)
+        p.flags = Flag.WHERE
+    return p
 
 
 def list_namespaces() -> Prepared:
@@ -156,7 +201,24 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
         return listing[0]
     if p.op == Op.EXPORT:
         return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
+    if p.op == Op.GET:
+        return _records(v, n, blob_len, p)
     return n
+
+
+def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:
+    assert p.ids is not None
+    if n > p.nq:
+        raise ProtocolError(f"slot {v.index}: {n} records for {p.nq} ids asked")
+    ids = v.ids[:n].copy()
+    payloads = _json_lines(v, blob_len) if n else []
+    if len(payloads) != n:
+        raise ProtocolError(f"slot {v.index}: {len(payloads)} payloads for {n} records")
+    found = set(ids.tolist())
+    if not found <= set(p.ids.tolist()):
+        raise ProtocolError(f"slot {v.index}: the answer holds ids that were not asked for")
+    missing = np.array([i for i in p.ids.tolist() if i not in found], np.int64)
+    return Records(ids, v.queries[:n].copy() if p.with_vectors else None, payloads, missing)
 
 
 def _blob(v: SlotView, n: int) -> bytes:

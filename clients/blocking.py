@@ -15,10 +15,10 @@ from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, backoff_s
-from clients.results import Hits
+from clients.results import Hits, Records
 
 DEFAULT_SPIN_US = 250.0
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
 _SLICE_S = 0.05
 
 
@@ -118,16 +118,20 @@ class RecallClient:
                 self._conn.close()
 
     def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-               timeout: Timeout = DEFAULT, with_payload: bool = False) -> Hits:
+               timeout: Timeout = DEFAULT, with_payload: bool = False,
+               where: dict[str, Any] | None = None) -> Hits:
         """Top-k of one vector; see RecallPool.recall for semantics and errors."""
         t0 = time.monotonic_ns()
-        p = _requests.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True)
+        p = _requests.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True,
+                             where)
         return cast(Hits, self._call(p, timeout, t0))
 
     def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                    timeout: Timeout = DEFAULT, with_payload: bool = False) -> list[Hits]:
+                    timeout: Timeout = DEFAULT, with_payload: bool = False,
+                    where: dict[str, Any] | None = None) -> list[Hits]:
         t0 = time.monotonic_ns()
-        p = _requests.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False)
+        p = _requests.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False,
+                             where)
         return cast("list[Hits]", self._call(p, timeout, t0))
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
@@ -136,9 +140,20 @@ class RecallClient:
         return sum(self._call(p, timeout, t0)
                    for p in _requests.upsert(self.layout, ids, vectors, payloads, namespace))
 
-    def delete(self, ids: Any, *, namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+    def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
+               namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+        """Delete by ids or by filter; see RecallPool.delete."""
         t0 = time.monotonic_ns()
-        return sum(self._call(p, timeout, t0) for p in _requests.delete(self.layout, ids, namespace))
+        return sum(self._call(p, timeout, t0)
+                   for p in _requests.delete(self.layout, ids, namespace, where))
+
+    def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
+            timeout: Timeout = DEFAULT) -> Records:
+        """Records by id; see RecallPool.get for semantics and errors."""
+        t0 = time.monotonic_ns()
+        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
+        return _requests.merge_records(preps, parts, self.layout.dim)
 
     def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         return cast(int, self._call(_requests.drop(namespace), timeout, time.monotonic_ns()))
@@ -147,11 +162,18 @@ class RecallClient:
         """Every namespace with its row count."""
         return cast("dict[str, int]", self._call(_requests.list_namespaces(), timeout, time.monotonic_ns()))
 
-    def export_page(self, namespace: str, after: int = -1, *, timeout: Timeout = DEFAULT
-                    ) -> tuple[Any, Any, list[Any]]:
-        """Up to max_queries records with id > ``after`` in ascending id order:
-        (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
-        return cast("tuple[Any, Any, list[Any]]", self._call(_requests.export_page(self.layout, namespace, after), timeout, time.monotonic_ns()))
+    def export_page(self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None,
+                    timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
+        """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
+        if given): (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
+        return cast("tuple[Any, Any, list[Any]]", self._call(
+            _requests.export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+
+    def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
+              timeout: Timeout = DEFAULT) -> int:
+        """Records in ``namespace`` (matching ``where`` if given); see RecallPool.count."""
+        return cast(int, self._call(_requests.count(self.layout, namespace, where), timeout,
+                                    time.monotonic_ns()))
 
     def _call(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
         timeout = resolve_timeout(budget, self._timeout)

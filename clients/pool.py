@@ -39,11 +39,11 @@ from broker.layout import Layout, Op
 import clients._requests as _requests
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, Waiter, backoff_s
-from clients.results import Hits
+from clients.results import Hits, Records
 
 LIVENESS_S = 0.1
 #: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT})
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
 DEFAULT_SPIN_US = 250.0
 MAX_SPIN_US = 2000.0
 
@@ -378,8 +378,12 @@ class RecallPool:
 
     # ------------------------------------------------------------------ public operations
     async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-                     timeout: Timeout = DEFAULT, with_payload: bool = False) -> Hits:
+                     timeout: Timeout = DEFAULT, with_payload: bool = False,
+                     where: dict[str, Any] | None = None) -> Hits:
         """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first.
+
+        ``where``: only records whose payload matches the filter (README, "Filters"); fewer than
+        ``k`` hits when fewer match, none when nothing does.
 
         ``timeout`` (seconds, None = no limit; default: the pool's) covers waiting for a free slot
         and for the answer. Raises InvalidRequest (bad vector/k/namespace name, before anything is
@@ -388,17 +392,19 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state != "open" or self._broken is not None:
             self._check_usable()
-        p = _requests.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True)
+        p = _requests.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
+                             single=True, where=where)
         return cast(Hits, await self._execute(p, timeout, t0))
 
     async def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                          timeout: Timeout = DEFAULT, with_payload: bool = False
-                          ) -> list[Hits]:
+                          timeout: Timeout = DEFAULT, with_payload: bool = False,
+                          where: dict[str, Any] | None = None) -> list[Hits]:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
-        slot and one round trip. Same errors as :meth:`recall`."""
+        slot and one round trip (``where``: one filter for every row). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = _requests.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False)
+        p = _requests.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload,
+                             single=False, where=where)
         return cast("list[Hits]", await self._execute(p, timeout, t0))
 
     async def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
@@ -413,12 +419,25 @@ class RecallPool:
         preps = _requests.upsert(self.layout, ids, vectors, payloads, namespace)
         return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
 
-    async def delete(self, ids: Any, *, namespace: str = "default",
-                     timeout: Timeout = DEFAULT) -> int:
-        """Delete records by id; returns how many existed. Unknown ids/namespace: 0, no error."""
+    async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
+                     namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+        """Delete records by id, or every record whose payload matches ``where`` (one of the two);
+        returns how many existed. Unknown ids/namespace: 0, no error."""
         t0 = time.monotonic_ns()
-        preps = _requests.delete(self.layout, ids, namespace)
+        preps = _requests.delete(self.layout, ids, namespace, where)
         return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
+
+    async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
+                  timeout: Timeout = DEFAULT) -> Records:
+        """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload),
+        and the ids that do not (``Records.missing``; not an error). More ids than max_queries are
+        sent in chunks, concurrently. Raises InvalidRequest (bad ids, before anything is sent),
+        UnknownNamespace, PayloadTooLarge (the payloads of one chunk exceed the slot's blob area),
+        and the errors of :meth:`recall`."""
+        t0 = time.monotonic_ns()
+        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
+        return _requests.merge_records(preps, parts, self.layout.dim)
 
     async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         """Remove a namespace and all its records; returns the rows it held (0 if unknown)."""
@@ -430,11 +449,19 @@ class RecallPool:
                                                            time.monotonic_ns()))
 
     async def export_page(self, namespace: str, after: int = -1, *,
+                          where: dict[str, Any] | None = None,
                           timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
-        """Up to max_queries records with id > ``after`` in ascending id order:
-        (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
+        """Up to max_queries records with id > ``after`` in ascending id order (those matching
+        ``where``, if given): (ids int64, vectors float32 as stored, payloads). Raises
+        UnknownNamespace."""
         return cast("tuple[Any, Any, list[Any]]", await self._execute(
-            _requests.export_page(self.layout, namespace, after), timeout, time.monotonic_ns()))
+            _requests.export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+
+    async def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
+                    timeout: Timeout = DEFAULT) -> int:
+        """Records in ``namespace`` (those matching ``where``, if given). Raises UnknownNamespace."""
+        return cast(int, await self._execute(_requests.count(self.layout, namespace, where), timeout,
+                                             time.monotonic_ns()))
 
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:

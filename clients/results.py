@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple, overload
 
 import numpy as np
@@ -48,3 +49,20 @@ class Hits(Sequence[Hit]):
 
     def __repr__(self) -> str:
         return f"Hits(ids={self.ids.tolist()}, scores={np.round(self.scores, 4).tolist()})"
+
+
+@dataclass(frozen=True)
+class Records:
+    """Records fetched by id (``get``): those that exist, in the order asked (an id asked twice
+    comes twice), and the ids that do not exist (``missing``, in the order asked; not an error).
+
+    ``ids`` int64 (m,); ``vectors`` float32 (m, dim) as stored (unit rows under cosine), or None
+    when fetched ``with_vectors=False``; ``payloads``: m decoded payloads (None for none)."""
+
+    ids: np.ndarray
+    vectors: np.ndarray | None
+    payloads: list[Any]
+    missing: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)

@@ -11,11 +11,11 @@ from broker.errors import (
     UsageError,
 )
 from broker.layout import PROTOCOL_VERSION
-from clients import Hit, Hits, PoolStatistics, RecallClient, RecallPool
+from clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool
 
 __version__ = "0.1.0"
 __all__ = [
-    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits",
+    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records",
     "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
     "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
     "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",

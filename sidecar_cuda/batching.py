@@ -184,6 +184,8 @@ def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int) -> str:
     if op != _RECALL:
         name = _OPS[op].name if op in _OPS else str(op)
         return f"op {name} is not a recall"
+    if flags & Flag.WHERE:
+        return "filtered"
     if nq != 1:
         return f"nq={nq}: not one query"
     if flags & Flag.WITH_PAYLOAD:
@@ -250,7 +252,8 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
         return Rejection(slot, Status.BAD_REQUEST, "invalid namespace field", gen)
     nq = f.nq
     k = f.k
-    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT):
+    where_delete = op == Op.DELETE and f.flags & Flag.WHERE  # (its ids area is not read)
+    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT, Op.GET) and not where_delete:
         if not 1 <= nq <= layout.max_queries:
             return Rejection(slot, Status.TOO_MANY_QUERIES,
                              f"nq={nq} outside 1..{layout.max_queries}", gen)
@@ -270,19 +273,30 @@ class BatchPlan:
 
     writes: list[Request] = field(default_factory=list)
     recalls: dict[str, list[Request]] = field(default_factory=dict)
-    others: list[Request] = field(default_factory=list)
+    others: list[Request] = field(default_factory=list)  # filtered recalls among them
 
 
 def plan_batch(requests: list[Request]) -> BatchPlan:
     plan = BatchPlan()
     for r in sorted(requests, key=lambda r: r.t_post_ns):
-        if r.op == Op.RECALL:
+        if r.op == Op.RECALL and not r.flags & Flag.WHERE:
             plan.recalls.setdefault(r.namespace, []).append(r)
         elif r.op in (Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE):
             plan.writes.append(r)
         else:
             plan.others.append(r)
     return plan
+
+
+def write_segments(writes: list[Request]) -> list[list[Request]]:
+    """Writes cut before each delete by filter: its matches are found once every write before it
+    is applied, so each segment is made durable and applied before the next is decoded. Pure."""
+    out: list[list[Request]] = [[]]
+    for w in writes:
+        if w.op == Op.DELETE and w.flags & Flag.WHERE and out[-1]:
+            out.append([])
+        out[-1].append(w)
+    return out
 
 
 def pack_offsets(nqs: list[int]) -> np.ndarray:

@@ -18,11 +18,14 @@ from collections.abc import Callable
 import numpy as np
 
 from broker.layout import Flag, Op, SegmentView, Status
-from broker.validation import payload_problem
+from broker.errors import InvalidRequest
+from broker.validation import WhereNode, decode_where, payload_problem
 from sidecar_cuda.answers import AnswerWriter
-from sidecar_cuda.batching import Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch
+from sidecar_cuda.batching import (
+    Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, write_segments,
+)
 from sidecar_cuda.persist import Persistence, StoreError, Write
-from sidecar_cuda.store import MemoryStore
+from sidecar_cuda.store import MemoryStore, Namespace
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -61,8 +64,8 @@ class GeneralRoute:
             else:
                 reqs.append(p)
         plan = plan_batch(reqs)
-        if plan.writes:
-            self._guarded(plan.writes, lambda: self._serve_writes(plan.writes))
+        for segment in write_segments(plan.writes) if plan.writes else []:
+            self._guarded(segment, lambda: self._serve_writes(segment))
         for ns, group in plan.recalls.items():
             self._guarded(group, lambda: self._serve_recalls(ns, group))
         for r in plan.others:
@@ -121,18 +124,59 @@ class GeneralRoute:
         kk = ids.shape[1]
         for r, o in zip(group, offs):
             kr = min(r.k, kk)
-            hit_ids = ids[o:o + r.nq, :kr]
-            self.writer.hits(r.slot, hit_ids, scores[o:o + r.nq, :kr])
-            if r.flags & Flag.WITH_PAYLOAD:
-                blob = b"\n".join(ns.payloads.get(i, b"null") for i in hit_ids.ravel().tolist())
-                if len(blob) > self.layout.blob_bytes:
-                    self._answer(r, Status.PAYLOAD_TOO_LARGE,
-                                 f"payloads of the hits take {len(blob)} bytes, the slot holds "
-                                 f"{self.layout.blob_bytes}; lower k or raise --blob-bytes")
-                    continue
-                self.writer.answer_blob(r.slot, r.generation, kr, blob)
-                continue
-            self._answer(r, Status.OK, n_results=kr)
+            self._answer_hits(r, ns, ids[o:o + r.nq, :kr], scores[o:o + r.nq, :kr])
+
+    def _answer_hits(self, r: Request, ns: Namespace, hit_ids: np.ndarray, scores: np.ndarray) -> None:
+        """A recall's OK answer: hits (nq, kr), and their payloads if asked for."""
+        kr = hit_ids.shape[1]
+        self.writer.hits(r.slot, hit_ids, scores)
+        if r.flags & Flag.WITH_PAYLOAD:
+            blob = b"\n".join(ns.payloads.get(i, b"null") for i in hit_ids.ravel().tolist())
+            if len(blob) > self.layout.blob_bytes:
+                self._answer(r, Status.PAYLOAD_TOO_LARGE,
+                             f"payloads of the hits take {len(blob)} bytes, the slot holds "
+                             f"{self.layout.blob_bytes}; lower k or raise --blob-bytes")
+                return
+            self.writer.answer_blob(r.slot, r.generation, kr, blob)
+            return
+        self._answer(r, Status.OK, n_results=kr)
+
+    # ------------------------------------------------------------------ filters
+    def _where(self, r: Request) -> WhereNode | None:
+        """The parsed filter of a request that carries one (Flag.WHERE), else None. A filter a
+        client wrote is untrusted: anything malformed raises InvalidRequest (BAD_REQUEST)."""
+        if not r.flags & Flag.WHERE:
+            return None
+        blob_len = int(self.seg.slots["blob_len"][r.slot])
+        return decode_where(self.seg.slot[r.slot].blob[:blob_len].tobytes())
+
+    def _serve_filtered_recall(self, r: Request) -> None:
+        """One recall over the rows its filter matches (exact; k clipped to the matches)."""
+        try:
+            node = self._where(r)
+        except InvalidRequest as e:
+            self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
+            return
+        assert node is not None
+        ns = self.store.get(r.namespace)
+        if ns is None:
+            self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+            return
+        q = self.seg.slot[r.slot].queries[: r.nq]
+        if not np.isfinite(q).all():
+            self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
+            return
+        mask = ns.where(node)
+        if not mask.any():  # nothing matches: no search
+            self._answer(r, Status.OK, n_results=0)
+            return
+        try:
+            ids, scores = ns.search_where(q, r.k, mask)
+        except Exception as e:
+            log.exception("backend search failed")
+            self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+            return
+        self._answer_hits(r, ns, ids, scores)
 
     # ------------------------------------------------------------------ writes
     def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
@@ -140,6 +184,15 @@ class GeneralRoute:
         sv = self.seg.slot[r.slot]
         if r.op == Op.DROP_NAMESPACE:
             return Write("drop", r.namespace)
+        if r.op == Op.DELETE and r.flags & Flag.WHERE:
+            try:
+                node = self._where(r)
+            except InvalidRequest as e:
+                return (Status.BAD_REQUEST, f"filter: {e}")
+            assert node is not None
+            target = self.store.get(r.namespace)
+            matched = np.empty(0, np.int64) if target is None else target.matching_ids(node)
+            return Write("delete", r.namespace, ids=matched)
         ids = sv.ids[: r.nq].copy()
         if (ids < 0).any():
             return (Status.BAD_ID, "ids must be >= 0")
@@ -219,6 +272,14 @@ class GeneralRoute:
 
     # ------------------------------------------------------------------ the rest
     def _serve_other(self, r: Request) -> None:
+        if r.op == Op.RECALL:  # (filtered: the others are grouped by namespace)
+            self._serve_filtered_recall(r)
+            return
+        try:
+            node = self._where(r)
+        except InvalidRequest as e:
+            self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
+            return
         if r.op == Op.LIST_NAMESPACES:
             blob = json.dumps(self.store.counts(), separators=(",", ":")).encode()
             if len(blob) > self.layout.blob_bytes:
@@ -230,7 +291,8 @@ class GeneralRoute:
             if ns is None:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
-            ids, vecs, pls = ns.export_page(int(self.seg.slot[r.slot].ids[0]), r.nq)
+            ids, vecs, pls = ns.export_page(int(self.seg.slot[r.slot].ids[0]), r.nq,
+                                            None if node is None else ns.where(node))
             blob = b"\n".join(pls)
             while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
                 ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
@@ -240,5 +302,34 @@ class GeneralRoute:
                 return
             self.writer.rows(r.slot, ids, vecs)
             self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
+        elif r.op == Op.GET:
+            self._serve_get(r)
+        elif r.op == Op.COUNT:
+            ns = self.store.get(r.namespace)
+            if ns is None:
+                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+                return
+            self._answer(r, Status.OK, n_results=ns.n if node is None else int(ns.where(node).sum()))
         else:
             self._answer(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
+
+    def _serve_get(self, r: Request) -> None:
+        """Records of the asked ids that exist, in the order asked, into the slot's ids and
+        queries areas (the asked ids are read first: the answer overwrites them)."""
+        ns = self.store.get(r.namespace)
+        if ns is None:
+            self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+            return
+        asked = self.seg.slot[r.slot].ids[: r.nq].copy()
+        if (asked < 0).any():
+            self._answer(r, Status.BAD_ID, "ids must be >= 0")
+            return
+        ids, vecs, pls = ns.get(asked)
+        blob = b"\n".join(pls)
+        if len(blob) > self.layout.blob_bytes:
+            self._answer(r, Status.PAYLOAD_TOO_LARGE,
+                         f"payloads of the records take {len(blob)} bytes, the slot holds "
+                         f"{self.layout.blob_bytes}; ask for fewer ids or raise --blob-bytes")
+            return
+        self.writer.rows(r.slot, ids, vecs)
+        self.writer.answer_blob(r.slot, r.generation, len(ids), blob)

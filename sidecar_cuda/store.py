@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from broker.layout import Metric
+from broker.validation import WhereNode
 from sidecar_cuda.backends.base import (
     Backend, PendingSearch, SearchResult, completed, prepare_queries, prepare_rows,
 )
+from sidecar_cuda.filters import PayloadIndex
 
 MIN_CAPACITY = 1024
 
@@ -52,6 +54,7 @@ class Namespace:
         self.row_ids = np.full(self.matrix.capacity, -1, np.int64)
         self.id_row: dict[int, int] = {}
         self.payloads: dict[int, bytes] = {}
+        self.index = PayloadIndex(self.matrix.capacity)  # filter columns, row by row
         self.n = 0
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id, for export
 
@@ -67,6 +70,7 @@ class Namespace:
         row_ids = np.full(cap, -1, np.int64)
         row_ids[: self.n] = self.row_ids[: self.n]
         self.row_ids = row_ids
+        self.index.grow(cap)
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray, payloads: list[bytes | None] | None) -> int:
         """Insert or replace records (vector and payload together). Duplicate ids: the last wins."""
@@ -84,16 +88,19 @@ class Namespace:
             rows[j] = r
         self.ensure_capacity(self.n + new)
         self.matrix.write_rows(rows, vectors)
+        kept: list[bytes | None] = []
         for j, i in enumerate(ids.tolist()):
             r = int(rows[j])
             if r >= self.n:
                 self.id_row[i] = r
                 self.row_ids[r] = i
             p = payloads[keep[j]] if payloads is not None else None
+            kept.append(p)
             if p is None:
                 self.payloads.pop(i, None)
             else:
                 self.payloads[i] = p
+        self.index.write(rows, kept)
         self.n += new
         return len(ids)
 
@@ -112,6 +119,7 @@ class Namespace:
         src, dst = compaction_moves(holes, self.n)
         if len(src):
             self.matrix.move_rows(src, dst)
+            self.index.move(src, dst)
             moved = self.row_ids[src]
             self.row_ids[dst] = moved
             for i, r in zip(moved.tolist(), dst.tolist()):
@@ -128,6 +136,26 @@ class Namespace:
         rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k)
         return self.row_ids[rows], scores
 
+    def where(self, node: WhereNode) -> np.ndarray:
+        """The rows [0, n) that match a parsed filter, as a bool mask."""
+        return self.index.mask(node, self.n)
+
+    def matching_ids(self, node: WhereNode) -> np.ndarray:
+        """Ids of the records that match a parsed filter (row order)."""
+        ids: np.ndarray = self.row_ids[: self.n][self.where(node)]
+        return ids
+
+    def search_where(self, queries: np.ndarray, k: int, mask: np.ndarray) -> SearchResult:
+        """Top-k (ids, scores) over the rows of ``mask`` only (a bool mask of rows [0, n)):
+        ``min(k, matches)`` columns, never a row outside the mask."""
+        candidates = mask.nonzero()[0].astype(np.int64)
+        if len(candidates) == 0:
+            b = len(queries)
+            return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
+        rows, scores = self.matrix.search_rows(prepare_queries(queries, self.metric), self.n, k,
+                                               candidates)
+        return self.row_ids[rows], scores
+
     def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:
         """``search`` started on the device: a Future of (ids, scores). No write may reach this
         namespace before it is collected (the sidecar's pipeline makes sure)."""
@@ -137,14 +165,29 @@ class Namespace:
         return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k,
                                         row_ids=self.row_ids)
 
-    def export_page(self, after: int, limit: int) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    def get(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+        """The records of ``asked`` that exist, in the order asked: (ids, float32 vectors as
+        stored, payload JSON lines)."""
+        id_row = self.id_row
+        pairs = [(i, id_row[i]) for i in asked.tolist() if i in id_row]
+        ids = np.array([i for i, _r in pairs], np.int64)
+        rows = np.array([r for _i, r in pairs], np.int64)
+        vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
+        return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
+
+    def export_page(self, after: int, limit: int, mask: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32
-        vectors as stored, payload JSON lines). A cursor over ids stays correct while writes go on."""
+        vectors as stored, payload JSON lines). A cursor over ids stays correct while writes go on.
+        ``mask``: only the rows it marks (a filter's bool mask of rows [0, n))."""
         if self._sorted is None:
             ids = self.row_ids[: self.n]
             order = np.argsort(ids, kind="stable")
             self._sorted = (ids[order], order)
         sids, srows = self._sorted
+        if mask is not None:
+            keep = mask[srows]
+            sids, srows = sids[keep], srows[keep]
         lo = int(np.searchsorted(sids, after, side="right"))
         ids = sids[lo:lo + limit]
         rows = srows[lo:lo + limit]

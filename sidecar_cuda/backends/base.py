@@ -96,6 +96,11 @@ class Matrix(Protocol):
         Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
         """
 
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
+        """Exact top-k over the rows ``candidates`` only (distinct, ascending int64, each < n;
+        at least one), for a filtered recall. Returns (rows int64 (B, kk), scores float32 (B, kk)),
+        kk = min(k, len(candidates)), best first: every row returned is a candidate."""
+
     def search_async(self, queries: np.ndarray, n: int, k: int, *,
                      row_ids: np.ndarray | None = None) -> PendingSearch:
         """Start the same search and return at once. ``queries`` must stay untouched until the

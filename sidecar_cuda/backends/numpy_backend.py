@@ -38,6 +38,11 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return part[r, o], v[r, o]
 
 
+#: A filtered search scores every row and hides the non-candidates when at least 1/DENSE_FRACTION
+#: of the rows are candidates; below that it gathers the candidates' rows and scores only those.
+DENSE_FRACTION = 4
+
+
 class NumpyMatrix:
     def __init__(self, dim: int, capacity: int, metric: Metric, backend: NumpyBackend) -> None:
         self.backend = backend  # its worker thread runs search_async
@@ -69,12 +74,30 @@ class NumpyMatrix:
         sq[: self.capacity] = self.sqnorm
         self.data, self.sqnorm, self.capacity = data, sq, capacity
 
-    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
-        scores = queries.dot(self.data[:n].T)
+    def _scores(self, queries: np.ndarray, data: np.ndarray, sqnorm: np.ndarray) -> np.ndarray:
+        scores: np.ndarray = queries.dot(data.T)
         if self.metric == Metric.L2:
             qn = np.einsum("ij,ij->i", queries, queries)
-            scores = 2.0 * scores - self.sqnorm[:n][None, :] - qn[:, None]
-        return topk_rows(scores, k)
+            scores = 2.0 * scores - sqnorm[None, :] - qn[:, None]
+        return scores
+
+    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
+        return topk_rows(self._scores(queries, self.data[:n], self.sqnorm[:n]), k)
+
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
+        m = len(candidates)
+        if m * DENSE_FRACTION >= n:
+            # Many candidates: score every row and hide the others (no gather copy). A real score
+            # of -inf (overflow) could tie with a hidden row: then the gathered search decides.
+            scores = self._scores(queries, self.data[:n], self.sqnorm[:n])
+            hidden = np.ones(n, bool)
+            hidden[candidates] = False
+            scores[:, hidden] = -np.inf
+            rows, best = topk_rows(scores, min(k, m))
+            if not hidden[rows].any():
+                return rows, best
+        rows, best = topk_rows(self._scores(queries, self.data[candidates], self.sqnorm[candidates]), k)
+        return candidates[rows], best
 
     def search_async(self, queries: np.ndarray, n: int, k: int, *,
                      row_ids: np.ndarray | None = None) -> PendingSearch:

@@ -140,10 +140,10 @@ class Fuzzer:
         rec = conn.seg.slots
         i = s.index
         v = s.view
-        rec[i]["op"] = int(self.pick([1, 2, 3, 4, 5, 6, 0, 7, 99, 2**32 - 1]))
+        rec[i]["op"] = int(self.pick([1, 2, 3, 4, 5, 6, 7, 8, 0, 9, 99, 2**32 - 1]))
         rec[i]["k"] = int(self.pick([1, 5, L.max_k, 0, L.max_k + 1, 2**31, 2**32 - 1]))
         rec[i]["nq"] = int(self.pick([1, L.max_queries, 0, L.max_queries + 1, 2**32 - 1]))
-        rec[i]["flags"] = int(self.pick([0, int(Flag.WITH_PAYLOAD), int(rng.integers(2**32))]))
+        rec[i]["flags"] = int(self.pick([0, int(Flag.WITH_PAYLOAD), int(Flag.WHERE), int(rng.integers(2**32))]))
         rec[i]["generation"] = int(rng.integers(2**63)) * 2 + int(rng.integers(2))
         rec[i]["t_post_ns"] = int(self.pick([0, time.monotonic_ns(), 2**63 + 5, 2**64 - 1]))
         ns = self.pick([b"fuzz", b"default\xff", b"\x00" * 8, rng.bytes(64), b"a" * 64])
@@ -155,7 +155,8 @@ class Fuzzer:
         v.queries[...] = q
         v.ids[...] = self.pick([rng.integers(0, 100, v.ids.shape),
                                 rng.integers(-2**63, 2**63 - 1, v.ids.shape, dtype=np.int64)])
-        blob = self.pick([b"", b"not json", DEEP, b"null\n" * 3, b'{"a":1}', rng.bytes(200), b"\xff\xfe"])
+        blob = self.pick([b"", b"not json", DEEP, b"null\n" * 3, b'{"a":1}', rng.bytes(200), b"\xff\xfe",
+                          b'{"a":{"$in":[1,"x",null]},"$or":[{"b":{"$gt":2}}]}'])
         blob = bytes(blob)[: L.blob_bytes]
         v.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
         rec[i]["blob_len"] = int(self.pick([len(blob), 0, L.blob_bytes, L.blob_bytes + 1, 2**32 - 1]))

@@ -126,6 +126,29 @@ class CupyMatrix:
                      row_ids: np.ndarray | None = None) -> PendingSearch:
         return self.backend.search_async(self, queries, n, k, row_ids=row_ids)
 
+    def gathered(self, rows: np.ndarray) -> CupyMatrix:
+        """A new matrix holding the rows ``rows`` of this one, in that order (gathered on the
+        device; nothing crosses to the host)."""
+        rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+        if len(rows) == 0 or rows.min() < 0 or rows.max() >= self.capacity:
+            raise IndexError(f"no rows, or a row outside [0, {self.capacity})")
+        be = self.backend
+        be._check_usable()
+        sub = CupyMatrix(be, self.dim, len(rows), self.metric)
+        with be._guard("gathering candidate rows"), be._stream:
+            d_rows = be._cp.asarray(rows)
+            sub.data[...] = self.data[d_rows]
+            sub.sqn[...] = self.sqn[d_rows]
+        sub.max_norm = self.max_norm  # still a bound on every gathered row's norm
+        return sub
+
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
+        """A filtered search: the candidates' rows are gathered into a matrix of their own and
+        searched as a whole (the same exact paths), then its rows are mapped back."""
+        sub = self.gathered(candidates)
+        rows, scores = self.backend.search(sub, queries, len(candidates), k)
+        return np.asarray(candidates, np.int64)[rows], scores
+
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Stored rows as float32 (m, d): the storage dtype's values, widened (for export)."""
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)

@@ -1,0 +1,79 @@
+"""Filtered search on the CUDA backend (gathered candidate rows) against a numpy float64
+reference. Skipped where CuPy or a CUDA device is missing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from broker.layout import Metric
+from broker.validation import parse_where
+from sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from sidecar_cuda.backends.cuda import cuda_available
+from sidecar_cuda.store import Namespace
+
+_WHY = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
+              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
+
+
+@pytest.fixture(scope="module", params=list(REL_TOL))
+def backend(request):
+    from sidecar_cuda.backends.cuda import CupyBackend
+
+    be = CupyBackend(storage_dtype=request.param)
+    yield be
+    be.close()
+
+
+@pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2], ids=lambda m: m.name)
+@pytest.mark.parametrize("n,d,k,b,frac", [(1000, 16, 10, 1, 0.001), (5000, 128, 10, 4, 0.01),
+                                           (20000, 96, 100, 3, 0.1), (20000, 64, 1024, 2, 0.5),
+                                           (3001, 32, 7, 70, 1.0), (50, 8, 64, 1, 0.5)])
+def test_search_rows_matches_float64(backend, rng, metric, n, d, k, b, frac):
+    x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
+    m = backend.new_matrix(d, n, metric)
+    m.write_rows(np.arange(n), x)
+    cand = np.sort(rng.choice(n, max(1, int(n * frac)), replace=False)).astype(np.int64)
+    q = np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
+    rows, scores = m.search_rows(q, n, k, cand)
+    kk = min(k, len(cand))
+    assert rows.shape == (b, kk) and np.isin(rows, cand).all()
+    q64, x64 = q.astype(np.float64), x[cand].astype(np.float64)
+    ref = q64 @ x64.T
+    if metric == Metric.L2:
+        ref = 2 * ref - (x64 * x64).sum(1)[None] - (q64 * q64).sum(1)[:, None]
+    scale = np.linalg.norm(q64, axis=1) * np.linalg.norm(x64, axis=1).max()
+    if metric == Metric.L2:
+        scale = (np.linalg.norm(q64, axis=1) + np.linalg.norm(x64, axis=1).max()) ** 2
+    tol = REL_TOL[backend.storage_dtype] * scale + 1e-6
+    kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
+    full = q64 @ x.astype(np.float64).T
+    if metric == Metric.L2:
+        full = 2 * full - (x.astype(np.float64) ** 2).sum(1)[None] - (q64 * q64).sum(1)[:, None]
+    for i in range(b):
+        assert len(np.unique(rows[i])) == kk
+        true = full[i, rows[i]]
+        assert (true >= kth[i] - tol[i]).all()
+        assert (np.abs(scores[i] - true) <= tol[i]).all()
+
+
+def test_namespace_filtered_search_on_cuda(backend, rng):
+    ns = Namespace("g", backend, 16, Metric.DOT, capacity=64)
+    n = 3000
+    x = rng.standard_normal((n, 16), dtype=np.float32)
+    pls = [json.dumps({"c": int(c)}).encode() for c in rng.integers(10, size=n)]
+    ns.upsert(np.arange(n, dtype=np.int64), x, pls)
+    ns.delete(np.arange(0, n, 7, dtype=np.int64))  # compaction moves rows and their columns
+    node = parse_where({"c": {"$in": [1, 2]}})
+    alive = np.setdiff1d(np.arange(n), np.arange(0, n, 7))
+    match = alive[[json.loads(pls[i])["c"] in (1, 2) for i in alive]]
+    q = rng.standard_normal((2, 16), dtype=np.float32)
+    ids, scores = ns.search_where(q, 50, ns.where(node))
+    ref = q.astype(np.float64) @ x[match].astype(np.float64).T
+    assert np.isin(ids, match).all() and ids.shape == (2, 50)
+    tol = REL_TOL[backend.storage_dtype] * np.abs(ref).max() * 4 + 1e-5
+    np.testing.assert_allclose(scores, -np.sort(-ref, axis=1)[:, :50], atol=tol)

@@ -1,0 +1,105 @@
+"""Filters without processes: parsing (broker.validation), the payload index (sidecar_cuda.filters),
+the numpy backend's filtered search, and the routes filtered requests take."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from broker.errors import InvalidRequest
+from broker.layout import Flag, Metric, Op
+from broker.validation import decode_where, encode_where, parse_where
+from sidecar_cuda.backends.numpy_backend import NumpyBackend
+from sidecar_cuda.batching import Request, _field_problem, plan_batch, write_segments
+from sidecar_cuda.store import Namespace
+
+
+def test_encoding_is_canonical_and_decodes_to_the_same_filter():
+    a = encode_where({"b": {"$lt": 3, "$gt": 1}, "a": "x"}, 1024)
+    assert a == b'{"a":"x","b":{"$gt":1,"$lt":3}}'
+    assert decode_where(a) == parse_where({"a": "x", "b": {"$gt": 1, "$lt": 3}})
+    with pytest.raises(InvalidRequest, match="at most 10"):
+        encode_where({"a": "x" * 20}, 10)
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        decode_where(b"[" * 100000)
+
+
+def ns_with(payloads: list[object]) -> Namespace:
+    ns = Namespace("t", NumpyBackend(), 4, Metric.DOT, capacity=2)
+    n = len(payloads)
+    ns.upsert(np.arange(n, dtype=np.int64), np.eye(n, 4, dtype=np.float32),
+              [None if p is None else json.dumps(p).encode() for p in payloads])
+    return ns
+
+
+def ids_of(ns: Namespace, where: dict) -> list[int]:
+    return sorted(ns.matching_ids(parse_where(where)).tolist())
+
+
+def test_index_semantics_types_and_missing_fields():
+    ns = ns_with([{"a": 1}, {"a": 1.0}, {"a": True}, {"a": "1"}, {"a": None}, {}, None, [1],
+                  {"a": [1]}, {"a": 2.5}])
+    assert ids_of(ns, {"a": 1}) == [0, 1]
+    assert ids_of(ns, {"a": True}) == [2]
+    assert ids_of(ns, {"a": None}) == [4]
+    assert ids_of(ns, {"a": {"$ne": 1}}) == [2, 3, 4, 5, 6, 7, 8, 9]
+    assert ids_of(ns, {"a": {"$exists": True}}) == [0, 1, 2, 3, 4, 8, 9]
+    assert ids_of(ns, {"a": {"$gte": 1}}) == [0, 1, 9]
+    assert ids_of(ns, {"a": {"$in": ["1", 2.5]}}) == [3, 9]
+    assert ids_of(ns, {"a": {"$nin": [1, None]}}) == [2, 3, 5, 6, 7, 8, 9]
+    assert ids_of(ns, {"$or": [{"a": "1"}, {"b": 1}]}) == [3]
+    assert ids_of(ns, {}) == list(range(10))
+
+
+def test_index_follows_replacements_deletes_and_growth():
+    ns = ns_with([{"k": i % 3, "v": i} for i in range(10)])  # capacity 2 grows to 1024
+    assert ids_of(ns, {"k": 0}) == [0, 3, 6, 9]
+    ns.delete(np.array([0, 1, 2]))  # rows 7, 8, 9 move into the holes
+    assert ids_of(ns, {"k": 0}) == [3, 6, 9] and ids_of(ns, {"v": {"$gt": 7}}) == [8, 9]
+    ns.upsert(np.array([9]), np.ones((1, 4), np.float32), [b'{"other":1}'])  # field dropped
+    assert ids_of(ns, {"k": 0}) == [3, 6] and ids_of(ns, {"v": {"$exists": False}}) == [9]
+    ns.upsert(np.array([9]), np.ones((1, 4), np.float32), None)
+    assert ids_of(ns, {"other": 1}) == []
+
+
+@pytest.mark.parametrize("frac", [0.001, 0.05, 0.3, 1.0])
+@pytest.mark.parametrize("metric", [Metric.DOT, Metric.L2])
+def test_numpy_filtered_search_matches_float64(frac, metric):
+    rng = np.random.default_rng(7)
+    m = NumpyBackend().new_matrix(8, 2000, metric)
+    x = rng.standard_normal((2000, 8)).astype(np.float32)
+    m.write_rows(np.arange(2000), x)
+    cand = np.sort(rng.choice(2000, max(1, int(2000 * frac)), replace=False)).astype(np.int64)
+    q = rng.standard_normal((3, 8)).astype(np.float32)
+    rows, scores = m.search_rows(q, 2000, 10, cand)
+    x64 = x[cand].astype(np.float64)
+    ref = q.astype(np.float64) @ x64.T
+    if metric == Metric.L2:
+        ref = -((q.astype(np.float64)[:, None, :] - x64[None]) ** 2).sum(-1)
+    kk = min(10, len(cand))
+    assert rows.shape == (3, kk) and np.isin(rows, cand).all()
+    np.testing.assert_allclose(scores, -np.sort(-ref, axis=1)[:, :kk], rtol=1e-4, atol=1e-4)
+
+
+def test_numpy_dense_filter_never_returns_a_hidden_row_when_scores_overflow():
+    m = NumpyBackend().new_matrix(2, 8, Metric.DOT)
+    m.write_rows(np.arange(8), np.full((8, 2), -3e38, np.float32))  # every score is -inf
+    rows, _ = m.search_rows(np.ones((1, 2), np.float32), 8, 8, np.array([1, 4, 5, 6], np.int64))
+    assert sorted(rows[0].tolist()) == [1, 4, 5, 6]
+
+
+def test_filtered_requests_take_the_general_route_with_a_reason():
+    assert _field_problem(int(Op.RECALL), 1, int(Flag.WHERE), 5, 10) == "filtered"
+    r = [Request(0, Op.RECALL, "a", 5, 1, int(Flag.WHERE), 1, 1), Request(1, Op.RECALL, "a", 5, 1, 0, 2, 1)]
+    plan = plan_batch(r)
+    assert plan.others == [r[0]] and plan.recalls == {"a": [r[1]]}
+
+
+def test_writes_are_cut_before_each_delete_by_filter():
+    up = Request(0, Op.UPSERT, "a", 0, 1, 0, 1, 1)
+    dw = Request(1, Op.DELETE, "a", 0, 0, int(Flag.WHERE), 2, 1)
+    de = Request(2, Op.DELETE, "a", 0, 1, 0, 3, 1)
+    assert write_segments([up, de, dw, up, dw]) == [[up, de], [dw, up], [dw]]
+    assert write_segments([dw, up]) == [[dw, up]]
