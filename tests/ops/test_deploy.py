@@ -399,3 +399,56 @@ def test_daemonset_variant_shares_a_host_directory_with_worker_pods() -> None:
     assert str(_effective(ds_pod, sidecar, "runAsUser")) in " ".join(prep["command"])
     assert prep["securityContext"]["capabilities"]["drop"] == ["ALL"]
     assert "SECURITY TRADE-OFF" in (K8S / "daemonset" / "kustomization.yaml").read_text()
+
+
+# ---------------------------------------------------------------------------------- container
+CONTAINERFILE = DEPLOY / "container" / "Containerfile"
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Containerfile, continuation lines joined, comments dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not pending and (not line or line.startswith("#")):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line, pending = pending + line, ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def test_containerfile_has_the_required_instructions() -> None:
+    """Parsed, not built (building needs a container runtime: docs/deploy.md)."""
+    import json
+
+    ins = _instructions(CONTAINERFILE.read_text())
+    words = [w for w, _ in ins]
+    assert words[0] in ("ARG", "FROM") and words.count("FROM") == 1
+    last = {w: a for w, a in ins}
+    assert json.loads(last["ENTRYPOINT"]) == ["kalos"]
+    assert json.loads(last["CMD"]) == ["serve"]
+    volumes = json.loads(last["VOLUME"])
+    assert "/dev/shm" in volumes
+    env = " ".join(a for w, a in ins if w == "ENV")
+    data_dir = re.search(r"KALOS_DATA_DIR=(\S+)", env)
+    assert data_dir and any(data_dir.group(1).startswith(v) for v in volumes if v != "/dev/shm")
+    # Every KALOS_* it sets is a serve option.
+    options = {env_var(s) for a in build_parser()._actions for s in a.option_strings if s.startswith("--")}
+    assert set(re.findall(r"(KALOS_[A-Z_]+)=", env)) <= options
+    # Non-root, numeric (runAsNonRoot can check it), the uid the Kubernetes manifests run as.
+    user = last["USER"].split(":")
+    assert user[0].isdigit() and int(user[0]) != 0
+    deployment = (K8S / "base" / "deployment.yaml").read_text()
+    assert f"runAsUser: {user[0]}" in deployment
+    # CPU and CUDA from one file: VARIANT picks the cuda12 extra; the package itself is installed.
+    assert any(w == "ARG" and a.startswith("VARIANT=cpu") for w, a in ins)
+    run = " ".join(a for w, a in ins if w == "RUN")
+    assert "cuda12) extra=\"[cuda12]\"" in run and "pip install \"/src${extra}\"" in run
+    copied = " ".join(a for w, a in ins if w == "COPY")
+    for pkg in ("broker", "clients", "sidecar_cuda", "kalos", "pyproject.toml"):
+        assert re.search(rf"(^|\s){pkg}(\s|$)", copied), pkg
