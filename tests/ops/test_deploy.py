@@ -452,3 +452,50 @@ def test_containerfile_has_the_required_instructions() -> None:
     copied = " ".join(a for w, a in ins if w == "COPY")
     for pkg in ("broker", "clients", "sidecar_cuda", "kalos", "pyproject.toml"):
         assert re.search(rf"(^|\s){pkg}(\s|$)", copied), pkg
+
+
+# ---------------------------------------------------------------------------------- local layout
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_local_workers_script_serves_recalls_and_stops_cleanly() -> None:
+    """deploy/local-workers.sh: sidecar + 2 uvicorn workers answer /recall; SIGTERM stops all and
+    the sidecar unlinks its objects."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("uvicorn")
+    name = f"t{os.getpid()}-local"
+    port, metrics = _free_port(), _free_port()
+    env = {**os.environ, "KALOS_NAME": name, "KALOS_METRICS_PORT": str(metrics), "PORT": str(port),
+           "PROMETHEUS": "0", "PYTHON": sys.executable, "KALOS_BACKEND": "numpy"}
+    proc = subprocess.Popen(["bash", str(DEPLOY / "local-workers.sh"), "2"], env=env, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        body = None
+        while body is None:
+            assert proc.poll() is None, "the script exited"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/recall?seed=3&k=5", timeout=5) as r:
+                    body = json.loads(r.read())
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, "no answer from the workers"
+                time.sleep(0.2)
+        assert len(body["ids"]) == 5 and all(0 <= i < 3000 for i in body["ids"])
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/readyz", timeout=5) as r:
+            assert r.status == 200
+        assert os.path.exists(f"/dev/shm/kalos.{name}.leases")
+        os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C in a terminal does to the group
+        proc.wait(timeout=30)
+        assert not os.path.exists(f"/dev/shm/kalos.{name}.leases")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        cleanup(name)
