@@ -8,7 +8,10 @@ The options are defined once, in :func:`add_serve_arguments`; ``python -m sideca
 from __future__ import annotations
 
 import argparse
+import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from broker.errors import ConfigError
 from broker.layout import Layout, Metric
@@ -51,41 +54,132 @@ class ServeConfig:
             raise ConfigError(f"metric must be dot, cosine or l2, got {self.metric!r}") from None
 
 
-def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    """Add the options of a sidecar to ``p`` (defaults are those of :class:`ServeConfig`)."""
-    p.add_argument("--name", default="default", help="broker name scoping the shared objects (default: default)")
-    p.add_argument("--dim", type=int, default=128, help="vector dimension (default: 128)")
-    p.add_argument("--slots", type=int, default=64, help="shared-memory slots = max in-flight requests (default: 64)")
-    p.add_argument("--max-k", type=int, default=128, help="largest k a request may ask (default: 128)")
-    p.add_argument("--max-queries", type=int, default=32,
-                   help="rows per slot: queries of recall_many, vectors of one upsert chunk (default: 32)")
-    p.add_argument("--blob-bytes", type=int, default=256 * 1024,
-                   help="per-slot payload area in bytes (default: 262144)")
-    p.add_argument("--backend", choices=["auto", "numpy", "cuda"], default="auto",
-                   help="auto: CUDA if CuPy and a GPU are usable, else numpy (default: auto)")
-    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-                   help="storage dtype of the matrix on the GPU (numpy: float32 only)")
-    p.add_argument("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity (default: dot)")
-    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
-    p.add_argument("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
-    p.add_argument("--ephemeral", action="store_true", help="keep memories in memory only")
-    p.add_argument("--payload-limit", type=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
-    p.add_argument("--spin-us", type=float, default=250.0,
-                   help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
-    p.add_argument("--gather-us", type=float, default=1000.0,
-                   help="when fewer requests are posted than the last batch held, wait up to a quarter "
-                        "of that batch's service time, at most this long, for the rest (default: 1000; 0: off)")
-    p.add_argument("--pipeline", choices=["auto", "on", "off"], default="auto",
-                   help="start the next recall batch on the device while one runs: on, off, or auto "
-                        "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
-    p.add_argument("--random-rows", type=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-rows")
-    p.add_argument("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
-    p.add_argument("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
-    p.add_argument("--metrics-port", type=int, default=-1, help="port of the HTTP endpoint (-1: off)")
-    p.add_argument("--shm-mode", choices=["0600", "0660"], default="0600",
-                   help="mode of the shared objects: 0600 (clients run as this user) or 0660 (clients "
-                        "in this user's group, for a dedicated sidecar user; they pass sidecar_uid=)")
+#: Prefix of the environment variables that set serve options: ``--max-k`` <- ``KALOS_MAX_K``.
+ENV_PREFIX = "KALOS_"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def env_var(option: str) -> str:
+    """The environment variable of a long option: ``--data-dir`` -> ``KALOS_DATA_DIR``."""
+    return ENV_PREFIX + option.lstrip("-").upper().replace("-", "_")
+
+
+class _EnvValue(str):
+    """A default taken from the environment; remembers its variable so a bad value is named.
+
+    argparse converts a ``str`` default with the option's ``type`` only when the option is not on
+    the command line, so a bad variable fails ``parse_args`` (usage, exit 2) and only then: other
+    commands, ``--help`` and an option given on the command line are not affected by it."""
+
+    var: str
+
+    def __new__(cls, value: str, var: str) -> _EnvValue:
+        self = super().__new__(cls, value)
+        self.var = var
+        return self
+
+
+def _converter(kind: Callable[[str], Any], what: str,
+               choices: Sequence[str] | None = None) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        source = f"{raw.var}={str(raw)!r}" if isinstance(raw, _EnvValue) else repr(raw)
+        try:
+            value = kind(raw.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{source} is not {what}") from None
+        if choices is not None and value not in choices:
+            raise argparse.ArgumentTypeError(f"{source}: choose from {', '.join(choices)}")
+        return value
+
+    convert.__name__ = what  # argparse names the type in some messages
+    return convert
+
+
+def _flag(raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(raw)
+
+
+class _EnvFlag(argparse.Action):
+    """A ``store_true`` flag whose default may come from the environment (1/true/yes/on, 0/...)."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, True)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser,
+                        environ: Mapping[str, str] | None = None) -> None:
+    """Add the options of a sidecar to ``p`` (defaults are those of :class:`ServeConfig`).
+
+    Every option ``--opt-name`` defaults to ``$KALOS_OPT_NAME`` when that variable is set and not
+    empty (``environ``, default ``os.environ``); the command line wins over the environment. A
+    variable that does not convert fails ``p.parse_args`` naming the variable, and only when the
+    option is not given on the command line."""
+    env = os.environ if environ is None else environ
+
+    def opt(flag: str, *, kind: type[str | int | float] = str,
+            choices: Sequence[str] | None = None, default: Any = None, help: str,
+            dest: str | None = None) -> None:
+        var = env_var(flag)
+        raw = env.get(var, "")
+        kw: dict[str, Any] = {"default": _EnvValue(raw, var) if raw else default,
+                              "help": f"{help} [env {var}]"}
+        if dest is not None:
+            kw["dest"] = dest
+        what = {int: "an integer", float: "a number"}.get(kind, "a string")
+        if choices is not None:
+            kw["choices"] = choices
+        if flag == "--ephemeral":
+            p.add_argument(flag, action=_EnvFlag, type=_converter(_flag, "1/true/yes/on or 0/false/no/off"),
+                           **kw)
+            return
+        p.add_argument(flag, type=_converter(kind, what, choices), **kw)
+
+    opt("--name", default="default", help="broker name scoping the shared objects (default: default)")
+    opt("--dim", kind=int, default=128, help="vector dimension (default: 128)")
+    opt("--slots", kind=int, default=64, help="shared-memory slots = max in-flight requests (default: 64)")
+    opt("--max-k", kind=int, default=128, help="largest k a request may ask (default: 128)")
+    opt("--max-queries", kind=int, default=32,
+        help="rows per slot: queries of recall_many, vectors of one upsert chunk (default: 32)")
+    opt("--blob-bytes", kind=int, default=256 * 1024, help="per-slot payload area in bytes (default: 262144)")
+    opt("--backend", choices=["auto", "numpy", "cuda"], default="auto",
+        help="auto: CUDA if CuPy and a GPU are usable, else numpy (default: auto)")
+    opt("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
+        help="storage dtype of the matrix on the GPU (numpy: float32 only)")
+    opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity (default: dot)")
+    opt("--device", kind=int, default=0, help="CUDA device ordinal")
+    opt("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
+    opt("--ephemeral", default=False, help="keep memories in memory only (env: 1/true/yes/on)")
+    opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
+    opt("--spin-us", kind=float, default=250.0,
+        help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
+    opt("--gather-us", kind=float, default=1000.0,
+        help="when fewer requests are posted than the last batch held, wait up to a quarter "
+             "of that batch's service time, at most this long, for the rest (default: 1000; 0: off)")
+    opt("--pipeline", choices=["auto", "on", "off"], default="auto",
+        help="start the next recall batch on the device while one runs: on, off, or auto "
+             "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
+    opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
+    opt("--seed", kind=int, default=0, help="seed of --random-rows")
+    opt("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
+    opt("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
+    opt("--metrics-port", kind=int, default=-1, help="port of the HTTP endpoint (-1: off)")
+    opt("--shm-mode", choices=["0600", "0660"], default="0600",
+        help="mode of the shared objects: 0600 (clients run as this user) or 0660 (clients "
+             "in this user's group, for a dedicated sidecar user; they pass sidecar_uid=)")
+    if p.epilog is None:
+        p.epilog = (f"Every option --opt-name may be set by the environment variable "
+                    f"{ENV_PREFIX}OPT_NAME (e.g. {ENV_PREFIX}DIM=768, {ENV_PREFIX}DATA_DIR=/var/lib/kalos, "
+                    f"{ENV_PREFIX}EPHEMERAL=1); the command line wins; an empty variable is unset.")
 
 
 def config_from_args(a: argparse.Namespace) -> ServeConfig:

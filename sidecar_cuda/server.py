@@ -38,6 +38,7 @@ from sidecar_cuda.batching import PIPELINE_MIN_WORK, Limits
 from sidecar_cuda.config import ServeConfig  # defined there; still importable from here
 from sidecar_cuda.general import GeneralRoute
 from sidecar_cuda.leases import REAP_S, reap_dead_owners
+from sidecar_cuda.notify import sd_notify
 from sidecar_cuda.persist import Persistence
 from sidecar_cuda.pipeline import PIPELINE_DEPTH, Pipeline
 from sidecar_cuda.stats import SidecarStats
@@ -113,6 +114,7 @@ class Sidecar:
         gc.freeze()
         self.seg.header["state"] = SidecarState.READY
         self.ready = True
+        sd_notify(f"READY=1\nSTATUS=serving broker {cfg.name!r}")
         log.info("kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
                  cfg.name, self.backend.description, cfg.dim, cfg.slots, cfg.max_k,
                  self.metric.name.lower(), "ephemeral" if cfg.data_dir is None
@@ -176,6 +178,7 @@ class Sidecar:
         if self._objs is None:
             return
         self._stop.set()
+        sd_notify("STOPPING=1")
         if self.seg is not None and int(self.seg.header["state"]) != SidecarState.FAILED:
             self.seg.header["state"] = SidecarState.STOPPED
         objs, self._objs = self._objs, None
