@@ -29,12 +29,14 @@ class ServeConfig:
     backend: str = "auto"
     storage_dtype: str = "float32"
     metric: str = "dot"
-    device: int = 0
+    devices: str = "all"  # GPUs of the cuda backend: all, or a comma list (--device N: "N")
+    shards: int = 0  # shards per namespace: 0 = one per device (1 on numpy)
     data_dir: str | None = None  # None: ephemeral (in memory only)
     spin_us: float = 250.0
     gather_us: float = 1000.0
     pipeline: str = "auto"  # on | off | auto: pipeline batches of server.PIPELINE_MIN_WORK and more
     random_rows: int = 0
+    random_payloads: bool = False  # --random-rows rows get {"bucket": id % 1000}
     seed: int = 0
     load_npy: str | None = None
     metrics_host: str = "127.0.0.1"
@@ -128,7 +130,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
 
     def opt(flag: str, *, kind: type[str | int | float] = str,
             choices: Sequence[str] | None = None, default: Any = None, help: str,
-            dest: str | None = None) -> None:
+            dest: str | None = None, switch: bool = False) -> None:
         var = env_var(flag)
         raw = env.get(var, "")
         kw: dict[str, Any] = {"default": _EnvValue(raw, var) if raw else default,
@@ -138,7 +140,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
         what = {int: "an integer", float: "a number"}.get(kind, "a string")
         if choices is not None:
             kw["choices"] = choices
-        if flag == "--ephemeral":
+        if switch:  # an on/off option without a value
             p.add_argument(flag, action=_EnvFlag, type=_converter(_flag, "1/true/yes/on or 0/false/no/off"),
                            **kw)
             return
@@ -156,9 +158,15 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     opt("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
         help="storage dtype of the matrix on the GPU (numpy: float32 only)")
     opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity (default: dot)")
-    opt("--device", kind=int, default=0, help="CUDA device ordinal")
+    opt("--devices", default="all",
+        help="GPUs the cuda backend spreads every namespace over: all, or a comma list such as "
+             "0,1 (default: all visible)")
+    opt("--device", kind=int, default=None, help="one CUDA device ordinal (the same as --devices N)")
+    opt("--shards", kind=int, default=0,
+        help="shards per namespace: 0 = one per device (1 on numpy); more than the devices "
+             "places several on each (default: 0)")
     opt("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
-    opt("--ephemeral", default=False, help="keep memories in memory only (env: 1/true/yes/on)")
+    opt("--ephemeral", default=False, switch=True, help="keep memories in memory only (env: 1/true/yes/on)")
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
     opt("--spin-us", kind=float, default=250.0,
         help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
@@ -169,6 +177,9 @@ def add_serve_arguments(p: argparse.ArgumentParser,
         help="start the next recall batch on the device while one runs: on, off, or auto "
              "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
+    opt("--random-payloads", default=False, switch=True,
+        help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of '
+             'filtered recall)')
     opt("--seed", kind=int, default=0, help="seed of --random-rows")
     opt("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
     opt("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
@@ -192,8 +203,9 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         name=a.name, dim=a.dim, slots=a.slots, max_k=a.max_k, max_queries=a.max_queries,
         blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
-        storage_dtype=a.dtype, metric=a.metric, device=a.device,
+        storage_dtype=a.dtype, metric=a.metric,
+        devices=a.devices if a.device is None else str(a.device), shards=a.shards,
         data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
-        pipeline=a.pipeline, random_rows=a.random_rows,
+        pipeline=a.pipeline, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8))

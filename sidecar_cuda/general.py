@@ -68,8 +68,14 @@ class GeneralRoute:
             self._guarded(segment, lambda: self._serve_writes(segment))
         for ns, group in plan.recalls.items():
             self._guarded(group, lambda: self._serve_recalls(ns, group))
+        filtered: dict[tuple[str, bytes], list[Request]] = {}
         for r in plan.others:
-            self._guarded([r], lambda: self._serve_other(r))
+            if r.op == Op.RECALL:  # a filtered recall: grouped with those of the same filter
+                filtered.setdefault((r.namespace, self._blob(r)), []).append(r)
+            else:
+                self._guarded([r], lambda: self._serve_other(r))
+        for (ns, blob), group in filtered.items():
+            self._guarded(group, lambda: self._serve_filtered(ns, blob, group))
 
     def _guarded(self, group: list[Request], serve: Callable[[], None]) -> None:
         """Serve a group of requests; an unexpected error answers the whole group SERVER_ERROR
@@ -94,33 +100,49 @@ class GeneralRoute:
             for r in group:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
             return
-        if len(group) == 1:  # read the queries in place: no gather copy
-            offs = [0]
-            q = self.seg.slot[group[0].slot].queries[: group[0].nq]
-        else:
-            offs = pack_offsets([r.nq for r in group]).tolist()
-            q = self._staging[: offs[-1]]
-            for r, o in zip(group, offs):
-                q[o:o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
-        if not np.isfinite(q).all():
-            # A broken client wrote garbage; reject its request alone and serve the others.
-            good = []
-            for r, o in zip(group, offs):
-                if np.isfinite(q[o:o + r.nq]).all():
-                    good.append(r)
-                else:
-                    self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
-            if good:
-                self._serve_recalls(ns_name, good)
+        group, q, offs = self._gather_queries(group)
+        if not group:
             return
         kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
         try:
             ids, scores = ns.search(q, kmax)
         except Exception as e:  # backend failure: every caller gets a clean error status
-            log.exception("backend search failed")
-            for r in group:
-                self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+            self._backend_failed(group, e)
             return
+        self._answer_group(group, offs, ns, ids, scores)
+
+    def _gather_queries(self, group: list[Request]) -> tuple[list[Request], np.ndarray, list[int]]:
+        """The queries of a group of recalls as one matrix (read in place for a lone request),
+        with each request's first row. A request whose queries are not all finite (a broken
+        client wrote them) is answered NOT_FINITE and left out of the returned group."""
+        if len(group) == 1:  # read the queries in place: no gather copy
+            q = self.seg.slot[group[0].slot].queries[: group[0].nq]
+            if np.isfinite(q).all():
+                return group, q, [0]
+            self._answer(group[0], Status.NOT_FINITE, "query contains NaN or infinity")
+            return [], q[:0], [0]
+        offs = pack_offsets([r.nq for r in group]).tolist()
+        q = self._staging[: offs[-1]]
+        for r, o in zip(group, offs):
+            q[o:o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
+        if np.isfinite(q).all():
+            return group, q, offs
+        good = []
+        for r, o in zip(group, offs):
+            if np.isfinite(q[o:o + r.nq]).all():
+                good.append(r)
+            else:
+                self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
+        return self._gather_queries(good) if good else ([], q[:0], [0])
+
+    def _backend_failed(self, group: list[Request], e: Exception) -> None:
+        log.exception("backend search failed")
+        for r in group:
+            self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+
+    def _answer_group(self, group: list[Request], offs: list[int], ns: Namespace,
+                      ids: np.ndarray, scores: np.ndarray) -> None:
+        """Each request's share of a group's hits (its rows, cut to its own k)."""
         kk = ids.shape[1]
         for r, o in zip(group, offs):
             kr = min(r.k, kk)
@@ -142,41 +164,47 @@ class GeneralRoute:
         self._answer(r, Status.OK, n_results=kr)
 
     # ------------------------------------------------------------------ filters
+    def _blob(self, r: Request) -> bytes:
+        blob_len = int(self.seg.slots["blob_len"][r.slot])  # (parse_request checked its bound)
+        blob: bytes = self.seg.slot[r.slot].blob[:blob_len].tobytes()
+        return blob
+
     def _where(self, r: Request) -> WhereNode | None:
         """The parsed filter of a request that carries one (Flag.WHERE), else None. A filter a
         client wrote is untrusted: anything malformed raises InvalidRequest (BAD_REQUEST)."""
         if not r.flags & Flag.WHERE:
             return None
-        blob_len = int(self.seg.slots["blob_len"][r.slot])
-        return decode_where(self.seg.slot[r.slot].blob[:blob_len].tobytes())
+        return decode_where(self._blob(r))
 
-    def _serve_filtered_recall(self, r: Request) -> None:
-        """One recall over the rows its filter matches (exact; k clipped to the matches)."""
+    def _serve_filtered(self, ns_name: str, blob: bytes, group: list[Request]) -> None:
+        """Recalls of one namespace with the same filter (its bytes ``blob``): the filter is
+        evaluated once (and kept until the namespace's next write), then one search over the
+        rows it matches (exact; k clipped to the matches)."""
         try:
-            node = self._where(r)
+            node = decode_where(blob)
         except InvalidRequest as e:
-            self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
+            for r in group:
+                self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
             return
-        assert node is not None
-        ns = self.store.get(r.namespace)
+        ns = self.store.get(ns_name)
         if ns is None:
-            self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+            for r in group:
+                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
             return
-        q = self.seg.slot[r.slot].queries[: r.nq]
-        if not np.isfinite(q).all():
-            self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
+        group, q, offs = self._gather_queries(group)
+        if not group:
             return
-        mask = ns.where(node)
-        if not mask.any():  # nothing matches: no search
-            self._answer(r, Status.OK, n_results=0)
+        match = ns.filtered(node, blob)
+        if len(match.rows) == 0:  # nothing matches: no search
+            for r in group:
+                self._answer(r, Status.OK, n_results=0)
             return
         try:
-            ids, scores = ns.search_where(q, r.k, mask)
+            ids, scores = ns.search_where(q, max(r.k for r in group), match)
         except Exception as e:
-            log.exception("backend search failed")
-            self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+            self._backend_failed(group, e)
             return
-        self._answer_hits(r, ns, ids, scores)
+        self._answer_group(group, offs, ns, ids, scores)
 
     # ------------------------------------------------------------------ writes
     def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
@@ -272,9 +300,6 @@ class GeneralRoute:
 
     # ------------------------------------------------------------------ the rest
     def _serve_other(self, r: Request) -> None:
-        if r.op == Op.RECALL:  # (filtered: the others are grouped by namespace)
-            self._serve_filtered_recall(r)
-            return
         try:
             node = self._where(r)
         except InvalidRequest as e:
@@ -292,7 +317,7 @@ class GeneralRoute:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
             ids, vecs, pls = ns.export_page(int(self.seg.slot[r.slot].ids[0]), r.nq,
-                                            None if node is None else ns.where(node))
+                                            None if node is None else ns.filtered(node, self._blob(r)).mask)
             blob = b"\n".join(pls)
             while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
                 ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
@@ -309,7 +334,8 @@ class GeneralRoute:
             if ns is None:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
-            self._answer(r, Status.OK, n_results=ns.n if node is None else int(ns.where(node).sum()))
+            n = ns.n if node is None else len(ns.filtered(node, self._blob(r)).rows)
+            self._answer(r, Status.OK, n_results=n)
         else:
             self._answer(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
 

@@ -60,7 +60,7 @@ class Sidecar:
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
         self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
-                                                 device=cfg.device)
+                                                 devices=cfg.devices, shards=cfg.shards)
         if cfg.max_k > self.backend.max_k:
             raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
                               f"limit of {self.backend.max_k}")
@@ -143,8 +143,11 @@ class Sidecar:
             step = 65536
             for lo in range(0, cfg.random_rows, step):
                 hi = min(cfg.random_rows, lo + step)
+                pls: list[bytes | None] | None = None
+                if cfg.random_payloads:
+                    pls = [b'{"bucket":%d}' % (i % 1000) for i in range(lo, hi)]
                 ns.upsert(np.arange(lo, hi, dtype=np.int64),
-                          rng.standard_normal((hi - lo, cfg.dim), dtype=np.float32), None)
+                          rng.standard_normal((hi - lo, cfg.dim), dtype=np.float32), pls)
         if cfg.load_npy:
             try:
                 mat = np.load(cfg.load_npy, mmap_mode="r")

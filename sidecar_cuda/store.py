@@ -8,6 +8,9 @@ full (one device-side copy). This module holds no I/O of its own; durability is 
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+
 import numpy as np
 
 from broker.layout import Metric
@@ -18,6 +21,8 @@ from sidecar_cuda.backends.base import (
 from sidecar_cuda.filters import PayloadIndex
 
 MIN_CAPACITY = 1024
+#: Filter results kept per namespace (LRU, keyed by the filter's bytes), valid until its next write.
+FILTER_CACHE = 64
 
 
 def last_wins(ids: np.ndarray) -> np.ndarray:
@@ -44,6 +49,15 @@ def compaction_moves(holes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]
     return src, dst
 
 
+@dataclass(frozen=True, slots=True)
+class Filtered:
+    """What a filter matches in one version of a namespace's rows."""
+
+    mask: np.ndarray  # bool, rows [0, n)
+    rows: np.ndarray  # the matching rows, ascending int64
+    key: tuple[int, bytes]  # (version, filter bytes): names this row set in a backend's cache
+
+
 class Namespace:
     def __init__(self, name: str, backend: Backend, dim: int, metric: Metric,
                  capacity: int = MIN_CAPACITY) -> None:
@@ -57,6 +71,10 @@ class Namespace:
         self.index = PayloadIndex(self.matrix.capacity)  # filter columns, row by row
         self.n = 0
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None  # (ids, rows) by id, for export
+        # Bumped by every write: a cached filter result (and a backend's cache keyed by it)
+        # belongs to one version of the rows.
+        self.version = 0
+        self._filtered: OrderedDict[bytes, Filtered] = OrderedDict()
 
     def ensure_capacity(self, need: int) -> None:
         """Room for ``need`` rows (capacity doubles until it fits). Raises what the backend
@@ -74,7 +92,7 @@ class Namespace:
 
     def upsert(self, ids: np.ndarray, vectors: np.ndarray, payloads: list[bytes | None] | None) -> int:
         """Insert or replace records (vector and payload together). Duplicate ids: the last wins."""
-        self._sorted = None
+        self._changed()
         keep = last_wins(ids)
         ids = ids[keep]
         vectors = prepare_rows(np.ascontiguousarray(vectors[keep]), self.metric)
@@ -106,7 +124,7 @@ class Namespace:
 
     def delete(self, ids: np.ndarray) -> int:
         """Remove the records of ``ids`` that exist; returns how many were removed."""
-        self._sorted = None
+        self._changed()
         holes_l = []
         for i in set(ids.tolist()):
             r = self.id_row.pop(i, None)
@@ -136,24 +154,46 @@ class Namespace:
         rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k)
         return self.row_ids[rows], scores
 
+    def _changed(self) -> None:
+        self._sorted = None
+        self.version += 1
+        self._filtered.clear()
+
     def where(self, node: WhereNode) -> np.ndarray:
         """The rows [0, n) that match a parsed filter, as a bool mask."""
         return self.index.mask(node, self.n)
+
+    def filtered(self, node: WhereNode, key: bytes) -> Filtered:
+        """The rows a filter matches, evaluated once per version of the rows: ``key`` (the
+        filter's encoded bytes) finds an earlier evaluation of the same filter (LRU)."""
+        hit = self._filtered.get(key)
+        if hit is not None:
+            self._filtered.move_to_end(key)
+            return hit
+        mask = self.where(node)
+        f = Filtered(mask, mask.nonzero()[0].astype(np.int64), (self.version, key))
+        self._filtered[key] = f
+        while len(self._filtered) > FILTER_CACHE:
+            self._filtered.popitem(last=False)
+        return f
 
     def matching_ids(self, node: WhereNode) -> np.ndarray:
         """Ids of the records that match a parsed filter (row order)."""
         ids: np.ndarray = self.row_ids[: self.n][self.where(node)]
         return ids
 
-    def search_where(self, queries: np.ndarray, k: int, mask: np.ndarray) -> SearchResult:
-        """Top-k (ids, scores) over the rows of ``mask`` only (a bool mask of rows [0, n)):
-        ``min(k, matches)`` columns, never a row outside the mask."""
-        candidates = mask.nonzero()[0].astype(np.int64)
+    def search_where(self, queries: np.ndarray, k: int, match: np.ndarray | Filtered) -> SearchResult:
+        """Top-k (ids, scores) over the matching rows only (a bool mask of rows [0, n), or a
+        :meth:`filtered` result): ``min(k, matches)`` columns, never a row outside the match."""
+        if isinstance(match, Filtered):
+            candidates, key = match.rows, match.key
+        else:
+            candidates, key = match.nonzero()[0].astype(np.int64), None
         if len(candidates) == 0:
             b = len(queries)
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
         rows, scores = self.matrix.search_rows(prepare_queries(queries, self.metric), self.n, k,
-                                               candidates)
+                                               candidates, key=key)
         return self.row_ids[rows], scores
 
     def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:

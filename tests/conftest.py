@@ -20,6 +20,8 @@ from sidecar_cuda.objects import cleanup
 _counter = itertools.count()
 #: Run the behavioural suites against another backend: KALOS_TEST_BACKEND=cuda pytest tests/test_broker.py
 TEST_BACKEND = os.environ.get("KALOS_TEST_BACKEND", "numpy")
+#: ... and sharded: KALOS_TEST_SHARDS=3 gives every sidecar that names no --shards three shards.
+TEST_SHARDS = os.environ.get("KALOS_TEST_SHARDS", "")
 
 
 def unique_name(tag: str) -> str:
@@ -73,6 +75,8 @@ def sidecar_factory():
                 full[i] = TEST_BACKEND
         else:
             full += ["--backend", TEST_BACKEND]
+        if TEST_SHARDS and "--shards" not in full:
+            full += ["--shards", TEST_SHARDS]
         proc = start_sidecar_process(full, name, timeout=60)
         h = SidecarHandle(name, proc, full)
         handles.append(h)

@@ -34,6 +34,7 @@ class LoadSpec:
     spin_us: float | None = None
     max_spin_us: float | None = None
     max_requests: int | None = None  # per task, stops early (for tests)
+    where: dict[str, Any] | None = None  # a filter on every recall (filtered-recall benchmarks)
 
 
 @dataclass
@@ -89,7 +90,7 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
                 i += n_tasks
                 t = time.perf_counter_ns()
                 try:
-                    hits = await pool.recall(q, spec.k, namespace=spec.namespace)
+                    hits = await pool.recall(q, spec.k, namespace=spec.namespace, where=spec.where)
                 except Exception:
                     errors += 1
                     continue
@@ -155,23 +156,29 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
 
 
 def check_samples(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], matrix: np.ndarray,
-                  k: int, rtol: float = 1e-4) -> tuple[int, int]:
+                  k: int, rtol: float = 1e-4, allowed: np.ndarray | None = None) -> tuple[int, int]:
     """Compare answers with a float64 reference by score (ties and rounding are compared by value,
-    not by index). Returns (checked, wrong)."""
+    not by index); ids are rows of ``matrix``. ``allowed``: a filtered recall's bool mask of the
+    rows it may return (every other row counts as wrong). Returns (checked, wrong)."""
     if not samples:
         return 0, 0
     m64 = matrix.astype(np.float64)
     q = np.stack([s[0] for s in samples]).astype(np.float64)
     ref = q @ m64.T
     kk = min(k, matrix.shape[0])
+    if allowed is not None:
+        ref[:, ~allowed] = -np.inf
+        kk = min(k, int(allowed.sum()))
+    if kk == 0:  # nothing matches: every answer must be empty
+        return len(samples), sum(1 for s in samples if len(s[1]))
     kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
     wrong = 0
     for j, (_q, ids, _scores) in enumerate(samples):
-        if len(ids) != kk or len(set(ids.tolist())) != kk:
+        if len(ids) != kk or len(set(ids.tolist())) != kk or (allowed is not None and not allowed[ids].all()):
             wrong += 1
             continue
         true = ref[j, ids]
-        tol = rtol * (np.abs(ref[j]).max() + 1)
+        tol = rtol * (np.abs(ref[j][np.isfinite(ref[j])]).max() + 1)
         if (true < kth[j] - tol).any() or (np.diff(true) > tol).any():
             wrong += 1
     return len(samples), wrong

@@ -12,6 +12,7 @@ resolves from another thread: ``done()`` asks the device without blocking, ``res
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from concurrent.futures import Future
 from typing import Protocol, TypeVar
 
@@ -96,10 +97,13 @@ class Matrix(Protocol):
         Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
         """
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
+                    key: Hashable = None) -> SearchResult:
         """Exact top-k over the rows ``candidates`` only (distinct, ascending int64, each < n;
         at least one), for a filtered recall. Returns (rows int64 (B, kk), scores float32 (B, kk)),
-        kk = min(k, len(candidates)), best first: every row returned is a candidate."""
+        kk = min(k, len(candidates)), best first: every row returned is a candidate.
+        ``key``: names this candidate set while the rows are unchanged (a new key is given after
+        any write), so a backend may keep work done for it (the CUDA backend's gathered rows)."""
 
     def search_async(self, queries: np.ndarray, n: int, k: int, *,
                      row_ids: np.ndarray | None = None) -> PendingSearch:
@@ -114,6 +118,7 @@ class Backend(Protocol):
     name: str  # "numpy" | "cuda"
     code: int  # header "backend" field: 1 numpy, 2 cuda
     description: str  # human-readable device line, printed at start
+    placement: str  # where the rows live: "cpu", "cuda:0", or the shards' ("cuda:0,cuda:1")
     max_k: int  # largest k this backend can serve
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> Matrix: ...

@@ -6,7 +6,7 @@ its own work."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -84,7 +84,8 @@ class NumpyMatrix:
     def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
         return topk_rows(self._scores(queries, self.data[:n], self.sqnorm[:n]), k)
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
+                    key: Hashable = None) -> SearchResult:
         m = len(candidates)
         if m * DENSE_FRACTION >= n:
             # Many candidates: score every row and hide the others (no gather copy). A real score
@@ -113,6 +114,7 @@ class NumpyBackend:
     name = "numpy"
     code = 1
     max_k = 1 << 30
+    placement = "cpu"
 
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"

@@ -8,29 +8,47 @@ from __future__ import annotations
 
 from broker.errors import ConfigError
 from sidecar_cuda.backends.base import Backend
+from sidecar_cuda.backends.sharded import ShardedBackend, parse_devices
 
 
-def choose_backend(kind: str, *, storage_dtype: str = "float32", device: int = 0) -> Backend:
+def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = "all",
+                   shards: int = 0) -> Backend:
     """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise.
 
-    Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, and for a
-    ``storage_dtype`` other than float32 on numpy."""
+    ``devices``: the GPUs of the CUDA backend (``all`` or ``0,1``...); ``shards``: how many shards
+    each namespace is spread over (0: one per device, and 1 on numpy); more shards than devices
+    place several on a device (round-robin). One shard is the plain backend, more a
+    :class:`~sidecar_cuda.backends.sharded.ShardedBackend`.
+
+    Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, for
+    devices that do not exist, and for a ``storage_dtype`` other than float32 on numpy."""
     if kind not in ("auto", "numpy", "cuda"):
         raise ConfigError(f"backend must be auto, numpy or cuda, got {kind!r}")
+    if shards < 0:
+        raise ConfigError(f"--shards must be >= 0, got {shards}")
     if kind in ("auto", "cuda"):
         try:
-            from sidecar_cuda.backends.cuda import CupyBackend, cuda_available
+            from sidecar_cuda.backends.cuda import CupyBackend, cuda_available, device_count
         except ImportError as e:  # no CUDA backend module or no CuPy
             if kind == "cuda":
                 raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
         else:
             why = cuda_available()
             if why is None:
-                return CupyBackend(storage_dtype=storage_dtype, device=device)
+                devs = parse_devices(devices, device_count())
+                n = shards or len(devs)
+                if n == 1:
+                    return CupyBackend(storage_dtype=storage_dtype, device=devs[0])
+                placed = [devs[i % len(devs)] for i in range(n)]
+                parts: list[Backend] = [CupyBackend(storage_dtype=storage_dtype, device=d)
+                                        for d in placed]
+                return ShardedBackend(parts, [f"cuda:{d}" for d in placed])
             if kind == "cuda":
                 raise ConfigError(f"--backend cuda: {why}")
     if storage_dtype != "float32":
         raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
     from sidecar_cuda.backends.numpy_backend import NumpyBackend
 
-    return NumpyBackend()
+    if shards <= 1:
+        return NumpyBackend()
+    return ShardedBackend([NumpyBackend() for _ in range(shards)], [f"cpu{i}" for i in range(shards)])

@@ -45,6 +45,9 @@ class BackendIdentity(Protocol):
     @property
     def description(self) -> str: ...
 
+    @property
+    def placement(self) -> str: ...
+
 
 class ConfigIdentity(Protocol):
     @property
@@ -58,9 +61,6 @@ class ConfigIdentity(Protocol):
 
     @property
     def dim(self) -> int: ...
-
-    @property
-    def device(self) -> int: ...
 
 
 class SidecarView(Protocol):
@@ -354,7 +354,7 @@ class SidecarCollector(Collector):
                 "broker": str(cfg.name), "backend": str(backend.name),
                 "description": str(backend.description), "dtype": str(cfg.storage_dtype),
                 "metric": str(cfg.metric), "dim": str(cfg.dim),
-                "device": str(cfg.device) if backend.name == "cuda" else "cpu",
+                "device": str(backend.placement),
             })
         yield info
         ready = GaugeMetricFamily("kalos_ready", "1 when memory is loaded and the sidecar serves.")

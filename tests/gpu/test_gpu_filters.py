@@ -1,5 +1,5 @@
-"""Filtered search on the CUDA backend (gathered candidate rows) against a numpy float64
-reference. Skipped where CuPy or a CUDA device is missing."""
+"""Filtered search on the CUDA backend (over-fetched or gathered candidate rows) against a numpy
+float64 reference. Skipped where CuPy or a CUDA device is missing."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ def backend(request):
 @pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2], ids=lambda m: m.name)
 @pytest.mark.parametrize("n,d,k,b,frac", [(1000, 16, 10, 1, 0.001), (5000, 128, 10, 4, 0.01),
                                            (20000, 96, 100, 3, 0.1), (20000, 64, 1024, 2, 0.5),
-                                           (3001, 32, 7, 70, 1.0), (50, 8, 64, 1, 0.5)])
+                                           (3001, 32, 7, 70, 1.0), (50, 8, 64, 1, 0.5),
+                                           (20000, 64, 10, 5, 0.3), (20000, 64, 10, 8, 0.5)])
 def test_search_rows_matches_float64(backend, rng, metric, n, d, k, b, frac):
     x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
     m = backend.new_matrix(d, n, metric)
@@ -77,3 +78,47 @@ def test_namespace_filtered_search_on_cuda(backend, rng):
     assert np.isin(ids, match).all() and ids.shape == (2, 50)
     tol = REL_TOL[backend.storage_dtype] * np.abs(ref).max() * 4 + 1e-5
     np.testing.assert_allclose(scores, -np.sort(-ref, axis=1)[:, :50], atol=tol)
+
+
+def _check_top(q, x, rows, scores, cand, k, rel):
+    tol = rel * 2 * np.linalg.norm(q, axis=1).max() * np.linalg.norm(x, axis=1).max() + 1e-5
+    ref = q.astype(np.float64) @ x.astype(np.float64).T
+    kk = min(k, len(cand))
+    assert rows.shape == (len(q), kk) and np.isin(rows, cand).all()
+    best = -np.sort(-ref[:, cand], axis=1)[:, :kk]
+    np.testing.assert_allclose(scores, best, atol=tol)
+    np.testing.assert_allclose(np.take_along_axis(ref, rows, 1), best, atol=tol)
+
+
+def test_filtered_paths_cache_and_invalidation(backend, rng):
+    """Which way a filtered search went is counted: over-fetch when half the rows match, gathered
+    (and its copy reused under the same key) at 1 %, the copy dropped by a write; a filter that
+    matches the rows scoring worst for the query makes the over-fetch proof fail, and those
+    queries are redone gathered, still exact."""
+    n, d, k = 40000, 64, 10
+    x = rng.standard_normal((n, d), dtype=np.float32)
+    m = backend.new_matrix(d, n, Metric.DOT)
+    m.write_rows(np.arange(n), x)
+    tol = REL_TOL[backend.storage_dtype]
+    q = rng.standard_normal((6, d), dtype=np.float32)
+    half = np.sort(rng.choice(n, n // 2, replace=False)).astype(np.int64)
+    before = dict(m.filter_stats)
+    rows, scores = m.search_rows(q, n, k, half, key=("v0", b"half"))
+    _check_top(q, x, rows, scores, half, k, tol)
+    assert m.filter_stats["overfetch"] - before["overfetch"] == 6
+    few = np.sort(rng.choice(n, n // 100, replace=False)).astype(np.int64)
+    for _ in range(2):
+        rows, scores = m.search_rows(q, n, k, few, key=("v0", b"few"))
+        _check_top(q, x, rows, scores, few, k, tol)
+    assert m.filter_stats["gathered"] - before["gathered"] == 12
+    assert m.filter_stats["gather_reused"] - before["gather_reused"] == 6
+    x[few[:50]] = 10 * rng.standard_normal((50, d), dtype=np.float32)  # the gathered copy is stale
+    m.write_rows(few[:50], x[few[:50]])
+    rows, scores = m.search_rows(q, n, k, few, key=("v0", b"few"))  # (same key: still not reused)
+    _check_top(q, x, rows, scores, few, k, tol)
+    assert m.filter_stats["gather_reused"] - before["gather_reused"] == 6
+    worst = np.sort(np.argsort(q[0].astype(np.float64) @ x.astype(np.float64).T)[: n // 2]).astype(np.int64)
+    g0 = m.filter_stats["gathered"]
+    rows, scores = m.search_rows(q[:1], n, k, worst)
+    _check_top(q[:1], x, rows, scores, worst, k, tol)
+    assert m.filter_stats["gathered"] == g0 + 1  # the proof failed: redone gathered

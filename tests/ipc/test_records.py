@@ -425,3 +425,29 @@ def test_malformed_filters_written_by_hand_get_bad_request(fsc, rng, blob):
             c.give_back([slot], [])
             c.close()
         assert fsc.proc.poll() is None and client.count("default") == 2
+
+
+@pytest.mark.asyncio
+async def test_concurrent_filtered_recalls_grouped_by_filter_each_get_their_own_k(fsc, rng):
+    """Filtered recalls that reach the sidecar together are served one search per (namespace,
+    filter) with the largest k, then cut per caller: mixed filters and k in flight at once, each
+    checked against the float64 reference; a filter result kept between batches is dropped by a
+    write (the next recalls see the new rows)."""
+    async with RecallPool(fsc.name, size=8) as pool:
+        ids, vecs, pls = await _load(pool, rng, 1200)
+        wheres = FILTERS[:4]
+        matches = [np.array([ref_match(p, w) for p in pls]) for w in wheres]
+        for _round in range(2):
+            jobs = [(j % len(wheres), (1, 5, 10, 64, 128)[j % 5],
+                     rng.standard_normal(DIM).astype(np.float32)) for j in range(40)]
+            hits = await asyncio.gather(*(pool.recall(q, k, namespace="f", where=wheres[w])
+                                          for w, k, q in jobs))
+            for (w, k, q), h in zip(jobs, hits):
+                check_filtered(q, vecs, ids, matches[w], h.ids, h.scores, k, f"where={wheres[w]} k={k}")
+            # replace a third of the rows: new vectors and payloads, so new matches
+            sel = rng.choice(len(ids), len(ids) // 3, replace=False)
+            vecs[sel] = rng.standard_normal((len(sel), DIM)).astype(np.float32)
+            for j in sel.tolist():
+                pls[j] = random_payload(rng, j + 7)
+            await pool.upsert(ids[sel], vecs[sel], [pls[j] for j in sel.tolist()], namespace="f")
+            matches = [np.array([ref_match(p, w) for p in pls]) for w in wheres]

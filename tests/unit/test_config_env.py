@@ -56,7 +56,7 @@ def test_environment_fills_the_config_with_converted_types() -> None:
 def test_every_integer_option_is_converted_from_the_environment() -> None:
     p = _parser({})
     int_dests = [a.dest for a in p._actions if isinstance(a.default, int) and not isinstance(a.default, bool)]
-    assert {"dim", "slots", "max_k", "device", "metrics_port"} <= set(int_dests)
+    assert {"dim", "slots", "max_k", "shards", "metrics_port"} <= set(int_dests)
     env = {env_var("--" + d.replace("_", "-")): "7" for d in int_dests}
     ns = _parser(env).parse_args([])
     for d in int_dests:
@@ -127,3 +127,12 @@ def test_os_environ_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
     assert p.parse_args(["--ephemeral"]).max_k == 16
+
+
+def test_devices_shards_and_the_single_device_alias() -> None:
+    cfg = _config({"KALOS_DEVICES": "0,1", "KALOS_SHARDS": "4"}, ["--ephemeral"])
+    assert (cfg.devices, cfg.shards) == ("0,1", 4)
+    assert _config({}, ["--ephemeral"]).devices == "all"
+    assert _config({"KALOS_DEVICE": "1"}, ["--ephemeral"]).devices == "1"  # --device N: --devices N
+    assert _config({}, ["--ephemeral", "--device", "0", "--devices", "all"]).devices == "0"
+    assert _config({}, ["--ephemeral", "--random-payloads"]).random_payloads is True

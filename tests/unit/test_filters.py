@@ -103,3 +103,20 @@ def test_writes_are_cut_before_each_delete_by_filter():
     de = Request(2, Op.DELETE, "a", 0, 1, 0, 3, 1)
     assert write_segments([up, de, dw, up, dw]) == [[up, de], [dw, up], [dw]]
     assert write_segments([dw, up]) == [[dw, up]]
+
+
+@pytest.mark.parametrize("k,matches,n,want", [
+    (10, 500, 1000, 64),       # half match: 2 x 10 x 2 = 40 -> 64
+    (10, 1000, 1000, 32),      # all match: 20 -> 32 (the warp path's k)
+    (10, 249, 1000, None),     # under a quarter: gathered
+    (10, 300, 1000, 128),      # 67 -> 128
+    (200, 500, 1000, None),    # k' = 512 > 256: gathered
+    (30, 40, 50, None),        # k' = 64 > n: gathered
+])
+def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want):
+    from sidecar_cuda.backends.cuda.planner import filtered_plan
+
+    got = filtered_plan(k, matches, n, 1024)
+    assert got == want
+    if got is not None:
+        assert got >= k and got * matches / n >= 2 * k  # twice the expected need

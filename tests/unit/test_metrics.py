@@ -328,8 +328,8 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
     return SimpleNamespace(
         layout=layout, seg=seg, stats=SidecarStats(n_slots), ready=True, _buf=buf,
         store=FakeStore(counts if counts is not None else {"default": 1000}),
-        backend=SimpleNamespace(name="numpy", description="numpy (CPU)"),
-        cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8, device=0),
+        backend=SimpleNamespace(name="numpy", description="numpy (CPU)", placement="cpu"),
+        cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8),
     )
 
 

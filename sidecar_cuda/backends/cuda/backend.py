@@ -80,6 +80,16 @@ def cuda_available() -> str | None:
     return None
 
 
+def device_count() -> int:
+    """CUDA devices visible to this process (0 where CuPy or the driver is unusable)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
 class _Launch:
     """One search as enqueued: what collecting it needs (``value``: answered without the device)."""
 
@@ -150,6 +160,7 @@ class CupyBackend(SearchPaths):
         if not 0 <= device < count:
             raise ConfigError(f"CUDA device {device} does not exist ({count} visible)")
         self.device = device
+        self.placement = f"cuda:{device}"
         try:
             self._dev = cp.cuda.Device(device)
             self._dev.use()
@@ -218,15 +229,16 @@ class CupyBackend(SearchPaths):
             return
         self._closed = True
         log.info("CUDA backend searches: %s", self.stats_line())
-        try:
-            self._stream.synchronize()
-        except Exception:
-            pass
-        self._graphs.clear()
-        try:
-            self._cp.get_default_memory_pool().free_all_blocks()
-        except Exception:
-            pass
+        with self._dev:
+            try:
+                self._stream.synchronize()
+            except Exception:
+                pass
+            self._graphs.clear()
+            try:
+                self._cp.get_default_memory_pool().free_all_blocks()
+            except Exception:
+                pass
 
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:
@@ -237,9 +249,11 @@ class CupyBackend(SearchPaths):
 
     @contextmanager
     def _guard(self, what: str) -> Iterator[None]:
-        """CUDA, cuBLAS and CuPy failures become ServerError (the server maps it to BACKEND_ERROR)."""
+        """CUDA, cuBLAS and CuPy failures become ServerError (the server maps it to BACKEND_ERROR).
+        The work inside runs with this backend's device current (a sidecar may drive several)."""
         try:
-            yield
+            with self._dev:
+                yield
         except (KalosError, ValueError, IndexError, TypeError):
             raise
         except Exception as e:
@@ -327,7 +341,8 @@ class CupyBackend(SearchPaths):
         p.path = path
         bufs.busy = True
         try:
-            self._enqueue(bufs, path, m, q, n, k, kk, qt)
+            with self._dev:
+                self._enqueue(bufs, path, m, q, n, k, kk, qt)
         except BaseException as e:
             bufs.busy = False
             if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
@@ -368,7 +383,8 @@ class CupyBackend(SearchPaths):
                 if redo.size:  # not proven exact from 32 candidates: the float32 scores decide
                     self.half_fallbacks += int(redo.size)
                     qr = np.ascontiguousarray(p.q[redo])
-                    self._enqueue(bufs, "gemm", p.m, qr, p.n, p.k, kk, 0)
+                    with self._dev:
+                        self._enqueue(bufs, "gemm", p.m, qr, p.n, p.k, kk, 0)
                     self._wait(bufs.done)
                     rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
                     scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk:].reshape(-1, kk)
@@ -389,4 +405,4 @@ class CupyBackend(SearchPaths):
         return rows, scores
 
 
-__all__ = ["CupyBackend", "CudaSearch", "cuda_available"]
+__all__ = ["CupyBackend", "CudaSearch", "cuda_available", "device_count"]

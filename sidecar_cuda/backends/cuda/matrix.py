@@ -8,6 +8,8 @@ just those rows; searches are the backend's (:class:`MatrixOwner`).
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Hashable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
@@ -16,6 +18,7 @@ import numpy as np
 from broker.layout import Metric
 from sidecar_cuda.backends.base import PendingSearch, SearchResult
 from sidecar_cuda.backends.cuda.kernels import BLOCK, Kernels
+from sidecar_cuda.backends.cuda.planner import GATHER_CACHE_MIN_BYTES, filtered_plan
 
 
 class MatrixOwner(Protocol):
@@ -27,6 +30,7 @@ class MatrixOwner(Protocol):
     _vec: int
     _np_store: Any
     _storage_code: int
+    max_k: int
 
     def _check_usable(self) -> None: ...
 
@@ -60,6 +64,8 @@ class CupyMatrix:
             self.data = cp.zeros((self.capacity, self.dpad), backend._np_store)
             self.sqn = cp.zeros(self.capacity, np.float32)
         self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
+        self._gathered: OrderedDict[Hashable, CupyMatrix] = OrderedDict()  # search_rows' cache
+        self.filter_stats = {"overfetch": 0, "gathered": 0, "gather_reused": 0}  # queries served
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
@@ -72,6 +78,7 @@ class CupyMatrix:
             raise IndexError(f"row outside [0, {self.capacity})")
         be = self.backend
         be._check_usable()
+        self._forget_gathered()
         norm = float(np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64).max()))
         # Rounding to a 16-bit format lengthens a row by a relative 2^-8 at most, plus 2^-25 per
         # element where float16 values are subnormal.
@@ -96,6 +103,7 @@ class CupyMatrix:
             raise IndexError(f"row outside [0, {self.capacity})")
         be = self.backend
         be._check_usable()
+        self._forget_gathered()
         cp = be._cp
         with be._guard("move_rows"), be._stream:
             m = len(src)
@@ -110,6 +118,7 @@ class CupyMatrix:
             raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
         be = self.backend
         be._check_usable()
+        self._forget_gathered()
         cp = be._cp
         with be._guard(f"growing a matrix to {capacity} rows"), be._stream:
             data = cp.zeros((capacity, self.dpad), be._np_store)
@@ -142,12 +151,62 @@ class CupyMatrix:
         sub.max_norm = self.max_norm  # still a bound on every gathered row's norm
         return sub
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray) -> SearchResult:
-        """A filtered search: the candidates' rows are gathered into a matrix of their own and
-        searched as a whole (the same exact paths), then its rows are mapped back."""
-        sub = self.gathered(candidates)
+    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
+                    key: Hashable = None) -> SearchResult:
+        """A filtered search (see ``planner.filtered_plan``). When many rows match, the top-k'
+        of every row (k' > k) is searched and the candidates' first k among them are the answer,
+        proven when at least min(k, candidates) of the k' are candidates (any candidate outside
+        them scores no better than all k'); a query without that proof is redone gathered.
+        Otherwise the candidates' rows are gathered into a matrix of their own (kept under
+        ``key`` until the next write, within a byte budget) and searched by the same exact paths."""
+        be = self.backend
+        m = len(candidates)
+        b = len(queries)
+        kk = min(k, m)
+        kp = filtered_plan(k, m, n, be.max_k)
+        if kp is not None:
+            rows, scores = be.search(self, queries, n, kp)
+            pos = np.minimum(np.searchsorted(candidates, rows), m - 1)
+            hit = candidates[pos] == rows
+            proven = hit.sum(axis=1) >= kk
+            out_r = np.empty((b, kk), np.int64)
+            out_s = np.empty((b, kk), np.float32)
+            for i in np.flatnonzero(proven).tolist():
+                cols = np.flatnonzero(hit[i])[:kk]
+                out_r[i], out_s[i] = rows[i, cols], scores[i, cols]
+            redo = np.flatnonzero(~proven)
+            self.filter_stats["overfetch"] += b - len(redo)
+            if len(redo) == 0:
+                return out_r, out_s
+            out_r[redo], out_s[redo] = self._search_gathered(queries[redo], k, candidates, key)
+            return out_r, out_s
+        return self._search_gathered(queries, k, candidates, key)
+
+    def _search_gathered(self, queries: np.ndarray, k: int, candidates: np.ndarray,
+                         key: Hashable) -> SearchResult:
+        self.filter_stats["gathered"] += len(queries)
+        sub = self._gathered.get(key) if key is not None else None
+        if sub is None:
+            sub = self.gathered(candidates)
+            if key is not None and sub.data.nbytes <= self._gather_budget():
+                while self._gathered and (sum(g.data.nbytes for g in self._gathered.values())
+                                          + sub.data.nbytes > self._gather_budget()):
+                    self._gathered.popitem(last=False)
+                self._gathered[key] = sub
+        else:
+            self._gathered.move_to_end(key)
+            self.filter_stats["gather_reused"] += len(queries)
         rows, scores = self.backend.search(sub, queries, len(candidates), k)
         return np.asarray(candidates, np.int64)[rows], scores
+
+    def _gather_budget(self) -> int:
+        """Device bytes the gathered-rows cache may hold: a quarter of this matrix, at least
+        64 MiB."""
+        return max(GATHER_CACHE_MIN_BYTES, int(self.data.nbytes) // 4)
+
+    def _forget_gathered(self) -> None:
+        """The rows change: gathered copies of them are stale."""
+        self._gathered.clear()
 
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Stored rows as float32 (m, d): the storage dtype's values, widened (for export)."""

@@ -9,6 +9,8 @@ The thresholds were measured on an H200 (docs/gpu.md).
 
 from __future__ import annotations
 
+import math
+
 from sidecar_cuda.backends.cuda.kernels import BLOCK, SMALL_QT, WARP_K
 
 ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
@@ -56,6 +58,26 @@ def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch
     if n * b >= HALF_WORK_MIN and half:
         return "gemmh", 0
     return "gemm", 0
+
+
+#: A filtered search over-fetches (top-k' of every row, k' > k) when at least 1/OVERFETCH_FRACTION
+#: of the rows match, expecting OVERFETCH_MARGIN times k of them among the k'; otherwise (or when
+#: k' would pass OVERFETCH_MAX_K) the matching rows are gathered and searched alone.
+OVERFETCH_FRACTION = 4
+OVERFETCH_MARGIN = 2.0
+OVERFETCH_MAX_K = 256
+GATHER_CACHE_MIN_BYTES = 64 << 20  # gathered candidate rows kept per matrix: at least this much
+
+
+def filtered_plan(k: int, matches: int, n: int, k_limit: int) -> int | None:
+    """k' of an over-fetched filtered search of ``matches`` rows out of ``n``, or None to gather."""
+    if matches * OVERFETCH_FRACTION < n:
+        return None
+    want = math.ceil(OVERFETCH_MARGIN * k * n / matches)
+    kp = WARP_K if want <= WARP_K else next_pow2(want)
+    if kp > min(k_limit, OVERFETCH_MAX_K, n):
+        return None
+    return max(kp, k)
 
 
 def size_bucket(b: int) -> str:
