@@ -427,6 +427,8 @@ class SegmentView:
         self.all_result_scores = np.ndarray((L.n_slots, L.max_queries, L.max_k), np.float32, buf,
                                             L.data_offset + L.result_scores_offset,
                                             (L.slot_bytes, 4 * L.max_k, 4))
+        self.all_blobs = np.ndarray((L.n_slots, L.blob_bytes), np.uint8, buf,
+                                    L.data_offset + L.blob_offset, (L.slot_bytes, 1))
 
     def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int) -> None:
         h = self.header

@@ -34,6 +34,7 @@ from broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords
 from broker.names import decode_namespace
 
 _RECALL = int(Op.RECALL)  # plain ints: cheaper than enum members in comparisons
+_WHERE = int(Flag.WHERE)
 _OPS = {int(o): o for o in Op}
 
 #: ``--pipeline auto`` pipelines a batch of at least this many multiply-adds (rows x queries x
@@ -94,17 +95,19 @@ class SlotRef(NamedTuple):
 
 class Plan(Generic[N]):
     """What to do with the requests taken in one pass. ``namespace`` and ``k`` (the largest k
-    asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only."""
+    asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only; ``where``: the filter
+    bytes every request of a UNIFORM batch of filtered recalls carries (not yet parsed)."""
 
-    __slots__ = ("route", "reason", "namespace", "k", "pipelined")
+    __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where")
 
     def __init__(self, route: Route, reason: str = "", namespace: N | None = None, k: int = 0,
-                 pipelined: bool = False) -> None:
+                 pipelined: bool = False, where: bytes | None = None) -> None:
         self.route = route
         self.reason = reason
         self.namespace = namespace
         self.k = k
         self.pipelined = pipelined
+        self.where = where
 
     def __repr__(self) -> str:
         return (f"Plan({self.route.name}, {self.reason!r}, k={self.k}"
@@ -112,19 +115,40 @@ class Plan(Generic[N]):
 
 
 def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N],
-             limits: Limits) -> Plan[N]:
+             limits: Limits, blobs: Blobs | None = None) -> Plan[N]:
     """The route of the requests taken in one pass.
 
     ``batch``: a :class:`SlotRef` (one request, no batch in flight: the SINGLE candidate), or the
     control-block records of the taken slots (``broker.layout.slot_dtype()``: UNIFORM
     candidates). ``queries``: each request's first query row, (len, dim) float32 (gathered, or the
-    slot's own row for a SlotRef)."""
+    slot's own row for a SlotRef). ``blobs``: where the records' blob areas are read from (a
+    batch of filtered recalls with the same filter is UNIFORM too); None: never."""
     if type(batch) is SlotRef:
         return _classify_slot(batch, queries, lookup, limits)
     assert isinstance(batch, np.ndarray)
     if len(batch) == 1:
         return _classify_record(batch[0], queries, lookup, limits)
-    return _classify_many(batch, queries, lookup, limits)
+    return _classify_many(batch, queries, lookup, limits, blobs)
+
+
+class Blobs(NamedTuple):
+    """The blob areas of every slot (``SegmentView.all_blobs``) and the rows of the batch's slots."""
+
+    areas: np.ndarray  # uint8 (n_slots, blob_bytes)
+    sel: np.ndarray  # the batch's slots, in the order of its records
+
+
+def shared_filter(rec: np.ndarray, blobs: Blobs) -> bytes | None:
+    """The filter bytes of a batch of filtered recalls when every request carries the same ones,
+    else None. Reads only the first ``blob_len`` bytes of each slot. Pure over its inputs."""
+    n = int(rec["blob_len"][0])
+    if not (0 < n <= blobs.areas.shape[1]) or not (rec["blob_len"] == n).all():
+        return None
+    area = blobs.areas[blobs.sel, :n]
+    if not (area == area[0]).all():
+        return None
+    blob: bytes = area[0].tobytes()
+    return blob
 
 
 def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
@@ -160,11 +184,19 @@ def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limit
                 pipelined(ns.n * limits.dim, limits.min_work))
 
 
-def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
+def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits,
+                   blobs: Blobs | None) -> Plan[N]:
     k = rec["k"]
     ns_len = rec["ns_len"]
+    flags = rec["flags"]
+    where: bytes | None = None
+    if blobs is not None and flags[0] == _WHERE and (flags == _WHERE).all():
+        where = shared_filter(rec, blobs)  # one filter for all: one search of its rows
+        if where is None:
+            return Plan(Route.GENERAL, "filtered, with different filters")
+        flags = flags & ~np.uint32(_WHERE)
     # k is unsigned: k - 1 wraps to a huge value for k = 0.
-    if not ((rec["op"] == _RECALL) & (rec["nq"] == 1) & (rec["flags"] == 0)
+    if not ((rec["op"] == _RECALL) & (rec["nq"] == 1) & (flags == 0)
             & (k - 1 < limits.k_limit) & (ns_len == ns_len[0])).all():
         return Plan(Route.GENERAL, _batch_problem(rec, limits.k_limit))
     nsraw = rec["namespace"]
@@ -175,6 +207,8 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         return Plan(Route.GENERAL, "unknown namespace")
     if not np.isfinite(q).all():
         return Plan(Route.GENERAL, "non-finite query")
+    if where is not None:  # searched at once (the filter is evaluated then), never pipelined
+        return Plan(Route.UNIFORM, "several filtered requests", ns, int(k.max()), where=where)
     return Plan(Route.UNIFORM, "several requests", ns, int(k.max()),
                 pipelined(ns.n * len(rec) * limits.dim, limits.min_work))
 

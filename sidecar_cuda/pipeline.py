@@ -6,7 +6,8 @@ batch, lets :func:`~sidecar_cuda.batching.classify` pick its route, and runs it:
 * SINGLE: searched in place and answered at once;
 * UNIFORM: one search of the gathered queries, started on the backend; a pipelined batch is left
   in flight while the loop goes on (the callers answered by the batch before it re-post and are
-  started as the next batch, queued right behind it), any other is answered at once;
+  started as the next batch, queued right behind it), any other is answered at once (a batch of
+  filtered recalls that all carry the same filter is UNIFORM too: searched over its rows at once);
 * GENERAL: what is in flight is answered first (so a write never moves rows under a search, and
   answers leave in order), then the batch is served request by request (:mod:`sidecar_cuda.general`).
 
@@ -29,9 +30,10 @@ import posix_ipc
 
 from broker.layout import S_BUSY, SegmentView, SlotWords, Status, slot_field_offset
 from broker.names import decode_namespace
+from broker.validation import decode_where
 from sidecar_cuda.answers import AnswerWriter
-from sidecar_cuda.backends.base import PendingSearch
-from sidecar_cuda.batching import Limits, Plan, Route, SlotRef, classify, posted_slots
+from sidecar_cuda.backends.base import PendingSearch, completed
+from sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify, posted_slots
 from sidecar_cuda.general import GeneralRoute
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
@@ -139,7 +141,7 @@ class Pipeline:
             st = 1 - inflight[0].staging if inflight else 0
             q = self._stagings[st][: len(sel)]
             q[...] = self.seg.all_queries[sel, 0]
-            plan = classify(rec, q, self._lookup, self.limits)
+            plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
             if plan.route is Route.UNIFORM:
                 batch = self._start_uniform(plan, sel, rec, taken, t_pick, t0, st, q)
                 if batch is not None:
@@ -231,8 +233,12 @@ class Pipeline:
         ns = plan.namespace
         assert ns is not None
         try:
-            pending = ns.search_start(q, plan.k)
-        except Exception:
+            if plan.where is None:
+                pending = ns.search_start(q, plan.k)
+            else:  # the same filter for all: evaluated once (cached until a write), searched now
+                match = ns.filtered(decode_where(plan.where), plan.where)
+                pending = completed(*ns.search_where(q, plan.k, match))
+        except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
         return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(sel) * self.limits.dim)
 

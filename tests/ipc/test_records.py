@@ -451,3 +451,36 @@ async def test_concurrent_filtered_recalls_grouped_by_filter_each_get_their_own_
                 pls[j] = random_payload(rng, j + 7)
             await pool.upsert(ids[sel], vecs[sel], [pls[j] for j in sel.tolist()], namespace="f")
             matches = [np.array([ref_match(p, w) for p in pls]) for w in wheres]
+
+
+@pytest.mark.parametrize("blob", [b"not json", b'{"a":{"$gt":"x"}}', b'{"a":1}'])
+def test_filtered_batch_written_by_hand_same_filter_in_every_slot(fsc, rng, blob):
+    """Several slots posted at once with the same filter bytes (the batch a UNIFORM filtered
+    search serves): a malformed filter is BAD_REQUEST for each, a good one answers each with its
+    own k, and garbage past blob_len is not part of the filter."""
+    with RecallClient(fsc.name, timeout=10) as client:
+        vecs = rng.standard_normal((3, DIM)).astype(np.float32)
+        client.upsert([1, 2, 3], vecs, [{"a": 1}, None, {"a": 1}])
+        c = Connection(fsc.name)
+        slots = c.lease(6)
+        try:
+            for j, s in enumerate(slots):
+                s.view.queries[0] = vecs[0]
+                s.view.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
+                s.view.blob[len(blob): len(blob) + 8] = j  # past blob_len: differs per slot
+            for j, s in enumerate(slots):
+                s.post(int(Op.RECALL), b"default", 1 + j % 3, 1, int(Flag.WHERE), len(blob), 0)
+            for j, s in enumerate(slots):
+                assert wait_until(lambda: s.is_done() and s.try_consume(), 10)
+                status, n, blen = s.outcome()
+                detail = s.blob_text(blen).decode(errors="replace")
+                if blob == b'{"a":1}':
+                    assert status == Status.OK and n == min(1 + j % 3, 2), (j, detail)
+                    assert set(s.view.result_ids[0, :n].tolist()) <= {1, 3}
+                else:
+                    assert status == Status.BAD_REQUEST and "filter" in detail, (j, detail)
+                s.set_free()
+        finally:
+            c.give_back(slots, [])
+            c.close()
+        assert fsc.proc.poll() is None and client.count("default") == 3

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
-from sidecar_cuda.batching import Limits, Plan, Route, SlotRef, classify
+from sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify
 
 DIM = 8
 LIMITS = Limits(k_limit=16, dim=DIM, min_work=-1)
@@ -135,3 +135,40 @@ def test_a_batch_off_the_uniform_route_says_why(rng, fields, reason):
 
 def test_a_plan_prints_its_route_and_reason():
     assert repr(Plan(Route.GENERAL, "2 namespaces")) == "Plan(GENERAL, '2 namespaces', k=0)"
+
+
+def _filtered(n: int, blobs: list[bytes], **fields: object) -> tuple[np.ndarray, Blobs]:
+    """n filtered recalls in slots 2, 4, 6...; slot i's blob area holds ``blobs[j]`` (j-th record)."""
+    areas = np.zeros((2 * n + 2, 64), np.uint8)
+    sel = np.arange(2, 2 * n + 2, 2)
+    for j, b in enumerate(blobs):
+        areas[sel[j], : len(b)] = np.frombuffer(b, np.uint8)
+        areas[sel[j], len(b):] = 7  # bytes past blob_len are not the filter's
+    rec = records(n, flags=int(Flag.WHERE), blob_len=[len(b) for b in blobs], **fields)
+    return rec, Blobs(areas, sel)
+
+
+def test_filtered_recalls_with_one_filter_are_a_uniform_batch(rng):
+    f = b'{"c":1}'
+    rec, blobs = _filtered(4, [f] * 4, k=[3, 12, 5, 1])
+    plan = classify(rec, queries(4, rng), lookup, LIMITS, blobs)
+    assert plan.route is Route.UNIFORM and plan.reason == "several filtered requests"
+    assert plan.where == f and plan.k == 12 and not plan.pipelined
+    assert classify(rec, queries(4, rng), lookup, LIMITS).route is Route.GENERAL  # no blobs given
+
+
+@pytest.mark.parametrize("blobs,fields,reason", [
+    ([b'{"c":1}', b'{"c":2}', b'{"c":1}'], {}, "filtered, with different filters"),
+    ([b'{"c":1}', b'{"c":11}', b'{"c":1}'], {}, "filtered, with different filters"),  # lengths
+    ([b'{"c":1}'] * 3, dict(flags=[int(Flag.WHERE)] * 2 + [0]), "filtered"),  # mixed
+    ([b'{"c":1}'] * 3, dict(flags=int(Flag.WHERE | Flag.WITH_PAYLOAD)), "filtered"),
+    ([b''] * 3, {}, "filtered, with different filters"),  # no filter bytes at all
+    ([b'{"c":1}'] * 3, dict(blob_len=10**6), "filtered, with different filters"),
+    ([b'{"c":1}'] * 3, dict(nq=[1, 2, 1]), "filtered"),
+])
+def test_filtered_batches_that_are_not_uniform_say_why(rng, blobs, fields, reason):
+    rec, bl = _filtered(3, blobs)
+    for name, value in fields.items():
+        rec[name] = value
+    plan = classify(rec, queries(3, rng), lookup, LIMITS, bl)
+    assert plan.route is Route.GENERAL and plan.reason == reason, plan

@@ -106,17 +106,19 @@ def test_writes_are_cut_before_each_delete_by_filter():
 
 
 @pytest.mark.parametrize("k,matches,n,want", [
-    (10, 500, 1000, 64),       # half match: 2 x 10 x 2 = 40 -> 64
-    (10, 1000, 1000, 32),      # all match: 20 -> 32 (the warp path's k)
-    (10, 249, 1000, None),     # under a quarter: gathered
-    (10, 300, 1000, 128),      # 67 -> 128
-    (200, 500, 1000, None),    # k' = 512 > 256: gathered
-    (30, 40, 50, None),        # k' = 64 > n: gathered
+    (10, 500, 1000, [32, 64]),   # half match: 16 expected in 32 (>= 1.25 k), then 2 x 10 x 2 -> 64
+    (10, 1000, 1000, [32]),      # all match: 32 expected in 32, and 2 x 10 = 20 needs no more
+    (10, 249, 1000, []),         # under a quarter: gathered
+    (10, 300, 1000, [128]),      # 32 x 0.3 = 9.6 < 12.5: straight to 67 -> 128
+    (200, 500, 1000, []),        # k' = 512 > 256: gathered
+    (30, 40, 50, []),            # k' = 64 > n: gathered
+    (40, 1000, 1000, [128]),     # k > 32: no fused round; 80 -> 128
 ])
 def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want):
     from sidecar_cuda.backends.cuda.planner import filtered_plan
 
     got = filtered_plan(k, matches, n, 1024)
     assert got == want
-    if got is not None:
-        assert got >= k and got * matches / n >= 2 * k  # twice the expected need
+    assert got == sorted(set(got)) and all(kp >= k for kp in got)
+    if got:
+        assert got[-1] * matches / n >= 2 * k  # the last round expects twice the need

@@ -65,7 +65,8 @@ class CupyMatrix:
             self.sqn = cp.zeros(self.capacity, np.float32)
         self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
         self._gathered: OrderedDict[Hashable, CupyMatrix] = OrderedDict()  # search_rows' cache
-        self.filter_stats = {"overfetch": 0, "gathered": 0, "gather_reused": 0}  # queries served
+        # Queries served by each way of search_rows: "overfetch_<k'>", "gathered", "gather_reused".
+        self.filter_stats = {"gathered": 0, "gather_reused": 0}
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
@@ -156,31 +157,34 @@ class CupyMatrix:
         """A filtered search (see ``planner.filtered_plan``). When many rows match, the top-k'
         of every row (k' > k) is searched and the candidates' first k among them are the answer,
         proven when at least min(k, candidates) of the k' are candidates (any candidate outside
-        them scores no better than all k'); a query without that proof is redone gathered.
-        Otherwise the candidates' rows are gathered into a matrix of their own (kept under
-        ``key`` until the next write, within a byte budget) and searched by the same exact paths."""
+        them scores no better than all k'); a query without that proof goes on to the next
+        round, then to the gathered search. Otherwise the candidates' rows are gathered into a
+        matrix of their own (kept under ``key`` until the next write, within a byte budget) and
+        searched by the same exact paths."""
         be = self.backend
         m = len(candidates)
         b = len(queries)
         kk = min(k, m)
-        kp = filtered_plan(k, m, n, be.max_k)
-        if kp is not None:
-            rows, scores = be.search(self, queries, n, kp)
+        out_r = np.empty((b, kk), np.int64)
+        out_s = np.empty((b, kk), np.float32)
+        todo = np.arange(b)
+        for kp in filtered_plan(k, m, n, be.max_k):
+            rows, scores = be.search(self, np.ascontiguousarray(queries[todo]), n, kp)
             pos = np.minimum(np.searchsorted(candidates, rows), m - 1)
             hit = candidates[pos] == rows
             proven = hit.sum(axis=1) >= kk
-            out_r = np.empty((b, kk), np.int64)
-            out_s = np.empty((b, kk), np.float32)
             for i in np.flatnonzero(proven).tolist():
                 cols = np.flatnonzero(hit[i])[:kk]
-                out_r[i], out_s[i] = rows[i, cols], scores[i, cols]
-            redo = np.flatnonzero(~proven)
-            self.filter_stats["overfetch"] += b - len(redo)
-            if len(redo) == 0:
+                out_r[todo[i]], out_s[todo[i]] = rows[i, cols], scores[i, cols]
+            self.filter_stats[f"overfetch_{kp}"] = self.filter_stats.get(f"overfetch_{kp}", 0) + int(proven.sum())
+            todo = todo[~proven]
+            if len(todo) == 0:
                 return out_r, out_s
-            out_r[redo], out_s[redo] = self._search_gathered(queries[redo], k, candidates, key)
-            return out_r, out_s
-        return self._search_gathered(queries, k, candidates, key)
+        if len(todo) == b:
+            return self._search_gathered(queries, k, candidates, key)
+        out_r[todo], out_s[todo] = self._search_gathered(np.ascontiguousarray(queries[todo]), k,
+                                                         candidates, key)
+        return out_r, out_s
 
     def _search_gathered(self, queries: np.ndarray, k: int, candidates: np.ndarray,
                          key: Hashable) -> SearchResult:

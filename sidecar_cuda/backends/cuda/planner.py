@@ -61,23 +61,31 @@ def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch
 
 
 #: A filtered search over-fetches (top-k' of every row, k' > k) when at least 1/OVERFETCH_FRACTION
-#: of the rows match, expecting OVERFETCH_MARGIN times k of them among the k'; otherwise (or when
-#: k' would pass OVERFETCH_MAX_K) the matching rows are gathered and searched alone.
+#: of the rows match: first with k' = WARP_K (the fused path, as fast as the unfiltered search) when
+#: that many rows are expected to hold at least OVERFETCH_FIRST times k matches, then with k'
+#: expecting OVERFETCH_MARGIN times k of them (at most OVERFETCH_MAX_K) for the queries the first
+#: could not prove; the rest (or every query, when few rows match) search the gathered rows.
 OVERFETCH_FRACTION = 4
+OVERFETCH_FIRST = 1.25
 OVERFETCH_MARGIN = 2.0
 OVERFETCH_MAX_K = 256
 GATHER_CACHE_MIN_BYTES = 64 << 20  # gathered candidate rows kept per matrix: at least this much
 
 
-def filtered_plan(k: int, matches: int, n: int, k_limit: int) -> int | None:
-    """k' of an over-fetched filtered search of ``matches`` rows out of ``n``, or None to gather."""
+def filtered_plan(k: int, matches: int, n: int, k_limit: int) -> list[int]:
+    """The k' of each over-fetch round of a filtered search of ``matches`` rows out of ``n``
+    (none: gather at once). Pure."""
     if matches * OVERFETCH_FRACTION < n:
-        return None
-    want = math.ceil(OVERFETCH_MARGIN * k * n / matches)
-    kp = WARP_K if want <= WARP_K else next_pow2(want)
-    if kp > min(k_limit, OVERFETCH_MAX_K, n):
-        return None
-    return max(kp, k)
+        return []
+    cap = min(k_limit, OVERFETCH_MAX_K, n)
+    tiers = []
+    if k <= WARP_K and WARP_K * matches >= OVERFETCH_FIRST * k * n and WARP_K <= cap:
+        tiers.append(WARP_K)
+    kp = next_pow2(math.ceil(OVERFETCH_MARGIN * k * n / matches))
+    kp = max(kp, WARP_K, k)
+    if kp <= cap and (not tiers or kp > tiers[-1]):
+        tiers.append(kp)
+    return tiers
 
 
 def size_bucket(b: int) -> str:
