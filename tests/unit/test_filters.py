@@ -122,3 +122,15 @@ def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want
     assert got == sorted(set(got)) and all(kp >= k for kp in got)
     if got:
         assert got[-1] * matches / n >= 2 * k  # the last round expects twice the need
+
+
+@pytest.mark.parametrize("k,matches,n,kept,want", [
+    (10, 500, 1000, True, []),         # 16 x 0.5 = 8 < 12.5 and the gathered rows are kept: gather
+    (10, 500, 1000, False, [64]),      # ... not kept: over-fetch, but not in the cheap round
+    (10, 900, 1000, True, [16, 32]),   # 16 x 0.9 = 14.4 >= 12.5: the cheap round, then 23 -> 32
+    (20, 1000, 1000, True, []),        # k > the cheap k' and kept: gather
+])
+def test_filtered_plan_of_a_half_score_batch_keeps_its_path_or_gathers(k, matches, n, kept, want):
+    from sidecar_cuda.backends.cuda.planner import HALF_K, filtered_plan
+
+    assert filtered_plan(k, matches, n, 1024, cheap_k=HALF_K, gather_kept=kept) == want

@@ -288,6 +288,12 @@ class CupyBackend(SearchPaths):
                          small_batch_max=self.small_batch_max, small_work_max=self.small_work_max,
                          half=self._half_ok(m, k))
 
+    def free_bytes(self) -> int:
+        """Device memory free for new arrays: the driver's free bytes plus CuPy's pooled ones."""
+        with self._dev:
+            free, _total = self._cp.cuda.runtime.memGetInfo()
+            return int(free) + int(self._cp.get_default_memory_pool().free_bytes())
+
     def _half_ok(self, m: CupyMatrix, k: int) -> bool:
         return half_ok(self._storage_code, k, m.max_norm)
 

@@ -18,7 +18,10 @@ import numpy as np
 from broker.layout import Metric
 from sidecar_cuda.backends.base import PendingSearch, SearchResult
 from sidecar_cuda.backends.cuda.kernels import BLOCK, Kernels
-from sidecar_cuda.backends.cuda.planner import GATHER_CACHE_MIN_BYTES, filtered_plan
+from sidecar_cuda.backends.cuda.kernels import WARP_K
+from sidecar_cuda.backends.cuda.planner import (
+    GATHER_CACHE_FRACTION, GATHER_CACHE_MIN_BYTES, HALF_K, filtered_plan,
+)
 
 
 class MatrixOwner(Protocol):
@@ -35,6 +38,12 @@ class MatrixOwner(Protocol):
     def _check_usable(self) -> None: ...
 
     def _guard(self, what: str) -> AbstractContextManager[None]: ...
+
+    def _plan(self, b: int, n: int, k: int, m: CupyMatrix) -> tuple[str, int]: ...
+
+    def _half_ok(self, m: CupyMatrix, k: int) -> bool: ...
+
+    def free_bytes(self) -> int: ...
 
     def search(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int) -> SearchResult: ...
 
@@ -168,7 +177,8 @@ class CupyMatrix:
         out_r = np.empty((b, kk), np.int64)
         out_s = np.empty((b, kk), np.float32)
         todo = np.arange(b)
-        for kp in filtered_plan(k, m, n, be.max_k):
+        for kp in filtered_plan(k, m, n, be.max_k, cheap_k=self._cheap_k(b, n),
+                                gather_kept=self._gather_kept(key, m)):
             rows, scores = be.search(self, np.ascontiguousarray(queries[todo]), n, kp)
             pos = np.minimum(np.searchsorted(candidates, rows), m - 1)
             hit = candidates[pos] == rows
@@ -203,10 +213,23 @@ class CupyMatrix:
         rows, scores = self.backend.search(sub, queries, len(candidates), k)
         return np.asarray(candidates, np.int64)[rows], scores
 
+    def _cheap_k(self, b: int, n: int) -> int:
+        """The largest k' a batch of b queries can over-fetch on the path of its unfiltered
+        search: HALF_K where that is the half-score GEMM, else WARP_K."""
+        path, _ = self.backend._plan(b, n, WARP_K, self)
+        return HALF_K if path != "small" and self.backend._half_ok(self, HALF_K) else WARP_K
+
+    def _gather_kept(self, key: Hashable, matches: int) -> bool:
+        """Are the gathered rows of ``key`` cached, or would they be?"""
+        if key is None:
+            return False
+        return key in self._gathered or matches * self.data.shape[1] * self.data.itemsize <= self._gather_budget()
+
     def _gather_budget(self) -> int:
-        """Device bytes the gathered-rows cache may hold: a quarter of this matrix, at least
-        64 MiB."""
-        return max(GATHER_CACHE_MIN_BYTES, int(self.data.nbytes) // 4)
+        """Device bytes the gathered-rows cache may hold: GATHER_CACHE_FRACTION of this matrix
+        (at most a quarter of the free device memory), at least 64 MiB."""
+        free = self.backend.free_bytes()
+        return max(GATHER_CACHE_MIN_BYTES, min(int(self.data.nbytes * GATHER_CACHE_FRACTION), free // 4))
 
     def _forget_gathered(self) -> None:
         """The rows change: gathered copies of them are stale."""

@@ -61,26 +61,34 @@ def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch
 
 
 #: A filtered search over-fetches (top-k' of every row, k' > k) when at least 1/OVERFETCH_FRACTION
-#: of the rows match: first with k' = WARP_K (the fused path, as fast as the unfiltered search) when
-#: that many rows are expected to hold at least OVERFETCH_FIRST times k matches, then with k'
-#: expecting OVERFETCH_MARGIN times k of them (at most OVERFETCH_MAX_K) for the queries the first
-#: could not prove; the rest (or every query, when few rows match) search the gathered rows.
+#: of the rows match: first with the cheap k' (``cheap_k``: the largest k' that keeps the path of
+#: the unfiltered search, WARP_K for the fused kernel and float32 GEMM, HALF_K for the half-score
+#: GEMM) when that many rows are expected to hold at least OVERFETCH_FIRST times k matches, then
+#: with k' expecting OVERFETCH_MARGIN times k of them (at most OVERFETCH_MAX_K) for the queries the
+#: first could not prove; the rest (or every query, when few rows match) search the gathered rows.
+#: A batch whose cheap round cannot prove k searches the gathered rows at once when they are (or
+#: can be) kept: a larger k' would leave the half-score path for one several times slower.
 OVERFETCH_FRACTION = 4
 OVERFETCH_FIRST = 1.25
 OVERFETCH_MARGIN = 2.0
 OVERFETCH_MAX_K = 256
 GATHER_CACHE_MIN_BYTES = 64 << 20  # gathered candidate rows kept per matrix: at least this much
+GATHER_CACHE_FRACTION = 0.6  # ... and up to this fraction of the matrix (a quarter of free memory at most)
 
 
-def filtered_plan(k: int, matches: int, n: int, k_limit: int) -> list[int]:
+def filtered_plan(k: int, matches: int, n: int, k_limit: int, *, cheap_k: int = WARP_K,
+                  gather_kept: bool = False) -> list[int]:
     """The k' of each over-fetch round of a filtered search of ``matches`` rows out of ``n``
-    (none: gather at once). Pure."""
+    (none: gather at once). ``cheap_k``: see above; ``gather_kept``: the gathered rows are
+    cached or would be. Pure."""
     if matches * OVERFETCH_FRACTION < n:
         return []
     cap = min(k_limit, OVERFETCH_MAX_K, n)
     tiers = []
-    if k <= WARP_K and WARP_K * matches >= OVERFETCH_FIRST * k * n and WARP_K <= cap:
-        tiers.append(WARP_K)
+    if k <= cheap_k and cheap_k * matches >= OVERFETCH_FIRST * k * n and cheap_k <= cap:
+        tiers.append(cheap_k)
+    elif cheap_k < WARP_K and gather_kept:
+        return []
     kp = next_pow2(math.ceil(OVERFETCH_MARGIN * k * n / matches))
     kp = max(kp, WARP_K, k)
     if kp <= cap and (not tiers or kp > tiers[-1]):

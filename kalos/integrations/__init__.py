@@ -1,0 +1,1 @@
+"""Adapters that let other frameworks keep their vectors in a Kalos sidecar."""

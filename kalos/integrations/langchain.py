@@ -1,0 +1,670 @@
+"""LangChain ``VectorStore`` on a Kalos sidecar: :class:`KalosVectorStore`.
+
+Install with the ``langchain`` extra (``langchain-core``). One store is one Kalos namespace
+(``namespace=``, default ``"langchain"``) on the sidecar called ``name`` (its ``--name``); the
+namespace belongs to the store: records written there by other code are not documents (searches
+skip them, and the store never overwrites them, below).
+
+Records
+-------
+A document is one record of the namespace::
+
+    id       kalos_id(document.id)            int64, below
+    vector   the embedding                    float32, dim = the sidecar's --dim
+    payload  {"lc_id": document.id,
+              "lc_doc": {"page_content": document.page_content},
+              "m.<key>": document.metadata[key], ...}
+
+Metadata keys are stored top level behind the ``m.`` prefix, so that every metadata field is a
+filter column of the sidecar and no metadata key can clash with ``lc_id`` or start with ``$``.
+The text sits inside an object because the sidecar keeps a dictionary of the scalar values of
+every top-level field (its filter columns): a top-level text would be held there a second time.
+Metadata values must be JSON (a tuple comes back a list); one payload is at most the sidecar's
+``--payload-limit`` (16 KiB by default), and the payloads of one answer (``k`` hits, the
+``fetch_k`` candidates of MMR, ``max_queries`` records of a read) at most its ``--blob-bytes``
+(256 KiB): ``PayloadTooLarge`` beyond (lower k, or raise the sidecar's limits for long texts).
+
+Ids
+---
+LangChain ids are strings; Kalos ids are non-negative int64. A string id maps to
+``kalos_id(s) = int.from_bytes(blake2b(s.encode("utf-8"), digest_size=8).digest(), "big") &
+(2**63 - 1)``: the same in every process, Python version and language, so any client can find a
+document by its string id. Documents added without an id get ``str(uuid4())``. The string id is
+also stored in the payload (``lc_id``), which makes a collision (two string ids, one int64)
+detectable: before writing, the store reads the records at the target ids (``get``, without
+vectors) and raises :class:`IdCollisionError`, writing nothing of the batch, if one of them holds
+another string id or is not a document of this store; two ids of one batch that collide are
+refused the same way. Reads check ``lc_id`` too (``get_by_ids`` never returns the other document),
+and deletes select by ``lc_id`` with a filter, so deleting ``a`` never removes a colliding ``b``.
+
+The trade-off: the check and the write are two requests, not one transaction. The embedding is
+computed before the check, so the window is one round trip (tens to hundreds of microseconds), but two
+writers that add *different* colliding string ids inside that window can still overwrite one
+another. That needs a 63-bit collision (probability about n**2 / 2**64 over n documents: 5e-8 at
+a million) *and* that race; a store with a single writer, or writers that own disjoint ids, is
+never affected. Writing the same string id again replaces the document (LangChain's upsert).
+
+Scores
+------
+``similarity_search_with_score`` returns Kalos's score unchanged: a similarity, higher is
+better (dot product, cosine similarity, or minus the squared L2 distance, as the sidecar's
+``--metric``). Relevance scores (``similarity_search_with_relevance_scores``, the retriever's
+``similarity_score_threshold``) map it to [0, 1] as ``(1 + cos) / 2`` for unit-length embeddings:
+``(1 + s) / 2`` under cosine and dot, ``1 + s / 4`` under l2 (``|a - b|**2 = 2 - 2 cos``), clamped
+to [0, 1]. Tell the store the sidecar's metric (``metric=``) or pass ``relevance_score_fn=``.
+
+Filters
+-------
+``filter=`` takes a dict on metadata fields, Mongo-style as most LangChain stores do, mapped to
+Kalos ``where=`` (README, "Filters") by prefixing each field: ``{"f": v}``, ``{"f": {"$eq"|"$ne"|
+"$gt"|"$gte"|"$lt"|"$lte"|"$in"|"$nin"|"$exists": ...}}``, ``{"$and"|"$or": [filter, ...]}``.
+Operators Kalos lacks (``$not``, ``$like``, ``$contains``, ...) raise ``InvalidRequest``.
+Filtered searches are exact top-k over the matching documents.
+
+Sync and async
+--------------
+Sync methods use a blocking :class:`~clients.blocking.RecallClient` (one slot, opened on first
+use); async methods use a :class:`~clients.pool.RecallPool` opened on first use in the running
+event loop (a pool belongs to one loop: use one store per loop, or pass ``pool=``). Pools and
+clients passed in are the caller's; those the store opened are closed by :meth:`close` /
+:meth:`aclose` (or ``with`` / ``async with``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores import VectorStore
+
+from broker.errors import InvalidRequest, KalosError, UnknownNamespace, UsageError
+from broker.validation import MAX_WHERE_VALUES
+from clients.blocking import RecallClient
+from clients.pool import RecallPool
+from clients.results import Hits, Records
+
+__all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
+           "ID_FIELD", "DOC_FIELD", "METADATA_PREFIX"]
+
+ID_FIELD = "lc_id"
+DOC_FIELD = "lc_doc"
+METADATA_PREFIX = "m."
+_INT63 = 2**63 - 1
+_IN_CHUNK = MAX_WHERE_VALUES  # ids per delete request (one ``$in``)
+_FIELD_OPS = frozenset({"$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$exists"})
+Metric = Literal["cosine", "dot", "l2"]
+_S = TypeVar("_S", bound="KalosVectorStore")
+
+
+class IdCollisionError(KalosError, ValueError):
+    """Two different string ids map to the same Kalos id (or the record there is not a document
+    of this store). Nothing of the batch was written."""
+
+
+# --------------------------------------------------------------------------- pure mapping
+
+def kalos_id(doc_id: str) -> int:
+    """The Kalos id (int64, >= 0) of a LangChain string id: the first 8 bytes of its BLAKE2b-64
+    digest (UTF-8), big-endian, top bit cleared. Deterministic everywhere."""
+    if not isinstance(doc_id, str):
+        raise InvalidRequest(f"document ids are strings, got {type(doc_id).__name__}")
+    digest = hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") & _INT63
+
+
+def to_payload(doc_id: str, text: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The Kalos payload of one document (module docstring, "Records")."""
+    payload: dict[str, Any] = {ID_FIELD: doc_id, DOC_FIELD: {"page_content": text}}
+    for key, value in (metadata or {}).items():
+        if not isinstance(key, str):
+            raise InvalidRequest(f"metadata keys are strings, got {key!r}")
+        payload[METADATA_PREFIX + key] = value
+    return payload
+
+
+def stored_id(payload: Any) -> str | None:
+    """The string id a record's payload holds; None when the record is not a document."""
+    if isinstance(payload, dict):
+        sid = payload.get(ID_FIELD)
+        if isinstance(sid, str) and isinstance(payload.get(DOC_FIELD), dict):
+            return sid
+    return None
+
+
+def to_document(payload: Any) -> Document | None:
+    """The document a payload holds; None when the record is not a document of a store."""
+    sid = stored_id(payload)
+    if sid is None:
+        return None
+    n = len(METADATA_PREFIX)
+    metadata = {k[n:]: v for k, v in payload.items() if k.startswith(METADATA_PREFIX)}
+    return Document(id=sid, page_content=str(payload[DOC_FIELD].get("page_content", "")),
+                    metadata=metadata)
+
+
+def to_where(filter: Mapping[str, Any]) -> dict[str, Any]:
+    """A LangChain metadata filter as a Kalos ``where=`` (module docstring, "Filters"). Pure;
+    raises InvalidRequest for what Kalos cannot express (Kalos checks the rest when sent)."""
+    if not isinstance(filter, Mapping) or not filter:
+        raise InvalidRequest(f"a filter is a non-empty dict, got {filter!r}")
+    clauses: list[dict[str, Any]] = []
+    for key, cond in filter.items():
+        if key in ("$and", "$or"):
+            if not isinstance(cond, (list, tuple)) or not cond:
+                raise InvalidRequest(f"{key} takes a non-empty list of filters")
+            clauses.append({key: [to_where(c) for c in cond]})
+        elif not isinstance(key, str) or not key or key.startswith("$"):
+            raise InvalidRequest(f"unsupported filter operator {key!r} (at the top: $and, $or, or a "
+                                 "metadata field)")
+        elif isinstance(cond, Mapping):
+            clauses.extend(_field_clauses(key, cond))
+        else:
+            clauses.append({METADATA_PREFIX + key: cond})
+    merged: dict[str, Any] = {}
+    for clause in clauses:
+        if merged.keys() & clause.keys():  # one field twice ($eq beside other operators)
+            return {"$and": clauses}
+        merged.update(clause)
+    return merged
+
+
+def _field_clauses(key: str, cond: Mapping[str, Any]) -> list[dict[str, Any]]:
+    if not cond:
+        raise InvalidRequest(f"empty condition on {key!r}")
+    field = METADATA_PREFIX + key
+    ops: dict[str, Any] = {}
+    out: list[dict[str, Any]] = []
+    for op, arg in cond.items():
+        if op == "$eq":  # Kalos writes equality as a bare value
+            out.append({field: arg})
+        elif op in _FIELD_OPS:
+            ops[op] = list(arg) if op in ("$in", "$nin") and isinstance(arg, (tuple, set)) else arg
+        else:
+            raise InvalidRequest(f"field {key!r}: operator {op!r} is not supported by Kalos filters "
+                                 f"(supported: $eq, {', '.join(sorted(_FIELD_OPS))})")
+    if ops:
+        out.append({field: ops})
+    return out
+
+
+def relevance_fn(metric: Metric) -> Callable[[float], float]:
+    """Kalos score -> relevance in [0, 1]: (1 + cos) / 2 for unit-length embeddings."""
+    if metric in ("cosine", "dot"):
+        return lambda s: min(1.0, max(0.0, (1.0 + s) / 2.0))
+    if metric == "l2":
+        return lambda s: min(1.0, max(0.0, 1.0 + s / 4.0))
+    raise UsageError(f"metric is 'cosine', 'dot' or 'l2', got {metric!r}")
+
+
+def mmr_select(query: np.ndarray, candidates: np.ndarray, k: int, lambda_mult: float) -> list[int]:
+    """Maximal marginal relevance, as LangChain defines it: indices into ``candidates`` (n, dim),
+    the most query-similar first, then each time the one maximising ``lambda_mult * sim(query) -
+    (1 - lambda_mult) * max sim(selected)``, by cosine similarity in float64. Pure."""
+    n = len(candidates)
+    if n == 0 or k <= 0:
+        return []
+    c = np.asarray(candidates, np.float64)
+    c = c / np.maximum(np.linalg.norm(c, axis=1, keepdims=True), 1e-300)
+    q = np.asarray(query, np.float64)
+    q = q / max(float(np.linalg.norm(q)), 1e-300)
+    to_query = c @ q
+    chosen = [int(np.argmax(to_query))]
+    redundancy = c @ c[chosen[0]]  # max similarity of each candidate to the chosen ones
+    while len(chosen) < min(k, n):
+        gain = lambda_mult * to_query - (1.0 - lambda_mult) * redundancy
+        gain[chosen] = -np.inf
+        best = int(np.argmax(gain))
+        chosen.append(best)
+        redundancy = np.maximum(redundancy, c @ c[best])
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """One add: the string ids (as returned), their Kalos ids, the payloads."""
+
+    doc_ids: list[str]
+    kalos_ids: list[int]
+    payloads: list[dict[str, Any]]
+
+    def unique_kalos_ids(self) -> list[int]:
+        return list(dict.fromkeys(self.kalos_ids))
+
+
+def plan_batch(texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
+               ids: Sequence[str | None] | None, id_map: Callable[[str], int]) -> _Batch:
+    """Ids (a uuid4 for each missing one), Kalos ids and payloads of one add; raises
+    InvalidRequest on mismatched lengths and IdCollisionError when two string ids of the batch
+    share a Kalos id. Pure apart from drawing uuids."""
+    n = len(texts)
+    if metadatas is not None and len(metadatas) != n:
+        raise InvalidRequest(f"{len(metadatas)} metadatas for {n} texts")
+    if ids is not None and len(ids) != n:
+        raise InvalidRequest(f"{len(ids)} ids for {n} texts")
+    doc_ids = [i if i is not None else str(uuid.uuid4()) for i in (ids or [None] * n)]
+    kids = [id_map(i) for i in doc_ids]
+    owners: dict[int, str] = {}
+    for sid, kid in zip(doc_ids, kids):
+        if not 0 <= kid <= _INT63:
+            raise InvalidRequest(f"id map gave {kid} for {sid!r}: Kalos ids are 0..2**63-1")
+        other = owners.setdefault(kid, sid)
+        if other != sid:
+            raise IdCollisionError(f"ids {other!r} and {sid!r} both map to Kalos id {kid}")
+    payloads = [to_payload(sid, text, None if metadatas is None else metadatas[j])
+                for j, (sid, text) in enumerate(zip(doc_ids, texts))]
+    return _Batch(doc_ids, kids, payloads)
+
+
+def check_collisions(batch: _Batch, existing: Records) -> None:
+    """Raise IdCollisionError if a record at one of the batch's Kalos ids holds another string id
+    or is not a document (the same string id is an update, not a collision). Pure."""
+    owner = dict(zip(batch.kalos_ids, batch.doc_ids))
+    for kid, payload in zip(existing.ids.tolist(), existing.payloads):
+        held = stored_id(payload)
+        if held != owner[kid]:
+            what = f"document {held!r}" if held is not None else "a record that is not a document"
+            raise IdCollisionError(f"id {owner[kid]!r} maps to Kalos id {kid}, which holds {what}; "
+                                   "nothing of this batch was written")
+
+
+def _docs_of(hits: Hits) -> list[tuple[Document, float]]:
+    out = []
+    for hit in hits:
+        doc = to_document(hit.payload)
+        if doc is not None:
+            out.append((doc, hit.score))
+    return out
+
+
+def _docs_by_id(asked: Sequence[str], records: Records) -> list[Document]:
+    found: dict[str, Document] = {}
+    for payload in records.payloads:
+        doc = to_document(payload)
+        if doc is not None and doc.id is not None:
+            found[doc.id] = doc
+    return [found[i] for i in asked if i in found]
+
+
+def _mmr_docs(query: Sequence[float], hits: Hits, records: Records, k: int,
+              lambda_mult: float) -> list[Document]:
+    """MMR over the recalled candidates that are documents and whose vectors were fetched (one
+    deleted between the two requests is dropped)."""
+    assert records.vectors is not None and hits.payloads is not None
+    row = {i: j for j, i in enumerate(records.ids.tolist())}
+    docs: list[Document] = []
+    rows: list[int] = []
+    for i, payload in zip(hits.ids.tolist(), hits.payloads):
+        doc = to_document(payload)
+        if doc is not None and i in row:
+            docs.append(doc)
+            rows.append(row[i])
+    picked = mmr_select(np.asarray(query), records.vectors[rows], k, lambda_mult)
+    return [docs[p] for p in picked]
+
+
+def _no_extra(kwargs: Mapping[str, Any], method: str) -> None:
+    if kwargs:
+        raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
+
+
+# --------------------------------------------------------------------------- the store
+
+class KalosVectorStore(VectorStore):
+    """A LangChain vector store kept in one namespace of a Kalos sidecar (module docstring).
+
+    ``name``: the sidecar's ``--name``; ``namespace``: this store's namespace; ``metric``: the
+    sidecar's ``--metric`` (used only for relevance scores); ``timeout``: seconds per Kalos
+    request (None: no limit); ``connect_timeout``: seconds to wait for the sidecar when opening;
+    ``pool`` / ``client``: an open RecallPool / RecallClient to use instead of opening one (the
+    caller closes it); ``pool_size``: slots of the pool the store opens; ``id_map``: string id ->
+    Kalos id (default :func:`kalos_id`); ``relevance_score_fn``: score -> [0, 1].
+
+    Errors are Kalos's (``InvalidRequest``, ``PayloadTooLarge``, ``BrokerUnavailable``, timeouts,
+    ...) and :class:`IdCollisionError`; a namespace that does not exist yet reads as empty.
+    """
+
+    def __init__(self, embedding: Embeddings, *, name: str = "default", namespace: str = "langchain",
+                 metric: Metric = "cosine", timeout: float | None = 10.0,
+                 connect_timeout: float = 10.0, pool: RecallPool | None = None,
+                 client: RecallClient | None = None, pool_size: int = 4,
+                 id_map: Callable[[str], int] = kalos_id,
+                 relevance_score_fn: Callable[[float], float] | None = None) -> None:
+        self._embedding = embedding
+        self.name = name
+        self.namespace = namespace
+        self._timeout = timeout
+        self._connect_timeout = connect_timeout
+        self._pool = pool
+        self._owns_pool = pool is None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._pool_lock: asyncio.Lock | None = None
+        self._pool_size = pool_size
+        self._client = client
+        self._owns_client = client is None
+        self._client_lock = threading.Lock()
+        self._id_map = id_map
+        self._relevance = relevance_score_fn or relevance_fn(metric)
+
+    @property
+    def embeddings(self) -> Embeddings:
+        return self._embedding
+
+    # ------------------------------------------------------------------ connections
+    def _sync(self) -> RecallClient:
+        with self._client_lock:
+            if self._client is None:
+                self._client = RecallClient(self.name, timeout=self._timeout,
+                                            connect_timeout=self._connect_timeout)
+            return self._client
+
+    async def _async(self) -> RecallPool:
+        loop = asyncio.get_running_loop()
+        if self._pool is not None and (not self._owns_pool or self._pool_loop is loop):
+            return self._pool
+        if self._pool is not None:
+            raise UsageError("this store's RecallPool was opened in another event loop: use one "
+                             "store per loop, or pass pool=")
+        if self._pool_lock is None:
+            self._pool_lock = asyncio.Lock()
+        async with self._pool_lock:
+            if self._pool is None:  # concurrent first calls open one pool
+                self._pool = await RecallPool(self.name, size=self._pool_size, timeout=self._timeout,
+                                              connect_timeout=self._connect_timeout).open()
+                self._pool_loop = loop
+        return self._pool
+
+    def close(self) -> None:
+        """Close the blocking client the store opened (not one passed in). Closing twice is fine.
+        A pool the store opened needs :meth:`aclose`."""
+        with self._client_lock:
+            client, self._client = self._client, (None if self._owns_client else self._client)
+        if client is not None and self._owns_client:
+            client.close()
+
+    async def aclose(self) -> None:
+        """Close what the store opened: its pool and its blocking client."""
+        pool = self._pool
+        if pool is not None and self._owns_pool:
+            self._pool = None
+            self._pool_loop = None
+            await pool.close()
+        self.close()
+
+    def __enter__(self) -> KalosVectorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> KalosVectorStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ writes
+    def add_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None, *,
+                  ids: Sequence[str | None] | None = None, **kwargs: Any) -> list[str]:
+        """Embed and store texts; returns their string ids (generated where ``ids`` has None).
+        The same id again replaces the document; raises IdCollisionError (nothing written) when
+        an id's Kalos id holds another document."""
+        _no_extra(kwargs, "add_texts")
+        texts = list(texts)
+        batch = plan_batch(texts, metadatas, ids, self._id_map)
+        if not texts:
+            return []
+        vectors = np.asarray(self._embedding.embed_documents(texts), np.float32)
+        client = self._sync()
+        try:
+            existing = client.get(batch.unique_kalos_ids(), namespace=self.namespace,
+                                  with_vectors=False)
+        except UnknownNamespace:
+            existing = _NO_RECORDS
+        check_collisions(batch, existing)
+        client.upsert(batch.kalos_ids, vectors, batch.payloads, namespace=self.namespace)
+        return batch.doc_ids
+
+    async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None,
+                         *, ids: Sequence[str | None] | None = None, **kwargs: Any) -> list[str]:
+        """:meth:`add_texts` on the store's RecallPool."""
+        _no_extra(kwargs, "aadd_texts")
+        texts = list(texts)
+        batch = plan_batch(texts, metadatas, ids, self._id_map)
+        if not texts:
+            return []
+        vectors = np.asarray(await self._embedding.aembed_documents(texts), np.float32)
+        pool = await self._async()
+        try:
+            existing = await pool.get(batch.unique_kalos_ids(), namespace=self.namespace,
+                                      with_vectors=False)
+        except UnknownNamespace:
+            existing = _NO_RECORDS
+        check_collisions(batch, existing)
+        await pool.upsert(batch.kalos_ids, vectors, batch.payloads, namespace=self.namespace)
+        return batch.doc_ids
+
+    def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
+        """Delete documents by string id (only those: a colliding document stays), or those
+        matching ``filter=``; with neither, every document (the namespace is dropped).
+        Unknown ids are not an error. Returns True."""
+        filter_ = kwargs.pop("filter", None)
+        _no_extra(kwargs, "delete")
+        client = self._sync()
+        if ids is None and filter_ is None:
+            client.drop_namespace(self.namespace)
+            return True
+        for where in _delete_filters(ids, filter_, client.layout.blob_bytes):
+            client.delete(where=where, namespace=self.namespace)
+        return True
+
+    async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
+        """:meth:`delete` on the store's RecallPool."""
+        filter_ = kwargs.pop("filter", None)
+        _no_extra(kwargs, "adelete")
+        pool = await self._async()
+        if ids is None and filter_ is None:
+            await pool.drop_namespace(self.namespace)
+            return True
+        await asyncio.gather(*(pool.delete(where=where, namespace=self.namespace)
+                               for where in _delete_filters(ids, filter_, pool.layout.blob_bytes)))
+        return True
+
+    # ------------------------------------------------------------------ reads by id
+    def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        """The documents of ``ids`` that exist, in the order asked, each once."""
+        asked = list(dict.fromkeys(ids))
+        if not asked:
+            return []
+        try:
+            records = self._sync().get([self._id_map(i) for i in asked], namespace=self.namespace,
+                                       with_vectors=False)
+        except UnknownNamespace:
+            return []
+        return _docs_by_id(asked, records)
+
+    async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
+        """:meth:`get_by_ids` on the store's RecallPool."""
+        asked = list(dict.fromkeys(ids))
+        if not asked:
+            return []
+        pool = await self._async()
+        try:
+            records = await pool.get([self._id_map(i) for i in asked], namespace=self.namespace,
+                                     with_vectors=False)
+        except UnknownNamespace:
+            return []
+        return _docs_by_id(asked, records)
+
+    # ------------------------------------------------------------------ search
+    def similarity_search_with_score_by_vector(
+            self, embedding: Sequence[float], k: int = 4, *,
+            filter: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> list[tuple[Document, float]]:
+        """Exact top-``k`` documents for an embedding with Kalos scores (higher is better),
+        best first; fewer when fewer (match). ``k`` is at most the sidecar's --max-k."""
+        _no_extra(kwargs, "similarity_search")
+        try:
+            hits = self._sync().recall(np.asarray(embedding, np.float32), k, namespace=self.namespace,
+                                       with_payload=True, where=_where(filter))
+        except UnknownNamespace:
+            return []
+        return _docs_of(hits)
+
+    async def asimilarity_search_with_score_by_vector(
+            self, embedding: Sequence[float], k: int = 4, *,
+            filter: Mapping[str, Any] | None = None,
+            **kwargs: Any) -> list[tuple[Document, float]]:
+        """:meth:`similarity_search_with_score_by_vector` on the store's RecallPool."""
+        _no_extra(kwargs, "asimilarity_search")
+        pool = await self._async()
+        try:
+            hits = await pool.recall(np.asarray(embedding, np.float32), k, namespace=self.namespace,
+                                     with_payload=True, where=_where(filter))
+        except UnknownNamespace:
+            return []
+        return _docs_of(hits)
+
+    def similarity_search_with_score(self, query: str, k: int = 4,
+                                     **kwargs: Any) -> list[tuple[Document, float]]:
+        """Top-``k`` documents for a text with Kalos scores (higher is better); ``filter=``."""
+        return self.similarity_search_with_score_by_vector(
+            self._embedding.embed_query(query), k, **kwargs)
+
+    async def asimilarity_search_with_score(self, query: str, k: int = 4,
+                                            **kwargs: Any) -> list[tuple[Document, float]]:
+        return await self.asimilarity_search_with_score_by_vector(
+            await self._embedding.aembed_query(query), k, **kwargs)
+
+    def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        """Top-``k`` documents for a text, best first; ``filter=`` on metadata."""
+        return [d for d, _ in self.similarity_search_with_score(query, k, **kwargs)]
+
+    async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
+        return [d for d, _ in await self.asimilarity_search_with_score(query, k, **kwargs)]
+
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4,
+                                    **kwargs: Any) -> list[Document]:
+        return [d for d, _ in self.similarity_search_with_score_by_vector(embedding, k, **kwargs)]
+
+    async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4,
+                                           **kwargs: Any) -> list[Document]:
+        return [d for d, _ in
+                await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
+
+    def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        return self._relevance
+
+    # ------------------------------------------------------------------ MMR
+    def max_marginal_relevance_search_by_vector(
+            self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
+            **kwargs: Any) -> list[Document]:
+        """``k`` documents by maximal marginal relevance among the exact top-``fetch_k`` (at most
+        the sidecar's --max-k); ``filter=``. Two requests: the recall, then the candidates'
+        vectors (as stored: unit rows under cosine; MMR compares by cosine in any metric)."""
+        filter_ = kwargs.pop("filter", None)
+        _no_extra(kwargs, "max_marginal_relevance_search")
+        client = self._sync()
+        try:
+            hits = client.recall(np.asarray(embedding, np.float32),
+                                 _fetch_k(k, fetch_k, client.layout.max_k), namespace=self.namespace,
+                                 with_payload=True, where=_where(filter_))
+            if len(hits) == 0:
+                return []
+            records = client.get(hits.ids, namespace=self.namespace, with_vectors=True)
+        except UnknownNamespace:
+            return []
+        return _mmr_docs(embedding, hits, records, k, lambda_mult)
+
+    async def amax_marginal_relevance_search_by_vector(
+            self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
+            **kwargs: Any) -> list[Document]:
+        """:meth:`max_marginal_relevance_search_by_vector` on the store's RecallPool."""
+        filter_ = kwargs.pop("filter", None)
+        _no_extra(kwargs, "amax_marginal_relevance_search")
+        pool = await self._async()
+        try:
+            hits = await pool.recall(np.asarray(embedding, np.float32),
+                                     _fetch_k(k, fetch_k, pool.layout.max_k),
+                                     namespace=self.namespace, with_payload=True,
+                                     where=_where(filter_))
+            if len(hits) == 0:
+                return []
+            records = await pool.get(hits.ids, namespace=self.namespace, with_vectors=True)
+        except UnknownNamespace:
+            return []
+        return _mmr_docs(embedding, hits, records, k, lambda_mult)
+
+    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
+                                      lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+        return self.max_marginal_relevance_search_by_vector(
+            self._embedding.embed_query(query), k, fetch_k, lambda_mult, **kwargs)
+
+    async def amax_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
+                                             lambda_mult: float = 0.5,
+                                             **kwargs: Any) -> list[Document]:
+        return await self.amax_marginal_relevance_search_by_vector(
+            await self._embedding.aembed_query(query), k, fetch_k, lambda_mult, **kwargs)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_texts(cls: type[_S], texts: list[str], embedding: Embeddings,
+                   metadatas: list[dict[str, Any]] | None = None, *,
+                   ids: list[str] | None = None, **kwargs: Any) -> _S:
+        """A store (``kwargs``: the constructor's options) with ``texts`` added."""
+        store = cls(embedding, **kwargs)
+        store.add_texts(texts, metadatas, ids=ids)
+        return store
+
+    @classmethod
+    async def afrom_texts(cls: type[_S], texts: list[str], embedding: Embeddings,
+                          metadatas: list[dict[str, Any]] | None = None, *,
+                          ids: list[str] | None = None, **kwargs: Any) -> _S:
+        store = cls(embedding, **kwargs)
+        await store.aadd_texts(texts, metadatas, ids=ids)
+        return store
+
+
+_NO_RECORDS = Records(np.empty(0, np.int64), None, [], np.empty(0, np.int64))
+
+
+def _where(filter: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if filter is None else to_where(filter)
+
+
+def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
+    """Candidates to recall for MMR: at least ``k``, at most the sidecar's max_k."""
+    return max(1, min(max(k, fetch_k), max_k))
+
+
+def _delete_filters(ids: Sequence[str] | None, filter: Mapping[str, Any] | None,
+                    blob_bytes: int) -> list[dict[str, Any]]:
+    """The Kalos filters one delete sends: by ``lc_id`` (so a colliding document is never
+    removed), ANDed with the metadata filter when both are given. Ids go in chunks that fit one
+    ``$in`` (at most ``_IN_CHUNK`` values, half the slot's ``blob_bytes`` of JSON). Pure."""
+    extra = None if filter is None else to_where(filter)
+    if ids is None:
+        assert extra is not None
+        return [extra]
+    chunks: list[list[str]] = []
+    size = 0
+    for sid in dict.fromkeys(ids):
+        n = len(json.dumps(sid, ensure_ascii=False).encode()) + 1
+        if not chunks or len(chunks[-1]) == _IN_CHUNK or size + n > blob_bytes // 2:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(sid)
+        size += n
+    out = []
+    for chunk in chunks:
+        by_id: dict[str, Any] = {ID_FIELD: {"$in": chunk}}
+        out.append(by_id if extra is None else {"$and": [by_id, extra]})
+    return out
