@@ -423,7 +423,7 @@ def _instructions(text: str) -> list[tuple[str, str]]:
 
 
 def test_containerfile_has_the_required_instructions() -> None:
-    """Parsed, not built (building needs a container runtime: docs/deploy.md)."""
+    """The instructions the issue asks for (tests/ops/test_container_image.py builds and runs it)."""
     import json
 
     ins = _instructions(CONTAINERFILE.read_text())

@@ -1,0 +1,784 @@
+"""LangGraph long-term memory on Kalos: :class:`KalosStore`, a ``langgraph.store.base.BaseStore``.
+
+Requires ``langgraph`` (``pip install 'kalos[langgraph]'``). Semantics follow LangGraph's
+``InMemoryStore`` (``put/get/search/delete/list_namespaces``, their ``a*`` forms, ``batch/abatch``,
+tuple namespaces, prefix search, ``index={"embed", "dims", "fields"}``, filters, ``limit/offset``);
+the differences are listed under *Differences* below.
+
+Mapping onto Kalos
+------------------
+One store uses two Kalos namespaces (``namespace`` and ``namespace + ".vec"``), so any number of
+LangGraph namespaces share one Kalos namespace and a prefix search is one filtered request::
+
+    NAMESPACE (items)             id = item id                        vector = zeros (never recalled)
+      payload: ns [labels], depth, "ns.0".."ns.<depth-1>" (one field per label), key, value,
+               created_at, updated_at, seq, ns_seq, nvec, "f.<field>" (filterable copies)
+    NAMESPACE.vec (vectors)       id = item id << 14 | j              vector = j-th embedding, unit
+      payload: "ns.0".., "f.<field>"                                  norm (cosine = inner product)
+
+* **Ids.** The item id is a 48-bit BLAKE2b hash of ``(namespace tuple, key)``; a put probes the
+  window ``h .. h+7`` in one ``get`` and takes the record whose stored ``(ns, key)`` is its own, or
+  else the first free id. A record of another item is never overwritten (all eight taken:
+  :class:`KeyCollision`); lookups read the whole window, so deletes need no tombstones. Vector
+  ids carry their item id, so a recall needs no payloads to find its items.
+* **Prefix search** is equality on the per-label fields ``ns.0 .. ns.<n-1>`` (Kalos filters have
+  no string-prefix operator, and labels cannot contain ``.`` anyway).
+* **Filters.** The part of a LangGraph filter that Kalos can evaluate is sent as ``where=`` on
+  the ``f.<field>`` copies of top-level scalars (strings up to 256 characters); the whole filter is
+  then applied to the returned items with LangGraph's semantics, so the server side only narrows.
+* **Scores.** Embeddings are normalised to unit length before they are stored and queries before
+  they are sent, so the sidecar's inner product (``--metric dot`` or ``cosine``) is the cosine
+  similarity InMemoryStore computes (float32 instead of float64: equal within ~1e-6). Each
+  indexed text is its own vector; an item's score is the best of its vectors (max pooling).
+* **Order.** A search without a query lists namespaces in the order they got their first item
+  and items in the order they were created (``ns_seq``, ``seq``), as InMemoryStore does.
+
+Differences from InMemoryStore (deliberate)
+-------------------------------------------
+* A put replaces the item's vectors; InMemoryStore keeps the vectors of texts the previous value
+  had and the new one lacks (also after ``index=False``), so the old text stays searchable.
+* ``list_namespaces`` lists namespaces that hold items (as PostgresStore); InMemoryStore also
+  lists namespaces whose items were all deleted and namespaces that were only read by ``get``.
+* ``created_at`` survives updates (as PostgresStore); InMemoryStore resets it on every put.
+* Range operators (``$gt`` ...) match numbers only and never raise; InMemoryStore applies
+  ``float()`` to the stored value (``True`` counts as 1, ``"5"`` as 5, a missing field raises).
+* Scores are float32 cosines; a zero query vector scores 0 here and NaN in InMemoryStore.
+* ``list_namespaces`` and searches without a query scan the items under the prefix (paged
+  ``export_page``); a search with a query recalls the top vectors (growing ``k`` up to the
+  sidecar's ``max_k``, then an exact scan when post-filtering left too few items).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TypeVar
+
+import numpy as np
+
+from broker.errors import PayloadTooLarge, UnknownNamespace
+from broker.layout import NAMESPACE_BYTES
+from clients.blocking import RecallClient
+from clients.pool import RecallPool
+
+try:
+    from langchain_core.embeddings import Embeddings
+    from langgraph.store.base import (
+        BaseStore, GetOp, IndexConfig, Item, ListNamespacesOp, MatchCondition, Op, PutOp, Result,
+        SearchItem, SearchOp, ensure_embeddings, get_text_at_path, tokenize_path,
+    )
+except ImportError as e:  # pragma: no cover - depends on the installed extras
+    raise ImportError("kalos.integrations.langgraph needs langgraph: "
+                      "pip install 'kalos[langgraph]'") from e
+try:
+    from langgraph.store.base import validate_op_namespace
+except ImportError:  # pragma: no cover - older releases: BaseStore.put/get/search still check labels
+    def validate_op_namespace(op: Op) -> None:
+        return None
+
+__all__ = ["KalosStore", "KeyCollision", "item_id_window", "vector_id"]
+
+T = TypeVar("T")
+
+ITEM_ID_BITS = 48
+VECTOR_INDEX_BITS = 14
+#: Most vectors one item can have (indexed texts, one per path match).
+MAX_VECTORS_PER_ITEM = 1 << VECTOR_INDEX_BITS
+PROBE_WINDOW = 8
+#: Top-level string values longer than this are not copied for server-side filtering.
+MAX_COPIED_STR = 256
+_EXACT_INT = 1 << 53
+_RANGE_OPS: dict[str, Callable[[float, float], bool]] = {
+    "$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
+    "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b,
+}
+_OPERATORS = frozenset({"$eq", "$ne", *_RANGE_OPS})
+
+
+class KeyCollision(RuntimeError):
+    """Every id of an item's probe window holds another item (never seen in practice: eight
+    48-bit hash collisions at once). Nothing of the batch was written."""
+
+
+# ----------------------------------------------------------------------------- ids (pure)
+def item_id_window(namespace: tuple[str, ...], key: str) -> list[int]:
+    """The ids an item may take, in probing order: a 48-bit hash of ``(namespace, key)`` and the
+    next ``PROBE_WINDOW - 1`` ids."""
+    canon = json.dumps([list(namespace), key], ensure_ascii=False, separators=(",", ":"))
+    h = int.from_bytes(hashlib.blake2b(canon.encode(), digest_size=8).digest(), "little")
+    base = h % ((1 << ITEM_ID_BITS) - PROBE_WINDOW)
+    return list(range(base, base + PROBE_WINDOW))
+
+
+def vector_id(item_id: int, j: int) -> int:
+    """The id of the ``j``-th vector of item ``item_id`` (the item id is ``id >> 14``)."""
+    return (item_id << VECTOR_INDEX_BITS) | j
+
+
+# ----------------------------------------------------------------------------- filters (pure)
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _apply_operator(value: Any, op: str, operand: Any) -> bool:
+    if op == "$eq":
+        return bool(value == operand)
+    if op == "$ne":
+        return bool(value != operand)
+    if op in _RANGE_OPS:
+        # Numbers only, never an exception (InMemoryStore calls float() on the stored value).
+        return _is_number(value) and _RANGE_OPS[op](float(value), float(operand))
+    raise ValueError(f"Unsupported operator: {op}")
+
+
+def value_matches(item_value: Any, filter_value: Any) -> bool:
+    """LangGraph's filter semantics for one field (InMemoryStore's ``_compare_values``)."""
+    if isinstance(filter_value, dict):
+        if any(str(k).startswith("$") for k in filter_value):
+            return all(_apply_operator(item_value, k, v) for k, v in filter_value.items())
+        if not isinstance(item_value, dict):
+            return False
+        return all(value_matches(item_value.get(k), v) for k, v in filter_value.items())
+    if isinstance(filter_value, (list, tuple)):
+        return (isinstance(item_value, (list, tuple)) and len(item_value) == len(filter_value)
+                and all(value_matches(a, b) for a, b in zip(item_value, filter_value)))
+    return bool(item_value == filter_value)
+
+
+def item_matches(value: dict[str, Any], filt: dict[str, Any] | None) -> bool:
+    return not filt or all(value_matches(value.get(k), v) for k, v in filt.items())
+
+
+def check_filter(filt: dict[str, Any] | None) -> None:
+    """ValueError for an unknown operator or a range operand that is not a number, before any
+    request is sent."""
+    for fv in (filt or {}).values():
+        if isinstance(fv, dict) and any(str(k).startswith("$") for k in fv):
+            for op, operand in fv.items():
+                if op not in _OPERATORS:
+                    raise ValueError(f"Unsupported operator: {op}")
+                if op in _RANGE_OPS:
+                    float(operand)
+
+
+def _copied(v: Any) -> tuple[bool, Any]:
+    """Whether a top-level value is copied to its ``f.<field>`` column, and as what."""
+    if v is None or isinstance(v, bool):
+        return True, v
+    if isinstance(v, str):
+        return len(v) <= MAX_COPIED_STR, v
+    if isinstance(v, int):
+        if abs(v) <= _EXACT_INT:
+            return True, v
+        try:
+            return True, float(v)  # Kalos compares numbers as float64 anyway
+        except OverflowError:
+            return False, None
+    if isinstance(v, float):
+        return math.isfinite(v), v
+    return False, None
+
+
+def filter_columns(value: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        ok, c = _copied(v)
+        if ok:
+            out["f." + k] = c
+    return out
+
+
+def _equal_values(v: Any) -> list[Any] | None:
+    """Kalos values equal to every stored value that equals ``v`` in Python, when all such values
+    are copied; None when that cannot be said."""
+    if isinstance(v, str):
+        return [v] if len(v) <= MAX_COPIED_STR else None
+    if isinstance(v, bool):
+        return [v, int(v)]  # True == 1 == 1.0 in Python; Kalos: 1 == 1.0, true != 1
+    if _is_number(v) and math.isfinite(v) and abs(v) <= _EXACT_INT:
+        return [v, bool(v)] if v in (0, 1) else [v]
+    return None
+
+
+def translate_filter(filt: dict[str, Any] | None) -> tuple[list[dict[str, Any]], bool]:
+    """Kalos ``where`` conditions (to AND) that every item matching ``filt`` satisfies, and whether
+    they match exactly those items (else the caller keeps post-filtering and fetches more)."""
+    conds: list[dict[str, Any]] = []
+    exact = True
+    for fld, fv in (filt or {}).items():
+        col = "f." + fld
+        if isinstance(fv, dict) and any(str(k).startswith("$") for k in fv):
+            ops = list(fv.items())
+        elif isinstance(fv, (dict, list, tuple)):
+            exact = False
+            continue
+        else:
+            ops = [("$eq", fv)]
+        for op, operand in ops:
+            if op in _RANGE_OPS:
+                x = float(operand)
+                if math.isfinite(x):
+                    conds.append({col: {op: x}})
+                else:
+                    exact = False
+                continue
+            if operand is None:  # missing fields equal None; non-copied values are missing too
+                exact = False
+                if op == "$eq":
+                    conds.append({"$or": [{col: None}, {col: {"$exists": False}}]})
+                else:
+                    conds.append({col: {"$ne": None}})
+                continue
+            vals = _equal_values(operand)
+            if vals is None:
+                exact = False
+                continue
+            conds.append({col: {"$in" if op == "$eq" else "$nin": vals}})
+    return conds, exact
+
+
+def prefix_conditions(prefix: Sequence[str]) -> list[dict[str, Any]]:
+    return [{f"ns.{i}": label} for i, label in enumerate(prefix) if label != "*"]
+
+
+def _where(conds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return {"$and": conds} if conds else None
+
+
+def namespace_matches(cond: MatchCondition, ns: tuple[str, ...]) -> bool:
+    path = cond.path
+    if len(ns) < len(path):
+        return False
+    if cond.match_type == "prefix":
+        pairs = zip(ns, path)
+    elif cond.match_type == "suffix":
+        pairs = zip(reversed(ns), reversed(path))
+    else:
+        raise ValueError(f"Unsupported match type: {cond.match_type}")
+    return all(p == "*" or a == p for a, p in pairs)
+
+
+# ----------------------------------------------------------------------------- effects
+@dataclass(frozen=True)
+class _Call:
+    """One client call, by method name (RecallClient and RecallPool share the names).
+    Exceptions of the ``returns`` types come back as the result instead of being raised."""
+
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    returns: tuple[type[Exception], ...] = ()
+
+
+@dataclass(frozen=True)
+class _Embed:
+    texts: list[str]
+    query: bool = False
+
+
+_Effect = _Call | _Embed
+#: A plan yields lists of effects (run concurrently by the async driver), is sent their results.
+_Plan = Generator[list[_Effect], list[Any], T]
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    dim: int
+    max_k: int
+    max_queries: int
+    blob_bytes: int
+
+
+@dataclass
+class _Stored:
+    """An item as read back from its record."""
+
+    id: int
+    payload: dict[str, Any]
+
+    @property
+    def namespace(self) -> tuple[str, ...]:
+        return tuple(self.payload["ns"])
+
+    def item(self) -> Item:
+        p = self.payload
+        return Item(value=p["value"], key=p["key"], namespace=tuple(p["ns"]),
+                    created_at=datetime.fromisoformat(p["created_at"]),
+                    updated_at=datetime.fromisoformat(p["updated_at"]))
+
+    def search_item(self, score: float | None) -> SearchItem:
+        p = self.payload
+        return SearchItem(tuple(p["ns"]), p["key"], p["value"],
+                          datetime.fromisoformat(p["created_at"]),
+                          datetime.fromisoformat(p["updated_at"]), score)
+
+
+def _listing_order(items: list[_Stored]) -> list[_Stored]:
+    """InMemoryStore's order: namespaces by when they got their first item, then items by
+    creation. ``ns_seq`` is the same for all items of a namespace put by one writer; the minimum
+    keeps each namespace together if concurrent writers disagreed."""
+    first: dict[tuple[str, ...], int] = {}
+    for s in items:
+        ns = s.namespace
+        first[ns] = min(first.get(ns, s.payload["ns_seq"]), s.payload["ns_seq"])
+    return sorted(items, key=lambda s: (first[s.namespace], s.namespace, s.payload["seq"]))
+
+
+def _page(ranked: list[tuple[float, _Stored]], scoreless: list[_Stored], offset: int,
+          limit: int) -> list[tuple[float | None, _Stored]]:
+    """InMemoryStore's paging of a query search: ranked items ``[offset, offset+limit)``, then
+    items without vectors fill up to ``limit`` (from the first one: InMemoryStore ignores the
+    offset there)."""
+    kept: list[tuple[float | None, _Stored]] = []
+    for ix, (score, s) in enumerate(ranked):
+        if ix >= offset + limit:
+            break
+        if ix >= offset:
+            kept.append((score, s))
+    if scoreless and len(kept) < limit:
+        kept.extend((None, s) for s in scoreless[: limit - len(kept)])
+    return kept
+
+
+def _unit_rows(vectors: Sequence[Sequence[float]], dim: int) -> np.ndarray:
+    m = np.asarray(vectors, dtype=np.float64).reshape(len(vectors), -1)
+    if m.shape[1] != dim:
+        raise ValueError(f"the embedding function returned {m.shape[1]} dimensions; the sidecar "
+                         f"serves {dim}")
+    norms = np.linalg.norm(m, axis=1, keepdims=True)
+    return np.where(norms > 0, m / np.where(norms > 0, norms, 1.0), 0.0).astype(np.float32)
+
+
+def _encoded_len(payload: Any) -> int:
+    return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
+                          allow_nan=False).encode()) + 1
+
+
+# ----------------------------------------------------------------------------- the store
+class KalosStore(BaseStore):
+    """LangGraph's ``BaseStore`` on a Kalos sidecar (long-term memory shared by processes).
+
+    ``name``: the broker. ``namespace``: the Kalos namespace of the items (the vectors go to
+    ``namespace + ".vec"``); stores with different ``namespace`` are independent. ``index``: as
+    for ``InMemoryStore`` (``dims`` must be the sidecar's ``--dim``; without ``index`` nothing is
+    embedded and ``query=`` is ignored). ``timeout``: seconds per Kalos request (None: no limit).
+    Sync methods use a :class:`~clients.blocking.RecallClient`, async ones a
+    :class:`~clients.pool.RecallPool` (``pool_size`` slots) of the running event loop; both are
+    opened on first use, or pass ``client=`` / ``pool=`` (not closed by the store then).
+    Kalos errors (``BrokerUnavailable``, ``KalosTimeout``, ``PayloadTooLarge``...) propagate.
+    Close with :meth:`close` / :meth:`aclose` or use the store as a (async) context manager.
+    """
+
+    supports_ttl = False
+
+    def __init__(self, name: str = "default", *, namespace: str = "langgraph",
+                 index: IndexConfig | None = None, timeout: float | None = 30.0,
+                 pool_size: int = 4, client: RecallClient | None = None,
+                 pool: RecallPool | None = None) -> None:
+        if len(namespace) + 4 > NAMESPACE_BYTES:
+            raise ValueError(f"namespace {namespace!r} too long: at most {NAMESPACE_BYTES - 4} chars")
+        self.name = name
+        self.items_namespace = namespace
+        self.vectors_namespace = namespace + ".vec"
+        self._timeout = timeout
+        self._pool_size = pool_size
+        self._client = client
+        self._own_client = client is None
+        self._pool = pool
+        self._own_pool = pool is None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._last_seq = 0
+        self.index_config: IndexConfig | None = None
+        self.embeddings: Embeddings | None = None
+        self._fields: list[tuple[str, str | list[str]]] = []
+        if index:
+            self.index_config = index.copy()
+            self.embeddings = ensure_embeddings(index.get("embed"))
+            self._fields = [(p, p if p == "$" else tokenize_path(p))
+                            for p in (index.get("fields") or ["$"])]
+
+    # ------------------------------------------------------------------ connections
+    def _sync_client(self) -> RecallClient:
+        if self._client is None:
+            self._client = RecallClient(self.name, timeout=self._timeout)
+        return self._client
+
+    async def _async_pool(self) -> RecallPool:
+        loop = asyncio.get_running_loop()
+        if self._pool is None or (self._own_pool and self._pool_loop is not loop):
+            # A pool belongs to the loop that opened it; one from a finished loop is dropped.
+            pool = RecallPool(self.name, size=self._pool_size, timeout=self._timeout)
+            await pool.open()
+            self._pool, self._pool_loop = pool, loop
+        return self._pool
+
+    def close(self) -> None:
+        """Close the client this store opened (closing twice is fine)."""
+        if self._own_client and self._client is not None:
+            self._client.close()
+            self._client = None
+
+    async def aclose(self) -> None:
+        """Close the pool this store opened on the running loop, and the sync client."""
+        if self._own_pool and self._pool is not None:
+            if self._pool_loop is asyncio.get_running_loop():
+                await self._pool.close()
+            self._pool = None
+        self.close()
+
+    def __enter__(self) -> KalosStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> KalosStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ drivers
+    def batch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops``; reads see the state before the batch's writes (as InMemoryStore)."""
+        client = self._sync_client()
+        plan = self._batch_plan(list(ops), self._geometry(client.layout))
+        try:
+            effects = next(plan)
+            while True:
+                effects = plan.send([self._run_sync(client, e) for e in effects])
+        except StopIteration as stop:
+            result: list[Result] = stop.value
+            return result
+
+    async def abatch(self, ops: Iterable[Op]) -> list[Result]:
+        """Run ``ops`` on the running loop's pool; independent requests go concurrently."""
+        pool = await self._async_pool()
+        plan = self._batch_plan(list(ops), self._geometry(pool.layout))
+        try:
+            effects = next(plan)
+            while True:
+                results = await asyncio.gather(*(self._run_async(pool, e) for e in effects))
+                effects = plan.send(list(results))
+        except StopIteration as stop:
+            result: list[Result] = stop.value
+            return result
+
+    @staticmethod
+    def _geometry(layout: Any) -> _Geometry:
+        return _Geometry(layout.dim, layout.max_k, layout.max_queries, layout.blob_bytes)
+
+    def _run_sync(self, client: RecallClient, e: _Effect) -> Any:
+        if isinstance(e, _Embed):
+            assert self.embeddings is not None
+            if e.query:
+                return [self.embeddings.embed_query(t) for t in e.texts]
+            return self.embeddings.embed_documents(e.texts)
+        try:
+            return getattr(client, e.method)(*e.args, **e.kwargs)
+        except e.returns as exc:
+            return exc
+
+    async def _run_async(self, pool: RecallPool, e: _Effect) -> Any:
+        if isinstance(e, _Embed):
+            assert self.embeddings is not None
+            if e.query:
+                return list(await asyncio.gather(*(self.embeddings.aembed_query(t) for t in e.texts)))
+            return await self.embeddings.aembed_documents(e.texts)
+        try:
+            return await getattr(pool, e.method)(*e.args, **e.kwargs)
+        except e.returns as exc:
+            return exc
+
+    # ------------------------------------------------------------------ plans
+    def _batch_plan(self, ops: list[Op], geo: _Geometry) -> _Plan[list[Result]]:
+        results: list[Result] = [None] * len(ops)
+        gets: list[tuple[int, GetOp]] = []
+        puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
+        for op in ops:
+            validate_op_namespace(op)
+            if isinstance(op, SearchOp):
+                check_filter(op.filter)
+            elif not isinstance(op, (GetOp, PutOp, ListNamespacesOp)):
+                raise ValueError(f"Unknown operation type: {type(op)}")
+        for i, op in enumerate(ops):
+            if isinstance(op, GetOp):
+                gets.append((i, op))
+            elif isinstance(op, PutOp):
+                puts[(op.namespace, op.key)] = op  # the last wins, at the first one's place
+        if gets:
+            found, _ = yield from self._lookup([(op.namespace, op.key) for _, op in gets], geo)
+            for i, op in gets:
+                s = found.get((op.namespace, op.key))
+                results[i] = None if s is None else s.item()
+        for i, op in enumerate(ops):
+            if isinstance(op, SearchOp):
+                results[i] = yield from self._search(op, geo)
+            elif isinstance(op, ListNamespacesOp):
+                results[i] = yield from self._list_namespaces(op, geo)
+        if puts:
+            yield from self._write(list(puts.values()), geo)
+        return results
+
+    def _fetch(self, namespace: str, ids: list[int], geo: _Geometry) -> _Plan[dict[int, _Stored]]:
+        """The records of ``ids`` that exist; chunks whose payloads overflow the slot are halved."""
+        out: dict[int, _Stored] = {}
+        chunks = [ids[i: i + geo.max_queries] for i in range(0, len(ids), geo.max_queries)]
+        while chunks:
+            answers = yield [_Call("get", (c,), {"namespace": namespace, "with_vectors": False},
+                                   (UnknownNamespace, PayloadTooLarge)) for c in chunks]
+            retry: list[list[int]] = []
+            for c, a in zip(chunks, answers):
+                if isinstance(a, UnknownNamespace):
+                    return {}
+                if isinstance(a, PayloadTooLarge):
+                    if len(c) == 1:
+                        raise a
+                    retry += [c[: len(c) // 2], c[len(c) // 2:]]
+                    continue
+                for rid, p in zip(a.ids.tolist(), a.payloads):
+                    out[int(rid)] = _Stored(int(rid), p)
+            chunks = retry
+        return out
+
+    def _lookup(self, keys: list[tuple[tuple[str, ...], str]], geo: _Geometry
+                ) -> _Plan[tuple[dict[tuple[tuple[str, ...], str], _Stored], set[int]]]:
+        """The stored items of ``keys`` (absent ones left out), reading each probe window in
+        one request per slot-full; and every id of those windows that holds a record."""
+        windows = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
+        ids = sorted({i for w in windows.values() for i in w})
+        records = yield from self._fetch(self.items_namespace, ids, geo)
+        found: dict[tuple[tuple[str, ...], str], _Stored] = {}
+        for (ns, key), window in windows.items():
+            for i in window:
+                s = records.get(i)
+                if s is not None and tuple(s.payload.get("ns", ())) == ns and s.payload.get("key") == key:
+                    found[(ns, key)] = s
+                    break
+        return found, set(records)
+
+    def _scan(self, namespace: str, where: dict[str, Any] | None
+              ) -> _Plan[tuple[list[int], list[np.ndarray], list[Any]]]:
+        """Every record matching ``where`` (paged by id): ids, vector pages, payloads."""
+        ids: list[int] = []
+        vecs: list[np.ndarray] = []
+        payloads: list[Any] = []
+        after = -1
+        while True:
+            [page] = yield [_Call("export_page", (namespace, after), {"where": where},
+                                  (UnknownNamespace,))]
+            if isinstance(page, UnknownNamespace):
+                break
+            pids, pvecs, ppay = page
+            if len(pids) == 0:
+                break
+            ids += [int(i) for i in pids]
+            vecs.append(np.asarray(pvecs, dtype=np.float32))
+            payloads += ppay
+            after = int(pids[-1])
+        return ids, vecs, payloads
+
+    def _list_items(self, conds: list[dict[str, Any]], filt: dict[str, Any] | None
+                    ) -> _Plan[list[_Stored]]:
+        """Every item under the conditions that matches ``filt``, in InMemoryStore's order."""
+        ids, _, payloads = yield from self._scan(self.items_namespace, _where(conds))
+        items = [_Stored(i, p) for i, p in zip(ids, payloads)
+                 if isinstance(p, dict) and item_matches(p["value"], filt)]
+        return _listing_order(items)
+
+    def _search(self, op: SearchOp, geo: _Geometry) -> _Plan[list[SearchItem]]:
+        conds, exact = translate_filter(op.filter)
+        conds = prefix_conditions(op.namespace_prefix) + conds
+        if not (op.query and self.embeddings is not None):
+            items = yield from self._list_items(conds, op.filter)
+            return [s.search_item(None) for s in items[op.offset: op.offset + op.limit]]
+        [[qv]] = yield [_Embed([op.query], query=True)]
+        q = _unit_rows([qv], geo.dim)[0]
+        ranked = yield from self._ranked(q, conds, exact, op.filter, op.offset + op.limit, geo)
+        scoreless: list[_Stored] = []
+        if len(ranked) < op.offset + op.limit:  # some fill may be needed
+            scoreless = yield from self._list_items(conds + [{"nvec": 0}], op.filter)
+        return [s.search_item(score) for score, s in _page(ranked, scoreless, op.offset, op.limit)]
+
+    def _ranked(self, q: np.ndarray, conds: list[dict[str, Any]], exact: bool,
+                filt: dict[str, Any] | None, need: int, geo: _Geometry
+                ) -> _Plan[list[tuple[float, _Stored]]]:
+        """The best ``need`` items matching ``filt`` by their best vector, best first."""
+        if need <= 0:
+            return []
+        where = _where(conds)
+        k = min(geo.max_k, max(16, 2 * need))
+        while True:
+            [hits] = yield [_Call("recall", (q, k), {"namespace": self.vectors_namespace,
+                                                      "where": where}, (UnknownNamespace,))]
+            if isinstance(hits, UnknownNamespace):
+                return []
+            best: dict[int, float] = {}
+            for vid, score in zip(hits.ids.tolist(), hits.scores.tolist()):
+                best.setdefault(int(vid) >> VECTOR_INDEX_BITS, float(score))  # best first
+            exhausted = len(hits) < k
+            order = list(best.items())
+            if exact and not exhausted:
+                order = order[: need + 4]  # a few spare for items replaced meanwhile
+            kept = yield from self._rank_items(order, filt, geo)
+            if len(kept) >= need or exhausted:
+                return kept[:need]
+            if k >= geo.max_k:
+                break
+            k = min(geo.max_k, k * 4)
+        # Post-filtering left too few of max_k vectors: score every candidate vector here.
+        ids, vecs, _ = yield from self._scan(self.vectors_namespace, where)
+        if not ids:
+            return []
+        scores = np.concatenate(vecs).astype(np.float64) @ q.astype(np.float64)
+        best = {}
+        for j in np.argsort(-scores, kind="stable").tolist():
+            best.setdefault(ids[j] >> VECTOR_INDEX_BITS, float(scores[j]))
+        order = list(best.items())
+        kept = []
+        step = max(need, geo.max_queries)
+        for lo in range(0, len(order), step):
+            kept += yield from self._rank_items(order[lo: lo + step], filt, geo)
+            if len(kept) >= need:
+                break
+        return kept[:need]
+
+    def _rank_items(self, order: list[tuple[int, float]], filt: dict[str, Any] | None,
+                    geo: _Geometry) -> _Plan[list[tuple[float, _Stored]]]:
+        records = yield from self._fetch(self.items_namespace, [i for i, _ in order], geo)
+        out: list[tuple[float, _Stored]] = []
+        for iid, score in order:
+            s = records.get(iid)
+            if s is not None and item_matches(s.payload["value"], filt):
+                out.append((score, s))
+        return out
+
+    def _list_namespaces(self, op: ListNamespacesOp, geo: _Geometry) -> _Plan[list[tuple[str, ...]]]:
+        conds: list[dict[str, Any]] = []
+        for c in op.match_conditions or ():
+            conds.append({"depth": {"$gte": len(c.path)}})
+            if c.match_type == "prefix":
+                conds += prefix_conditions(c.path)
+        _, _, payloads = yield from self._scan(self.items_namespace, _where(conds))
+        namespaces = {tuple(p["ns"]) for p in payloads if isinstance(p, dict)}
+        if op.match_conditions:
+            namespaces = {ns for ns in namespaces
+                          if all(namespace_matches(c, ns) for c in op.match_conditions)}
+        if op.max_depth is not None:
+            namespaces = {ns[: op.max_depth] for ns in namespaces}
+        return sorted(namespaces)[op.offset: op.offset + op.limit]
+
+    # ------------------------------------------------------------------ writes
+    def _texts(self, op: PutOp) -> list[str]:
+        """The texts InMemoryStore would embed for ``op``, in its order."""
+        if op.value is None or op.index is False or self.embeddings is None:
+            return []
+        paths = self._fields if op.index is None else [(p, tokenize_path(p)) for p in op.index]
+        texts: list[str] = []
+        for _, tokens in paths:
+            texts += get_text_at_path(op.value, tokens)
+        return texts
+
+    def _next_seq(self) -> int:
+        self._last_seq = max(time.time_ns(), self._last_seq + 1)
+        return self._last_seq
+
+    def _write(self, puts: list[PutOp], geo: _Geometry) -> _Plan[None]:
+        existing, taken = yield from self._lookup([(op.namespace, op.key) for op in puts], geo)
+        # Ids: an existing item keeps its id; a new one takes the first free id of its window
+        # (never one holding another item: that is how a hash collision is survived).
+        ids: dict[tuple[tuple[str, ...], str], int] = {}
+        for op in puts:
+            k = (op.namespace, op.key)
+            if k in existing:
+                ids[k] = existing[k].id
+            elif op.value is not None:
+                free = [i for i in item_id_window(*k) if i not in taken]
+                if not free:
+                    raise KeyCollision(f"no free id for {k!r}: its {PROBE_WINDOW} ids hold other items")
+                ids[k] = free[0]
+                taken.add(free[0])
+        # Namespace order of new items: that of the namespace's items, if it has any.
+        ns_seq: dict[tuple[str, ...], int] = {}
+        for s in existing.values():
+            ns_seq.setdefault(s.namespace, s.payload["ns_seq"])
+        unknown = list(dict.fromkeys(op.namespace for op in puts
+                                     if op.value is not None and op.namespace not in ns_seq))
+        if unknown:
+            zero = np.zeros(geo.dim, np.float32)
+            answers = yield [_Call("recall", (zero, 1), {
+                "namespace": self.items_namespace, "with_payload": True,
+                "where": _where([{"depth": len(ns)}] + prefix_conditions(ns))}, (UnknownNamespace,))
+                for ns in unknown]
+            for ns, hits in zip(unknown, answers):
+                if not isinstance(hits, UnknownNamespace) and len(hits) and hits.payloads:
+                    ns_seq[ns] = hits.payloads[0]["ns_seq"]
+        texts = [self._texts(op) for op in puts]
+        flat = list(dict.fromkeys(t for ts in texts for t in ts))
+        embedded: dict[str, np.ndarray] = {}
+        if flat:
+            [vectors] = yield [_Embed(flat)]
+            embedded = dict(zip(flat, _unit_rows(vectors, geo.dim)))
+        now = datetime.now(timezone.utc).isoformat()
+        item_rows: list[tuple[int, dict[str, Any]]] = []
+        vec_rows: list[tuple[int, np.ndarray, dict[str, Any]]] = []
+        stale_vecs: list[int] = []
+        gone_items: list[int] = []
+        for op, op_texts in zip(puts, texts):
+            k = (op.namespace, op.key)
+            old = existing.get(k)
+            old_nvec = 0 if old is None else int(old.payload.get("nvec", 0))
+            if op.value is None:
+                if old is not None:
+                    gone_items.append(old.id)
+                    stale_vecs += [vector_id(old.id, j) for j in range(old_nvec)]
+                continue
+            if len(op_texts) > MAX_VECTORS_PER_ITEM:
+                raise ValueError(f"{k!r}: {len(op_texts)} texts to index, at most {MAX_VECTORS_PER_ITEM}")
+            iid = ids[k]
+            value = dict(op.value)
+            labels = {f"ns.{i}": label for i, label in enumerate(op.namespace)}
+            columns = filter_columns(value)
+            seq = self._next_seq() if old is None else old.payload["seq"]
+            nss = ns_seq.setdefault(op.namespace, seq)
+            item_rows.append((iid, {
+                "ns": list(op.namespace), "depth": len(op.namespace), **labels, "key": op.key,
+                "value": value, "created_at": now if old is None else old.payload["created_at"],
+                "updated_at": now, "seq": seq, "ns_seq": nss, "nvec": len(op_texts), **columns}))
+            vec_rows += [(vector_id(iid, j), embedded[t], {**labels, **columns})
+                         for j, t in enumerate(op_texts)]
+            stale_vecs += [vector_id(iid, j) for j in range(len(op_texts), old_nvec)]
+        # Vectors before their item, stale vectors after it: a search meanwhile finds either
+        # version of an item, never a vector without an item it can read.
+        if vec_rows:
+            yield from self._upsert(self.vectors_namespace, vec_rows, geo)
+        if item_rows:
+            zero = np.zeros(geo.dim, np.float32)
+            yield from self._upsert(self.items_namespace, [(i, zero, p) for i, p in item_rows], geo)
+        if gone_items:
+            yield [_Call("delete", (gone_items,), {"namespace": self.items_namespace})]
+        if stale_vecs:
+            yield [_Call("delete", (stale_vecs,), {"namespace": self.vectors_namespace})]
+        return None
+
+    def _upsert(self, namespace: str, rows: list[tuple[int, np.ndarray, dict[str, Any]]],
+                geo: _Geometry) -> _Plan[None]:
+        """Upserts in chunks that fit one slot (rows and payload bytes), sent together."""
+        chunks: list[list[tuple[int, np.ndarray, dict[str, Any]]]] = [[]]
+        size = 0
+        for row in rows:
+            n = _encoded_len(row[2])
+            if chunks[-1] and (len(chunks[-1]) == geo.max_queries or size + n > geo.blob_bytes):
+                chunks.append([])
+                size = 0
+            chunks[-1].append(row)
+            size += n
+        yield [_Call("upsert", ([r[0] for r in c], np.stack([r[1] for r in c]), [r[2] for r in c]),
+                     {"namespace": namespace}) for c in chunks if c]
+        return None

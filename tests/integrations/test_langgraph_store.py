@@ -1,0 +1,425 @@
+"""KalosStore (LangGraph BaseStore) against LangGraph's own InMemoryStore, on real sidecars.
+
+The differential tests apply one seeded random sequence of operations (put with every kind of
+``index``, delete, get, search with and without query and filter, limit/offset, list_namespaces
+with prefix/suffix/max_depth, batches) to both stores, embedding with the same deterministic
+function, and compare every answer: the same items in the same order, scores within 1e-5 (tied
+items may come in either order). Two deliberate differences are taken out of the reference (see
+the module docstring of kalos.integrations.langgraph): ``reference_fixups`` drops the vectors
+InMemoryStore keeps from a key's previous value and the namespaces it keeps after their last item
+went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("langgraph.store.memory")
+
+from langgraph.store.base import (  # noqa: E402
+    GetOp, InvalidNamespaceError, ListNamespacesOp, MatchCondition, PutOp, SearchOp, get_text_at_path,
+    tokenize_path,
+)
+from langgraph.store.memory import InMemoryStore  # noqa: E402
+
+import kalos.integrations.langgraph as klg  # noqa: E402
+from kalos.integrations.langgraph import KalosStore, KeyCollision  # noqa: E402
+
+DIM = 16
+FIELDS = ["text", "tags[*]"]
+WORDS = ["tea", "coffee", "rain", "sun", "python", "rust", "cat", "dog"]
+LABELS = ["a", "b", "c"]
+TOL = 1e-5
+
+
+def embed_one(text: str) -> list[float]:
+    seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).standard_normal(DIM).tolist()
+
+
+def embed(texts: Sequence[str]) -> list[list[float]]:
+    return [embed_one(t) for t in texts]
+
+
+async def aembed(texts: Sequence[str]) -> list[list[float]]:
+    await asyncio.sleep(0)
+    return embed(texts)
+
+
+def start(sidecar_factory: Any, *args: str) -> Any:
+    # max_k 16 and 8 rows per slot: recalls hit the k limit (growing k, then the exact scan)
+    # and gets/upserts go in several chunks.
+    return sidecar_factory("lg", "--dim", str(DIM), "--max-k", "16", "--max-queries", "8",
+                           "--backend", "numpy", *args)
+
+
+# ----------------------------------------------------------------------------- the reference
+def _paths(ref: InMemoryStore, op: PutOp) -> set[str]:
+    """The vector paths InMemoryStore gives ``op``'s value (its _extract_texts naming)."""
+    if op.value is None or op.index is False or not ref.index_config:
+        return set()
+    fields = ref.index_config["__tokenized_fields"] if op.index is None else \
+        [(p, tokenize_path(p)) for p in op.index]
+    out: set[str] = set()
+    for path, tokens in fields:
+        texts = get_text_at_path(op.value, tokens)
+        out |= {f"{path}.{i}" for i in range(len(texts))} if len(texts) > 1 else {path} if texts else set()
+    return out
+
+
+def reference_fixups(ref: InMemoryStore, puts: Sequence[PutOp]) -> None:
+    """After each call: a put replaces an item's vectors (InMemoryStore keeps stale ones), and a
+    namespace without items is gone (InMemoryStore's defaultdict keeps it, even after a get)."""
+    for op in {(o.namespace, o.key): o for o in puts}.values():  # the last put of a key wins
+        vecs = ref._vectors.get(op.namespace, {}).get(op.key)
+        if vecs is not None:
+            keep = _paths(ref, op)
+            for p in [p for p in vecs if p not in keep]:
+                del vecs[p]
+            if not vecs:
+                del ref._vectors[op.namespace][op.key]
+    for ns in [ns for ns, items in ref._data.items() if not items]:
+        del ref._data[ns]
+
+
+# ----------------------------------------------------------------------------- random ops
+class OpGen:
+    def __init__(self, seed: int) -> None:
+        self.r = random.Random(seed)
+        self.n = 0
+
+    def ns(self, lo: int = 1, hi: int = 3) -> tuple[str, ...]:
+        return tuple(self.r.choice(LABELS) for _ in range(self.r.randint(lo, hi)))
+
+    def key(self) -> str:
+        return f"k{self.r.randrange(5)}"
+
+    def value(self) -> dict[str, Any]:
+        r = self.r
+        self.n += 1
+        v: dict[str, Any] = {"n": r.randrange(10), "meta": {"lang": r.choice(["en", "fr"])}}
+        if r.random() < 0.8:
+            v["text"] = f"{r.choice(WORDS)} {r.choice(WORDS)} #{self.n}"
+        if r.random() < 0.5:  # tags repeat across items: exactly tied scores
+            v["tags"] = r.sample(WORDS, r.randrange(4))  # InMemoryStore fails on a text twice
+        if r.random() < 0.8:
+            v["kind"] = r.choice(["x", "y", True, False, 1, 0, 2.5, None])
+        return v
+
+    def index(self) -> Any:
+        return self.r.choices([None, False, ["text"], ["tags[*]"], ["meta.lang", "text"]],
+                              [6, 1.5, 1, 1, 0.5])[0]
+
+    def filter(self) -> dict[str, Any] | None:
+        r = self.r
+        kind = r.choice(["x", "y", True, 1, 0, 2.5, None])
+        return r.choice([
+            None, None, {"n": r.randrange(10)}, {"n": {"$gt": r.randrange(10)}},
+            {"n": {"$gte": r.randrange(5), "$lt": r.randrange(5, 11)}}, {"kind": kind},
+            {"kind": {"$ne": kind}}, {"kind": {"$eq": kind}}, {"meta": {"lang": "en"}},
+            {"tags": [r.choice(WORDS)]}, {"n": {"$lte": 6}, "kind": "x"}, {"kind": 1.0},
+        ])
+
+    def query(self) -> str | None:
+        return self.r.choice([None, "", f"{self.r.choice(WORDS)} {self.r.choice(WORDS)}",
+                              self.r.choice(WORDS), self.r.choice(WORDS)])
+
+    def op(self) -> Any:
+        """One operation, or a list of them (a batch)."""
+        if self.r.random() < 0.04:  # a text embedded twice in one batch breaks InMemoryStore:
+            ops = [self.single(in_batch=True) for _ in range(self.r.randint(2, 5))]  # unique ones
+            # InMemoryStore's get adds its namespace to a later listing of the same batch
+            return sorted(ops, key=lambda o: not isinstance(o, ListNamespacesOp))
+        return self.single()
+
+    def single(self, in_batch: bool = False) -> Any:
+        r = self.r
+        kind = r.choices(["put", "delete", "get", "search", "list"], [40, 10, 14, 26, 7])[0]
+        if kind == "put":
+            index = r.choice([False, ["text"]]) if in_batch else self.index()
+            return PutOp(self.ns(), self.key(), self.value(), index=index)
+        if kind == "delete":
+            return PutOp(self.ns(), self.key(), None)
+        if kind == "get":
+            return GetOp(self.ns(), self.key())
+        if kind == "search":
+            return SearchOp(self.ns(0, 2), self.filter(), r.randint(1, 8), r.choice([0, 0, 1, 3]),
+                            self.query())
+        if kind == "list":
+            conds = []
+            if r.random() < 0.5:
+                conds.append(MatchCondition("prefix", tuple(r.choice(LABELS + ["*"])
+                                                            for _ in range(r.randint(1, 2)))))
+            if r.random() < 0.4:
+                conds.append(MatchCondition("suffix", tuple(r.choice(LABELS + ["*"])
+                                                            for _ in range(r.randint(1, 2)))))
+            return ListNamespacesOp(tuple(conds), r.choice([None, None, 1, 2]), r.randint(1, 20),
+                                    r.choice([0, 0, 2]))
+
+
+# ----------------------------------------------------------------------------- comparison
+def _ident(item: Any) -> tuple[tuple[str, ...], str]:
+    return (tuple(item.namespace), item.key)
+
+
+def assert_same(op: Any, want: Any, got: Any, full_scores: dict[Any, float | None] | None) -> None:
+    if isinstance(op, GetOp):
+        assert (want is None) == (got is None), (op, want, got)
+        if want is not None:
+            assert (_ident(got), got.value) == (_ident(want), want.value)
+            assert isinstance(got.created_at, datetime) and got.created_at <= got.updated_at
+        return
+    if isinstance(op, ListNamespacesOp):
+        assert got == want, op
+        return
+    if isinstance(op, PutOp):
+        assert got is None
+        return
+    assert isinstance(op, SearchOp)
+    assert len(got) == len(want), (op, [_ident(w) for w in want], [_ident(g) for g in got])
+    for w, g in zip(want, got):
+        if w.score is None or g.score is None:
+            assert w.score is None and g.score is None, (op, w, g)
+            assert (_ident(g), g.value) == (_ident(w), w.value), op
+            continue
+        assert abs(w.score - g.score) <= TOL, (op, w, g)
+        if _ident(g) != _ident(w):  # a tie: g must really score what it says
+            assert full_scores is not None and abs(full_scores[_ident(g)] - g.score) <= TOL, (op, w, g)
+        else:
+            assert g.value == w.value
+    assert len({_ident(g) for g in got}) == len(got), "an item twice"
+
+
+def reference_scores(ref: InMemoryStore, op: Any) -> dict[Any, float | None] | None:
+    if not (isinstance(op, SearchOp) and op.query):
+        return None
+    full = ref.batch([op._replace(limit=10**6, offset=0)])[0]
+    return {_ident(i): i.score for i in full}
+
+
+def _puts(ops: list[Any]) -> list[PutOp]:
+    return [o for o in ops if isinstance(o, PutOp)]
+
+
+def run_differential(seed: int, steps: int, ref: InMemoryStore, store: KalosStore) -> dict[str, int]:
+    gen = OpGen(seed)
+    seen: dict[str, int] = {}
+    for _ in range(steps):
+        op = gen.op()
+        ops = op if isinstance(op, list) else [op]
+        scores = [reference_scores(ref, o) for o in ops]
+        want = ref.batch(ops)
+        reference_fixups(ref, _puts(ops))
+        got = store.batch(ops)
+        for o, w, g, s in zip(ops, want, got, scores):
+            assert_same(o, w, g, s)
+            seen[type(o).__name__] = seen.get(type(o).__name__, 0) + 1
+        seen["batch"] = seen.get("batch", 0) + (len(ops) > 1)
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_differential_against_in_memory_store(sidecar_factory: Any, seed: int) -> None:
+    h = start(sidecar_factory)
+    ref = InMemoryStore(index={"dims": DIM, "embed": embed, "fields": FIELDS})
+    with KalosStore(h.name, index={"dims": DIM, "embed": embed, "fields": FIELDS}) as store:
+        seen = run_differential(seed, 400, ref, store)
+        assert seen["SearchOp"] > 50 and seen["ListNamespacesOp"] > 10
+        # The end state, whole: every namespace and every item in order.
+        everything = SearchOp((), None, 10**6, 0, None)
+        full = ListNamespacesOp(None, None, 10**6, 0)
+        want, got = ref.batch([everything, full]), store.batch([everything, full])
+        assert want[1] == got[1]
+        assert [(_ident(i), i.value) for i in want[0]] == [(_ident(i), i.value) for i in got[0]]
+
+
+@pytest.mark.timeout(300)
+def test_differential_without_index_and_default_fields(sidecar_factory: Any, seed: int) -> None:
+    """No index: query= is ignored (a listing); fields default to the whole value ("$")."""
+    h = start(sidecar_factory)
+    with KalosStore(h.name, namespace="plain") as plain, \
+            KalosStore(h.name, namespace="whole", index={"dims": DIM, "embed": embed}) as whole:
+        run_differential(seed, 120, InMemoryStore(), plain)
+        run_differential(seed + 1, 120, InMemoryStore(index={"dims": DIM, "embed": embed}), whole)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(300)
+async def test_differential_async_methods(sidecar_factory: Any, seed: int) -> None:
+    """The a* methods (RecallPool, async embedding function) against InMemoryStore's."""
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": aembed, "fields": FIELDS}
+    ref = InMemoryStore(index=index)
+    gen = OpGen(seed)
+    async with KalosStore(h.name, index=index) as store:
+        for _ in range(150):
+            op = gen.op()
+            if isinstance(op, list):
+                continue
+            scores = None
+            if isinstance(op, SearchOp) and op.query:
+                scores = {_ident(i): i.score for i in await ref.asearch(
+                    op.namespace_prefix, query=op.query, filter=op.filter, limit=10**6)}
+            want: Any = None
+            got: Any = None
+            if isinstance(op, PutOp) and op.value is not None:
+                await ref.aput(op.namespace, op.key, op.value, op.index)
+                await store.aput(op.namespace, op.key, op.value, op.index)
+            elif isinstance(op, PutOp):
+                await ref.adelete(op.namespace, op.key)
+                await store.adelete(op.namespace, op.key)
+            elif isinstance(op, GetOp):
+                want, got = await ref.aget(op.namespace, op.key), await store.aget(op.namespace, op.key)
+            elif isinstance(op, SearchOp):
+                kw = dict(query=op.query, filter=op.filter, limit=op.limit, offset=op.offset)
+                want = await ref.asearch(op.namespace_prefix, **kw)
+                got = await store.asearch(op.namespace_prefix, **kw)
+            else:
+                conds = {c.match_type: c.path for c in op.match_conditions or ()}
+                kw2 = dict(prefix=conds.get("prefix"), suffix=conds.get("suffix"),
+                           max_depth=op.max_depth, limit=op.limit, offset=op.offset)
+                want = await ref.alist_namespaces(**kw2)
+                got = await store.alist_namespaces(**kw2)
+            reference_fixups(ref, [op] if isinstance(op, PutOp) else [])
+            assert_same(op, want, got, scores)
+        # abatch as well
+        ops = [PutOp(("z",), "1", {"text": "sun tea"}), GetOp(("z",), "1"), SearchOp(("z",), query="tea")]
+        assert (await store.abatch(ops))[1:] == [None, []]  # reads see the state before the writes
+        item = (await store.abatch([GetOp(("z",), "1")]))[0]
+        assert item is not None and item.value == {"text": "sun tea"}
+
+
+# ----------------------------------------------------------------------------- documented behaviours
+@pytest.fixture
+def store(sidecar_factory: Any) -> Any:
+    h = start(sidecar_factory)
+    with KalosStore(h.name, index={"dims": DIM, "embed": embed, "fields": ["text"]}) as s:
+        yield s
+
+
+def test_basics_and_timestamps(store: KalosStore) -> None:
+    store.put(("users", "123"), "prefs", {"theme": "dark", "text": "likes dark mode"})
+    item = store.get(("users", "123"), "prefs")
+    assert item is not None and item.value == {"theme": "dark", "text": "likes dark mode"}
+    assert item.namespace == ("users", "123") and item.key == "prefs"
+    assert item.created_at.tzinfo is not None and item.created_at == item.updated_at
+    store.put(("users", "123"), "prefs", {"theme": "light"})
+    again = store.get(("users", "123"), "prefs")
+    assert again is not None and again.value == {"theme": "light"}
+    assert again.created_at == item.created_at and again.updated_at > item.updated_at  # as PostgresStore
+    assert store.get(("users", "124"), "prefs") is None and store.get(("users",), "prefs") is None
+    store.delete(("users", "123"), "prefs")
+    store.delete(("users", "123"), "prefs")  # deleting twice is fine
+    assert store.get(("users", "123"), "prefs") is None
+    assert store.list_namespaces() == []  # no items, no namespace
+    # the value is replaced whole, and the old text is no longer searchable
+    assert store.search(("users",), query="likes dark mode") == []
+
+
+def test_namespace_rules_and_ttl(store: KalosStore) -> None:
+    for bad in [(), ("a.b",), ("",), ("langgraph", "x")]:
+        with pytest.raises(InvalidNamespaceError):
+            store.put(bad, "k", {"x": 1})
+    with pytest.raises(InvalidNamespaceError):
+        store.batch([PutOp(("a.b",), "k", {"x": 1})])  # ops given directly are checked too
+    with pytest.raises(NotImplementedError):
+        store.put(("a",), "k", {"x": 1}, ttl=5.0)  # a TTL-less store
+    store.put(("a",), "k", {"x": 1}, ttl=None)
+    assert store.supports_ttl is False and store.get(("a",), "k", refresh_ttl=False) is not None
+    with pytest.raises(ValueError, match="Unsupported operator"):
+        store.search(("a",), filter={"x": {"$regex": "y"}})
+
+
+def test_index_false_and_fill(store: KalosStore) -> None:
+    """Items put with index=False (or without the indexed field) are listable and fill a query
+    search after the scored items, with score None (InMemoryStore's corner case)."""
+    store.put(("docs",), "scored", {"text": "python tutorial"})
+    store.put(("docs",), "unindexed", {"text": "python guide"}, index=False)
+    store.put(("docs",), "no-text", {"title": "x"})
+    hits = store.search(("docs",), query="python tutorial", limit=5)
+    assert [(h.key, h.score is None) for h in hits] == [("scored", False), ("unindexed", True),
+                                                        ("no-text", True)]
+    assert hits[0].score == pytest.approx(1.0, abs=1e-5)
+    assert [h.key for h in store.search(("docs",))] == ["scored", "unindexed", "no-text"]
+    store.put(("docs",), "scored", {"text": "python tutorial"}, index=["title"])  # no vector now
+    assert all(h.score is None for h in store.search(("docs",), query="python tutorial"))
+
+
+def test_list_namespaces_documented_example(store: KalosStore) -> None:
+    for ns in [("a", "b", "c"), ("a", "b", "d", "e"), ("a", "b", "d", "i"), ("a", "b", "f"), ("a", "c", "f")]:
+        store.put(ns, "k", {"v": 1})
+    assert store.list_namespaces(prefix=("a", "b"), max_depth=3) == [("a", "b", "c"), ("a", "b", "d"),
+                                                                      ("a", "b", "f")]
+    assert store.list_namespaces(suffix=("f",)) == [("a", "b", "f"), ("a", "c", "f")]
+    assert store.list_namespaces(prefix=("a", "*", "f")) == [("a", "b", "f"), ("a", "c", "f")]
+    assert store.list_namespaces(max_depth=1) == [("a",)]
+    assert store.list_namespaces(limit=2, offset=1) == [("a", "b", "d", "e"), ("a", "b", "d", "i")]
+
+
+def test_collisions_never_overwrite(store: KalosStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every key hashed to one window: eight items fit, the ninth is refused with nothing
+    written, and a delete frees an id (lookups read the whole window: no tombstones)."""
+    monkeypatch.setattr(klg, "item_id_window", lambda ns, key: list(range(1000, 1000 + klg.PROBE_WINDOW)))
+    for i in range(klg.PROBE_WINDOW):
+        store.put(("c",), f"k{i}", {"i": i, "text": f"item {i}"})
+    with pytest.raises(KeyCollision):
+        store.batch([PutOp(("c",), "k0", {"i": 100}), PutOp(("c",), "extra", {"i": -1})])
+    assert [store.get(("c",), f"k{i}").value["i"] for i in range(klg.PROBE_WINDOW)] == list(range(8))
+    assert store.get(("c",), "extra") is None
+    store.delete(("c",), "k3")
+    store.put(("c",), "extra", {"i": -1, "text": "item extra"})
+    assert store.get(("c",), "extra").value == {"i": -1, "text": "item extra"}
+    assert store.get(("c",), "k7").value["i"] == 7
+    assert store.search(("c",), query="item extra", limit=1)[0].key == "extra"
+
+
+def test_two_stores_share_one_sidecar(sidecar_factory: Any) -> None:
+    """Two stores (two clients, as two processes would have) see each other's writes; stores
+    with different Kalos namespaces are independent."""
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["text"]}
+    with KalosStore(h.name, index=index) as a, KalosStore(h.name, index=index) as b, \
+            KalosStore(h.name, namespace="other", index=index) as other:
+        a.put(("mem", "u1"), "m1", {"text": "user likes tea"})
+        got = b.search(("mem",), query="user likes tea")
+        assert [(g.namespace, g.key) for g in got] == [(("mem", "u1"), "m1")]
+        assert other.search(("mem",)) == [] and other.list_namespaces() == []
+        b.delete(("mem", "u1"), "m1")
+        assert a.get(("mem", "u1"), "m1") is None
+
+
+def test_large_values_are_chunked(sidecar_factory: Any) -> None:
+    """Values near the payload limit: upserts and gets are split to fit one slot's blob area."""
+    h = start(sidecar_factory, "--blob-bytes", "65536")
+    index = {"dims": DIM, "embed": embed, "fields": ["text"]}
+    with KalosStore(h.name, index=index) as store:
+        big = "x" * 12000
+        store.batch([PutOp(("big",), f"k{i}", {"text": f"doc {i}", "blob": big}) for i in range(20)])
+        hits = store.search(("big",), query="doc 3", limit=8)
+        assert hits[0].key == "k3" and len(hits) == 8 and all(h.value["blob"] == big for h in hits)
+        assert len(store.search(("big",), limit=100)) == 20
+
+
+def test_exhaustive_fallback_when_filter_is_not_translatable(sidecar_factory: Any) -> None:
+    """A nested filter is applied after the recall; with more matches needed than max_k vectors
+    hold, the store scores every candidate vector itself. Same answer as InMemoryStore."""
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
+    ref = InMemoryStore(index=index)
+    with KalosStore(h.name, index=index) as store:
+        ops = [PutOp(("d",), f"k{i}", {"tags": [f"t{i}-{j}" for j in range(3)],
+                                       "meta": {"odd": i % 2 == 1}}) for i in range(40)]
+        ref.batch(ops)
+        store.batch(ops)
+        op = SearchOp(("d",), {"meta": {"odd": True}}, 10, 2, "t7-1")
+        want, got = ref.batch([op])[0], store.batch([op])[0]
+        assert_same(op, want, got, reference_scores(ref, op))
+        assert len(got) == 10
