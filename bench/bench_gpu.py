@@ -5,7 +5,8 @@ torch (H2D + matmul + topk + D2H, and a CUDA-graph variant), naive CuPy (matmul 
 and this backend called in-process. Also measures the device's copy bandwidth (the floor is one
 full read of the matrix at that rate), GPU time per batch by CUDA events for both search paths,
 and the sidecar's own per-batch time from its /metrics endpoint. Every broker run checks a sample
-of answers against numpy float64 on the regenerated matrix.
+of answers against numpy float64 on the regenerated matrix. Broker rows also keep 2000 quantiles of
+their latencies (`lat_sample_us`) for the CDF charts of bench/charts.py.
 
     python bench/bench_gpu.py --out-dir DIR                # the issue's matrix (about 5 minutes)
     python bench/bench_gpu.py --sizes 256x128:float32 --seconds 1 --tasks 1
@@ -61,6 +62,16 @@ def pct(lat_ns: list[int] | np.ndarray) -> dict[str, float]:
     p = np.percentile(a, [50, 95, 99])
     return {"p50_us": round(float(p[0]), 2), "p95_us": round(float(p[1]), 2),
             "p99_us": round(float(p[2]), 2)}
+
+
+def latency_sample(lat_ns: list[int] | np.ndarray, n: int = 2000) -> list[float]:
+    """A compact stand-in for all the latencies, for CDF charts (bench/charts.py): ``n`` evenly
+    spaced quantiles ((i + 0.5) / n, sorted, us, 0.1 us steps), or every latency when there are
+    fewer."""
+    a = np.sort(np.asarray(lat_ns, np.float64)) / 1e3
+    if len(a) > n:
+        a = np.quantile(a, (np.arange(n) + 0.5) / n)
+    return [round(float(x), 1) for x in a]
 
 
 def timed(fn, reps: int, warm: int = 20) -> dict[str, float]:
@@ -332,7 +343,7 @@ def main() -> int:
                        **{kk: round(v, 1) for kk, v in p.items()},
                        "p50_over_floor": round(p["p50_us"] / floor_us, 2),
                        "recalls_per_s": round(res.throughput), "count": res.count, "errors": res.errors,
-                       "checked": checked, "wrong": wrong}
+                       "checked": checked, "wrong": wrong, "lat_sample_us": latency_sample(res.latencies_ns)}
                 delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
                 nb = delta.get("kalos_batch_compute_seconds_count", 0.0)
                 if nb:
