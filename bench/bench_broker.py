@@ -42,6 +42,7 @@ def main() -> int:
     ap.add_argument("-k", type=int, default=10)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--coalesce", action="store_true", help="clients' pools coalesce waiting recalls")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<backend>-<host>-<date>.json)")
     a = ap.parse_args()
 
@@ -67,7 +68,7 @@ def main() -> int:
                             continue
                         res = run_load(LoadSpec(name=name, dim=d, procs=procs, tasks=tasks,
                                                 duration_s=a.seconds, warmup_s=0.5, k=a.k, seed=seed,
-                                                loop=loop, keep=50))
+                                                loop=loop, keep=50, coalesce=a.coalesce))
                         checked, wrong = check_samples(res.samples, matrix, a.k)
                         p = res.percentiles_us()
                         row = {"n": n, "dim": d, "k": a.k, "loop": loop, "tasks": tasks, "procs": procs,

@@ -274,6 +274,7 @@ def main() -> int:
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--skip-broker", action="store_true", help="in-process baselines only")
     ap.add_argument("--sidecar-args", default="", help="extra sidecar arguments, e.g. '--pipeline off'")
+    ap.add_argument("--coalesce", action="store_true", help="clients' pools coalesce waiting recalls")
     ap.add_argument("--out-name", default="", help="JSON file name (default gpu-h200-DATE.json)")
     a = ap.parse_args()
 
@@ -335,7 +336,8 @@ def main() -> int:
                 procs = 1 if tasks == 1 else min(a.procs, tasks)
                 before = scrape(port)
                 res = run_load(LoadSpec(name=name, dim=d, procs=procs, tasks=tasks, duration_s=a.seconds,
-                                        warmup_s=0.5, k=a.k, seed=seed, loop=a.loop, keep=40))
+                                        warmup_s=0.5, k=a.k, seed=seed, loop=a.loop, keep=40,
+                                        coalesce=a.coalesce))
                 after = scrape(port)
                 checked, wrong = check_samples(res.samples, matrix, a.k, rtol=RTOL[dtype])
                 p = res.percentiles_us()

@@ -83,6 +83,21 @@ def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool,
     return p
 
 
+def recall_group(preps: list[Prepared]) -> Prepared:
+    """One multi-query recall carrying the rows of ``preps``, in order: recalls that may share a
+    slot (one namespace, the same flags and filter: ``clients._coalesce``), asking for the largest
+    k among them (each gets its own first k back: ``clients._coalesce.split``)."""
+    first = preps[0]
+    rows = []
+    k = 0
+    for p in preps:
+        assert p.vectors is not None
+        rows.append(p.vectors)
+        k = max(k, p.k)
+    q = np.concatenate(rows)
+    return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob)
+
+
 def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
     """One request per slot-full of rows (bulk upserts are split and sent concurrently)."""
     v = np.asarray(vectors)

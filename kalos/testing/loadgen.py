@@ -35,6 +35,7 @@ class LoadSpec:
     max_spin_us: float | None = None
     max_requests: int | None = None  # per task, stops early (for tests)
     where: dict[str, Any] | None = None  # a filter on every recall (filtered-recall benchmarks)
+    coalesce: bool = False  # RecallPool(coalesce=...)
 
 
 @dataclass
@@ -71,7 +72,7 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
     spin = DEFAULT_SPIN_US if spec.spin_us is None else spec.spin_us
     max_spin = MAX_SPIN_US if spec.max_spin_us is None else spec.max_spin_us
     async with RecallPool(spec.name, size=n_tasks, min_size=n_tasks, spin_us=spin,
-                          max_spin_us=max_spin) as pool:
+                          max_spin_us=max_spin, coalesce=spec.coalesce) as pool:
         while time.time() < start_at:
             await asyncio.sleep(0.001)
         t_measure = time.perf_counter() + spec.warmup_s
