@@ -80,13 +80,18 @@ class AnswerWriter:
 
 
     def answer_recalls(self, sel: np.ndarray, rec: np.ndarray, ids: np.ndarray,
-                       scores: np.ndarray) -> None:
+                       scores: np.ndarray, rows: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """The OK answers of a UNIFORM batch in a fixed number of numpy calls: slots ``sel``, their
-        control blocks ``rec`` as read when taken, one query each; ``ids``, ``scores`` (len, kk)."""
+        control blocks ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query
+        per slot, or the (slot, row) of each query in ``rows``."""
         kk = ids.shape[1]
         seg, slots = self.seg, self.seg.slots
-        seg.all_result_ids[sel, 0, :kk] = ids
-        seg.all_result_scores[sel, 0, :kk] = scores
+        if rows is None:
+            seg.all_result_ids[sel, 0, :kk] = ids
+            seg.all_result_scores[sel, 0, :kk] = scores
+        else:
+            seg.all_result_ids[rows[0], rows[1], :kk] = ids
+            seg.all_result_scores[rows[0], rows[1], :kk] = scores
         slots["status"][sel] = _OK
         slots["n_results"][sel] = np.minimum(rec["k"], kk)
         slots["blob_len"][sel] = 0

@@ -81,6 +81,7 @@ class Limits(NamedTuple):
     k_limit: int  # largest k served: min(layout max_k, backend max_k)
     dim: int
     min_work: int  # pipeline a batch of this many multiply-adds and more; < 0: never
+    max_queries: int = 1  # rows a recall of a batch may carry (the layout's max_queries)
 
 
 class SlotRef(NamedTuple):
@@ -120,8 +121,10 @@ def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N]
 
     ``batch``: a :class:`SlotRef` (one request, no batch in flight: the SINGLE candidate), or the
     control-block records of the taken slots (``broker.layout.slot_dtype()``: UNIFORM
-    candidates). ``queries``: each request's first query row, (len, dim) float32 (gathered, or the
-    slot's own row for a SlotRef). ``blobs``: where the records' blob areas are read from (a
+    candidates). ``queries``: every query row of the requests, in order, (sum of nq, dim) float32
+    (gathered, or the slot's own row for a SlotRef; :func:`query_rows` says which rows, and a
+    batch whose nq are out of range passes each request's first row only). A batch of recalls
+    carrying several rows each (``recall_many``, coalesced clients) is UNIFORM too. ``blobs``: where the records' blob areas are read from (a
     batch of filtered recalls with the same filter is UNIFORM too); None: never."""
     if type(batch) is SlotRef:
         return _classify_slot(batch, queries, lookup, limits)
@@ -151,6 +154,18 @@ def shared_filter(rec: np.ndarray, blobs: Blobs) -> bytes | None:
     return blob
 
 
+def query_rows(sel: np.ndarray, nq: np.ndarray, max_queries: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(slot, row) of every query of a batch whose requests carry ``nq`` rows each (slots
+    ``sel``), in request order; None when every request has one row (its row 0) or some nq is
+    outside 1..max_queries (classify then sends the batch to the general route). Pure."""
+    if (nq == 1).all() or not (nq - 1 < max_queries).all():  # (unsigned: nq = 0 wraps)
+        return None
+    counts = nq.astype(np.intp)
+    slots = np.repeat(sel, counts)
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    return slots, np.arange(len(slots), dtype=np.intp) - starts
+
+
 def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
     W, i = ref.words, ref.slot
     u32 = W.u32
@@ -173,15 +188,16 @@ def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limit
 def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
     """One request behind a batch in flight: its control block read with plain ints."""
     op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
-    if not (op == _RECALL and nq == 1 and flags == 0 and 1 <= k <= limits.k_limit):
-        return Plan(Route.GENERAL, _field_problem(op, nq, flags, k, limits.k_limit))
+    if not (op == _RECALL and 1 <= nq <= limits.max_queries and nq == len(q) and flags == 0
+            and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(op, nq, flags, k, limits.k_limit, limits.max_queries))
     ns = lookup((bytes(r["namespace"]), int(r["ns_len"])))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")
     if not np.isfinite(q).all():
         return Plan(Route.GENERAL, "non-finite query")
     return Plan(Route.UNIFORM, "a batch is in flight", ns, k,
-                pipelined(ns.n * limits.dim, limits.min_work))
+                pipelined(ns.n * nq * limits.dim, limits.min_work))
 
 
 def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits,
@@ -195,10 +211,13 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         if where is None:
             return Plan(Route.GENERAL, "filtered, with different filters")
         flags = flags & ~np.uint32(_WHERE)
-    # k is unsigned: k - 1 wraps to a huge value for k = 0.
-    if not ((rec["op"] == _RECALL) & (rec["nq"] == 1) & (flags == 0)
+    # k and nq are unsigned: k - 1 wraps to a huge value for k = 0 (nq likewise).
+    nq = rec["nq"]
+    if not ((rec["op"] == _RECALL) & (nq - 1 < limits.max_queries) & (flags == 0)
             & (k - 1 < limits.k_limit) & (ns_len == ns_len[0])).all():
-        return Plan(Route.GENERAL, _batch_problem(rec, limits.k_limit))
+        return Plan(Route.GENERAL, _batch_problem(rec, limits))
+    if int(nq.sum()) != len(q):  # (the caller gathers every row only for nq in range)
+        return Plan(Route.GENERAL, "query rows not gathered")
     nsraw = rec["namespace"]
     if not (nsraw == nsraw[0]).all():
         return Plan(Route.GENERAL, f"{len(set(nsraw.tolist()))} namespaces")
@@ -210,18 +229,18 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
     if where is not None:  # searched at once (the filter is evaluated then), never pipelined
         return Plan(Route.UNIFORM, "several filtered requests", ns, int(k.max()), where=where)
     return Plan(Route.UNIFORM, "several requests", ns, int(k.max()),
-                pipelined(ns.n * len(rec) * limits.dim, limits.min_work))
+                pipelined(ns.n * len(q) * limits.dim, limits.min_work))
 
 
-def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int) -> str:
+def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int, max_queries: int = 1) -> str:
     """Why one request's fields keep it off the fast routes (the first reason found)."""
     if op != _RECALL:
         name = _OPS[op].name if op in _OPS else str(op)
         return f"op {name} is not a recall"
     if flags & Flag.WHERE:
         return "filtered"
-    if nq != 1:
-        return f"nq={nq}: not one query"
+    if not 1 <= nq <= max_queries:
+        return f"nq={nq}: not one query" if max_queries == 1 else f"nq={nq} outside 1..{max_queries}"
     if flags & Flag.WITH_PAYLOAD:
         return "payloads requested"
     if flags:
@@ -229,12 +248,13 @@ def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int) -> str:
     return f"k={k} out of range 1..{k_limit}"
 
 
-def _batch_problem(rec: np.ndarray, k_limit: int) -> str:
+def _batch_problem(rec: np.ndarray, limits: Limits) -> str:
     """:func:`_field_problem` of the first request that has one, else the namespaces' lengths."""
+    k_limit, mq = limits.k_limit, limits.max_queries
     for r in rec:
         op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
-        if not (op == _RECALL and nq == 1 and flags == 0 and 1 <= k <= k_limit):
-            return _field_problem(op, nq, flags, k, k_limit)
+        if not (op == _RECALL and 1 <= nq <= mq and flags == 0 and 1 <= k <= k_limit):
+            return _field_problem(op, nq, flags, k, k_limit, mq)
     return f"{len(set(zip(rec['namespace'].tolist(), rec['ns_len'].tolist())))} namespaces"
 
 

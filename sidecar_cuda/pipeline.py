@@ -33,7 +33,9 @@ from broker.names import decode_namespace
 from broker.validation import decode_where
 from sidecar_cuda.answers import AnswerWriter
 from sidecar_cuda.backends.base import PendingSearch, completed
-from sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify, posted_slots
+from sidecar_cuda.batching import (
+    Blobs, Limits, Plan, Route, SlotRef, classify, posted_slots, query_rows,
+)
 from sidecar_cuda.general import GeneralRoute
 from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
@@ -64,6 +66,7 @@ class InFlight:
     staging: int  # which staging buffer holds its queries
     pending: PendingSearch
     work: int  # rows x queries x dim
+    rows: tuple[np.ndarray, np.ndarray] | None = None  # (slot, row) per query; None: row 0 of each
 
 
 class Pipeline:
@@ -127,6 +130,8 @@ class Pipeline:
             plan = classify(self._refs[i], q, self._lookup, self.limits)
             if plan.route is Route.SINGLE:
                 return served + self._serve_single(i, t_pick, plan, q)
+            if self._words.u32[self._words.nq[i]] != 1:
+                plan = None  # several rows (recall_many): the batch route may still take it
         # Every other route starts from the control blocks, read once.
         slots = self.seg.slots
         sel = np.asarray(taken, np.intp)
@@ -138,12 +143,18 @@ class Pipeline:
             # Gather the first query of each request with one copy into a staging buffer no batch
             # in flight uses (pinned: the CUDA backend copies it to the device from there). A
             # fancy index then a contiguous copy: 2.7x faster than np.take(out=) here.
+            # Requests of several rows each (recall_many, coalescing clients): every row, in order.
             st = 1 - inflight[0].staging if inflight else 0
-            q = self._stagings[st][: len(sel)]
-            q[...] = self.seg.all_queries[sel, 0]
+            rows = query_rows(sel, rec["nq"], self.limits.max_queries)
+            if rows is None:
+                q = self._stagings[st][: len(sel)]
+                q[...] = self.seg.all_queries[sel, 0]
+            else:
+                q = self._stagings[st][: len(rows[0])]
+                q[...] = self.seg.all_queries[rows]
             plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
             if plan.route is Route.UNIFORM:
-                batch = self._start_uniform(plan, sel, rec, taken, t_pick, t0, st, q)
+                batch = self._start_uniform(plan, sel, rec, taken, t_pick, t0, st, q, rows)
                 if batch is not None:
                     inflight.append(batch)
                     if not plan.pipelined:  # answer it now
@@ -220,14 +231,14 @@ class Pipeline:
         t1 = time.perf_counter_ns()
         t_done = self.writer.answer_single(i, ids, scores)
         self._last_batch = 1
-        self.stats.record_batch(BatchRecord(1, t1 - t0, t_pick, (u64[W.t_post_ns[i]],), t_done))
+        self.stats.record_batch(BatchRecord(1, t1 - t0, t_pick, (u64[W.t_post_ns[i]],), t_done), "single")
         u64[self._batches_word] = self.stats.batches
         return 1
 
     # ------------------------------------------------------------------ UNIFORM
     def _start_uniform(self, plan: Plan[Namespace], sel: np.ndarray, rec: np.ndarray,
-                       taken: list[int], t_pick: int, t0: int, st: int,
-                       q: np.ndarray) -> InFlight | None:
+                       taken: list[int], t_pick: int, t0: int, st: int, q: np.ndarray,
+                       rows: tuple[np.ndarray, np.ndarray] | None) -> InFlight | None:
         """Start the batch's search; None if the backend refused it (the general route then
         searches again and reports per request)."""
         ns = plan.namespace
@@ -240,7 +251,7 @@ class Pipeline:
                 pending = completed(*ns.search_where(q, plan.k, match))
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
-        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(sel) * self.limits.dim)
+        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows)
 
     def finish_inflight(self) -> int:
         """Answer every batch in flight (waiting for the device)."""
@@ -264,8 +275,8 @@ class Pipeline:
             served = self.finish_inflight()  # (it stages queries where a later batch may have)
             return served + self._serve_general(b.sel, b.taken, b.rec, b.t_pick, b.t0,
                                                 f"search failed ({type(e).__name__})")
-        self.writer.answer_recalls(b.sel, b.rec, ids, scores)
-        return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0)
+        self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
+        return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, "uniform")
 
     # ------------------------------------------------------------------ GENERAL
     def _serve_general(self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int,
@@ -276,13 +287,13 @@ class Pipeline:
         return self._complete(sel, taken, rec, t_pick, t0)
 
     def _complete(self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int,
-                  t0: int) -> int:
+                  t0: int, route: str = "general") -> int:
         """Answers are written: publish them and record the batch."""
         t1 = time.perf_counter_ns()
         n = len(taken)
         self._last_batch, self._last_service_ns = n, t1 - t0
         t_done = self.writer.deliver(sel, taken)
-        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done))
+        self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done), route)
         self._words.u64[self._batches_word] = self.stats.batches
         return n
 

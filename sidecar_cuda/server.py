@@ -128,7 +128,8 @@ class Sidecar:
                                backend_max_k=self.backend.max_k, payload_limit=cfg.payload_limit,
                                on_unexpected=self._log_unexpected)
         limits = Limits(k_limit=min(self.layout.max_k, self.backend.max_k), dim=cfg.dim,
-                        min_work={"on": 0, "off": -1, "auto": PIPELINE_MIN_WORK}[cfg.pipeline])
+                        min_work={"on": 0, "off": -1, "auto": PIPELINE_MIN_WORK}[cfg.pipeline],
+                        max_queries=self.layout.max_queries)
         return Pipeline(seg, self._words, self._objs.mm, self._objs.req, writer, general,
                         self.store, self.stats, self._stagings, limits,
                         gather_ns=int(cfg.gather_us * 1000),

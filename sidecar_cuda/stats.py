@@ -25,6 +25,10 @@ class BatchRecord:
         self.t_done_ns = t_done_ns  # CLOCK_MONOTONIC when the results were written (0: unknown)
 
 
+#: The routes a batch is served by (sidecar_cuda/batching.py: Route), as metric labels.
+ROUTES = ("single", "uniform", "general")
+
+
 @dataclass
 class SidecarStats:
     n_slots: int
@@ -33,13 +37,16 @@ class SidecarStats:
     slots_reclaimed: int = 0
     internal_errors: int = 0  # unexpected errors the serving loop caught (each logged)
     errors: Counter[int] = field(default_factory=Counter)
+    #: Batches per route ("single", "uniform", "general"), written by the serving thread only.
+    routes: Counter[str] = field(default_factory=Counter)
     #: Observers called with each BatchRecord from the serving thread (the exporter hooks in here).
     observers: list[Callable[[BatchRecord], None]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def record_batch(self, rec: BatchRecord) -> None:
+    def record_batch(self, rec: BatchRecord, route: str = "general") -> None:
         # Only the serving thread writes these counters; observers get every record.
         self.batches += 1
+        self.routes[route] += 1
         self.requests += rec.size
         for obs in self.observers:
             obs(rec)

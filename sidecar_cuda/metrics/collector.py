@@ -27,7 +27,7 @@ from sidecar_cuda.metrics.aggregate import (
     SlidingWindow, StageAggregator, cumulative_buckets, le_text, ring_take_all, slots_matrix,
     top_namespaces,
 )
-from sidecar_cuda.stats import BatchRecord, SidecarStats
+from sidecar_cuda.stats import ROUTES, BatchRecord, SidecarStats
 
 log = logging.getLogger("kalos.metrics")
 
@@ -221,6 +221,7 @@ class SidecarCollector(Collector):
         with stats.lock:
             s["errors"] = dict(stats.errors)
         s["batches"], s["requests"] = stats.batches, stats.requests
+        s["routes"] = {r: stats.routes[r] for r in ROUTES}
         s["reclaimed"] = stats.slots_reclaimed
         try:
             s["counts"] = dict(sc.store.counts())
@@ -298,6 +299,14 @@ class SidecarCollector(Collector):
             if g:
                 cm.add_metric([], float(s[key]))
             yield cm
+        rt = CounterMetricFamily("kalos_batches_by_route", "Batches served by the sidecar, by route: "
+                                 "single (one plain recall), uniform (recalls of one namespace in one "
+                                 "search, maybe pipelined), general (request by request).",
+                                 labels=["route"])
+        if g:
+            for r in ROUTES:
+                rt.add_metric([r], float(s["routes"][r]))
+        yield rt
         e = CounterMetricFamily("kalos_errors", "Requests the sidecar answered with an error, by kind "
                                 "(the protocol's Status names).", labels=["kind"])
         if g:

@@ -172,3 +172,47 @@ def test_filtered_batches_that_are_not_uniform_say_why(rng, blobs, fields, reaso
         rec[name] = value
     plan = classify(rec, queries(3, rng), lookup, LIMITS, bl)
     assert plan.route is Route.GENERAL and plan.reason == reason, plan
+
+
+# --------------------------------------------------------------------------- several rows per request
+
+MULTI = LIMITS._replace(max_queries=4)
+
+
+def test_query_rows_lists_every_row_of_each_request_in_order():
+    from sidecar_cuda.batching import query_rows
+
+    slots, rows = query_rows(np.array([3, 5, 7]), np.array([2, 1, 3], np.uint32), 4)
+    assert slots.tolist() == [3, 3, 5, 7, 7, 7] and rows.tolist() == [0, 1, 0, 0, 1, 2]
+    assert query_rows(np.array([3, 5]), np.array([1, 1], np.uint32), 4) is None  # row 0 of each
+    assert query_rows(np.array([3, 5]), np.array([2, 0], np.uint32), 4) is None  # nq = 0: general
+    assert query_rows(np.array([3, 5]), np.array([2, 5], np.uint32), 4) is None  # over max_queries
+    assert query_rows(np.array([3]), np.array([2**32 - 1], np.uint32), 4) is None  # huge (unsigned)
+
+
+def test_recalls_of_several_rows_each_are_one_uniform_batch(rng):
+    plan = classify(records(3, nq=[2, 1, 3]), queries(6, rng), lookup, MULTI)
+    assert plan.route is Route.UNIFORM and plan.k == 5 and plan.namespace is NAMESPACES["default"]
+    one = classify(records(1, nq=3), queries(3, rng), lookup, MULTI)  # alone, behind a batch in flight
+    assert one.route is Route.UNIFORM
+    # The pipeline decision counts rows, not requests: 6 rows x 1000 x 8 = 48000 multiply-adds.
+    at = MULTI._replace(min_work=48_000)
+    assert classify(records(3, nq=[2, 1, 3]), queries(6, rng), lookup, at).pipelined
+    assert not classify(records(3, nq=[2, 1, 2]), queries(5, rng), lookup, at).pipelined
+
+
+@pytest.mark.parametrize("nq,rows,reason", [
+    ([1, 5, 1], 3, "nq=5 outside 1..4"),          # too many rows: first rows only were gathered
+    ([1, 0, 1], 3, "nq=0 outside 1..4"),
+    ([2, 1, 3], 3, "query rows not gathered"),    # rows and nq disagree: never searched short
+])
+def test_a_batch_of_several_rows_off_the_uniform_route_says_why(rng, nq, rows, reason):
+    plan = classify(records(3, nq=nq), queries(rows, rng), lookup, MULTI)
+    assert plan.route is Route.GENERAL and plan.reason == reason, plan
+
+
+def test_a_non_finite_row_anywhere_sends_the_batch_to_the_general_route(rng):
+    q = queries(6, rng)
+    q[4, 2] = np.nan  # the second row of the third request
+    plan = classify(records(3, nq=[2, 1, 3]), q, lookup, MULTI)
+    assert plan.route is Route.GENERAL and plan.reason == "non-finite query"

@@ -407,7 +407,7 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     t = time.monotonic_ns()
     sc.stats.record_batch(BatchRecord(size=3, compute_ns=40_000, t_post_ns=[t - 5_000, t - 6_000, t - 7_000],
                                       t_pick_ns=t))
-    sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, t_post_ns=[t - 4_000], t_pick_ns=t))
+    sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, t_post_ns=[t - 4_000], t_pick_ns=t), "single")
     col.detach()
     sc.stats.record_batch(BatchRecord(size=1, compute_ns=1, t_post_ns=[t - 1], t_pick_ns=t))  # not observed any more
     sc.stats.record_error(Status.DIM_MISMATCH)
@@ -426,6 +426,8 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     assert sample(reg, "kalos_service_seconds_count") == 4
     assert sample(reg, "kalos_stage_latency_quantile_seconds", stage="queue_wait", quantile="0.5") == 5e-6
     assert sample(reg, "kalos_batches_total") == 3 and sample(reg, "kalos_requests_total") == 5
+    assert [sample(reg, "kalos_batches_by_route_total", route=r) for r in ("single", "uniform", "general")] \
+        == [1, 0, 2]
     assert sample(reg, "kalos_errors_total", kind="DIM_MISMATCH") == 2
     assert sample(reg, "kalos_errors_total", kind="BACKEND_ERROR") == 1
     assert sample(reg, "kalos_errors_total", kind="OK") is None
