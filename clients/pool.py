@@ -208,8 +208,9 @@ class RecallPool:
     to it and be closed to other users; raises UntrustedBroker otherwise).
 
     **Coalescing** (``coalesce=True``; off by default: measured, it packs ~7.5 recalls per slot
-    under load but did not raise throughput on a 2-vCPU host, and the sidecar serves multi-query
-    slots on its general route, not the pipelined one; bench/results/README.md). A lone recall (a free slot, nothing queued,
+    under load but raised throughput neither on a 2-vCPU host nor on an H200 at 1M rows (there
+    measured before multi-row slots took the sidecar's uniform route);
+    bench/results/README.md). A lone recall (a free slot, nothing queued,
     nothing of this pool in flight) is sent at once, in a slot of its own, as without coalescing.
     A recall that would wait anyway, because no slot is free, other recalls are already queued,
     or this pool already has requests in flight (the sidecar is busy with them), is queued

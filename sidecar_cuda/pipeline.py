@@ -28,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from broker.layout import S_BUSY, SegmentView, SlotWords, Status, slot_field_offset
+from broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_field_offset
 from broker.names import decode_namespace
 from broker.validation import decode_where
 from sidecar_cuda.answers import AnswerWriter
@@ -41,6 +41,8 @@ from sidecar_cuda.stats import BatchRecord, SidecarStats
 from sidecar_cuda.store import MemoryStore, Namespace
 
 log = logging.getLogger("kalos.sidecar")
+_RECALL = int(Op.RECALL)
+_WHERE = int(Flag.WHERE)
 
 PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds two searches)
 # A batch in flight this long: wait for it in result(), where the backend's timeout applies (a
@@ -145,7 +147,9 @@ class Pipeline:
             # fancy index then a contiguous copy: 2.7x faster than np.take(out=) here.
             # Requests of several rows each (recall_many, coalescing clients): every row, in order.
             st = 1 - inflight[0].staging if inflight else 0
-            rows = query_rows(sel, rec["nq"], self.limits.max_queries)
+            rows = None  # (only plain recalls can take the uniform route: gather their rows)
+            if (rec["op"] == _RECALL).all() and not (rec["flags"] & ~np.uint32(_WHERE)).any():
+                rows = query_rows(sel, rec["nq"], self.limits.max_queries)
             if rows is None:
                 q = self._stagings[st][: len(sel)]
                 q[...] = self.seg.all_queries[sel, 0]
@@ -154,6 +158,8 @@ class Pipeline:
                 q[...] = self.seg.all_queries[rows]
             plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
             if plan.route is Route.UNIFORM:
+                if plan.where is not None:  # searched synchronously: answer the batch in flight first
+                    served += self.finish_inflight()
                 batch = self._start_uniform(plan, sel, rec, taken, t_pick, t0, st, q, rows)
                 if batch is not None:
                     inflight.append(batch)

@@ -298,15 +298,16 @@ def _mmr_docs(query: Sequence[float], hits: Hits, records: Records, k: int,
               lambda_mult: float) -> list[Document]:
     """MMR over the recalled candidates that are documents and whose vectors were fetched (one
     deleted between the two requests is dropped)."""
-    assert records.vectors is not None and hits.payloads is not None
+    assert records.vectors is not None
     row = {i: j for j, i in enumerate(records.ids.tolist())}
     docs: list[Document] = []
     rows: list[int] = []
-    for i, payload in zip(hits.ids.tolist(), hits.payloads):
-        doc = to_document(payload)
-        if doc is not None and i in row:
+    for i in hits.ids.tolist():  # (the payloads come with the vectors: they cross the slot once)
+        j = row.get(i)
+        doc = None if j is None else to_document(records.payloads[j])
+        if doc is not None and j is not None:
             docs.append(doc)
-            rows.append(row[i])
+            rows.append(j)
     picked = mmr_select(np.asarray(query), records.vectors[rows], k, lambda_mult)
     return [docs[p] for p in picked]
 
@@ -576,7 +577,7 @@ class KalosVectorStore(VectorStore):
         try:
             hits = client.recall(np.asarray(embedding, np.float32),
                                  _fetch_k(k, fetch_k, client.layout.max_k), namespace=self.namespace,
-                                 with_payload=True, where=_where(filter_))
+                                 where=_where(filter_))
             if len(hits) == 0:
                 return []
             records = client.get(hits.ids, namespace=self.namespace, with_vectors=True)
@@ -594,8 +595,7 @@ class KalosVectorStore(VectorStore):
         try:
             hits = await pool.recall(np.asarray(embedding, np.float32),
                                      _fetch_k(k, fetch_k, pool.layout.max_k),
-                                     namespace=self.namespace, with_payload=True,
-                                     where=_where(filter_))
+                                     namespace=self.namespace, where=_where(filter_))
             if len(hits) == 0:
                 return []
             records = await pool.get(hits.ids, namespace=self.namespace, with_vectors=True)

@@ -226,10 +226,10 @@ class CupyMatrix:
         return key in self._gathered or matches * self.data.shape[1] * self.data.itemsize <= self._gather_budget()
 
     def _gather_budget(self) -> int:
-        """Device bytes the gathered-rows cache may hold: GATHER_CACHE_FRACTION of this matrix
-        (at most a quarter of the free device memory), at least 64 MiB."""
-        free = self.backend.free_bytes()
-        return max(GATHER_CACHE_MIN_BYTES, min(int(self.data.nbytes * GATHER_CACHE_FRACTION), free // 4))
+        """Device bytes the gathered-rows cache may hold: GATHER_CACHE_FRACTION of this matrix,
+        at least 64 MiB, and never more than a quarter of the free device memory."""
+        quarter = self.backend.free_bytes() // 4
+        return max(min(GATHER_CACHE_MIN_BYTES, quarter), min(int(self.data.nbytes * GATHER_CACHE_FRACTION), quarter))
 
     def _forget_gathered(self) -> None:
         """The rows change: gathered copies of them are stale."""
