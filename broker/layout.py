@@ -204,6 +204,14 @@ class Metric(IntEnum):
     L2 = 3
 
 
+def metric_name(code: int) -> str:
+    """``"dot"``, ``"cosine"`` or ``"l2"`` for a header's metric code (``"unknown"`` otherwise)."""
+    try:
+        return Metric(code).name.lower()
+    except ValueError:
+        return "unknown"
+
+
 # Header fields: (name, numpy type, offset).
 HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("magic", "<u8", 0),

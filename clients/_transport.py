@@ -27,8 +27,8 @@ from broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from broker.layout import (
     HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
     MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
-    S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, peek_header,
-    slot_field_offset,
+    S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, metric_name,
+    peek_header, slot_field_offset,
 )
 from broker import leases
 from broker.names import (
@@ -251,6 +251,7 @@ class Connection:
             if int(hdr["hist_buckets"]) != HIST_BUCKETS or int(hdr["ring_len"]) != RING_LEN:
                 raise ProtocolError(f"broker {name!r}: latency layout differs from this client's")
             self.layout = Layout.from_header(hdr)
+            self.metric = metric_name(int(hdr["metric"]))  # the sidecar's --metric
             del hdr
             if self.layout.total_bytes != self.shm.size:
                 raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")

@@ -86,12 +86,18 @@ class RecallClient:
                 attempt += 1
                 continue
             self._conn, self._slot = conn, slots[0]
+            self._metric = conn.metric
             self._pending = False
             return
 
     @property
     def layout(self) -> Layout:
         return self._layout
+
+    @property
+    def metric(self) -> str:
+        """The sidecar's ``--metric`` (``"dot"``, ``"cosine"`` or ``"l2"``): what the scores mean."""
+        return self._metric
 
     def __enter__(self) -> RecallClient:
         return self

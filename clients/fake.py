@@ -76,6 +76,7 @@ class FakeConnection(Connection):
     def __init__(self, layout: Layout, name: str = "fake") -> None:  # noqa: super() not called
         self.name = name
         self.layout = layout
+        self.metric = "dot"
         self.mm = bytearray(layout.total_bytes)  # type: ignore[assignment]
         self.seg = SegmentView(memoryview(self.mm), layout)
         self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns())

@@ -295,6 +295,7 @@ class RecallPool:
         self._errors = 0
         self._ns = _requests.NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
+        self._metric = "unknown"  # set by open()
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
@@ -323,6 +324,7 @@ class RecallPool:
             await asyncio.sleep(backoff_s(attempt, self._rng))
             attempt += 1
         self._layout = conn.layout
+        self._metric = conn.metric
         self._install(conn, slots)
         self._state = "open"
         _POOLS.add(self)
@@ -370,6 +372,12 @@ class RecallPool:
     def layout(self) -> Layout:
         self._check_usable()
         return self._layout
+
+    @property
+    def metric(self) -> str:
+        """The sidecar's ``--metric`` (``"dot"``, ``"cosine"`` or ``"l2"``): what the scores mean."""
+        self._check_usable()
+        return self._metric
 
     async def close(self) -> None:
         """Wait for in-flight requests, then give the slots back. Closing twice is fine. If the

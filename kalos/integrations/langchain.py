@@ -51,7 +51,8 @@ better (dot product, cosine similarity, or minus the squared L2 distance, as the
 ``--metric``). Relevance scores (``similarity_search_with_relevance_scores``, the retriever's
 ``similarity_score_threshold``) map it to [0, 1] as ``(1 + cos) / 2`` for unit-length embeddings:
 ``(1 + s) / 2`` under cosine and dot, ``1 + s / 4`` under l2 (``|a - b|**2 = 2 - 2 cos``), clamped
-to [0, 1]. Tell the store the sidecar's metric (``metric=``) or pass ``relevance_score_fn=``.
+to [0, 1]. The store reads the sidecar's metric from its header (``metric=`` overrides it, and
+``relevance_score_fn=`` replaces the mapping).
 
 Filters
 -------
@@ -196,7 +197,7 @@ def _field_clauses(key: str, cond: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def relevance_fn(metric: Metric) -> Callable[[float], float]:
+def relevance_fn(metric: str) -> Callable[[float], float]:
     """Kalos score -> relevance in [0, 1]: (1 + cos) / 2 for unit-length embeddings."""
     if metric in ("cosine", "dot"):
         return lambda s: min(1.0, max(0.0, (1.0 + s) / 2.0))
@@ -322,8 +323,8 @@ def _no_extra(kwargs: Mapping[str, Any], method: str) -> None:
 class KalosVectorStore(VectorStore):
     """A LangChain vector store kept in one namespace of a Kalos sidecar (module docstring).
 
-    ``name``: the sidecar's ``--name``; ``namespace``: this store's namespace; ``metric``: the
-    sidecar's ``--metric`` (used only for relevance scores); ``timeout``: seconds per Kalos
+    ``name``: the sidecar's ``--name``; ``namespace``: this store's namespace; ``metric``: how to
+    read scores for relevance (default: the sidecar's own ``--metric``, read from its header); ``timeout``: seconds per Kalos
     request (None: no limit); ``connect_timeout``: seconds to wait for the sidecar when opening;
     ``pool`` / ``client``: an open RecallPool / RecallClient to use instead of opening one (the
     caller closes it); ``pool_size``: slots of the pool the store opens; ``id_map``: string id ->
@@ -334,7 +335,7 @@ class KalosVectorStore(VectorStore):
     """
 
     def __init__(self, embedding: Embeddings, *, name: str = "default", namespace: str = "langchain",
-                 metric: Metric = "cosine", timeout: float | None = 10.0,
+                 metric: Metric | None = None, timeout: float | None = 10.0,
                  connect_timeout: float = 10.0, pool: RecallPool | None = None,
                  client: RecallClient | None = None, pool_size: int = 4,
                  id_map: Callable[[str], int] = kalos_id,
@@ -353,7 +354,7 @@ class KalosVectorStore(VectorStore):
         self._owns_client = client is None
         self._client_lock = threading.Lock()
         self._id_map = id_map
-        self._relevance = relevance_score_fn or relevance_fn(metric)
+        self._relevance = relevance_score_fn or (relevance_fn(metric) if metric is not None else None)
 
     @property
     def embeddings(self) -> Embeddings:
@@ -562,6 +563,9 @@ class KalosVectorStore(VectorStore):
                 await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
+        if self._relevance is None:  # the sidecar's metric: from the open pool, else the client
+            pool = self._pool
+            self._relevance = relevance_fn(pool.metric if pool is not None else self._sync().metric)
         return self._relevance
 
     # ------------------------------------------------------------------ MMR

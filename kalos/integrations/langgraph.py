@@ -69,6 +69,7 @@ from broker.errors import PayloadTooLarge, UnknownNamespace
 from broker.layout import NAMESPACE_BYTES
 from clients.blocking import RecallClient
 from clients.pool import RecallPool
+from kalos.integrations import require_similarity
 
 try:
     from langchain_core.embeddings import Embeddings
@@ -410,6 +411,7 @@ class KalosStore(BaseStore):
     def _sync_client(self) -> RecallClient:
         if self._client is None:
             self._client = RecallClient(self.name, timeout=self._timeout)
+        require_similarity(self._client.metric, "KalosStore")
         return self._client
 
     async def _async_pool(self) -> RecallPool:
@@ -419,6 +421,7 @@ class KalosStore(BaseStore):
             pool = RecallPool(self.name, size=self._pool_size, timeout=self._timeout)
             await pool.open()
             self._pool, self._pool_loop = pool, loop
+        require_similarity(self._pool.metric, "KalosStore")
         return self._pool
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ from broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNa
 from clients.blocking import RecallClient
 from clients.pool import RecallPool
 from clients.results import Hits
+from kalos.integrations import require_similarity
 
 __all__ = ["KalosLlamaVectorStore", "UnsupportedQuery", "IdCollision", "kalos_id", "to_where",
            "NODE_ID_KEY", "MAX_PROBES"]
@@ -337,12 +338,14 @@ class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unuse
                     self._client = RecallClient(self.name, timeout=self.timeout,
                                                 connect_timeout=self.connect_timeout)
                     self._owns_client = True
+        require_similarity(self._client.metric, "KalosLlamaVectorStore")
         return self._client
 
     async def _apool(self) -> RecallPool:
         """This event loop's pool (opened on first use; one per loop, since a pool belongs to
         the loop that opened it)."""
         if self._pool is not None:
+            require_similarity(self._pool.metric, "KalosLlamaVectorStore")
             return self._pool
         loop = asyncio.get_running_loop()
         self._reap_closed_loops()
@@ -352,7 +355,9 @@ class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unuse
                               connect_timeout=self.connect_timeout)
             task = self._pools[loop] = loop.create_task(pool.open())
         try:
-            return await asyncio.shield(task)
+            pool = await asyncio.shield(task)
+            require_similarity(pool.metric, "KalosLlamaVectorStore")
+            return pool
         except BaseException:
             if task.done() and self._pools.get(loop) is task and \
                     (task.cancelled() or task.exception() is not None):

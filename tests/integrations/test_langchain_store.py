@@ -514,3 +514,20 @@ def test_delete_many_ids_in_chunks(store: KalosVectorStore, lc_sidecar: str) -> 
     with RecallClient(lc_sidecar) as c:
         assert c.count(store.namespace) == 100
     assert {d.id for d in store.get_by_ids(ids)} == set(ids[2500:])
+
+
+def test_relevance_follows_the_sidecars_own_metric(sidecar_factory, rng: np.random.Generator) -> None:
+    """Without metric=, relevance reads the sidecar's --metric from its header: on an l2 sidecar
+    a near-duplicate is ~1 and the far side of the sphere ~0 (cosine's mapping would clamp every
+    l2 score, which is <= 0, to about 0)."""
+    h = sidecar_factory("lcl2", "--dim", str(DIM), "--metric", "l2", "--backend", "numpy")
+    v = rng.standard_normal(DIM)
+    v /= np.linalg.norm(v)
+    store = KalosVectorStore(TableEmbeddings({"near": v, "far": -v, "query": v}), name=h.name,
+                             namespace=fresh_namespace())
+    try:
+        store.add_texts(["near", "far"])
+        got = {d.page_content: s for d, s in store.similarity_search_with_relevance_scores("query", k=2)}
+        assert got["near"] == pytest.approx(1.0, abs=1e-5) and got["far"] == pytest.approx(0.0, abs=1e-5)
+    finally:
+        store.close()

@@ -423,3 +423,17 @@ def test_exhaustive_fallback_when_filter_is_not_translatable(sidecar_factory: An
         want, got = ref.batch([op])[0], store.batch([op])[0]
         assert_same(op, want, got, reference_scores(ref, op))
         assert len(got) == 10
+
+
+@pytest.mark.asyncio
+async def test_an_l2_sidecar_is_refused_with_the_reason(sidecar_factory: Any) -> None:
+    """The store promises cosine similarities: on a sidecar that scores by -|a - b|^2 it says so
+    instead of returning other scores (sync and async)."""
+    from kalos import UsageError
+
+    h = sidecar_factory("lgl2", "--dim", str(DIM), "--metric", "l2", "--backend", "numpy")
+    with KalosStore(h.name, index={"dims": DIM, "embed": embed}) as store:
+        with pytest.raises(UsageError, match="--metric cosine or dot.*'l2'"):
+            store.put(("a",), "k", {"text": "x"})
+        with pytest.raises(UsageError, match="'l2'"):
+            await store.aput(("a",), "k", {"text": "x"})

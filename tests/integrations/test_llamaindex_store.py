@@ -452,3 +452,22 @@ def test_empty_store_and_mapping_details(store):
         {"color": {"$exists": False}}, {"color": None}, {"color": ""}]}]}
     assert pack([10, 10, 10, 30, 5], max_rows=2, max_bytes=25) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert pack([], 8, 100) == []
+
+
+@pytest.mark.asyncio
+async def test_an_l2_sidecar_is_refused_with_the_reason(sidecar_factory):
+    """Scores are promised as cosine similarities (like SimpleVectorStore's): a sidecar started
+    with --metric l2 is refused with the reason, sync and async."""
+    from kalos import UsageError
+
+    h = sidecar_factory("lil2", "--dim", str(DIM), "--metric", "l2", "--backend", "numpy")
+    store = KalosLlamaVectorStore(h.name, namespace="l2", timeout=10.0)
+    try:
+        node = TextNode(text="x", id_="n1", embedding=[1.0] * DIM)
+        with pytest.raises(UsageError, match="--metric cosine or dot.*'l2'"):
+            store.add([node])
+        with pytest.raises(UsageError, match="'l2'"):
+            await store.async_add([node])
+    finally:
+        store.close()
+        await store.aclose()

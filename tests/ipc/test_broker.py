@@ -510,3 +510,15 @@ async def test_cancel_mid_acquire_on_a_busy_pool(slow_sidecar, rng):
         assert all(len(r) == 3 for r in res[2::2])
         st = pool.statistics()
         assert st.free == 1 and st.in_flight == 0
+
+
+@pytest.mark.parametrize("metric", ["dot", "cosine", "l2"])
+@pytest.mark.asyncio
+async def test_clients_know_what_the_scores_mean(sidecar_factory, metric):
+    """The sidecar's --metric is read from its header by both clients (adapters use it to turn
+    scores into what their framework expects)."""
+    h = sidecar_factory("metric", "--dim", "4", "--metric", metric, "--backend", "numpy")
+    async with RecallPool(h.name, size=1) as pool:
+        assert pool.metric == metric
+    with RecallClient(h.name) as c:
+        assert c.metric == metric
