@@ -558,6 +558,13 @@ class RecallPool:
                                              time.monotonic_ns()))
 
     # ------------------------------------------------------------------ machinery
+    def _down_error(self) -> BrokerUnavailable:
+        """What a caller whose budget ran out during an outage gets."""
+        return BrokerUnavailable(
+            f"broker {self.name!r}: no sidecar within the time budget (down for "
+            f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
+            "re-attaches as soon as one serves the name)")
+
     def _check_usable(self) -> None:
         if self._state != "open":
             if self._state == "forked":
@@ -588,10 +595,7 @@ class RecallPool:
                 except asyncio.TimeoutError:
                     self._check_usable()
                     if self._conn is None:
-                        raise BrokerUnavailable(
-                            f"broker {self.name!r}: no sidecar within the time budget (down for "
-                            f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
-                            "re-attaches as soon as one serves the name)") from None
+                        raise self._down_error() from None
                     raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
                                          "slots, all in flight)") from None
             if self._state != "open" or self._broken is not None:
@@ -679,10 +683,7 @@ class RecallPool:
             self._unqueue(m)
             self._check_usable()
             if self._conn is None:
-                raise BrokerUnavailable(
-                    f"broker {self.name!r}: no sidecar within the time budget (down for "
-                    f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
-                    "re-attaches as soon as one serves the name)") from None
+                raise self._down_error() from None
             raise AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
                                  f"{len(self._slots)} slots, {self._free_count()} free)") from None
         except BaseException:
