@@ -92,12 +92,15 @@ class SlotRef(NamedTuple):
     mem: mmap.mmap  # the segment, where the namespace bytes are sliced from
     slot: int
     ns_off: int  # byte offset of the slot's namespace field (broker.layout.slot_field_offset)
+    blob_off: int = 0  # byte offset of the slot's blob area (its filter, for a filtered recall)
+    blob_bytes: int = 0  # the blob area's size (0: a filtered recall never takes SINGLE)
 
 
 class Plan(Generic[N]):
     """What to do with the requests taken in one pass. ``namespace`` and ``k`` (the largest k
     asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only; ``where``: the filter
-    bytes every request of a UNIFORM batch of filtered recalls carries (not yet parsed)."""
+    bytes of a filtered SINGLE recall, or that every request of a UNIFORM batch of filtered
+    recalls carries (not yet parsed)."""
 
     __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where")
 
@@ -129,9 +132,9 @@ def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N]
     if type(batch) is SlotRef:
         return _classify_slot(batch, queries, lookup, limits)
     assert isinstance(batch, np.ndarray)
-    if len(batch) == 1:
+    if len(batch) == 1 and (blobs is None or int(batch["flags"][0]) != _WHERE):
         return _classify_record(batch[0], queries, lookup, limits)
-    return _classify_many(batch, queries, lookup, limits, blobs)
+    return _classify_many(batch, queries, lookup, limits, blobs)  # (a lone filtered recall too)
 
 
 class Blobs(NamedTuple):
@@ -170,7 +173,14 @@ def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limit
     W, i = ref.words, ref.slot
     u32 = W.u32
     k = u32[W.k[i]]
-    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and u32[W.flags[i]] == 0
+    flags = u32[W.flags[i]]
+    where: bytes | None = None
+    if flags == _WHERE:  # a lone filtered recall: its filter bytes, parsed when not cached
+        n = u32[W.blob_len[i]]
+        if 0 < n <= ref.blob_bytes:
+            where = ref.mem[ref.blob_off:ref.blob_off + n]
+            flags = 0
+    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and flags == 0
             and 1 <= k <= limits.k_limit):
         return Plan(Route.GENERAL, _field_problem(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], k,
                                                   limits.k_limit))
@@ -182,7 +192,7 @@ def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limit
         return Plan(Route.GENERAL, "unknown namespace")
     if not math.isfinite(q.sum()) and not np.isfinite(q).all():  # (a finite sum may overflow)
         return Plan(Route.GENERAL, "non-finite query")
-    return Plan(Route.SINGLE, "", ns, k)
+    return Plan(Route.SINGLE, "", ns, k, where=where)
 
 
 def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
@@ -227,7 +237,7 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
     if not np.isfinite(q).all():
         return Plan(Route.GENERAL, "non-finite query")
     if where is not None:  # searched at once (the filter is evaluated then), never pipelined
-        return Plan(Route.UNIFORM, "several filtered requests", ns, int(k.max()), where=where)
+        return Plan(Route.UNIFORM, "filtered requests, one filter", ns, int(k.max()), where=where)
     return Plan(Route.UNIFORM, "several requests", ns, int(k.max()),
                 pipelined(ns.n * len(q) * limits.dim, limits.min_work))
 

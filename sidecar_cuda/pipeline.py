@@ -30,7 +30,6 @@ import posix_ipc
 
 from broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_field_offset
 from broker.names import decode_namespace
-from broker.validation import decode_where
 from sidecar_cuda.answers import AnswerWriter
 from sidecar_cuda.backends.base import PendingSearch, completed
 from sidecar_cuda.batching import (
@@ -100,8 +99,10 @@ class Pipeline:
         self._ns_names: dict[tuple[bytes, int], str] = {}
         self._lookup = self._namespace  # (bound once: the SINGLE route runs per request)
         # Per slot, made once: its request read in place, and its first query row.
-        self._refs = [SlotRef(words, mem, i, slot_field_offset(seg.layout, i, "namespace"))
-                      for i in range(seg.layout.n_slots)]
+        L = seg.layout
+        self._refs = [SlotRef(words, mem, i, slot_field_offset(L, i, "namespace"),
+                              L.data_base(i) + L.blob_offset, L.blob_bytes)
+                      for i in range(L.n_slots)]
         self._query1 = [sv.queries[:1] for sv in seg.slot]
         self.inflight: deque[InFlight] = deque()
         self._last_batch = 0
@@ -228,8 +229,11 @@ class Pipeline:
         u64[W.t_pick_ns[i]] = t_pick
         t0 = time.perf_counter_ns()
         try:
-            ids, scores = ns.search(q, plan.k)
-        except Exception as e:  # the general route searches again and reports it
+            if plan.where is None:
+                ids, scores = ns.search(q, plan.k)
+            else:  # the filter's rows (cached until the next write), then one search of them
+                ids, scores = ns.search_where(q, plan.k, ns.filtered_bytes(plan.where))
+        except Exception as e:  # the general route searches again and reports it (a bad filter too)
             sel = np.asarray([i], np.intp)
             rec = self.seg.slots[sel]
             return self._serve_general(sel, [i], rec, t_pick, t0,
@@ -253,7 +257,7 @@ class Pipeline:
             if plan.where is None:
                 pending = ns.search_start(q, plan.k)
             else:  # the same filter for all: evaluated once (cached until a write), searched now
-                match = ns.filtered(decode_where(plan.where), plan.where)
+                match = ns.filtered_bytes(plan.where)
                 pending = completed(*ns.search_where(q, plan.k, match))
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None

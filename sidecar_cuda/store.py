@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from broker.layout import Metric
-from broker.validation import WhereNode
+from broker.validation import WhereNode, decode_where
 from sidecar_cuda.backends.base import (
     Backend, PendingSearch, SearchResult, completed, prepare_queries, prepare_rows,
 )
@@ -176,6 +176,15 @@ class Namespace:
         while len(self._filtered) > FILTER_CACHE:
             self._filtered.popitem(last=False)
         return f
+
+    def filtered_bytes(self, blob: bytes) -> Filtered:
+        """:meth:`filtered` of a filter still in its encoded bytes (a client wrote them: parsed
+        only when no earlier evaluation of the same bytes is cached). Raises InvalidRequest."""
+        hit = self._filtered.get(blob)
+        if hit is not None:
+            self._filtered.move_to_end(blob)
+            return hit
+        return self.filtered(decode_where(blob), blob)
 
     def matching_ids(self, node: WhereNode) -> np.ndarray:
         """Ids of the records that match a parsed filter (row order)."""

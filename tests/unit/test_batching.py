@@ -36,14 +36,16 @@ def records(n: int, **fields: object) -> np.ndarray:
     return rec
 
 
-def slot_ref(**fields: object) -> SlotRef:
+def slot_ref(blob: bytes = b"", **fields: object) -> SlotRef:
     """Slot 1 of a segment holding the request of :func:`records` (one), as the SINGLE route
-    reads it: word by word, in place."""
+    reads it: word by word, in place; ``blob`` in its blob area."""
     layout = Layout(n_slots=3, dim=DIM, max_k=16, max_queries=4, blob_bytes=64)
     mem = mmap.mmap(-1, layout.total_bytes)
     seg = SegmentView(memoryview(mem), layout)
     seg.slots[1] = records(1, **fields)[0]
-    return SlotRef(SlotWords(memoryview(mem), layout), mem, 1, slot_field_offset(layout, 1, "namespace"))
+    seg.slot[1].blob[: len(blob)] = np.frombuffer(blob, np.uint8)
+    return SlotRef(SlotWords(memoryview(mem), layout), mem, 1, slot_field_offset(layout, 1, "namespace"),
+                   layout.data_base(1) + layout.blob_offset, layout.blob_bytes)
 
 
 def queries(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -152,9 +154,21 @@ def test_filtered_recalls_with_one_filter_are_a_uniform_batch(rng):
     f = b'{"c":1}'
     rec, blobs = _filtered(4, [f] * 4, k=[3, 12, 5, 1])
     plan = classify(rec, queries(4, rng), lookup, LIMITS, blobs)
-    assert plan.route is Route.UNIFORM and plan.reason == "several filtered requests"
+    assert plan.route is Route.UNIFORM and plan.reason == "filtered requests, one filter"
     assert plan.where == f and plan.k == 12 and not plan.pipelined
     assert classify(rec, queries(4, rng), lookup, LIMITS).route is Route.GENERAL  # no blobs given
+
+
+def test_a_lone_filtered_recall_is_a_uniform_batch_of_one(rng):
+    """(Its filter's rows come from the cache and one search serves it, without the general
+    route's request-by-request bookkeeping.)"""
+    f = b'{"c":{"$in":[1,2]}}'
+    rec, blobs = _filtered(1, [f], k=7)
+    plan = classify(rec, queries(1, rng), lookup, LIMITS, blobs)
+    assert plan.route is Route.UNIFORM and plan.where == f and plan.k == 7
+    assert classify(rec, queries(1, rng), lookup, LIMITS).reason == "filtered"  # no blobs given
+    rec["flags"] = int(Flag.WHERE | Flag.WITH_PAYLOAD)
+    assert classify(rec, queries(1, rng), lookup, LIMITS, blobs).route is Route.GENERAL
 
 
 @pytest.mark.parametrize("blobs,fields,reason", [
@@ -216,3 +230,22 @@ def test_a_non_finite_row_anywhere_sends_the_batch_to_the_general_route(rng):
     q[4, 2] = np.nan  # the second row of the third request
     plan = classify(records(3, nq=[2, 1, 3]), q, lookup, MULTI)
     assert plan.route is Route.GENERAL and plan.reason == "non-finite query"
+
+
+
+def test_a_lone_filtered_recall_takes_the_single_route_with_its_filter_bytes(rng):
+    f = b'{"c":{"$gte":2}}'
+    plan = classify(slot_ref(f, flags=int(Flag.WHERE), blob_len=len(f), k=9), queries(1, rng), lookup, LIMITS)
+    assert plan.route is Route.SINGLE and plan.where == f and plan.k == 9
+    assert classify(slot_ref(k=9), queries(1, rng), lookup, LIMITS).where is None
+
+
+@pytest.mark.parametrize("blob_len,flags", [
+    (0, int(Flag.WHERE)),                       # no filter bytes
+    (65, int(Flag.WHERE)),                      # past the blob area (a broken client)
+    (2**32 - 1, int(Flag.WHERE)),
+    (8, int(Flag.WHERE | Flag.WITH_PAYLOAD)),   # payloads: the general route
+])
+def test_a_lone_filtered_recall_the_single_route_cannot_take(rng, blob_len, flags):
+    plan = classify(slot_ref(b'{"c":1}', flags=flags, blob_len=blob_len), queries(1, rng), lookup, LIMITS)
+    assert plan.route is Route.GENERAL and plan.reason == "filtered", plan
