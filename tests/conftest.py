@@ -176,3 +176,25 @@ def assert_topk(q: np.ndarray, matrix: np.ndarray, ids: np.ndarray, scores: np.n
     assert (true >= kth - tol).all(), "an id outside the true top-k"
     assert np.all(np.diff(true) <= tol), "not sorted best first"
     np.testing.assert_allclose(scores, true, rtol=1e-4, atol=tol)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a sidecar's --metrics-port)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def slots_free(name: str) -> bool:
+    """Every slot of broker ``name`` is FREE and owned by no process (nothing leaked)."""
+    from broker.layout import S_FREE
+    from clients._transport import Connection
+
+    c = Connection(name)
+    try:
+        s = c.seg.slots
+        return bool(((s["owner_pid"] == 0) & (s["state"] == S_FREE)).all())
+    finally:
+        c.close()

@@ -16,23 +16,14 @@ from broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
     ResponseTimeout, UnknownNamespace,
 )
-from broker.layout import PROTOCOL_VERSION, S_FREE
+from broker.layout import PROTOCOL_VERSION
 from broker.names import shm_name
 from clients import RecallClient, RecallPool
 from clients._transport import Connection
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
-from conftest import assert_topk, run_py, wait_until
+from conftest import assert_topk, run_py, slots_free, wait_until
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def slots_free(name: str) -> bool:
-    c = Connection(name)
-    try:
-        s = c.seg.slots
-        return bool(((s["owner_pid"] == 0) & (s["state"] == S_FREE)).all())
-    finally:
-        c.close()
 
 
 # --------------------------------------------------------------------------- correctness
@@ -472,7 +463,6 @@ def test_objects_are_private_to_the_owner(sidecar):
     assert st.st_mode & 0o777 == 0o600
     st = os.stat(f"/dev/shm/sem.kalos.{sidecar.name}.bell")
     assert st.st_mode & 0o777 == 0o600
-
 
 
 @pytest.mark.asyncio

@@ -11,24 +11,13 @@ import numpy as np
 import pytest
 
 from broker.errors import KalosTimeout
-from broker.layout import S_FREE
 from clients import RecallPool
-from clients._transport import Connection
 from clients.results import Hits
-from conftest import assert_topk
+from conftest import assert_topk, slots_free
 
 pytestmark = pytest.mark.timeout(120)
 
 NS_ROWS = 300  # rows of namespace "a": ids 0..299, payload {"g": id % 3, "id": id}
-
-
-def slots_free(name: str) -> bool:
-    c = Connection(name)
-    try:
-        s = c.seg.slots
-        return bool(((s["owner_pid"] == 0) & (s["state"] == S_FREE)).all())
-    finally:
-        c.close()
 
 
 def check_filtered(q: np.ndarray, matrix: np.ndarray, allowed: np.ndarray, h: Hits, k: int) -> None:

@@ -16,21 +16,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import assert_topk, unique_name
+from conftest import assert_topk, free_port, unique_name
 from kalos.testing import start_sidecar_process
 from sidecar_cuda.objects import cleanup
 
 uvicorn = pytest.importorskip("uvicorn")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TIMEOUT = 2.0
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str) -> tuple[int, dict]:

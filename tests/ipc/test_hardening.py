@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,12 @@ from broker.owners import sem_path, shm_path
 from broker.validation import MAX_PAYLOAD_DEPTH
 from clients import RecallClient, RecallPool
 from clients._transport import Connection
-from conftest import assert_topk, run_py, unique_name, wait_until
+from conftest import assert_topk, free_port, run_py, unique_name, wait_until
 from sidecar_cuda.objects import cleanup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # where conftest.py lives
 NOBODY = 65534
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_status(port: int) -> int:
@@ -271,7 +264,11 @@ async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
     layout = Layout(n_slots=4, dim=8, max_k=8, max_queries=2, blob_bytes=4096)
     _squat(name, layout, NOBODY, 0o666)
     try:
-        before = sorted(os.listdir("/dev/shm"))
+        def squatted() -> list[str]:  # (only this name's objects: other tests may run beside)
+            return sorted(f for f in os.listdir("/dev/shm") if name in f)
+
+        before = squatted()
+        assert before, "the squatted objects are in /dev/shm"
         with pytest.raises(UntrustedBroker, match=r"uid 65534 \(nobody\)"):
             async with RecallPool(name, size=1, connect_timeout=1):
                 pass
@@ -288,7 +285,7 @@ async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
         assert "not ours" in err and "65534" in err and "kalos cleanup" in err, err
         with pytest.raises(Exception, match="not ours"):
             cleanup(name, force=True)
-        assert sorted(os.listdir("/dev/shm")) == before, "a foreign object was removed"
+        assert squatted() == before, "a foreign object was removed"
     finally:
         _unsquat(name, layout)
 

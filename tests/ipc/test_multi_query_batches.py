@@ -7,20 +7,13 @@ on the general route)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import urllib.request
 
 import numpy as np
 import pytest
 
 from clients import RecallPool
-from tests.conftest import assert_topk
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from conftest import assert_topk, free_port
 
 
 def routes(port: int) -> dict[str, float]:

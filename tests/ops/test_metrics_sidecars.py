@@ -8,7 +8,6 @@ import io
 import itertools
 import math
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,6 +37,7 @@ from sidecar_cuda.metrics import (
 )
 from sidecar_cuda.objects import cleanup
 from sidecar_cuda.stats import BatchRecord, SidecarStats
+from conftest import free_port
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -64,12 +64,6 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_with_metrics(name: str, *extra: str) -> tuple[subprocess.Popen[bytes], int]:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -27,6 +26,7 @@ import pytest
 from clients import RecallPool
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from sidecar_cuda.objects import cleanup
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -60,12 +60,6 @@ def _install_prometheus() -> str | None:
 @pytest.fixture(scope="module")
 def prometheus_bin() -> str:
     return _install_prometheus()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def http_json(url: str, timeout: float = 5.0) -> dict:
@@ -253,8 +247,18 @@ def test_deploy_prometheus_config_and_rules_are_valid(prometheus_bin):
 def test_dashboard_uses_microsecond_histograms_and_known_metrics():
     from prometheus_client import CollectorRegistry
 
+    import importlib.util
+
     from sidecar_cuda.metrics import SidecarCollector
-    from test_metrics import fake_sidecar
+
+    # The unit tests' fake sidecar, loaded by path (tests/unit is on sys.path only when pytest
+    # collected a file from it first).
+    spec = importlib.util.spec_from_file_location("unit_test_metrics",
+                                                  Path(__file__).parents[1] / "unit" / "test_metrics.py")
+    assert spec is not None and spec.loader is not None
+    unit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(unit)
+    fake_sidecar = unit.fake_sidecar
 
     reg = CollectorRegistry()
     reg.register(SidecarCollector(fake_sidecar()))
