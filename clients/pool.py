@@ -102,6 +102,7 @@ class _Member:
     t0: int
     key: Key | None
     sent: bool = False
+    resent: bool = False  # sent once in a shared slot whose payloads overflowed; queued again alone
 
 
 @dataclass(slots=True)
@@ -684,6 +685,9 @@ class RecallPool:
             self._check_usable()
             if self._conn is None:
                 raise self._down_error() from None
+            if m.resent:
+                raise ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
+                                      "payloads overflowed it, then queued again alone)") from None
             raise AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
                                  f"{len(self._slots)} slots, {self._free_count()} free)") from None
         except BaseException:
@@ -858,6 +862,7 @@ class RecallPool:
             for m in again:
                 m.key = None
                 m.sent = False
+                m.resent = True
             self._queue[:0] = again
             if again:
                 self._schedule_dispatch()

@@ -295,6 +295,35 @@ async def test_payloads_that_overflow_together_are_asked_again_alone(rng):
 
 
 @pytest.mark.asyncio
+async def test_a_caller_asked_again_alone_times_out_as_sent_not_as_queued(rng):
+    """After a shared slot overflowed, its callers wait again in the queue; one whose budget
+    runs out there was sent already: ResponseTimeout, not AcquireTimeout."""
+    from broker.errors import AcquireTimeout, ResponseTimeout
+
+    matrix = rng.standard_normal((40, 8)).astype(np.float32)
+    conn = FakeConnection(LAY)
+    pool = await open_pool(conn, 1)
+    log: list[tuple[int, int]] = []
+    plain = topk(matrix, log)
+
+    def answer(v: SlotView, op: int, k: int, nq: int):
+        return Status.PAYLOAD_TOO_LARGE if nq > 1 else plain(v, op, k, nq)
+
+    qs = rng.standard_normal((3, 8)).astype(np.float32)
+    calls = [asyncio.ensure_future(pool.recall(q, k=3, timeout=0.5)) for q in qs]
+    for _ in range(2):  # the first caller alone (answered), then the other two shared (overflow)
+        while not conn.posted():
+            await asyncio.sleep(0.001)
+        conn.serve(answer)
+    # ... after which the sidecar answers nothing more: both wait again, one sent, one queued.
+    out = await asyncio.gather(*calls, return_exceptions=True)
+    assert_topk(qs[0], matrix, out[0].ids, out[0].scores, 3)
+    assert log[0] == (1, 3)
+    assert all(isinstance(e, ResponseTimeout) and not isinstance(e, AcquireTimeout) for e in out[1:]), out
+    pool.terminate()
+
+
+@pytest.mark.asyncio
 async def test_an_error_answer_reaches_every_member(rng):
     conn = FakeConnection(LAY)
     pool = await open_pool(conn, 1)
