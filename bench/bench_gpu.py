@@ -85,6 +85,24 @@ def timed(fn, reps: int, warm: int = 20) -> dict[str, float]:
     return pct(lat)
 
 
+def gpu_environment(cp) -> dict:
+    """Versions and device of a GPU run (JSON ``env``): environment() plus the GPU, CuPy, CUDA and
+    torch (where installed)."""
+    props = cp.cuda.runtime.getDeviceProperties(0)
+    env = environment()
+    env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                "gpu_memory_bytes": int(props["totalGlobalMem"]), "cupy": cp.__version__,
+                "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+                "cuda_driver": cp.cuda.runtime.driverGetVersion()})
+    try:
+        import torch
+
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
 def copy_bandwidth(cp) -> float:
     """Device-to-device copy of 2 GiB: (bytes read + bytes written) / time, TB/s (median of 10)."""
     a = cp.empty(2 * 1024**3 // 4, cp.float32)
@@ -282,17 +300,7 @@ def main() -> int:
 
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"# seed {seed}")
-    props = cp.cuda.runtime.getDeviceProperties(0)
-    env = environment()
-    env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-                "cuda_driver": cp.cuda.runtime.driverGetVersion()})
-    try:
-        import torch
-
-        env["torch"] = torch.__version__
-    except ImportError:
-        pass
+    env = gpu_environment(cp)
     bw = copy_bandwidth(cp)
     log(f"# {env['gpu']}: copy bandwidth {bw:.3f} TB/s (read + write)")
     results: list[dict] = []

@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench_gpu import (RTOL, copy_bandwidth, free_port, latency_sample, log, parse_size,  # noqa: E402
+from bench_gpu import (RTOL, copy_bandwidth, free_port, gpu_environment, latency_sample, log, parse_size,  # noqa: E402
                        scrape, sidecar_matrix, torch_baselines)
 from kalos.demo import inproc_numpy  # noqa: E402
 from kalos.testing.loadgen import LoadSpec, environment, run_load  # noqa: E402
@@ -366,20 +366,9 @@ def main() -> int:
     sizes = [parse_rows(s, a.dim) for s in a.sizes.split(",")]
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"# seed {seed}")
-    env = environment()
+    env = gpu_environment(xp) if xp is not np else environment()
     env["backend"] = a.backend
     if xp is not np:
-        props = xp.cuda.runtime.getDeviceProperties(0)
-        env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                    "gpu_memory_bytes": int(props["totalGlobalMem"]), "cupy": xp.__version__,
-                    "cuda_runtime": xp.cuda.runtime.runtimeGetVersion(),
-                    "cuda_driver": xp.cuda.runtime.driverGetVersion()})
-        try:
-            import torch
-
-            env["torch"] = torch.__version__
-        except ImportError:
-            pass
         bw = copy_bandwidth(xp)
     else:
         bw = host_copy_bandwidth()

@@ -42,7 +42,7 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_gpu import (RTOL, copy_bandwidth, kalos_inproc, latency_sample, log, parse_size,  # noqa: E402
+from bench_gpu import (RTOL, copy_bandwidth, gpu_environment, kalos_inproc, latency_sample, log, parse_size,  # noqa: E402
                        sidecar_matrix, torch_baselines)
 from bench_scaling import Interrupted, cuda_or_reason, host_copy_bandwidth, human, write  # noqa: E402
 from kalos.demo import inproc_numpy  # noqa: E402
@@ -219,19 +219,8 @@ def main() -> int:
     sizes = [parse_size(s)[:2] for s in a.sizes.split(",")]
     seed = int.from_bytes(os.urandom(4), "little")
     log(f"# seed {seed}")
-    env = environment()
+    env = gpu_environment(cp) if cp is not None else environment()
     env["backend"] = a.backend
-    if cp is not None:
-        props = cp.cuda.runtime.getDeviceProperties(0)
-        env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                    "cupy": cp.__version__, "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-                    "cuda_driver": cp.cuda.runtime.driverGetVersion()})
-        try:
-            import torch
-
-            env["torch"] = torch.__version__
-        except ImportError:
-            pass
     bw = copy_bandwidth(cp) if cp is not None else host_copy_bandwidth()
 
     # The seed: its files, its build.
