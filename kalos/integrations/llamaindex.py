@@ -55,7 +55,7 @@ import asyncio
 import hashlib
 import json
 import threading
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -279,6 +279,33 @@ class _Write:
                 for lo, hi in pack([_line_bytes(p) for p in self.payloads], max_rows, max_bytes)]
 
 
+def _placement(w: _Write) -> Generator[tuple[str, list[Any]], Any, dict[str, int]]:
+    """The Kalos id of each node of a write (module docstring: a node already stored keeps its
+    record, else the first free id of its probe sequence; another node's record is never
+    taken). No I/O: it yields the lookups it needs, ``("occupants", kalos ids)`` (answer: which
+    node each existing record holds) and ``("locate", node ids)`` (answer: where those nodes are
+    stored already), and returns node id -> Kalos id. Raises IdCollision."""
+    occ = yield ("occupants", list(dict.fromkeys(w.first.values())))
+    ids = _same(w.first, occ)
+    rest = [nid for nid in w.node_ids if nid not in ids]
+    if rest:
+        ids.update((yield ("locate", rest)))
+        rest = [nid for nid in rest if nid not in ids]
+    taken = set(ids.values())
+    occupied: Collection[int] = set(occ)
+    for attempt in range(MAX_PROBES):
+        if not rest:
+            break
+        cand = {nid: kalos_id(nid, attempt) for nid in rest}
+        if attempt:
+            occupied = set((yield ("occupants", list(cand.values()))))
+        placed, rest = claim(rest, cand, occupied, taken)
+        ids.update(placed)
+    if rest:
+        raise _probe_failed(rest)
+    return ids
+
+
 def _same(first: Mapping[str, int], occ: Mapping[int, str | None]) -> dict[str, int]:
     """The nodes already stored at their first id (written again in place)."""
     return {nid: i for nid, i in first.items() if i in occ and occ[i] == nid}
@@ -401,24 +428,13 @@ class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unuse
             return []
         w = _Write(nodes, self.flat_metadata)
         c = self.client
-        occ = self._occupants(w.first.values())
-        ids = _same(w.first, occ)
-        rest = [nid for nid in w.node_ids if nid not in ids]
-        if rest:
-            ids.update(self._locate(rest))
-            rest = [nid for nid in rest if nid not in ids]
-        taken = set(ids.values())
-        occupied: Collection[int] = set(occ)
-        for attempt in range(MAX_PROBES):
-            if not rest:
-                break
-            cand = {nid: kalos_id(nid, attempt) for nid in rest}
-            if attempt:
-                occupied = set(self._occupants(cand.values()))
-            placed, rest = claim(rest, cand, occupied, taken)
-            ids.update(placed)
-        if rest:
-            raise _probe_failed(rest)
+        steps = _placement(w)
+        ask = next(steps)
+        try:
+            while True:  # each lookup the placement asks for, answered through the client
+                ask = steps.send(self._occupants(ask[1]) if ask[0] == "occupants" else self._locate(ask[1]))
+        except StopIteration as done:
+            ids: dict[str, int] = done.value
         lay = c.layout
         for idarr, vecs, pls in w.runs(ids, lay.max_queries, lay.blob_bytes):
             c.upsert(idarr, vecs, pls, namespace=self.namespace)
@@ -522,24 +538,14 @@ class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unuse
             return []
         w = _Write(nodes, self.flat_metadata)
         pool = await self._apool()
-        occ = await self._aoccupants(pool, w.first.values())
-        ids = _same(w.first, occ)
-        rest = [nid for nid in w.node_ids if nid not in ids]
-        if rest:
-            ids.update(await self._alocate(pool, rest))
-            rest = [nid for nid in rest if nid not in ids]
-        taken = set(ids.values())
-        occupied: Collection[int] = set(occ)
-        for attempt in range(MAX_PROBES):
-            if not rest:
-                break
-            cand = {nid: kalos_id(nid, attempt) for nid in rest}
-            if attempt:
-                occupied = set(await self._aoccupants(pool, cand.values()))
-            placed, rest = claim(rest, cand, occupied, taken)
-            ids.update(placed)
-        if rest:
-            raise _probe_failed(rest)
+        steps = _placement(w)
+        ask = next(steps)
+        try:
+            while True:  # each lookup the placement asks for, answered through the pool
+                ask = steps.send(await self._aoccupants(pool, ask[1]) if ask[0] == "occupants"
+                                 else await self._alocate(pool, ask[1]))
+        except StopIteration as done:
+            ids: dict[str, int] = done.value
         lay = pool.layout
         await asyncio.gather(*(pool.upsert(idarr, vecs, pls, namespace=self.namespace)
                                for idarr, vecs, pls in w.runs(ids, lay.max_queries, lay.blob_bytes)))
