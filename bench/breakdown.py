@@ -96,8 +96,10 @@ def client_stages(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> 
     return out
 
 
-def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, reps: int) -> dict[str, float]:
-    """The backend's search of one query in this process: wall and GPU time (p50, us)."""
+def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, reps: int,
+              host_work: int | None = None) -> dict[str, Any]:
+    """The backend's search of one query in this process: wall and GPU time (p50, us), and the
+    path the CUDA backend took."""
     if backend != "cuda":
         from sidecar_cuda.backends.numpy_backend import NumpyBackend
         from broker.layout import Metric
@@ -107,7 +109,7 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
         from sidecar_cuda.backends.cuda.backend import CupyBackend
         from broker.layout import Metric
 
-        be = CupyBackend(storage_dtype=dtype)
+        be = CupyBackend(storage_dtype=dtype, **({} if host_work is None else {"host_work": host_work}))
     rng = np.random.default_rng(seed)
     m = be.new_matrix(dim, rows, Metric.DOT)
     chunk = 1 << 17
@@ -136,8 +138,11 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
                 import cupy as cp
 
                 gpu.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e6)
-    res = {"search wall": float(np.median(wall)) / 1e3}
-    if gpu:
+    res: dict[str, Any] = {"search wall": float(np.median(wall)) / 1e3}
+    paths = sorted(p for p, _bucket in getattr(be, "search_stats", {}))
+    if paths:
+        res["path"] = ",".join(paths)
+    if gpu and paths != ["host"]:
         res["GPU time (events)"] = float(np.median(gpu)) / 1e3
     be.close()
     return res
@@ -152,6 +157,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=300, help="in-process searches")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sidecar-args", default="")
+    ap.add_argument("--host-search-work", type=int, default=None,
+                    help="cuda: the sidecar's and the in-process backend's --host-search-work "
+                         "(default: theirs; 0: always the GPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     results = []
@@ -160,12 +168,14 @@ def main() -> int:
         name = f"kbd{os.getpid()}x{rows}"
         args = ["--dim", str(dim), "--backend", a.backend, "--dtype", dtype, "--ephemeral",
                 "--random-rows", str(rows), "--seed", str(a.seed), *a.sidecar_args.split()]
+        if a.host_search_work is not None:
+            args += ["--host-search-work", str(a.host_search_work)]
         proc = start_sidecar_process(args, name, timeout=600)
         try:
             st = client_stages(name, dim, a.k, a.n, 300, a.seed + 1)
         finally:
             stop_sidecar_process(proc)
-        ip = inprocess(a.backend, rows, dim, dtype, a.k, a.seed, a.reps)
+        ip = inprocess(a.backend, rows, dim, dtype, a.k, a.seed, a.reps, a.host_search_work)
         p50 = {s: float(np.median(v)) / 1e3 for s, v in st.items()}
         p99 = {s: float(np.percentile(v, 99)) / 1e3 for s, v in st.items()}
         serve = p50["sidecar serve"]
@@ -174,7 +184,7 @@ def main() -> int:
             split = {"kernel (GPU time)": ip["GPU time (events)"],
                      "launch + sync (backend wall - GPU)": ip["search wall"] - ip["GPU time (events)"],
                      "sidecar Python (serve - backend wall)": serve - ip["search wall"]}
-        else:
+        else:  # numpy, or the CUDA backend's host path
             split = {"search (in-process wall)": ip["search wall"],
                      "sidecar Python (serve - search)": serve - ip["search wall"]}
         print(f"\n{rows}x{dim} {dtype} backend={a.backend} k={a.k}: {a.n} lone recalls")
@@ -186,7 +196,8 @@ def main() -> int:
                     print(f"    {name2:38s} {v:9.1f}")
         print(f"  {'sum of stage p50s':40s} {sum(p50[s] for s in STAGES):9.1f}")
         print(f"  {'end to end (measured)':40s} {p50['end to end']:9.1f} {p99['end to end']:9.1f}")
-        print(f"  in-process search: " + ", ".join(f"{kk} {v:.1f} us" for kk, v in ip.items()))
+        print("  in-process search: " + ", ".join(f"{kk} {v:.1f} us" if isinstance(v, float) else f"{kk} {v}"
+                                                  for kk, v in ip.items()))
         results.append({"size": size, "rows": rows, "dim": dim, "dtype": dtype, "k": a.k, "n": a.n,
                         "p50_us": p50, "p99_us": p99, "serve_split_us": split, "inprocess_us": ip})
     if a.out:

@@ -60,7 +60,8 @@ class Sidecar:
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
         self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
-                                                 devices=cfg.devices, shards=cfg.shards)
+                                                 devices=cfg.devices, shards=cfg.shards,
+                                                 host_work=cfg.host_search_work)
         if cfg.max_k > self.backend.max_k:
             raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
                               f"limit of {self.backend.max_k}")

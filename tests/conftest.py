@@ -22,6 +22,10 @@ _counter = itertools.count()
 TEST_BACKEND = os.environ.get("KALOS_TEST_BACKEND", "numpy")
 #: ... and sharded: KALOS_TEST_SHARDS=3 gives every sidecar that names no --shards three shards.
 TEST_SHARDS = os.environ.get("KALOS_TEST_SHARDS", "")
+#: CUDA sidecars of the behavioural suites search on the GPU even where the work is small enough
+#: for the host copy (--host-search-work 0), so the suites cover the kernels; tests/gpu covers the
+#: host path. KALOS_TEST_HOST_SEARCH=default keeps the sidecar's default instead.
+TEST_HOST_SEARCH = os.environ.get("KALOS_TEST_HOST_SEARCH", "0")
 
 
 def unique_name(tag: str) -> str:
@@ -77,6 +81,9 @@ def sidecar_factory():
             full += ["--backend", TEST_BACKEND]
         if TEST_SHARDS and "--shards" not in full:
             full += ["--shards", TEST_SHARDS]
+        if (full[full.index("--backend") + 1] == "cuda" and TEST_HOST_SEARCH != "default"
+                and "--host-search-work" not in full):
+            full += ["--host-search-work", TEST_HOST_SEARCH]
         proc = start_sidecar_process(full, name, timeout=60)
         h = SidecarHandle(name, proc, full)
         handles.append(h)

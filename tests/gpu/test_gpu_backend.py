@@ -35,7 +35,7 @@ REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 4.5 * 2.0**-9}
 def backend(request):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype=request.param)
+    be = CupyBackend(storage_dtype=request.param, host_work=0)  # (the kernels: host path in test_gpu_host_path.py)
     yield be
     be.close()
 
@@ -156,7 +156,7 @@ def test_graph_replays_follow_n_b_k(backend, rng):
 def test_without_graphs(rng):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype="float16", use_graphs=False)
+    be = CupyBackend(storage_dtype="float16", use_graphs=False, host_work=0)
     try:
         m, x = fill(be, rng, 30_000, 128, Metric.DOT)
         for b in (1, 5, 30):
@@ -254,7 +254,7 @@ def test_pinned_host_buffer_is_used_in_place(backend, rng):
 def test_bad_arguments_and_close(rng):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype="float32")
+    be = CupyBackend(storage_dtype="float32", host_work=0)
     m, _x = fill(be, rng, 100, 8, Metric.DOT)
     with pytest.raises(ValueError):
         m.search(np.zeros((1, 9), np.float32), 100, 5)

@@ -24,7 +24,7 @@ REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
 def backend(request):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype=request.param)
+    be = CupyBackend(storage_dtype=request.param, host_work=0)  # (the kernels: host path in test_gpu_host_path.py)
     yield be
     be.close()
 

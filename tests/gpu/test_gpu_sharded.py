@@ -40,7 +40,7 @@ def _check(q, live, ids, scores, k, rtol, allowed=None):
 def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    plain = CupyBackend(storage_dtype=dtype)
+    plain = CupyBackend(storage_dtype=dtype, host_work=0)
     try:
         sh = Namespace("s", be, dim, Metric.DOT, capacity=64)
         un = Namespace("u", plain, dim, Metric.DOT, capacity=64)
@@ -86,7 +86,7 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
 def test_several_shards_on_one_gpu(rng, dtype):
     from sidecar_cuda.backends.cuda import CupyBackend
 
-    be = ShardedBackend([CupyBackend(storage_dtype=dtype, device=0) for _ in range(3)],
+    be = ShardedBackend([CupyBackend(storage_dtype=dtype, device=0, host_work=0) for _ in range(3)],
                         ["cuda:0"] * 3, block=256)
     try:
         assert len({id(b._stream) for b in be.backends}) == 3  # three streams, three buffer sets

@@ -145,6 +145,13 @@ def test_the_cuda_planner_picks_the_measured_paths():
     # A query too wide for the shared memory of 16 per block: fewer per block.
     big = planner.plan_path(16, 200, 10, 4096, **{**PLAN, "smem_optin": 100 * 1024}, half=False)
     assert big[0] == "small" and planner.small_smem(big[1], 4096) <= 100 * 1024 and big[1] < 16
+    # Work up to host_work (rows x queries x padded dim) is scored on the host copy; 0: never.
+    hw = planner.HOST_WORK
+    assert planner.plan_path(1, hw // 128, 10, 128, **PLAN, half=False, host_work=hw) == ("host", 0)
+    assert planner.plan_path(2, hw // 128, 10, 128, **PLAN, half=False, host_work=hw)[0] == "small"
+    assert planner.plan_path(1, hw // 128 + 1, 10, 128, **PLAN, half=False, host_work=hw)[0] == "small"
+    assert planner.plan_path(1, 256, 100, 128, **PLAN, half=False, host_work=hw) == ("host", 0)  # any k
+    assert planner.plan_path(1, 256, 10, 128, **PLAN, half=False, host_work=0)[0] == "small"
     assert planner.half_ok(1, 16, 3.0) and not planner.half_ok(1, 17, 3.0)
     assert not planner.half_ok(0, 10, 3.0) and not planner.half_ok(1, 10, 0.0)
     assert [planner.next_pow2(x) for x in (1, 2, 3, 257, 1024)] == [1, 2, 4, 512, 1024]

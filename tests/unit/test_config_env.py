@@ -136,3 +136,11 @@ def test_devices_shards_and_the_single_device_alias() -> None:
     assert _config({"KALOS_DEVICE": "1"}, ["--ephemeral"]).devices == "1"  # --device N: --devices N
     assert _config({}, ["--ephemeral", "--device", "0", "--devices", "all"]).devices == "0"
     assert _config({}, ["--ephemeral", "--random-payloads"]).random_payloads is True
+
+
+def test_host_search_work_is_checked_and_passed_on() -> None:
+    assert _config({}, ["--ephemeral"]).host_search_work is None  # the backend's default
+    assert _config({}, ["--ephemeral", "--host-search-work", "0"]).host_search_work == 0
+    assert _config({"KALOS_HOST_SEARCH_WORK": "4096"}, ["--ephemeral"]).host_search_work == 4096
+    with pytest.raises(ConfigError, match="host-search-work"):
+        _config({}, ["--ephemeral", "--host-search-work", "-1"])

@@ -11,7 +11,13 @@ Rows are stored in the storage dtype (float32, float16 or bfloat16; 16-bit value
 never infinite), padded with zeros to a multiple of 16 bytes; the squared norm of every stored row
 is kept on the device for l2. Writes, moves and growth are device-side updates of just those rows.
 
-A search takes one of three paths (``planner.plan_path``):
+A search takes one of four paths (``planner.plan_path``):
+
+* **host** (tiny work: at most ``host_work`` rows x queries x padded dim, ``--host-search-work``):
+  a launch, its completion and the copies cost more than the arithmetic (an empty launch plus
+  sync is 11-15 us on the H200's host, a 256 x 128 search 34 us in-process), so the rows are
+  scored on the CPU from a float32 copy of the stored values (``CupyMatrix.host_search``: read
+  back once, exactly as stored, and dropped by the next write, move or growth).
 
 * **fused** (k <= 32 and a single query, or a small matrix): one launch of ``kalos_small_q{QT}``
   scores QT queries per block against a slice of the rows, keeps per-warp top-k lists in
@@ -59,7 +65,7 @@ from sidecar_cuda.backends.cuda.kernels import MAX_K, SMALL_QT, STORAGE, WARP_K,
 from sidecar_cuda.backends.cuda.matrix import CupyMatrix
 from sidecar_cuda.backends.cuda.paths import SearchPaths
 from sidecar_cuda.backends.cuda.planner import (
-    GEMM_BLOCKS, HALF_K, QT_FOR, half_ok, plan_path, size_bucket,
+    GEMM_BLOCKS, HALF_K, HOST_WORK, QT_FOR, half_ok, plan_path, size_bucket,
 )
 
 log = logging.getLogger("kalos.cuda")
@@ -123,7 +129,8 @@ class CudaSearch(PolledFuture[SearchResult]):
 class CupyBackend(SearchPaths):
     """The CUDA backend (see the module docstring). ``storage_dtype``: float32, float16 or
     bfloat16. ``use_graphs``: replay CUDA graphs for the fused path. ``timeout_s``: the longest a
-    search may take before it is abandoned and the backend marked broken."""
+    search may take before it is abandoned and the backend marked broken. ``host_work``: searches
+    of at most this many rows x queries x padded dim run on the host copy (0: never)."""
 
     name = "cuda"
     code = 2
@@ -131,7 +138,7 @@ class CupyBackend(SearchPaths):
 
     def __init__(self, storage_dtype: str = "float32", device: int = 0, *, use_graphs: bool = True,
                  timeout_s: float = 30.0, small_batch_max: int = 1,
-                 small_work_max: int = 1 << 12) -> None:
+                 small_work_max: int = 1 << 12, host_work: int = HOST_WORK) -> None:
         if storage_dtype not in STORAGE:
             raise ConfigError(f"storage dtype must be float32, float16 or bfloat16, got {storage_dtype!r}")
         self.storage_dtype = storage_dtype
@@ -144,6 +151,9 @@ class CupyBackend(SearchPaths):
         # rows x queries: the crossover against the GEMM path measured on an H200 (docs/gpu.md).
         self.small_batch_max = small_batch_max
         self.small_work_max = small_work_max
+        if host_work < 0:
+            raise ConfigError(f"--host-search-work must be >= 0, got {host_work}")
+        self.host_work = host_work
         self._closed = False
         self._broken: str | None = None
         try:
@@ -283,10 +293,10 @@ class CupyBackend(SearchPaths):
         return "; ".join(parts) or "no searches"
 
     def _plan(self, b: int, n: int, k: int, m: CupyMatrix) -> tuple[str, int]:
-        """("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries."""
+        """("host", 0), ("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries."""
         return plan_path(b, n, k, m.dpad, smem_optin=self._smem_optin,
                          small_batch_max=self.small_batch_max, small_work_max=self.small_work_max,
-                         half=self._half_ok(m, k))
+                         half=self._half_ok(m, k), host_work=self.host_work)
 
     def free_bytes(self) -> int:
         """Device memory free for new arrays: the driver's free bytes plus CuPy's pooled ones."""
@@ -345,6 +355,10 @@ class CupyBackend(SearchPaths):
         elif path == "gemmh" and not self._half_ok(m, k):
             raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
         p.path = path
+        if path == "host":  # answered now, from the host copy (read back first if stale)
+            with self._guard("a search of the host copy"):
+                p.value = m.host_search(q, n, k)
+            return p
         bufs.busy = True
         try:
             with self._dev:
@@ -374,7 +388,9 @@ class CupyBackend(SearchPaths):
     def _collect(self, p: _Launch) -> SearchResult:
         """Wait for a launch and read its answer (redoing unproven half-score queries)."""
         if p.value is not None:
-            return p.value  # (empty: nothing to look up in row_ids)
+            if p.path != "host":
+                return p.value  # (empty: nothing to look up in row_ids)
+            return self._answer(p, *p.value)
         bufs, b, kk = p.bufs, len(p.q), p.kk
         try:
             self._wait(bufs.done)
@@ -403,7 +419,11 @@ class CupyBackend(SearchPaths):
             if self._retired:
                 oldest = min((x.seq for x in self._sets if x.busy), default=self._seq + 1)
                 self._retired = [(s, g) for s, g in self._retired if s >= oldest]
-        st = self.search_stats.setdefault((p.path, size_bucket(b)), [0, 0])
+        return self._answer(p, rows, scores)
+
+    def _answer(self, p: _Launch, rows: np.ndarray, scores: np.ndarray) -> SearchResult:
+        """A collected search: counted in ``search_stats``, its rows looked up in ``row_ids``."""
+        st = self.search_stats.setdefault((p.path, size_bucket(len(p.q))), [0, 0])
         st[0] += 1
         st[1] += time.perf_counter_ns() - p.t0
         if p.row_ids is not None:

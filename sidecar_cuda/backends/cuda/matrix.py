@@ -17,6 +17,7 @@ import numpy as np
 
 from broker.layout import Metric
 from sidecar_cuda.backends.base import PendingSearch, SearchResult
+from sidecar_cuda.backends.numpy_backend import topk_rows
 from sidecar_cuda.backends.cuda.kernels import BLOCK, Kernels
 from sidecar_cuda.backends.cuda.kernels import WARP_K
 from sidecar_cuda.backends.cuda.planner import (
@@ -76,6 +77,9 @@ class CupyMatrix:
         self._gathered: OrderedDict[Hashable, CupyMatrix] = OrderedDict()  # search_rows' cache
         # Queries served by each way of search_rows: "overfetch_<k'>", "gathered", "gather_reused".
         self.filter_stats = {"gathered": 0, "gather_reused": 0}
+        # Rows [0, n) as stored, widened to float32, and their squared norms (l2): the host
+        # path's copy, read back on first use and dropped by every write, move or growth.
+        self._host: tuple[np.ndarray, np.ndarray] | None = None
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
@@ -145,6 +149,32 @@ class CupyMatrix:
                      row_ids: np.ndarray | None = None) -> PendingSearch:
         return self.backend.search_async(self, queries, n, k, row_ids=row_ids)
 
+    def host_search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
+        """Exact top-k of float32 ``queries`` over rows [0, n), scored on the CPU from the host
+        copy of the stored rows (the backend's ``host`` path: work too small to pay a launch).
+        The formulas are the kernels': q.x, or 2 q.x - |x|^2 - |q|^2 for l2."""
+        rows, sqn = self._host_copy(n)
+        scores: np.ndarray = queries.dot(rows[:n].T)
+        if self.l2:
+            qn = np.einsum("ij,ij->i", queries, queries)
+            scores = 2.0 * scores - sqn[None, :n] - qn[:, None]
+        return topk_rows(scores, k)
+
+    def _host_copy(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The host copy of rows [0, n) at least, read back (behind every write on the stream)
+        when there is none or it is shorter."""
+        h = self._host
+        if h is None or len(h[0]) < n:
+            rows = self.read_rows(np.arange(n))
+            sqn = np.zeros(n, np.float32)
+            if self.l2:
+                be = self.backend
+                with be._guard("reading norms"), be._stream:
+                    sqn = be._cp.asnumpy(self.sqn[:n], stream=be._stream)
+                    be._stream.synchronize()
+            h = self._host = (rows, sqn)
+        return h
+
     def gathered(self, rows: np.ndarray) -> CupyMatrix:
         """A new matrix holding the rows ``rows`` of this one, in that order (gathered on the
         device; nothing crosses to the host)."""
@@ -172,6 +202,9 @@ class CupyMatrix:
         searched by the same exact paths."""
         be = self.backend
         m = len(candidates)
+        if m == n:  # (candidates are sorted and unique: every row matches)
+            self.filter_stats["all_rows"] = self.filter_stats.get("all_rows", 0) + len(queries)
+            return be.search(self, queries, n, k)
         b = len(queries)
         kk = min(k, m)
         out_r = np.empty((b, kk), np.int64)
@@ -216,8 +249,8 @@ class CupyMatrix:
     def _cheap_k(self, b: int, n: int) -> int:
         """The largest k' a batch of b queries can over-fetch on the path of its unfiltered
         search: HALF_K where that is the half-score GEMM, else WARP_K."""
-        path, _ = self.backend._plan(b, n, WARP_K, self)
-        return HALF_K if path != "small" and self.backend._half_ok(self, HALF_K) else WARP_K
+        path, _ = self.backend._plan(b, n, HALF_K, self)
+        return HALF_K if path == "gemmh" else WARP_K
 
     def _gather_kept(self, key: Hashable, matches: int) -> bool:
         """Are the gathered rows of ``key`` cached, or would they be?"""
@@ -232,8 +265,9 @@ class CupyMatrix:
         return max(min(GATHER_CACHE_MIN_BYTES, quarter), min(int(self.data.nbytes * GATHER_CACHE_FRACTION), quarter))
 
     def _forget_gathered(self) -> None:
-        """The rows change: gathered copies of them are stale."""
+        """The rows change: gathered copies of them, and the host copy, are stale."""
         self._gathered.clear()
+        self._host = None
 
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Stored rows as float32 (m, d): the storage dtype's values, widened (for export)."""

@@ -2,7 +2,9 @@
 
 * ``small``: the fused kernel (k <= 32, and one query or a small score matrix);
 * ``gemmh``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
-* ``gemm``: the float32-score GEMM, everything else.
+* ``gemm``: the float32-score GEMM, everything else;
+* ``host``: work too small to pay for a launch (at most ``host_work`` rows x queries x padded dim,
+  ``--host-search-work``) is scored on the sidecar's CPU from a float32 copy of the stored rows.
 
 The thresholds were measured on an H200 (docs/gpu.md).
 """
@@ -23,6 +25,8 @@ HALF_K = 16  # half-score path: largest k (the answer is proven exact against 32
 HALF_WORK_MIN = 1 << 26  # half-score path from this many scores (rows x queries) up: measured on
 # the H200 it costs ~60 us more than the GEMM path at 100k rows (any batch), the same at 1M x 64,
 # and 17% less at 1M x 256 (docs/gpu.md)
+HOST_WORK = 1 << 16  # default --host-search-work: rows x queries x padded dim scored on the host
+# copy at most. Measured on the H200's host (bench/results/h200-2026-12-02/probe-host-path.json)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
@@ -46,9 +50,11 @@ def half_ok(storage_code: int, k: int, max_norm: float) -> bool:
 
 
 def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch_max: int,
-              small_work_max: int, half: bool) -> tuple[str, int]:
-    """("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries over n rows.
-    ``half``: :func:`half_ok` for this matrix and k."""
+              small_work_max: int, half: bool, host_work: int = 0) -> tuple[str, int]:
+    """("host", 0), ("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries over n
+    rows. ``half``: :func:`half_ok` for this matrix and k; ``host_work``: see HOST_WORK."""
+    if b * n * dpad <= host_work:
+        return "host", 0
     if k <= WARP_K and (b <= small_batch_max or n * b <= small_work_max):
         qt = QT_FOR[min(b, SMALL_QT[-1])]
         while qt > 1 and small_smem(qt, dpad) > smem_optin:
