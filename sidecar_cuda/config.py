@@ -180,7 +180,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     opt("--host-search-work", kind=int, default=None,
         help="cuda backend: a search of at most this many rows x queries x padded dim is scored "
              "on the sidecar's CPU from a host copy of the rows, as a GPU launch would cost more "
-             "(default: 65536, measured on an H200 host; 0: always on the GPU)")
+             "(default: 131072, measured on an H200 host; 0: always on the GPU)")
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     opt("--random-payloads", default=False, switch=True,
         help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of '

@@ -25,6 +25,7 @@ def backend(request):
 
     be = CupyBackend(storage_dtype=request.param)  # the default --host-search-work
     assert be.host_work == HOST_WORK > 0
+    assert be.warm_s > 0 and be.search_stats == {} and not be._graphs  # warmed up, nothing left over
     yield be
     be.close()
 

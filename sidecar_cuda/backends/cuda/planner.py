@@ -25,8 +25,10 @@ HALF_K = 16  # half-score path: largest k (the answer is proven exact against 32
 HALF_WORK_MIN = 1 << 26  # half-score path from this many scores (rows x queries) up: measured on
 # the H200 it costs ~60 us more than the GEMM path at 100k rows (any batch), the same at 1M x 64,
 # and 17% less at 1M x 256 (docs/gpu.md)
-HOST_WORK = 1 << 16  # default --host-search-work: rows x queries x padded dim scored on the host
-# copy at most. Measured on the H200's host (bench/results/h200-2026-12-02/probe-host-path.json)
+HOST_WORK = 1 << 17  # default --host-search-work: rows x queries x padded dim scored on the host
+# copy at most. Measured in-process on the H200's host (bench/results/h200-2026-12-01e/
+# probe-host-path.json): the host copy wins at every shape up to 196 608 (by 10-60 %) and loses
+# at 262 144 (by 10-25 %)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
