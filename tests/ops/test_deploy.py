@@ -491,6 +491,16 @@ def test_local_workers_script_serves_recalls_and_stops_cleanly() -> None:
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/readyz", timeout=5) as r:
             assert r.status == 200
         assert os.path.exists(f"/dev/shm/kalos.{name}.leases")
+        # Both workers up (8 slots leased each) before the signal: a worker still in its startup
+        # when the sidecar stops waits its connect_timeout (30 s) for a new sidecar to serve.
+        leased = 0.0
+        while leased < 16:
+            assert time.monotonic() < deadline, f"only {leased} slots leased by the workers"
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+                text = r.read().decode()
+            leased = next(float(line.split()[1]) for line in text.splitlines()
+                          if line.startswith("kalos_slots_leased "))
+            time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C in a terminal does to the group
         proc.wait(timeout=30)
         assert not os.path.exists(f"/dev/shm/kalos.{name}.leases")
