@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """A/B of client-side coalescing on this machine: ``bench/bench_broker.py`` run alternately
-without and with ``--coalesce`` (or, with ``--base DIR``, the "off" side from another checkout,
-e.g. ``git archive HEAD | tar -x -C /tmp/kalos-base``), ``--runs`` times each, off first; optionally again with the sidecar's BLAS limited to
-one thread (``--blas1``: ``OPENBLAS_NUM_THREADS=1`` etc. in every process, to show what the
-sidecar's BLAS threads cost on a 2-vCPU machine). Writes every run's rows and the medians per row.
+without ("base") and with ("new") ``--coalesce``, ``--runs`` times each, base first. With
+``--base DIR`` (another checkout, e.g. ``git archive HEAD | tar -x -C /tmp/kalos-base``) three
+sides alternate: "base" (that checkout, coalescing off), "new-off" (this tree, off) and "new" (this
+tree, on). Optionally every case again with BLAS limited to one thread (``--blas1``:
+``OPENBLAS_NUM_THREADS=1`` etc. in every process, to show what the sidecar's BLAS threads cost on
+a 2-vCPU machine). Writes every run's rows and the medians per row.
 
     python bench/ab_coalesce.py --runs 3 --blas1 --out coalesce.json
 
 (bench/results/coalesce-vm-2026-12-01.json was made with ``--base``, a checkout of 7a7f306, when
-coalescing was the pool's default; "base" is off, "new" is on.)
+coalescing was the pool's default and the script had two sides: "base" is off, "new" is on.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kalos.testing.loadgen import environment  # noqa: E402
 
 BLAS1 = {v: "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
 FIELDS = ("p50_us", "p99_us", "recalls_per_s", "inproc_numpy_1q_p50_us",
-          "inproc_numpy_b64_recalls_per_s", "overhead_p50_us", "throughput_vs_b64")
+          "inproc_numpy_b64_recalls_per_s", "overhead_p50_us", "throughput_vs_b64",
+          "client_cpu_us_per_recall")
 
 
 def one_run(tree: str, args: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
@@ -57,7 +60,8 @@ def medians(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for (n, d, tasks, procs), rs in rows.items():
         m: dict[str, Any] = {"n": n, "dim": d, "tasks": tasks, "procs": procs, "runs": len(rs)}
         for f in FIELDS:
-            m[f] = round(statistics.median(r[f] for r in rs), 3)
+            if all(f in r for r in rs):  # (older checkouts lack the newer fields)
+                m[f] = round(statistics.median(r[f] for r in rs), 3)
         m["wrong"] = sum(r["wrong"] for r in rs)
         m["errors"] = sum(r["errors"] for r in rs)
         out.append(m)
@@ -73,18 +77,22 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     args = a.bench_args.split()
+    sides: list[tuple[str, str, list[str]]] = [("base", a.base or HERE, [])]
+    if a.base:
+        sides.append(("new-off", HERE, []))
+    sides.append(("new", HERE, ["--coalesce"]))
     envs = [("default", {})] + ([("blas1", BLAS1)] if a.blas1 else [])
     result: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "bench_command": f"python bench/bench_broker.py {a.bench_args}",
         "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
-        "method": f"base and new alternately, {a.runs} runs each, base first; medians per row",
+        "method": f"sides {[s for s, _t, _m in sides]} alternately, {a.runs} runs each, in that order; medians per row",
         "cases": {},
     }
     for label, extra in envs:
-        runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side, _t, _m in sides}
         for i in range(a.runs):
-            for side, tree, more in (("base", a.base or HERE, []), ("new", HERE, ["--coalesce"])):
+            for side, tree, more in sides:
                 print(f"# {label} {side} run {i + 1}/{a.runs}", flush=True)
                 runs[side].append(one_run(tree, args + more, extra))
         result["cases"][label] = {
@@ -96,11 +104,13 @@ def main() -> int:
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     for label, case in result["cases"].items():
-        for side in ("base", "new"):
+        for side, _t, _m in sides:
             for m in case[side]["median"]:
-                print(f"{label:8} {side:5} tasks={m['tasks']:<3} procs={m['procs']}  p50 {m['p50_us']:8.1f} us"
+                cpu = m.get("client_cpu_us_per_recall")
+                print(f"{label:8} {side:7} tasks={m['tasks']:<3} procs={m['procs']}  p50 {m['p50_us']:8.1f} us"
                       f"  {m['recalls_per_s']:9,.0f}/s  x{m['throughput_vs_b64']:.3f} of b64 "
-                      f"({m['inproc_numpy_b64_recalls_per_s']:,.0f}/s)  overhead {m['overhead_p50_us']:+.1f} us")
+                      f"({m['inproc_numpy_b64_recalls_per_s']:,.0f}/s)  overhead {m['overhead_p50_us']:+.1f} us"
+                      + ("" if cpu is None else f"  client CPU {cpu:.1f} us/recall"))
     print(f"# wrote {a.out}")
     return 0
 

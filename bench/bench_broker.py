@@ -78,13 +78,16 @@ def main() -> int:
                                "inproc_numpy_1q_p50_us": round(base1["p50_us"], 1),
                                "inproc_numpy_b64_recalls_per_s": round(base64_tput),
                                "overhead_p50_us": round(p["p50_us"] - base1["p50_us"], 1),
+                               # CPU of the client processes per recall (measured window)
+                               "client_cpu_us_per_recall": round(res.client_cpu_s / max(1, res.count) * 1e6, 1),
                                "throughput_vs_b64": round(res.throughput / base64_tput, 3)}
                         rows.append(row)
                         print(f"{n:>8}x{d:<4} {loop:7} tasks={tasks:<3} procs={procs}  p50={p['p50_us']:8.1f}us "
                               f"p95={p['p95_us']:8.1f} p99={p['p99_us']:8.1f}  {res.throughput:10,.0f}/s  "
                               f"| numpy 1q p50 {base1['p50_us']:.1f}us, b64 {base64_tput:,.0f}/s  "
                               f"| overhead {row['overhead_p50_us']:+.1f}us, tput x{row['throughput_vs_b64']:.2f}"
-                              f"  wrong {wrong}/{checked}", flush=True)
+                              f"  client CPU {row['client_cpu_us_per_recall']:.1f} us/recall  wrong {wrong}/{checked}",
+                              flush=True)
         finally:
             stop_sidecar_process(proc)
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

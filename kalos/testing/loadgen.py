@@ -44,6 +44,7 @@ class LoadResult:
     elapsed_s: float
     errors: int
     samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # (q, ids, scores)
+    client_cpu_s: float = 0.0  # CPU time of the client processes in the measured window (all)
 
     @property
     def count(self) -> int:
@@ -105,11 +106,20 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
                     if progress is not None and done % 256 == 0:
                         progress.value += 256
 
+        cpu0 = [0.0]
+
+        async def mark_cpu() -> None:  # this process's CPU time from the measured window's start
+            await asyncio.sleep(max(0.0, t_measure - time.perf_counter()))
+            cpu0[0] = time.process_time()
+
+        marker = asyncio.ensure_future(mark_cpu())
         t0 = time.perf_counter()
         await asyncio.gather(*(task(j) for j in range(n_tasks)))
         elapsed = time.perf_counter() - max(t0 + spec.warmup_s, t0)
+        cpu_s = time.process_time() - cpu0[0] if marker.done() else 0.0
+        marker.cancel()
     return {"lat": np.asarray(lat, np.int64), "elapsed": min(elapsed, spec.duration_s),
-            "errors": errors, "samples": samples}
+            "errors": errors, "samples": samples, "cpu_s": cpu_s}
 
 
 def _worker(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, out: Any, progress: Any) -> None:
@@ -153,7 +163,8 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
     lat = np.concatenate([r["lat"] for r in results]) if results else np.empty(0, np.int64)
     elapsed = max(r["elapsed"] for r in results)
     samples = [s for r in results for s in r["samples"]]
-    return LoadResult(lat, elapsed, sum(r["errors"] for r in results), samples)
+    return LoadResult(lat, elapsed, sum(r["errors"] for r in results), samples,
+                      sum(r["cpu_s"] for r in results))
 
 
 def check_samples(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], matrix: np.ndarray,

@@ -1,19 +1,40 @@
 """CPU backend: one matrix product for the whole batch, then exact top-k per query.
 
-``search_async`` runs the search on the backend's one worker thread (numpy releases the GIL in
-the product and the selection) and returns its Future, so the sidecar's pipeline overlaps it with
-its own work."""
+``search_async`` runs a large search (:data:`INLINE_WORK` and more) on the backend's one worker
+thread (numpy releases the GIL in the product and the selection) and returns its Future, so the
+sidecar's pipeline overlaps it with its own work; a smaller one runs at once on the calling thread
+(handing it to a thread and back costs more than it). Products below :data:`SMALL_WORK` run on one
+BLAS thread (:mod:`sidecar_cuda.backends.blas`, :func:`blas_threads`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from broker.layout import Metric
 from sidecar_cuda.backends.base import PendingSearch, SearchResult
+from sidecar_cuda.backends.blas import BlasThreads, find_blas_threads
+
+#: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
+#: one core of the 2-vCPU VM (n 256, 64 queries, dim 128: 69 us on one thread, 41 us on two with
+#: the second core idle, milliseconds when a client holds it); a lone recall over 100k x 128
+#: (2^23.6) keeps every thread (3.3 ms on one, 1.5 ms on two).
+SMALL_WORK = 1 << 22
+#: Work below which ``search_async`` searches at once instead of on the worker thread.
+INLINE_WORK = 1 << 26
+
+
+def blas_threads(work: int, default: int, others_busy: bool) -> int | None:
+    """The BLAS thread count for a product of ``work``: one below :data:`SMALL_WORK`, the
+    library's default above; None (leave it) while another thread may be inside BLAS, since
+    the setting is process-wide. Pure."""
+    want = 1 if work < SMALL_WORK else default
+    if want != default and others_busy:
+        return None
+    return want
 
 
 def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -75,6 +96,7 @@ class NumpyMatrix:
         self.data, self.sqnorm, self.capacity = data, sq, capacity
 
     def _scores(self, queries: np.ndarray, data: np.ndarray, sqnorm: np.ndarray) -> np.ndarray:
+        self.backend.threads_for(len(queries) * len(data) * self.dim)
         scores: np.ndarray = queries.dot(data.T)
         if self.metric == Metric.L2:
             qn = np.einsum("ij,ij->i", queries, queries)
@@ -102,6 +124,8 @@ class NumpyMatrix:
 
     def search_async(self, queries: np.ndarray, n: int, k: int, *,
                      row_ids: np.ndarray | None = None) -> PendingSearch:
+        if n * len(queries) * self.dim < INLINE_WORK:
+            return self.backend.run_now(self._search_ids, queries, n, k, row_ids)
         return self.backend.submit(self._search_ids, queries, n, k, row_ids)
 
     def _search_ids(self, queries: np.ndarray, n: int, k: int,
@@ -119,6 +143,8 @@ class NumpyBackend:
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"
         self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
+        self._last: PendingSearch | None = None  # the worker's last job (FIFO: done = all done)
+        self.blas: BlasThreads | None = find_blas_threads()
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
         return NumpyMatrix(dim, capacity, metric, self)
@@ -127,7 +153,28 @@ class NumpyBackend:
         """Run ``fn(*args)`` on the backend's one worker thread (started on first use)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kalos-search")
-        return self._pool.submit(fn, *args)
+        self._last = self._pool.submit(fn, *args)
+        return self._last
+
+    @staticmethod
+    def run_now(fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:
+        """Run ``fn(*args)`` on this thread; its result (or error) as a finished Future."""
+        f: PendingSearch = Future()
+        try:
+            f.set_result(fn(*args))
+        except Exception as e:
+            f.set_exception(e)
+        return f
+
+    def threads_for(self, work: int) -> None:
+        """Set the BLAS thread count for a product of ``work`` (:func:`blas_threads`)."""
+        blas = self.blas
+        if blas is None:
+            return
+        last = self._last
+        n = blas_threads(work, blas.default, last is not None and not last.done())
+        if n is not None:
+            blas.set(n)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return np.empty(shape, dtype)
@@ -136,3 +183,5 @@ class NumpyBackend:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.blas is not None:
+            self.blas.set(self.blas.default)

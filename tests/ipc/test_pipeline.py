@@ -1,7 +1,8 @@
 """The sidecar's pipeline (``--pipeline on``) at its two delicate moments, forced deterministically:
 callers posting just as the sidecar announces that it sleeps, and a stop with two batches in flight
-and one more posted. A real sidecar (in this process, on the numpy backend, whose searches run on
-its worker thread) serves real slots and semaphores; answers are checked against float64."""
+and one more posted. A real sidecar (in this process, on the numpy backend, whose searches of
+INLINE_WORK and more run on its worker thread) serves real slots and semaphores; answers are
+checked against float64."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from broker.layout import S_DONE, Op, Status
 from clients._transport import Connection
 from conftest import unique_name
+from sidecar_cuda.backends.numpy_backend import INLINE_WORK
 from sidecar_cuda.server import ServeConfig, Sidecar
 
 pytestmark = pytest.mark.timeout(60)
@@ -88,7 +90,10 @@ def test_stop_answers_every_request_posted_before_it(seed):
     """Two batches in flight (the pipeline's depth) and a fifth request posted: the stop must
     answer all five, not leave the fifth POSTED for its caller to see as BrokerUnavailable."""
     rng = np.random.default_rng(seed)
-    n, d = 300_000, 64  # big enough that a search is still running when the next one is taken
+    # Big enough that a batch of two queries runs on the worker thread (smaller ones are searched
+    # at once) and is still running when the next one is taken.
+    d = 64
+    n = INLINE_WORK // (2 * d) + 1
     cfg = ServeConfig(name=unique_name("pstop"), dim=d, slots=8, backend="numpy",
                       random_rows=n, seed=seed, pipeline="on")
     matrix = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)

@@ -14,7 +14,8 @@ import pytest
 from broker.layout import Metric
 from sidecar_cuda.backends.base import PolledFuture, completed
 from sidecar_cuda.backends.cuda import kernels, planner
-from sidecar_cuda.backends.numpy_backend import NumpyBackend
+from sidecar_cuda.backends import blas
+from sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
 from sidecar_cuda.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
@@ -91,7 +92,7 @@ def test_completed_and_numpy_searches_are_futures(rng):
         ref_rows, ref_scores = m.search(q, 50, 5)
         np.testing.assert_array_equal(rows, ref_rows)
         np.testing.assert_array_equal(scores, ref_scores)
-        # Rows come back as ids when the store's row -> id map is given (on the worker thread).
+        # Rows come back as ids when the store's row -> id map is given.
         row_ids = np.arange(1000, 1050)
         ids, _s = m.search_async(q, 50, 5, row_ids=row_ids).result(timeout=10)
         np.testing.assert_array_equal(ids, row_ids[ref_rows])
@@ -100,6 +101,87 @@ def test_completed_and_numpy_searches_are_futures(rng):
         assert where[0].startswith("kalos-search")
     finally:
         be.close()
+
+
+def test_small_searches_run_at_once_and_large_ones_on_the_worker(rng):
+    """Handing a small search to a thread and back costs more than the search: it runs on the
+    calling thread (errors come back in the future); from INLINE_WORK on it is the worker's."""
+    be = NumpyBackend()
+    try:
+        dim = 128
+        n_big = INLINE_WORK // (64 * dim)
+        m = be.new_matrix(dim, n_big, Metric.DOT)
+        x = rng.standard_normal((n_big, dim)).astype(np.float32)
+        m.write_rows(np.arange(n_big), x)
+        names: list[str] = []
+        real = m._search_ids
+
+        def spy(*a: object) -> object:
+            names.append(threading.current_thread().name)
+            return real(*a)  # type: ignore[arg-type]
+
+        m._search_ids = spy  # type: ignore[method-assign]
+        q = rng.standard_normal((64, dim)).astype(np.float32)
+        for n, where in ((n_big - 1, threading.current_thread().name), (n_big, "kalos-search")):
+            rows, scores = m.search_async(q, n, 10).result(timeout=30)
+            assert names[-1].startswith(where)
+            ref = q.astype(np.float64) @ x[:n].astype(np.float64).T
+            np.testing.assert_array_equal(np.sort(rows, axis=1),
+                                          np.sort(np.argsort(-ref, axis=1)[:, :10], axis=1))
+        bad = m.search_async(np.zeros((2, dim + 1), np.float32), 10, 3)  # wrong width: fails
+        assert bad.done() and isinstance(bad.exception(), ValueError)
+    finally:
+        be.close()
+
+
+def test_blas_threads_policy():
+    assert blas_threads(SMALL_WORK - 1, 8, others_busy=False) == 1
+    assert blas_threads(SMALL_WORK, 8, others_busy=False) == 8
+    assert blas_threads(SMALL_WORK - 1, 8, others_busy=True) is None  # a worker is inside BLAS
+    assert blas_threads(SMALL_WORK, 8, others_busy=True) == 8
+    assert blas_threads(10, 1, others_busy=True) == 1
+
+
+def test_loaded_openblas_reads_the_process_maps(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 12 /usr/lib/libc.so.6\n"
+        "7f02-7f03 r-xp 00000000 08:01 13 /site/numpy.libs/libscipy_openblas64_-32a4b2a6.so\n"
+        "7f03-7f04 r--p 00001000 08:01 13 /site/numpy.libs/libscipy_openblas64_-32a4b2a6.so\n"
+        "7f05-7f06 rw-p 00000000 00:00 0 \n"
+        "7f07-7f08 r-xp 00000000 08:01 14 /opt/openblas/include/openblas_config.h\n")
+    assert blas.loaded_openblas(str(maps)) == ["/site/numpy.libs/libscipy_openblas64_-32a4b2a6.so"]
+    assert blas.loaded_openblas(str(tmp_path / "missing")) == []
+
+
+def test_small_products_run_on_one_blas_thread_and_large_ones_on_all(rng):
+    """Against the library numpy really loaded: its own getter reports what the backend set."""
+    be = NumpyBackend()
+    ctl = be.blas
+    if ctl is None:
+        pytest.skip("numpy is not linked to an OpenBLAS here")
+    try:
+        m = be.new_matrix(64, 256, Metric.DOT)
+        m.write_rows(np.arange(256), rng.standard_normal((256, 64)).astype(np.float32))
+        m.search(rng.standard_normal((4, 64)).astype(np.float32), 256, 5)
+        assert ctl.current == 1 and _library_threads(ctl) == 1
+        be.threads_for(SMALL_WORK)
+        assert ctl.current == ctl.default and _library_threads(ctl) == ctl.default
+    finally:
+        be.close()
+    assert _library_threads(ctl) == ctl.default  # close() restores the library's default
+
+
+def _library_threads(ctl: blas.BlasThreads) -> int:
+    import ctypes
+
+    lib = ctypes.CDLL(ctl.library)
+    for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                 "scipy_openblas_get_num_threads", "openblas_get_num_threads"):
+        f = getattr(lib, name, None)
+        if f is not None:
+            return int(f())
+    raise AssertionError("no getter")
 
 
 def test_a_namespace_search_started_gives_ids(rng):
