@@ -339,6 +339,12 @@ __device__ __forceinline__ void list_insert(float* ls, int* lr, float* ss, int* 
     __syncwarp();
 }
 
+// FT_NO_MMA_SYNC=1 (fused_wgmma.py) leaves this kernel out: that build reuses only the helpers,
+// ft_prep, ft_merge and ft_exact of this file.
+#ifndef FT_NO_MMA_SYNC
+#define FT_NO_MMA_SYNC 0
+#endif
+#if !FT_NO_MMA_SYNC
 // Shared memory: STAGES x (BM rows + BQ queries) x LDS halves of pipeline, then per query a sorted
 // list of KC (score, row), a staging area of CAP (score, row), the gate and the staging count.
 extern "C" __global__ void __launch_bounds__(FT_THREADS, FT_MINB)
@@ -599,6 +605,7 @@ extern "C" __global__ void __launch_bounds__(FT_THREADS, FT_MINB)
     }
 }
 
+#endif  // !FT_NO_MMA_SYNC
 // ------------------------------------------------------------------ merge, rescore, prove
 // One block of 32 warps per query. Shared: P lists of KC (score, row), then KC exact scores and rows.
 extern "C" __global__ void __launch_bounds__(FT_MTHREADS)

@@ -5,6 +5,8 @@ Per batch size: CUDA-event GPU time (median of --reps after warm-up) of
   (a) FusedTopK.launch (prep + fused + merge/rescore; queries already on the device), its stages,
       and every tile shape of the sweep; plus the wall time of FusedTopK.search (adds the proof
       check's flag read-back);
+  (a2) WgmmaTopK (fused_wgmma.py: the wgmma / sm_90a scoring kernel, same selection, rescore and
+      proof), its stages and its sweep (--no-wsweep skips it; --no-wgmma skips the variant);
   (b) CupyBackend.search on a matrix holding the same rows: the planner's path and each of the
       float32-score ("gemm") and half-score ("gemmh") paths forced (H2D of the float32 queries
       included: that is the path as served; h2d_ms gives that copy alone);
@@ -82,7 +84,9 @@ def main() -> int:
     ap.add_argument("--batches", default="16,32,64,128,256")
     ap.add_argument("-k", type=int, default=10)
     ap.add_argument("--reps", type=int, default=25)
-    ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the mma.sync shape sweep")
+    ap.add_argument("--no-wsweep", action="store_true", help="skip the wgmma shape sweep")
+    ap.add_argument("--no-wgmma", action="store_true", help="skip the wgmma variant")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "fused_probe.json"))
     a = ap.parse_args()
 
@@ -129,6 +133,12 @@ def main() -> int:
     t0 = time.perf_counter()
     ft = FusedTopK(X)
     res["fused_init_s"] = time.perf_counter() - t0
+    wt = None
+    if not a.no_wgmma:
+        from fused_wgmma import W_ALT_CONFIGS, W_DIAG_CONFIGS, WCONFIGS, WgmmaTopK
+        t0 = time.perf_counter()
+        wt = WgmmaTopK(X)
+        res["wgmma_init_s"] = time.perf_counter() - t0
 
     be = CupyBackend("float16")
     m = be.new_matrix(d, n, Metric.DOT)
@@ -213,6 +223,61 @@ def main() -> int:
                 best = min(ok, key=lambda name: ok[name])
                 r["fused_best_config"], r["fused_best_gpu_ms"] = best, ok[best]
 
+        # (a2) the wgmma variant, same rows and queries
+        if wt is not None:
+            wt.wconfig_override = None
+            pl = wt.plan(b, k)
+            r["wgmma_config"] = pl["config"].name()
+            r["wgmma_stages"] = pl["stages"]
+            r["wgmma_grid"] = pl["grid"]
+            r["wgmma_parts"] = pl["parts"]
+            r["wgmma_occupancy"] = pl["occupancy"]
+            r["wgmma_smem"] = pl["smem"]
+            fb0 = wt.fallbacks
+            ids, _ = wt.search(q, k)
+            r["wgmma_wrong"] = wrong(ids)
+            r["wgmma_fallbacks"] = wt.fallbacks - fb0
+            r["wgmma_gpu_ms"] = gpu_ms(cp, lambda: wt.launch(q, k), reps)
+            r["wgmma_wall_ms"] = wall_ms(cp, lambda: wt.search(q, k), 10)
+            smb = wt.sample_min_b
+            wt.sample_min_b = 10**9  # the sampled starting gate off: the gate starts at -inf
+            r["wgmma_nosample_gpu_ms"] = gpu_ms(cp, lambda: wt.launch(q, k), reps)
+            wt.sample_min_b = smb
+            r["wgmma_sampled_gate"] = b >= smb
+            ev = [cp.cuda.Event() for _ in range(4)]
+            wt.stage_events = ev
+            st = {"prep": [], "fused": [], "merge": []}
+            for _ in range(10):
+                wt.launch(q, k)
+                ev[3].synchronize()
+                for i, name in enumerate(("prep", "fused", "merge")):
+                    st[name].append(cp.cuda.get_elapsed_time(ev[i], ev[i + 1]))
+            wt.stage_events = None
+            for name, v in st.items():
+                r[f"wgmma_stage_{name}_ms"] = float(np.median(v))
+            if not a.no_wsweep:
+                sweep = {}
+                for cfg in list(WCONFIGS.values()) + W_ALT_CONFIGS + W_DIAG_CONFIGS:
+                    if cfg.bq > max(16, 2 * b):
+                        continue
+                    wt.wconfig_override = cfg
+                    try:
+                        ids, _, _ = wt.launch(q, k)
+                        w_ = wrong(ids)
+                        t = gpu_ms(cp, lambda: wt.launch(q, k), reps)
+                        sweep[cfg.name()] = {"gpu_ms": t, "wrong_unchecked": w_,
+                                             "grid": wt.plan(b, k)["grid"],
+                                             "stages": wt.plan(b, k)["stages"]}
+                    except Exception as e:
+                        sweep[cfg.name()] = {"error": f"{type(e).__name__}: {e}"}
+                wt.wconfig_override = None
+                r["wgmma_sweep"] = sweep
+                ok = {kk: v["gpu_ms"] for kk, v in sweep.items()
+                      if "gpu_ms" in v and "NOEPI" not in kk}
+                if ok:
+                    best = min(ok, key=lambda name: ok[name])
+                    r["wgmma_best_config"], r["wgmma_best_gpu_ms"] = best, ok[best]
+
         # (b) the project's backend, same rows
         s = be._stream
 
@@ -226,7 +291,7 @@ def main() -> int:
             r[f"{label}_wrong"] = wrong(ids_b)
             pend = be.search_async(m, qn, n, k, path=path)
             pend.result()
-            r[f"{label}_path"] = pend.path
+            r[f"{label}_path"] = getattr(pend, "path", None) or pend._launch.path
 
             # events on the backend's stream: from before the enqueue to the end of its work
             for _ in range(3):
@@ -265,18 +330,31 @@ def main() -> int:
                                                         rt.memcpyHostToDevice, 0), reps)
         flops = 2.0 * b * n * d
         r["fused_tflops"] = flops / (r["fused_gpu_ms"] / 1e3) / 1e12
+        if wt is not None:
+            r["wgmma_tflops"] = flops / (r["wgmma_gpu_ms"] / 1e3) / 1e12
+            r["wgmma_fused_stage_tflops"] = flops / (r["wgmma_stage_fused_ms"] / 1e3) / 1e12
+            r["wgmma_gpu_qps"] = b / (r["wgmma_gpu_ms"] / 1e3)
         r["cublas_tflops"] = flops / (r["cublas_f32out_ms"] / 1e3) / 1e12
         for key in ("fused_gpu_ms", "backend_gpu_ms", "cublas_f32out_ms"):
             r[key.replace("_ms", "_qps")] = b / (r[key] / 1e3)
         del s64
         cp.get_default_memory_pool().free_all_blocks()
         print(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in r.items()
-                          if kk != "fused_sweep"}), flush=True)
+                          if kk not in ("fused_sweep", "wgmma_sweep")}), flush=True)
         if "fused_sweep" in r:
             print("  sweep:", {kk: v.get("gpu_ms", v.get("error")) for kk, v in r["fused_sweep"].items()},
                   flush=True)
+        if "wgmma_sweep" in r:
+            print("  wsweep:", {kk: v.get("gpu_ms", v.get("error")) for kk, v in r["wgmma_sweep"].items()},
+                  flush=True)
         rows.append(r)
+        res["batches"] = rows  # written after every batch: a later failure keeps what was measured
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
     res["batches"] = rows
+    if wt is not None:
+        res["wgmma_fallbacks_total"] = wt.fallbacks
     res["fused_fallbacks_total"] = ft.fallbacks
     res["machine"]["nvidia_smi_after"] = machine()["nvidia_smi"]
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
@@ -286,6 +364,15 @@ def main() -> int:
     print(f"\n{res['machine'].get('device')} | {res['machine']['nvidia_smi']} | cupy {cp.__version__} "
           f"| CUDA rt {res['versions']['cuda_runtime']} | copy {res['copy_TBps']:.2f} TB/s, "
           f"one read of X {res['read_floor_ms']:.3f} ms")
+    if wt is not None:
+        print(f"{'B':>4} | {'wgmma ms':>8} {'TF/s':>5} {'cfg':>12} {'wrong':>5} {'fb':>3} | {'old ms':>7} | "
+              f"{'backend ms':>10} {'path':>5} | {'cuBLAS32':>8} {'cuBLAS16':>8} | wgmma/backend  wgmma/old")
+        for r in rows:
+            print(f"{r['batch']:>4} | {r['wgmma_gpu_ms']:8.3f} {r['wgmma_tflops']:5.0f} {r['wgmma_config']:>12} "
+                  f"{r['wgmma_wrong']:5d} {r['wgmma_fallbacks']:3d} | {r['fused_gpu_ms']:7.3f} | "
+                  f"{r['backend_gpu_ms']:10.3f} {r['backend_path']:>5} | {r['cublas_f32out_ms']:8.3f} "
+                  f"{r['cublas_f16out_ms']:8.3f} | {r['wgmma_gpu_ms'] / r['backend_gpu_ms']:.2f}  "
+                  f"{r['wgmma_gpu_ms'] / r['fused_gpu_ms']:.2f}")
     hdr = (f"{'B':>4} | {'fused ms':>8} {'q/s':>8} {'cfg':>16} {'wrong':>5} | {'best':>7} | "
            f"{'backend ms':>10} {'path':>5} {'q/s':>8} {'wrong':>5} | {'gemm':>6} {'gemmh':>6} | "
            f"{'cuBLAS32':>8} {'cuBLAS16':>8} | {'h2d':>5} | fused/backend")
