@@ -208,10 +208,10 @@ class RecallPool:
     ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
     to it and be closed to other users; raises UntrustedBroker otherwise).
 
-    **Coalescing** (``coalesce=True``; off by default: measured, it packs ~7.5 recalls per slot
-    under load but raised throughput neither on a 2-vCPU host nor on an H200 at 1M rows (there
-    measured before multi-row slots took the sidecar's uniform route);
-    bench/results/README.md). A lone recall (a free slot, nothing queued,
+    **Coalescing** (``coalesce=True``; off by default: measured on a 2-vCPU host it raised 64
+    tasks in one process by a quarter but 64 tasks in four processes by nothing beyond noise, and
+    on an H200 at 1M rows it was slower, there measured before multi-row slots took the sidecar's
+    uniform route; bench/results/README.md). A lone recall (a free slot, nothing queued,
     nothing of this pool in flight) is sent at once, in a slot of its own, as without coalescing.
     A recall that would wait anyway, because no slot is free, other recalls are already queued,
     or this pool already has requests in flight (the sidecar is busy with them), is queued
