@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger("kalos.sidecar")
@@ -39,22 +40,46 @@ def loaded_openblas(maps_path: str = "/proc/self/maps") -> list[str]:
 
 
 class BlasThreads:
-    """Set the library's thread count; calls it only when the count changes."""
+    """Set the library's thread count (process-wide); calls it only when the count changes.
+    ``busy`` counts the searches running on worker threads, which may be inside BLAS: the count
+    is lowered only while none is (raising it back is always allowed)."""
 
     def __init__(self, setter: Callable[[int], None], getter: Callable[[], int], library: str) -> None:
         self._set = setter
         self.library = library
         self.default = max(1, int(getter()))  # what the library (or OPENBLAS_NUM_THREADS) chose
         self.current = self.default
+        self._lock = threading.Lock()
+        self.busy = 0
 
     def set(self, n: int) -> None:
-        if n != self.current:
-            self._set(n)
-            self.current = n
+        with self._lock:
+            if n != self.current:
+                self._set(n)
+                self.current = n
+
+    def enter(self) -> None:
+        """A worker-thread search is about to run."""
+        with self._lock:
+            self.busy += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.busy -= 1
+
+
+_FOUND: list[BlasThreads | None] = []  # the one control of this process, once looked for
 
 
 def find_blas_threads() -> BlasThreads | None:
-    """The thread control of the OpenBLAS numpy loaded, or None (logged once)."""
+    """The thread control of the OpenBLAS numpy loaded, or None (logged once). The same object
+    for every caller: the setting is process-wide, and so is the ``busy`` count."""
+    if not _FOUND:
+        _FOUND.append(_find())
+    return _FOUND[0]
+
+
+def _find() -> BlasThreads | None:
     import numpy  # noqa: F401  (loads the library, if it is not loaded yet)
 
     for path in loaded_openblas():

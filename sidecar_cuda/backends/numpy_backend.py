@@ -143,7 +143,6 @@ class NumpyBackend:
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"
         self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
-        self._last: PendingSearch | None = None  # the worker's last job (FIFO: done = all done)
         self.blas: BlasThreads | None = find_blas_threads()
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
@@ -153,8 +152,17 @@ class NumpyBackend:
         """Run ``fn(*args)`` on the backend's one worker thread (started on first use)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kalos-search")
-        self._last = self._pool.submit(fn, *args)
-        return self._last
+        blas = self.blas
+        if blas is None:
+            return self._pool.submit(fn, *args)
+        blas.enter()  # before it can start: no thread lowers the count under it
+        try:
+            fut = self._pool.submit(fn, *args)
+        except BaseException:
+            blas.leave()
+            raise
+        fut.add_done_callback(lambda _f: blas.leave())
+        return fut
 
     @staticmethod
     def run_now(fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:
@@ -171,8 +179,7 @@ class NumpyBackend:
         blas = self.blas
         if blas is None:
             return
-        last = self._last
-        n = blas_threads(work, blas.default, last is not None and not last.done())
+        n = blas_threads(work, blas.default, blas.busy > 0)
         if n is not None:
             blas.set(n)
 

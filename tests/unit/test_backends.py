@@ -158,8 +158,8 @@ def test_small_products_run_on_one_blas_thread_and_large_ones_on_all(rng):
     """Against the library numpy really loaded: its own getter reports what the backend set."""
     be = NumpyBackend()
     ctl = be.blas
-    if ctl is None:
-        pytest.skip("numpy is not linked to an OpenBLAS here")
+    if ctl is None or ctl.default == 1:
+        pytest.skip("numpy is not linked to an OpenBLAS here, or it runs one thread anyway")
     try:
         m = be.new_matrix(64, 256, Metric.DOT)
         m.write_rows(np.arange(256), rng.standard_normal((256, 64)).astype(np.float32))
@@ -170,6 +170,37 @@ def test_small_products_run_on_one_blas_thread_and_large_ones_on_all(rng):
     finally:
         be.close()
     assert _library_threads(ctl) == ctl.default  # close() restores the library's default
+
+
+def test_the_blas_count_is_not_lowered_while_a_worker_may_be_inside_blas(rng):
+    """The setting is process-wide: while a search runs on a worker thread (of this or another
+    backend: sharded numpy has several), a small product elsewhere leaves it alone."""
+    a, b = NumpyBackend(), NumpyBackend()
+    ctl = a.blas
+    if ctl is None or ctl.default == 1:
+        pytest.skip("numpy is not linked to an OpenBLAS here, or it runs one thread anyway")
+    assert b.blas is ctl  # one control per process
+    release = threading.Event()
+    try:
+        b.threads_for(SMALL_WORK)
+        assert ctl.current == ctl.default
+        job = b.submit(lambda: (release.wait(10), None))  # a worker search "inside BLAS"
+        assert ctl.busy == 1
+        a.threads_for(SMALL_WORK - 1)
+        assert ctl.current == ctl.default and _library_threads(ctl) == ctl.default
+        release.set()
+        job.result(timeout=10)
+        for _ in range(100):  # (the done callback runs on the worker thread, just after)
+            if ctl.busy == 0:
+                break
+            threading.Event().wait(0.01)
+        assert ctl.busy == 0
+        a.threads_for(SMALL_WORK - 1)
+        assert ctl.current == 1 and _library_threads(ctl) == 1
+    finally:
+        release.set()
+        a.close()
+        b.close()
 
 
 def _library_threads(ctl: blas.BlasThreads) -> int:
