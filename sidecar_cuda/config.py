@@ -36,6 +36,7 @@ class ServeConfig:
     gather_us: float = 1000.0
     pipeline: str = "auto"  # on | off | auto: pipeline batches of server.PIPELINE_MIN_WORK and more
     host_search_work: int | None = None  # cuda: searches this small run on the CPU (None: default)
+    fused_kernel: str = "auto"  # cuda: the wgmma path (Hopper, float16) where measured to win: auto | off
     random_rows: int = 0
     random_payloads: bool = False  # --random-rows rows get {"bucket": id % 1000}
     seed: int = 0
@@ -181,6 +182,9 @@ def add_serve_arguments(p: argparse.ArgumentParser,
         help="cuda backend: a search of at most this many rows x queries x padded dim is scored "
              "on the sidecar's CPU from a host copy of the rows, as a GPU launch would cost more "
              "(default: 131072, measured on an H200 host; 0: always on the GPU)")
+    opt("--fused-kernel", default="auto",
+        help="cuda backend: auto searches with the fused wgmma kernel (Hopper GPUs, float16 "
+             "storage) where it was measured to beat the GEMM paths, off never (default: auto)")
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     opt("--random-payloads", default=False, switch=True,
         help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of '
@@ -207,12 +211,15 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         raise ConfigError("give --data-dir DIR (durable) or --ephemeral (memory only)")
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
+    if a.fused_kernel not in ("auto", "off"):
+        raise ConfigError(f"--fused-kernel must be auto or off, got {a.fused_kernel!r}")
     return ServeConfig(
         name=a.name, dim=a.dim, slots=a.slots, max_k=a.max_k, max_queries=a.max_queries,
         blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
         storage_dtype=a.dtype, metric=a.metric,
         devices=a.devices if a.device is None else str(a.device), shards=a.shards,
         data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
-        pipeline=a.pipeline, host_search_work=a.host_search_work, random_rows=a.random_rows, random_payloads=a.random_payloads,
+        pipeline=a.pipeline, host_search_work=a.host_search_work,
+        fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8))

@@ -56,12 +56,15 @@ class Sidecar:
         self.metric = cfg.metric_enum()
         if cfg.pipeline not in ("auto", "on", "off"):
             raise ConfigError(f"--pipeline must be auto, on or off, got {cfg.pipeline!r}")
+        if cfg.fused_kernel not in ("auto", "off"):
+            raise ConfigError(f"--fused-kernel must be auto or off, got {cfg.fused_kernel!r}")
         if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
         self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
                                                  devices=cfg.devices, shards=cfg.shards,
-                                                 host_work=cfg.host_search_work)
+                                                 host_work=cfg.host_search_work,
+                                                 fused_kernel=cfg.fused_kernel)
         if cfg.max_k > self.backend.max_k:
             raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
                               f"limit of {self.backend.max_k}")

@@ -12,14 +12,15 @@ from sidecar_cuda.backends.sharded import ShardedBackend, parse_devices
 
 
 def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = "all",
-                   shards: int = 0, host_work: int | None = None) -> Backend:
+                   shards: int = 0, host_work: int | None = None,
+                   fused_kernel: str = "auto") -> Backend:
     """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise.
 
     ``devices``: the GPUs of the CUDA backend (``all`` or ``0,1``...); ``shards``: how many shards
     each namespace is spread over (0: one per device, and 1 on numpy); more shards than devices
     place several on a device (round-robin). One shard is the plain backend, more a
     :class:`~sidecar_cuda.backends.sharded.ShardedBackend`. ``host_work``: the CUDA backend's
-    ``--host-search-work`` (None: its default).
+    ``--host-search-work`` (None: its default); ``fused_kernel``: its ``--fused-kernel``.
 
     Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, for
     devices that do not exist, and for a ``storage_dtype`` other than float32 on numpy."""
@@ -42,9 +43,11 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = 
                 devs = parse_devices(devices, device_count())
                 n = shards or len(devs)
                 if n == 1:
-                    return CupyBackend(storage_dtype=storage_dtype, device=devs[0], host_work=hw)
+                    return CupyBackend(storage_dtype=storage_dtype, device=devs[0], host_work=hw,
+                                       fused_kernel=fused_kernel)
                 placed = [devs[i % len(devs)] for i in range(n)]
-                parts: list[Backend] = [CupyBackend(storage_dtype=storage_dtype, device=d, host_work=hw)
+                parts: list[Backend] = [CupyBackend(storage_dtype=storage_dtype, device=d, host_work=hw,
+                                                    fused_kernel=fused_kernel)
                                         for d in placed]
                 return ShardedBackend(parts, [f"cuda:{d}" for d in placed])
             if kind == "cuda":

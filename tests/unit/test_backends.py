@@ -266,6 +266,60 @@ def test_the_cuda_planner_picks_the_measured_paths():
     assert planner.plan_path(1, 256, 100, 128, **PLAN, half=False, host_work=hw) == ("host", 0)  # any k
     assert planner.plan_path(1, 256, 10, 128, **PLAN, half=False, host_work=0)[0] == "small"
     assert planner.half_ok(1, 16, 3.0) and not planner.half_ok(1, 17, 3.0)
+
+
+def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
+    big = planner.WGMMA_MIN_ROWS
+    assert big == 1 << 19
+    on = dict(PLAN, half=True, wgmma=True)
+    for b in (16, 17, 32):
+        for k in (1, 10, 16):
+            assert planner.plan_path(b, 2 * big, k, 768, **on) == ("wgmma", 0), (b, k)
+    assert planner.plan_path(16, 1_000_000, 10, 768, **on) == ("wgmma", 0)
+    assert planner.plan_path(16, big, 10, 768, **on) == ("wgmma", 0)
+    for dpad in (384, 1024, 1536):
+        assert planner.plan_path(32, 2 * big, 10, dpad, **on) == ("wgmma", 0)
+    # Outside the measured range the other paths decide exactly as without it.
+    outside = [(15, 1_000_000, 10, 768), (33, 1_000_000, 10, 768), (64, 1_000_000, 10, 768),
+               (256, 1_000_000, 10, 768), (16, big - 1, 10, 768), (16, 1_000_000, 17, 768),
+               (16, 1_000_000, 32, 768), (16, 1_000_000, 10, 776), (32, 1_000_000, 10, 100),
+               (17, 2 * big - 1, 10, 768), (32, 1_000_000, 10, 768),  # the 32-query tile: 2x rows
+               (1, 1_000_000, 10, 768), (16, 2000, 10, 64)]
+    for b, n, k, dpad in outside:
+        want = planner.plan_path(b, n, k, dpad, **PLAN, half=True)
+        assert planner.plan_path(b, n, k, dpad, **on) == want, (b, n, k, dpad)
+        assert want[0] != "wgmma"
+    # Not eligible (no kernel, another storage or metric): the plan without it.
+    assert planner.plan_path(16, 1_000_000, 10, 768, **PLAN, half=True) == ("gemm", 0)
+    assert planner.plan_path(32, 1_000_000, 10, 768, **PLAN, half=False, wgmma=False) == ("gemm", 0)
+    # The threshold is injectable (the GPU tests lower it).
+    assert planner.plan_path(16, 2000, 10, 64, **on, wgmma_min_rows=1000) == ("wgmma", 0)
+    assert planner.plan_path(17, 2000, 10, 64, **on, wgmma_min_rows=1000) == ("wgmma", 0)
+    assert planner.plan_path(17, 1999, 10, 64, **on, wgmma_min_rows=1000)[0] != "wgmma"
+    assert planner.wgmma_ok(1, 16, False, 3.0, 768) and not planner.wgmma_ok(1, 17, False, 3.0, 768)
+    assert not planner.wgmma_ok(0, 10, False, 3.0, 768) and not planner.wgmma_ok(2, 10, False, 3.0, 768)
+    assert not planner.wgmma_ok(1, 10, True, 3.0, 768)  # l2
+    assert not planner.wgmma_ok(1, 10, False, 0.0, 768) and not planner.wgmma_ok(1, 10, False, 3.0, 776)
+
+
+def test_the_wgmma_shapes_fit_hopper():
+    from sidecar_cuda.backends.cuda import wgmma
+
+    optin = 227 * 1024
+    for bq in wgmma.QUERY_TILES:
+        st = wgmma.stages_for(bq, optin)
+        assert st >= 3 and wgmma.smem_fused(bq, st) <= optin, bq
+    assert [wgmma.bq_for(b) for b in (1, 16, 17, 32, 33, 64, 65, 200)] == [16, 16, 32, 32, 64, 64, 128, 128]
+    assert wgmma.parts_for(1_000_000, 1, 132) == 132
+    assert wgmma.parts_for(300, 1, 132) == 3  # one part per 128-row tile at most
+    assert wgmma.parts_for(10**9, 1, 10**6) * 8 * wgmma.KC <= wgmma.MERGE_SMEM
+    src = wgmma.kernel_source(32)
+    opts = dict(o[2:].split("=") for o in wgmma.compile_options(32, 8) if o.startswith("-D"))
+    assert opts["FW_BQ"] == "32" and opts["FT_KC"] == str(wgmma.KC) and "m64n32k16" in src
+    for name in opts:  # every constant comes from Python; the .cu stops without them
+        assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
+        assert f"!defined({name})" in src, name
+    assert "// @FW_MMA@" not in src and "#error" in src
     assert not planner.half_ok(0, 10, 3.0) and not planner.half_ok(1, 10, 0.0)
     assert [planner.next_pow2(x) for x in (1, 2, 3, 257, 1024)] == [1, 2, 4, 512, 1024]
 

@@ -138,6 +138,17 @@ def test_devices_shards_and_the_single_device_alias() -> None:
     assert _config({}, ["--ephemeral", "--random-payloads"]).random_payloads is True
 
 
+def test_fused_kernel_is_checked_and_passed_on() -> None:
+    assert _config({}, ["--ephemeral"]).fused_kernel == "auto"
+    assert _config({}, ["--ephemeral", "--fused-kernel", "off"]).fused_kernel == "off"
+    assert _config({"KALOS_FUSED_KERNEL": "off"}, ["--ephemeral"]).fused_kernel == "off"
+    assert _config({"KALOS_FUSED_KERNEL": "off"}, ["--ephemeral", "--fused-kernel", "auto"]).fused_kernel == "auto"
+    with pytest.raises(ConfigError, match="fused-kernel"):
+        _config({}, ["--ephemeral", "--fused-kernel", "on"])
+    with pytest.raises(ConfigError, match="fused-kernel"):
+        _config({"KALOS_FUSED_KERNEL": "maybe"}, ["--ephemeral"])
+
+
 def test_host_search_work_is_checked_and_passed_on() -> None:
     assert _config({}, ["--ephemeral"]).host_search_work is None  # the backend's default
     assert _config({}, ["--ephemeral", "--host-search-work", "0"]).host_search_work == 0

@@ -11,7 +11,7 @@ Rows are stored in the storage dtype (float32, float16 or bfloat16; 16-bit value
 never infinite), padded with zeros to a multiple of 16 bytes; the squared norm of every stored row
 is kept on the device for l2. Writes, moves and growth are device-side updates of just those rows.
 
-A search takes one of four paths (``planner.plan_path``):
+A search takes one of five paths (``planner.plan_path``):
 
 * **host** (tiny work: at most ``host_work`` rows x queries x padded dim, ``--host-search-work``):
   a launch, its completion and the copies cost more than the arithmetic (an empty launch plus
@@ -36,9 +36,18 @@ A search takes one of four paths (``planner.plan_path``):
   to write and read back); the 32 best rows by those scores are rescored in float32 against the
   float32 query. A bound on the approximation error proves the answer exact; a query where the
   proof fails (near-ties at the 32nd candidate, degenerate data) is redone on the GEMM path.
+* **wgmma** (Hopper only: float16 storage, inner product, k <= 16, 16-32 queries, many rows;
+  ``wgmma.py``, ``kalos_wgmma.cu``): one H2D copy of the queries, then three launches: scaled
+  float16 queries; one wave of CTAs that stream the stored rows through shared memory, score them
+  with wgmma tensor-core instructions and keep per-query candidate lists (no score matrix); and a
+  merge that rescores the 32 best candidates in float32 against the float32 query and writes the
+  answer into pinned host memory. The same kind of error bound proves it exact; a query where the
+  proof fails is redone with float32 scores of every row (``kw_exact``) and the GEMM path's top-k.
+  Compiled by NVRTC for sm_90a in the warm-up; ``fused_kernel="off"`` (``--fused-kernel off``), a
+  non-Hopper device or a failed build leave it out.
 
-Results are exact up to ties and the storage dtype's rounding: the fused and half-score paths
-multiply float32 queries with widened rows; the GEMM path rounds queries to the storage dtype.
+Results are exact up to ties and the storage dtype's rounding: the fused, half-score and wgmma
+paths multiply float32 queries with widened rows; the GEMM path rounds queries to the storage dtype.
 
 Errors: failures at start (no CuPy, no device, compilation) are ``ConfigError``; CUDA/cuBLAS
 failures during work are ``ServerError`` (the server answers BACKEND_ERROR); a search that does not
@@ -65,8 +74,10 @@ from sidecar_cuda.backends.cuda.kernels import MAX_K, SMALL_QT, STORAGE, WARP_K,
 from sidecar_cuda.backends.cuda.matrix import CupyMatrix
 from sidecar_cuda.backends.cuda.paths import SearchPaths
 from sidecar_cuda.backends.cuda.planner import (
-    GEMM_BLOCKS, HALF_K, HOST_WORK, QT_FOR, half_ok, plan_path, size_bucket,
+    GEMM_BLOCKS, HALF_K, HOST_WORK, QT_FOR, WGMMA_K, WGMMA_MIN_ROWS, half_ok, plan_path,
+    size_bucket, wgmma_ok,
 )
+from sidecar_cuda.backends.cuda.wgmma import WgmmaKernels
 
 log = logging.getLogger("kalos.cuda")
 
@@ -130,7 +141,10 @@ class CupyBackend(SearchPaths):
     """The CUDA backend (see the module docstring). ``storage_dtype``: float32, float16 or
     bfloat16. ``use_graphs``: replay CUDA graphs for the fused path. ``timeout_s``: the longest a
     search may take before it is abandoned and the backend marked broken. ``host_work``: searches
-    of at most this many rows x queries x padded dim run on the host copy (0: never)."""
+    of at most this many rows x queries x padded dim run on the host copy (0: never).
+    ``fused_kernel``: "auto" builds the wgmma path where it can run (a compute capability 9.x
+    device, float16 storage), "off" never; ``wgmma_min_rows``: the planner's row threshold of that
+    path (tests lower it)."""
 
     name = "cuda"
     code = 2
@@ -138,7 +152,8 @@ class CupyBackend(SearchPaths):
 
     def __init__(self, storage_dtype: str = "float32", device: int = 0, *, use_graphs: bool = True,
                  timeout_s: float = 30.0, small_batch_max: int = 1,
-                 small_work_max: int = 1 << 12, host_work: int = HOST_WORK) -> None:
+                 small_work_max: int = 1 << 12, host_work: int = HOST_WORK,
+                 fused_kernel: str = "auto", wgmma_min_rows: int = WGMMA_MIN_ROWS) -> None:
         if storage_dtype not in STORAGE:
             raise ConfigError(f"storage dtype must be float32, float16 or bfloat16, got {storage_dtype!r}")
         self.storage_dtype = storage_dtype
@@ -154,6 +169,12 @@ class CupyBackend(SearchPaths):
         if host_work < 0:
             raise ConfigError(f"--host-search-work must be >= 0, got {host_work}")
         self.host_work = host_work
+        if fused_kernel not in ("auto", "off"):
+            raise ConfigError(f"--fused-kernel must be auto or off, got {fused_kernel!r}")
+        self.fused_kernel = fused_kernel
+        self.wgmma_min_rows = wgmma_min_rows
+        self._wg: WgmmaKernels | None = None
+        self.wgmma_fallbacks = 0  # queries the wgmma path could not prove exact (redone)
         self._closed = False
         self._broken: str | None = None
         try:
@@ -181,6 +202,7 @@ class CupyBackend(SearchPaths):
             self._sms = int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, device))
             self._smem_optin = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                           device))
+            self._cc_major = int(props["major"])
             gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
             mem_gib = props["totalGlobalMem"] / 2**30
             self.description = (f"CUDA {gpu} (sm_{props['major']}{props['minor']}, {self._sms} SMs, "
@@ -232,11 +254,35 @@ class CupyBackend(SearchPaths):
             runs.append(("gemmh", 2, 10))
         for path, b, k in runs:
             self.search(m, q[:b], 64, k, path=path)
+        self._warm_up_wgmma(m, rng)
         m.move_rows(np.array([0]), np.array([1]))
         self._stream.synchronize()
         self._graphs.clear()  # (they name the scratch matrix)
         self.search_stats.clear()
         self.half_fallbacks = 0
+        self.wgmma_fallbacks = 0
+
+    def _warm_up_wgmma(self, m: CupyMatrix, rng: np.random.Generator) -> None:
+        """Build the wgmma path's kernels for the batch sizes the planner sends it, and check
+        them once against the host path (and the float32 redo on identical rows): on any failure
+        the path stays off, with one log line, and the backend keeps its other paths."""
+        if self.fused_kernel == "off" or self._storage_code != 1 or self._cc_major != 9:
+            return
+        self._wg = WgmmaKernels(self._cp, self._smem_optin, self._sms)
+        try:
+            for b in (16, 32):  # planner.WGMMA_MIN_B, WGMMA_MAX_B: one query tile each
+                q = rng.standard_normal((b, m.dim), dtype=np.float32)
+                got = self.search(m, q, 64, 10, path="wgmma")
+                want = m.host_search(q, 64, 10)
+                if not np.array_equal(got[0], want[0]):
+                    raise RuntimeError(f"its answer differs from the host path's (b={b})")
+            self._enqueue(self._sets[0], "exact", m, q[:1], 64, 10, 10, 0)  # (the redo)
+            self._wait(self._sets[0].done)
+        except Exception as e:
+            log.warning("the wgmma search path is off: %s: %s", type(e).__name__, e)
+            self._wg = None
+            return
+        log.info("wgmma search path ready (sm_90a, NVRTC %.2f s)", self._wg.compile_s)
 
     # ------------------------------------------------------------------ Backend protocol
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> CupyMatrix:
@@ -313,13 +359,16 @@ class CupyBackend(SearchPaths):
                  for (p, bk), (c, ns) in sorted(self.search_stats.items()) if c]
         if self.half_fallbacks:
             parts.append(f"half-score queries redone in float32: {self.half_fallbacks}")
+        if self.wgmma_fallbacks:
+            parts.append(f"wgmma queries redone in float32: {self.wgmma_fallbacks}")
         return "; ".join(parts) or "no searches"
 
     def _plan(self, b: int, n: int, k: int, m: CupyMatrix) -> tuple[str, int]:
-        """("host", 0), ("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries."""
+        """("host", 0), ("small", QT), ("wgmma", 0), ("gemmh", 0) or ("gemm", 0) for b queries."""
         return plan_path(b, n, k, m.dpad, smem_optin=self._smem_optin,
                          small_batch_max=self.small_batch_max, small_work_max=self.small_work_max,
-                         half=self._half_ok(m, k), host_work=self.host_work)
+                         half=self._half_ok(m, k), host_work=self.host_work,
+                         wgmma=self._wgmma_ok(m, k), wgmma_min_rows=self.wgmma_min_rows)
 
     def free_bytes(self) -> int:
         """Device memory free for new arrays: the driver's free bytes plus CuPy's pooled ones."""
@@ -329,6 +378,9 @@ class CupyBackend(SearchPaths):
 
     def _half_ok(self, m: CupyMatrix, k: int) -> bool:
         return half_ok(self._storage_code, k, m.max_norm)
+
+    def _wgmma_ok(self, m: CupyMatrix, k: int) -> bool:
+        return self._wg is not None and wgmma_ok(self._storage_code, k, bool(m.l2), m.max_norm, m.dpad)
 
     # ------------------------------------------------------------------ search
     def search(self, m: CupyMatrix, queries: np.ndarray, n: int, k: int,
@@ -377,6 +429,9 @@ class CupyBackend(SearchPaths):
             qt = QT_FOR[min(b, SMALL_QT[-1])]
         elif path == "gemmh" and not self._half_ok(m, k):
             raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
+        elif path == "wgmma" and not self._wgmma_ok(m, k):
+            raise ValueError(f"the wgmma path serves a Hopper device (built), float16 storage, "
+                             f"dot or cosine, k <= {WGMMA_K} and a padded dim that is a multiple of 64")
         p.path = path
         if path == "host":  # answered now, from the host copy (read back first if stale)
             with self._guard("a search of the host copy"):
@@ -404,6 +459,10 @@ class CupyBackend(SearchPaths):
             self._search_small(m, q, n, k, qt)
         elif path == "gemmh":
             self._search_gemm_h(m, q, n, kk)
+        elif path == "wgmma":
+            self._search_wgmma(m, q, n, kk)
+        elif path == "exact":  # (the wgmma path's redo)
+            self._search_gemm(m, q, n, k, kk, exact=True)
         else:
             self._search_gemm(m, q, n, k, kk)
         bufs.done.record(self._stream)
@@ -420,16 +479,20 @@ class CupyBackend(SearchPaths):
             out = bufs.h_out
             rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
             scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
-            if p.path == "gemmh":
+            if p.path in ("gemmh", "wgmma"):
                 # Flagged by the kernel, or with a row missing (scores beyond float16 even after
                 # scaling, for queries of norm ~2^100 and more): the float32 path decides.
                 redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:]
                                       | (rows < 0).any(axis=1))
                 if redo.size:  # not proven exact from 32 candidates: the float32 scores decide
-                    self.half_fallbacks += int(redo.size)
+                    if p.path == "gemmh":
+                        self.half_fallbacks += int(redo.size)
+                    else:
+                        self.wgmma_fallbacks += int(redo.size)
                     qr = np.ascontiguousarray(p.q[redo])
                     with self._dev:
-                        self._enqueue(bufs, "gemm", p.m, qr, p.n, p.k, kk, 0)
+                        self._enqueue(bufs, "gemm" if p.path == "gemmh" else "exact", p.m, qr,
+                                      p.n, p.k, kk, 0)
                     self._wait(bufs.done)
                     rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
                     scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk:].reshape(-1, kk)

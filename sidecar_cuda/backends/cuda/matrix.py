@@ -248,9 +248,10 @@ class CupyMatrix:
 
     def _cheap_k(self, b: int, n: int) -> int:
         """The largest k' a batch of b queries can over-fetch on the path of its unfiltered
-        search: HALF_K where that is the half-score GEMM, else WARP_K."""
+        search: HALF_K where that is the half-score GEMM or the wgmma path (both serve k <= 16),
+        else WARP_K."""
         path, _ = self.backend._plan(b, n, HALF_K, self)
-        return HALF_K if path == "gemmh" else WARP_K
+        return HALF_K if path in ("gemmh", "wgmma") else WARP_K
 
     def _gather_kept(self, key: Hashable, matches: int) -> bool:
         """Are the gathered rows of ``key`` cached, or would they be?"""

@@ -1,7 +1,8 @@
-"""The launch sequences of the CUDA backend's three search paths (see backend.py's docstring):
+"""The launch sequences of the CUDA backend's search paths (see backend.py's docstring):
 staging the request, the fused kernel (captured into CUDA graphs), the GEMM and half-score GEMM
-paths. :class:`SearchPaths` is a part of :class:`~sidecar_cuda.backends.cuda.backend.CupyBackend`:
-its methods enqueue work on the backend's stream into the buffer set being enqueued (``_cur``).
+paths, and the wgmma path (``kalos_wgmma.cu``, Hopper) with its float32 redo.
+:class:`SearchPaths` is a part of :class:`~sidecar_cuda.backends.cuda.backend.CupyBackend`: its
+methods enqueue work on the backend's stream into the buffer set being enqueued (``_cur``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from sidecar_cuda.backends.cuda.planner import (
     GEMM_BLOCKS, GRAPH_CACHE, HALF_SCORE_BYTES, ROWS_PER_BLOCK, SCORE_BUFFER_FLOATS,
     ZERO_COPY_BLOCKS, next_pow2, small_smem,
 )
+from sidecar_cuda.backends.cuda.wgmma import KC as WGMMA_KC
+from sidecar_cuda.backends.cuda.wgmma import MERGE_THREADS as WGMMA_MERGE_THREADS
+from sidecar_cuda.backends.cuda.wgmma import PREP_THREADS as WGMMA_PREP_THREADS
+from sidecar_cuda.backends.cuda.wgmma import THREADS as WGMMA_THREADS
+from sidecar_cuda.backends.cuda.wgmma import WgmmaKernels, parts_for
 
 log = logging.getLogger("kalos.cuda")
 
@@ -29,12 +35,13 @@ _CUBLAS_GEMM_DEFAULT = -1
 
 
 class SearchPaths:
-    """Enqueueing the three paths; the state is the backend's (set in its ``__init__``)."""
+    """Enqueueing the paths; the state is the backend's (set in its ``__init__``)."""
 
     _cp: Any
     _rt: Any
     _stream: Any
     _kern: Kernels
+    _wg: WgmmaKernels | None  # the wgmma path's kernels (None: not built, the path is off)
     _cur: BufferSet  # the set the search being enqueued writes
     _sms: int
     _itemsize: int
@@ -164,8 +171,16 @@ class SearchPaths:
             src = self._cur.h_req.ptr + HEADER_BYTES
         return src
 
-    def _search_gemm(self, m: CupyMatrix, q: np.ndarray, n: int, k: int, kk: int) -> None:
+    def _search_gemm(self, m: CupyMatrix, q: np.ndarray, n: int, k: int, kk: int, *,
+                     exact: bool = False) -> None:
+        """The GEMM path; ``exact`` (float16 storage, the wgmma path's redo of the queries it
+        could not prove): the scores are the float32 queries times the stored rows, accumulated in
+        float32 by kw_exact instead of cuBLAS with the queries rounded to float16."""
         cp, rt = self._cp, self._rt
+        exact_fn = None
+        if exact:
+            assert self._wg is not None and self._wg.shapes, "the wgmma kernels are not built"
+            exact_fn = next(iter(self._wg.shapes.values())).exact
         b, d = q.shape
         dpad = m.dpad
         s = self._stream
@@ -205,11 +220,17 @@ class SearchPaths:
         with s:  # cuBLAS runs on the current stream
             for (c0, c1), pc in zip(chunks, parts):
                 nc = c1 - c0
-                cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
-                              self._alpha.ctypes.data, m.data.data.ptr + c0 * dpad * isz,
-                              self._cuda_type, dpad, a_q, self._cuda_type, dpad,
-                              self._beta.ctypes.data, self._cur.d_scores.ptr, 0, nc,
-                              _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
+                if exact_fn is not None:  # scores[q][r] as cuBLAS would write them
+                    blocks = max(1, min(-(-nc // (WGMMA_PREP_THREADS // 32)), 4 * self._sms))
+                    exact_fn((blocks, b), (WGMMA_PREP_THREADS,),
+                             (m.data.data.ptr + c0 * dpad * isz, np.int32(nc), np.int32(dpad), q32,
+                              self._cur.d_scores.ptr), stream=s)
+                else:
+                    cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
+                                  self._alpha.ctypes.data, m.data.data.ptr + c0 * dpad * isz,
+                                  self._cuda_type, dpad, a_q, self._cuda_type, dpad,
+                                  self._beta.ctypes.data, self._cur.d_scores.ptr, 0, nc,
+                                  _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
                 args = (self._cur.d_scores.ptr, np.int32(nc), np.int64(c0), m.sqn, qn, np.int32(l2),
                         np.int32(k), np.int32(kk), np.int32(pc), np.int32(p_off), np.int32(total),
                         cand_s, cand_r, self._cur.d_counters.ptr, out_s, out_r)
@@ -289,3 +310,44 @@ class SearchPaths:
                          np.int32(kk), top_s, top_r, out_s, out_r, flags), stream=s)
         if ev:
             ev[5].record(s)
+
+    def _search_wgmma(self, m: CupyMatrix, q: np.ndarray, n: int, kk: int) -> None:
+        """The wgmma path (float16 storage, k <= 16): one H2D copy of the float32 queries, then
+        kw_prep (scaled float16 queries, |q|^2, gates), kw_fused (scores and candidate lists of
+        rows [0, n) of the stored matrix, in place) and kw_merge (float32 rescore, answer and
+        proof flags straight into the pinned answer buffer); _collect redoes flagged queries."""
+        assert self._wg is not None, "the wgmma kernels are not built"
+        rt = self._rt
+        b = len(q)
+        dpad = m.dpad
+        s = self._stream
+        sh = self._wg.shape(b)
+        qy = -(-b // sh.bq)
+        bpad = qy * sh.bq
+        parts = parts_for(n, qy, sh.resident)
+        src = self._host_queries(q, dpad)
+        q32_bytes = -(-(4 * b * dpad) // 256) * 256
+        qh_bytes = -(-(2 * bpad * dpad) // 256) * 256
+        self._ensure(self._cur.d_q, q32_bytes + qh_bytes + 12 * b)
+        q32 = self._cur.d_q.ptr
+        qh = q32 + q32_bytes
+        qn = qh + qh_bytes
+        qscale = qn + 4 * b
+        gate = qscale + 4 * b
+        self._ensure(self._cur.d_cand, 8 * b * parts * WGMMA_KC)
+        cand_s = self._cur.d_cand.ptr
+        cand_r = cand_s + 4 * b * parts * WGMMA_KC
+        out_r = self._cur.h_out.ptr
+        out_s = out_r + 4 * b * kk
+        flags = out_s + 4 * b * kk
+        i32 = np.int32
+        rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
+        sh.prep((bpad,), (WGMMA_PREP_THREADS,),
+                (q32, i32(b), i32(dpad), i32(bpad), qh, qn, qscale, gate), stream=s)
+        sh.fused((parts * qy,), (WGMMA_THREADS,),
+                 (m.data, i32(n), i32(dpad), qh, i32(b), i32(qy), i32(parts), gate, cand_s, cand_r),
+                 shared_mem=sh.smem, stream=s)
+        sh.merge((b,), (WGMMA_MERGE_THREADS,),
+                 (cand_s, cand_r, i32(parts), m.data, i32(dpad), q32, qn, qscale,
+                  np.float32(m.max_norm * (1.0 + 2.0**-20)), i32(kk), out_r, out_s, flags),
+                 shared_mem=8 * parts * WGMMA_KC + 8 * WGMMA_KC, stream=s)

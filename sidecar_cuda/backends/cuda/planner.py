@@ -2,6 +2,10 @@
 
 * ``small``: the fused kernel (k <= 32, and one query or a small score matrix);
 * ``gemmh``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
+* ``wgmma``: fused float16 tensor-core scoring + exact top-k (``kalos_wgmma.cu``, Hopper only):
+  float16 storage, inner product, k <= 16, 16-32 queries, at least ``wgmma_min_rows`` rows (twice
+  that above 16 queries) whose padded dim is whole 128-byte lines, where it was measured to beat
+  the GEMM paths;
 * ``gemm``: the float32-score GEMM, everything else;
 * ``host``: work too small to pay for a launch (at most ``host_work`` rows x queries x padded dim,
   ``--host-search-work``) is scored on the sidecar's CPU from a float32 copy of the stored rows.
@@ -29,6 +33,16 @@ HOST_WORK = 1 << 17  # default --host-search-work: rows x queries x padded dim s
 # copy at most. Measured in-process on the H200's host (bench/results/h200-2026-12-01e/
 # probe-host-path.json): the host copy wins at every shape up to 196 608 (by 10-60 %) and loses
 # at 262 144 (by 10-25 %)
+WGMMA_K = 16  # wgmma path: largest k (the answer is proven exact against 32 candidates)
+WGMMA_MIN_B, WGMMA_MAX_B = 16, 32  # wgmma path: batch sizes where it was measured to win or tie.
+# Through the backend (bench/results/h200-2026-12-01f, x 768 float16, k = 10, H200), its GPU time
+# over the faster GEMM path's: b = 16: 0.93 / 0.85 at 1M, 0.85 at 512k, 0.94 at 256k (wall 0.94 /
+# 0.90, 0.95, 1.02); b = 32: 0.98 / 0.95 at 1M (wall 1.00 / 0.98), 1.02 at 512k (wall 1.09), 1.05
+# at 256k; b = 64: 1.10-1.20 everywhere (the prototype's sampled starting gate is not in this
+# path); b = 17-31 run the 32-query tile; below 16 it pads to 16 queries and was not measured
+WGMMA_MIN_ROWS = 1 << 19  # wgmma path: from this many rows at b = 16, twice as many for b = 17-32
+# (the 32-query tile): the wall time wins from 512k rows at b = 16 and only ties at 1M at b = 32
+WGMMA_ROW_ELEMS = 64  # wgmma path: the padded dim a multiple of this (whole 128-byte float16 lines)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
@@ -51,10 +65,20 @@ def half_ok(storage_code: int, k: int, max_norm: float) -> bool:
     return storage_code == 1 and k <= HALF_K and 0.0 < max_norm < 1e30
 
 
+def wgmma_ok(storage_code: int, k: int, l2: bool, max_norm: float, dpad: int) -> bool:
+    """Can the wgmma path (its kernels built) serve k over these rows? Float16 storage, inner
+    product (dot, cosine), rows whose norms are bounded by ``max_norm``, whole 128-byte lines."""
+    return (storage_code == 1 and k <= WGMMA_K and not l2 and 0.0 < max_norm < 1e30
+            and dpad % WGMMA_ROW_ELEMS == 0)
+
+
 def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch_max: int,
-              small_work_max: int, half: bool, host_work: int = 0) -> tuple[str, int]:
-    """("host", 0), ("small", QT), ("gemmh", 0) or ("gemm", 0) for a batch of b queries over n
-    rows. ``half``: :func:`half_ok` for this matrix and k; ``host_work``: see HOST_WORK."""
+              small_work_max: int, half: bool, host_work: int = 0, wgmma: bool = False,
+              wgmma_min_rows: int = WGMMA_MIN_ROWS) -> tuple[str, int]:
+    """("host", 0), ("small", QT), ("wgmma", 0), ("gemmh", 0) or ("gemm", 0) for a batch of b
+    queries over n rows. ``half``: :func:`half_ok` for this matrix and k; ``host_work``: see
+    HOST_WORK; ``wgmma``: :func:`wgmma_ok` for this matrix and k, and the kernels are built
+    (a Hopper device, ``--fused-kernel auto``); ``wgmma_min_rows``: see WGMMA_MIN_ROWS."""
     if b * n * dpad <= host_work:
         return "host", 0
     if k <= WARP_K and (b <= small_batch_max or n * b <= small_work_max):
@@ -63,6 +87,9 @@ def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch
             qt //= 2
         if small_smem(qt, dpad) <= smem_optin:
             return "small", qt
+    if (wgmma and WGMMA_MIN_B <= b <= WGMMA_MAX_B and n >= wgmma_min_rows * (1 if b <= 16 else 2)
+            and k <= WGMMA_K and dpad % WGMMA_ROW_ELEMS == 0):
+        return "wgmma", 0
     if n * b >= HALF_WORK_MIN and half:
         return "gemmh", 0
     return "gemm", 0
