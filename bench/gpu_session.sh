@@ -6,6 +6,8 @@
 #   bash bench/gpu_session.sh check   # warm-up figures, GPU tests, CUDA broker suite (~4 min)
 #   bash bench/gpu_session.sh table   # issue 14's table: 256x128 f32 and 1M x 768 f16 at 1 and
 #                                     # 256 tasks, with and without coalescing clients (~4 min)
+#   bash bench/gpu_session.sh wgmma   # the wgmma path vs the GEMM paths in the backend, 1M and 2M x
+#                                     # 768 fp16, batches 2-32 (bench/probe_wgmma_path.py, ~1 min)
 #   bash bench/gpu_session.sh bench   # the full benchmark matrix (bench/bench_gpu.py, ~6 min)
 #   bash bench/gpu_session.sh check table
 #
@@ -47,6 +49,13 @@ table() {
     --out-dir "$OUT" --out-name gpu-table-coalesce-h200.json 2>&1 | tee "$OUT/table-coalesce.log" | tail -6
 }
 
+wgmma() {
+  for rows in 1000000 2097152; do
+    timeout 150 python3 bench/probe_wgmma_path.py --rows $rows --batches 2,4,8,12,16,24,32 \
+      --out "$OUT/probe-wgmma-path-$rows.json" 2>&1 | grep -v '^{' | tee "$OUT/probe-wgmma-path-$rows.log" | tail -12
+  done
+}
+
 bench() {
   timeout 580 python3 bench/bench_gpu.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v '^inproc'
   grep '^inproc' "$OUT/bench.log" | cut -c1-240
@@ -56,7 +65,8 @@ for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
     table) table ;;
+    wgmma) wgmma ;;
     bench) bench ;;
-    *) echo "unknown mode $mode (check, table, bench)"; exit 2 ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench)"; exit 2 ;;
   esac
 done
