@@ -272,19 +272,20 @@ def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
     big = planner.WGMMA_MIN_ROWS
     assert big == 1 << 19
     on = dict(PLAN, half=True, wgmma=True)
-    for b in (16, 17, 32):
+    for b in (2, 5, 15, 16, 17, 32):
         for k in (1, 10, 16):
             assert planner.plan_path(b, 2 * big, k, 768, **on) == ("wgmma", 0), (b, k)
-    assert planner.plan_path(16, 1_000_000, 10, 768, **on) == ("wgmma", 0)
-    assert planner.plan_path(16, big, 10, 768, **on) == ("wgmma", 0)
+    for b in (2, 8, 16):
+        assert planner.plan_path(b, 1_000_000, 10, 768, **on) == ("wgmma", 0)
+        assert planner.plan_path(b, big, 10, 768, **on) == ("wgmma", 0)
     for dpad in (384, 1024, 1536):
         assert planner.plan_path(32, 2 * big, 10, dpad, **on) == ("wgmma", 0)
     # Outside the measured range the other paths decide exactly as without it.
-    outside = [(15, 1_000_000, 10, 768), (33, 1_000_000, 10, 768), (64, 1_000_000, 10, 768),
+    outside = [(33, 1_000_000, 10, 768), (64, 1_000_000, 10, 768),
                (256, 1_000_000, 10, 768), (16, big - 1, 10, 768), (16, 1_000_000, 17, 768),
                (16, 1_000_000, 32, 768), (16, 1_000_000, 10, 776), (32, 1_000_000, 10, 100),
                (17, 2 * big - 1, 10, 768), (32, 1_000_000, 10, 768),  # the 32-query tile: 2x rows
-               (1, 1_000_000, 10, 768), (16, 2000, 10, 64)]
+               (1, 1_000_000, 10, 768), (16, 2000, 10, 64), (2, big - 1, 10, 768)]
     for b, n, k, dpad in outside:
         want = planner.plan_path(b, n, k, dpad, **PLAN, half=True)
         assert planner.plan_path(b, n, k, dpad, **on) == want, (b, n, k, dpad)

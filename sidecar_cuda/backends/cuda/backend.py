@@ -36,7 +36,7 @@ A search takes one of five paths (``planner.plan_path``):
   to write and read back); the 32 best rows by those scores are rescored in float32 against the
   float32 query. A bound on the approximation error proves the answer exact; a query where the
   proof fails (near-ties at the 32nd candidate, degenerate data) is redone on the GEMM path.
-* **wgmma** (Hopper only: float16 storage, inner product, k <= 16, 16-32 queries, many rows;
+* **wgmma** (Hopper only: float16 storage, inner product, k <= 16, 2-32 queries, many rows;
   ``wgmma.py``, ``kalos_wgmma.cu``): one H2D copy of the queries, then three launches: scaled
   float16 queries; one wave of CTAs that stream the stored rows through shared memory, score them
   with wgmma tensor-core instructions and keep per-query candidate lists (no score matrix); and a
@@ -270,7 +270,7 @@ class CupyBackend(SearchPaths):
             return
         self._wg = WgmmaKernels(self._cp, self._smem_optin, self._sms)
         try:
-            for b in (16, 32):  # planner.WGMMA_MIN_B, WGMMA_MAX_B: one query tile each
+            for b in (16, 32):  # the two query tiles the planner uses (b = 2-16 and 17-32)
                 q = rng.standard_normal((b, m.dim), dtype=np.float32)
                 got = self.search(m, q, 64, 10, path="wgmma")
                 want = m.host_search(q, 64, 10)

@@ -3,7 +3,7 @@
 * ``small``: the fused kernel (k <= 32, and one query or a small score matrix);
 * ``gemmh``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
 * ``wgmma``: fused float16 tensor-core scoring + exact top-k (``kalos_wgmma.cu``, Hopper only):
-  float16 storage, inner product, k <= 16, 16-32 queries, at least ``wgmma_min_rows`` rows (twice
+  float16 storage, inner product, k <= 16, 2-32 queries, at least ``wgmma_min_rows`` rows (twice
   that above 16 queries) whose padded dim is whole 128-byte lines, where it was measured to beat
   the GEMM paths;
 * ``gemm``: the float32-score GEMM, everything else;
@@ -34,14 +34,16 @@ HOST_WORK = 1 << 17  # default --host-search-work: rows x queries x padded dim s
 # probe-host-path.json): the host copy wins at every shape up to 196 608 (by 10-60 %) and loses
 # at 262 144 (by 10-25 %)
 WGMMA_K = 16  # wgmma path: largest k (the answer is proven exact against 32 candidates)
-WGMMA_MIN_B, WGMMA_MAX_B = 16, 32  # wgmma path: batch sizes where it was measured to win or tie.
-# Through the backend (bench/results/h200-2026-12-01f, x 768 float16, k = 10, H200), its GPU time
-# over the faster GEMM path's: b = 16: 0.93 / 0.85 at 1M, 0.85 at 512k, 0.94 at 256k (wall 0.94 /
-# 0.90, 0.95, 1.02); b = 32: 0.98 / 0.95 at 1M (wall 1.00 / 0.98), 1.02 at 512k (wall 1.09), 1.05
-# at 256k; b = 64: 1.10-1.20 everywhere (the prototype's sampled starting gate is not in this
-# path); b = 17-31 run the 32-query tile; below 16 it pads to 16 queries and was not measured
-WGMMA_MIN_ROWS = 1 << 19  # wgmma path: from this many rows at b = 16, twice as many for b = 17-32
-# (the 32-query tile): the wall time wins from 512k rows at b = 16 and only ties at 1M at b = 32
+WGMMA_MIN_B, WGMMA_MAX_B = 2, 32  # wgmma path: batch sizes where it was measured to win or tie
+# (a lone query takes the small fused kernel first). Through the backend (x 768 float16, k = 10,
+# H200; its GPU time over the faster GEMM path's, wall in brackets): b = 2-12: 0.85-0.93 (0.89-0.94)
+# at 1M and 2M rows (bench/results/h200-2026-12-02/); b = 16: 0.85-0.93 at 1M (0.88-0.94), 0.85 at
+# 512k (0.95), 0.94 at 256k (1.02); b = 24-32: 0.89-0.98 at 1M (0.92-1.00) and 0.85 at 2M (0.89),
+# 1.02 at 512k (1.09), 1.05 at 256k (h200-2026-12-01f/); b = 64: 1.10-1.20 everywhere (the
+# prototype's sampled starting gate is not in this path); b = 17-32 run the 32-query tile
+WGMMA_MIN_ROWS = 1 << 19  # wgmma path: from this many rows at b <= 16, twice as many for b = 17-32
+# (the 32-query tile): the wall time wins from 512k rows at b = 16, and at b = 32 loses at 512k
+# and wins or ties at 1M
 WGMMA_ROW_ELEMS = 64  # wgmma path: the padded dim a multiple of this (whole 128-byte float16 lines)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
