@@ -65,9 +65,10 @@ def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarra
     """
     if (single and type(x) is np.ndarray and x.dtype == np.float32 and x.shape == (dim,)
             and x.flags.c_contiguous):
-        # Fast path for the common call: one float32 vector. The sum is finite iff every element
-        # is, unless it overflows (values near 1e38); only then is the element-wise check needed.
-        if math.isfinite(float(x.sum())) or np.isfinite(x).all():
+        # Fast path for the common call: one float32 vector. Its dot product with itself is
+        # finite iff every element is, unless it overflows (elements beyond ~1.8e19); only then
+        # is the element-wise check needed. (A third of the cost of x.sum() here: no wrapper.)
+        if math.isfinite(x.dot(x)) or np.isfinite(x).all():
             return x[None, :]
         raise InvalidRequest("vectors contain NaN or infinity")
     a = np.asarray(x)

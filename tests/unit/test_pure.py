@@ -30,9 +30,10 @@ def test_as_queries_accepts_and_refuses():
     assert as_queries(v.astype(np.float64), 8, 4, single=True).dtype == np.float32
     assert as_queries(list(range(8)), 8, 4, single=True).shape == (1, 8)
     assert as_queries(np.ones((3, 8)), 8, 4, single=False).shape == (3, 8)
-    big = np.full(8, 3e38, np.float32)  # the sum overflows, the values are finite
-    with np.errstate(over="ignore"):
-        assert as_queries(big, 8, 4, single=True).shape == (1, 8)
+    for top in (3e38, 2e19):  # x.x overflows (and at 3e38 the sum), the values are finite
+        big = np.full(8, top, np.float32)
+        with np.errstate(over="ignore"):
+            assert as_queries(big, 8, 4, single=True).shape == (1, 8)
     for bad, single in [(np.ones(7), True), (np.ones((2, 8)), True), (np.ones((5, 8)), False),
                         (np.ones((0, 8)), False), (np.array([True] * 8), True),
                         (np.array(["x"] * 8), True), (np.ones((2, 2, 8)), False)]:
