@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Protocol, Union
 
 from broker.layout import Flag
 from clients.results import Hits
@@ -74,14 +74,24 @@ def coalesce_key(namespace: bytes, flags: int, where: bytes, k: int, max_k: int)
     return Key(namespace, flags, where, k_class(k, bool(flags & Flag.WITH_PAYLOAD), max_k))
 
 
+class Queued(Protocol):
+    """What :func:`pick_group` needs of one queued recall (the pool's own queue entries have it)."""
+
+    @property
+    def key(self) -> Key | None: ...  # None: send alone
+
+    @property
+    def rows(self) -> int: ...
+
+
 class Waiting(NamedTuple):
-    """What :func:`pick_group` needs of one queued recall."""
+    """A :class:`Queued` recall as a plain value."""
 
     key: Key | None  # None: send alone
     rows: int
 
 
-def pick_group(queue: Sequence[Waiting], max_rows: int) -> list[int]:
+def pick_group(queue: Sequence[Queued], max_rows: int) -> list[int]:
     """Positions in ``queue`` (oldest first) of the recalls to send in the next slot: the oldest
     one, then every later one with its key whose rows still fit in ``max_rows``, in order (one that
     does not fit is skipped, not a stop: a smaller one behind it may fit). Empty for an empty
@@ -90,12 +100,14 @@ def pick_group(queue: Sequence[Waiting], max_rows: int) -> list[int]:
         return []
     first = queue[0]
     picked = [0]
-    if first.key is None:
+    key = first.key
+    if key is None:
         return picked
     rows = first.rows
     for i in range(1, len(queue)):
         w = queue[i]
-        if w.key == first.key and rows + w.rows <= max_rows:
+        k = w.key
+        if (k is key or k == key) and rows + w.rows <= max_rows:  # (keys are often one object)
             picked.append(i)
             rows += w.rows
             if rows == max_rows:
@@ -136,5 +148,5 @@ def _cut(h: Hits, k: int) -> Hits:
     return Hits(h.ids[:k], h.scores[:k], payloads)
 
 
-__all__ = ["Answer", "Key", "Path", "Share", "Waiting", "coalesce_key", "k_class", "pick_group",
+__all__ = ["Answer", "Key", "Path", "Queued", "Share", "Waiting", "coalesce_key", "k_class", "pick_group",
            "route", "split"]

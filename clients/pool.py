@@ -45,7 +45,7 @@ from broker.errors import (
 )
 from broker.layout import Layout, Op
 import clients._requests as _requests
-from clients._coalesce import Key, Path, Share, Waiting, coalesce_key, pick_group, route, split
+from clients._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
 from clients._requests import DEFAULT, Timeout, resolve_timeout
 from clients._transport import ClientSlot, Connection, Waiter, backoff_s
 from clients.results import Hits, Records
@@ -101,6 +101,7 @@ class _Member:
     future: asyncio.Future[Any]
     t0: int
     key: Key | None
+    rows: int  # prep.nq (what clients._coalesce.pick_group reads)
     sent: bool = False
     resent: bool = False  # sent once in a shared slot whose payloads overflowed; queued again alone
 
@@ -265,6 +266,7 @@ class RecallPool:
         self._reconnect = reconnect
         self._coalesce = coalesce
         self._queue: list[_Member] = []  # recalls waiting to be coalesced, oldest first
+        self._keys: dict[tuple[bytes, int, int], Key] = {}  # coalescing keys of unfiltered recalls
         self._dispatch_soon = False  # a dispatch of the queue is scheduled for this turn
         self._slot_waiter: asyncio.Future[ClientSlot] | None = None  # the queue's place in line
         self._posted = 0
@@ -613,6 +615,10 @@ class RecallPool:
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             try:
+                if (self._coalesce and p.op is Op.RECALL
+                        and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
+                        is Path.QUEUE):
+                    return await self._execute_queued(p, timeout, deadline, t0)
                 return await self._execute_once(p, timeout, deadline, t0)
             except BrokerUnavailable:
                 # A read lost to a sidecar that went away (in flight, or posted just before the
@@ -628,10 +634,6 @@ class RecallPool:
                             deadline: float | None, t0: int) -> Any:
         loop = self._loop
         assert loop is not None and self._free is not None
-        if (self._coalesce and p.op is Op.RECALL
-                and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
-                is Path.QUEUE):
-            return await self._execute_queued(p, timeout, deadline, t0)
         slot = await self._acquire(deadline)
         conn = self._conn
         assert conn is not None
@@ -668,7 +670,7 @@ class RecallPool:
         loop = self._loop
         assert loop is not None
         fut: asyncio.Future[Any] = loop.create_future()
-        m = _Member(p, fut, t0, coalesce_key(p.ns, p.flags, p.blob, p.k, self._layout.max_k))
+        m = _Member(p, fut, t0, self._key_of(p), p.nq)
         self._queue.append(m)
         self._schedule_dispatch()
         try:
@@ -694,6 +696,19 @@ class RecallPool:
             if not m.sent:
                 self._unqueue(m)
             raise
+
+    def _key_of(self, p: _requests.Prepared) -> Key:
+        """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
+        ones (cached: most recalls of a pool share a few), computed for filtered ones."""
+        if p.blob:
+            return coalesce_key(p.ns, p.flags, p.blob, p.k, self._layout.max_k)
+        ck = (p.ns, p.flags, p.k)
+        key = self._keys.get(ck)
+        if key is None:
+            key = coalesce_key(p.ns, p.flags, b"", p.k, self._layout.max_k)
+            if len(self._keys) < 4096:
+                self._keys[ck] = key
+        return key
 
     def _free_count(self) -> int:
         return self._free.qsize() if self._free is not None else 0
@@ -792,7 +807,7 @@ class RecallPool:
         if len(queue) == 1:
             self._queue = []
             return queue
-        picked = pick_group([Waiting(m.key, m.prep.nq) for m in queue], self._layout.max_queries)
+        picked = pick_group(queue, self._layout.max_queries)
         if len(picked) == len(queue):
             self._queue = []
             return queue
