@@ -86,6 +86,24 @@ __device__ __forceinline__ void half2_to_floats(unsigned w, float& a, float& b) 
         : "=f"(a), "=f"(b) : "r"(w));
 }
 
+// This lane's part of the float32 dot product of query q with float16 row x (8 halves per 16-byte
+// load, lanes interleaved); warp_sum adds the parts. The merge's rescore and the exact redo both
+// use it, so a row gets the same float32 score from either.
+__device__ __forceinline__ float lane_dot(const float* q, const unsigned short* x, int D, int lane) {
+    float a = 0.0f;
+    for (int j = lane * 8; j < D; j += 256) {
+        const uint4 u = *reinterpret_cast<const uint4*>(x + j);
+        float v[8];
+        half2_to_floats(u.x, v[0], v[1]);
+        half2_to_floats(u.y, v[2], v[3]);
+        half2_to_floats(u.z, v[4], v[5]);
+        half2_to_floats(u.w, v[6], v[7]);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) a = fmaf(q[j + t], v[t], a);
+    }
+    return a;
+}
+
 __device__ __forceinline__ float warp_sum(float a) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(FULL_MASK, a, off);
@@ -586,19 +604,7 @@ extern "C" __global__ void __launch_bounds__(FT_MTHREADS)
     for (int c = warp; c < FT_KC; c += FT_MTHREADS / 32) {
         const int r = lr[c];  // warp-uniform
         float a = 0.0f;
-        if (r != FT_SENT) {
-            const unsigned short* x = X + (i64)r * D;
-            for (int j = lane * 8; j < D; j += 256) {
-                const uint4 u = *reinterpret_cast<const uint4*>(x + j);
-                float f[8];
-                half2_to_floats(u.x, f[0], f[1]);
-                half2_to_floats(u.y, f[2], f[3]);
-                half2_to_floats(u.z, f[4], f[5]);
-                half2_to_floats(u.w, f[6], f[7]);
-#pragma unroll
-                for (int t = 0; t < 8; ++t) a = fmaf(q[j + t], f[t], a);
-            }
-        }
+        if (r != FT_SENT) a = lane_dot(q, X + (i64)r * D, D, lane);
         a = warp_sum(a);
         if (lane == 0) {
             es[c] = r == FT_SENT ? neg_inf() : a;
@@ -653,18 +659,7 @@ extern "C" __global__ void __launch_bounds__(FT_THREADS)
     const int lane = threadIdx.x & 31;
     const i64 nw = (i64)gridDim.x * (FT_THREADS / 32);
     for (i64 r = (i64)blockIdx.x * (FT_THREADS / 32) + (threadIdx.x >> 5); r < N; r += nw) {
-        const unsigned short* x = X + r * D;
-        float a = 0.0f;
-        for (int j = lane * 8; j < D; j += 256) {
-            const uint4 u = *reinterpret_cast<const uint4*>(x + j);
-            float v[8];
-            half2_to_floats(u.x, v[0], v[1]);
-            half2_to_floats(u.y, v[2], v[3]);
-            half2_to_floats(u.z, v[4], v[5]);
-            half2_to_floats(u.w, v[6], v[7]);
-#pragma unroll
-            for (int t = 0; t < 8; ++t) a = fmaf(q[j + t], v[t], a);
-        }
+        float a = lane_dot(q, X + r * D, D, lane);
         a = warp_sum(a);
         if (lane == 0) S[(i64)f * N + r] = a;
     }
