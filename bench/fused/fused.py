@@ -206,9 +206,9 @@ class FusedTopK:
         return pl
 
     # ------------------------------------------------------------------ search
-    def _queries(self, queries_f32: Any, k: int) -> tuple[Any, int, int]:
-        """The batch as a contiguous float32 (B, dpad) device array (zero-padded), B, and the k
-        served (at most N). ValueError on a wrong shape or k."""
+    def launch(self, queries_f32: Any, k: int) -> tuple[Any, Any, Any]:
+        """Enqueue one search on the current stream: (ids, scores, flags) on the device; flags[b]
+        is 1 where the answer is not proven exact (``search`` redoes those)."""
         q = cp.asarray(queries_f32, dtype=cp.float32)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"queries must be (B, {self.dim}), got {q.shape}")
@@ -219,12 +219,8 @@ class FusedTopK:
             qp = cp.zeros((b, self.dpad), cp.float32)
             qp[:, :self.dim] = q
             q = qp
-        return cp.ascontiguousarray(q), b, min(k, self.n)
-
-    def launch(self, queries_f32: Any, k: int) -> tuple[Any, Any, Any]:
-        """Enqueue one search on the current stream: (ids, scores, flags) on the device; flags[b]
-        is 1 where the answer is not proven exact (``search`` redoes those)."""
-        q, b, kk = self._queries(queries_f32, k)
+        q = cp.ascontiguousarray(q)
+        kk = min(k, self.n)
         if b == 0:
             return cp.empty((0, kk), cp.int64), cp.empty((0, kk), cp.float32), cp.empty(0, cp.int32)
         pl = self.plan(b, k)

@@ -210,7 +210,18 @@ class WgmmaTopK(FusedTopK):
     def launch(self, queries_f32: Any, k: int, dump: Any = None) -> tuple[Any, Any, Any]:
         """Enqueue one search on the current stream: (ids, scores, flags) on the device. With a
         FW_DUMP config, ``dump`` (N x QY*BQ float32) receives the raw scaled scores instead."""
-        q, b, kk = self._queries(queries_f32, k)
+        q = cp.asarray(queries_f32, dtype=cp.float32)
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise ValueError(f"queries must be (B, {self.dim}), got {q.shape}")
+        if not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+        b = int(q.shape[0])
+        if self.dpad != self.dim:
+            qp = cp.zeros((b, self.dpad), cp.float32)
+            qp[:, :self.dim] = q
+            q = qp
+        q = cp.ascontiguousarray(q)
+        kk = min(k, self.n)
         if b == 0:
             return cp.empty((0, kk), cp.int64), cp.empty((0, kk), cp.float32), cp.empty(0, cp.int32)
         pl = self.plan(b, k)
