@@ -29,7 +29,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 protocol-header: $(STAMP)
-	$(BIN)/python -c "from broker.layout import c_header; print(c_header(), end='')" > docs/kalos_protocol.h
+	$(BIN)/python -c "from kalos.broker.layout import c_header; print(c_header(), end='')" > docs/kalos_protocol.h
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -29,9 +29,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 async def _measure(tasks: int, coalesce: bool, seconds: float, dim: int) -> dict[str, Any]:
     import numpy as np
 
-    from broker.layout import Layout
-    from clients.fake import FakeConnection
-    from clients.pool import RecallPool
+    from kalos.broker.layout import Layout
+    from kalos.clients.fake import FakeConnection
+    from kalos.clients.pool import RecallPool
 
     conn = FakeConnection(Layout(n_slots=max(64, tasks), dim=dim, max_k=128, max_queries=64,
                                  blob_bytes=4096))

@@ -30,12 +30,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.layout import Metric  # noqa: E402
-from broker.validation import encode_where, parse_where  # noqa: E402
+from kalos.broker.layout import Metric  # noqa: E402
+from kalos.broker.validation import encode_where, parse_where  # noqa: E402
 from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from sidecar_cuda.backends.select import choose_backend  # noqa: E402
-from sidecar_cuda.store import Namespace  # noqa: E402
+from kalos.sidecar_cuda.backends.select import choose_backend  # noqa: E402
+from kalos.sidecar_cuda.store import Namespace  # noqa: E402
 
 SELECTIVITIES = (0.001, 0.01, 0.1, 0.5)
 RTOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}

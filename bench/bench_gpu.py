@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.layout import Metric  # noqa: E402
+from kalos.broker.layout import Metric  # noqa: E402
 from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
@@ -219,7 +219,7 @@ def cupy_naive(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, rep
 def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict]:
     """This backend called in-process: latency of Matrix.search (graphs on and off), recalls/s of
     batches, and GPU time per batch (CUDA events) on each path; also checks the answers."""
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     n, d = matrix.shape
     out: list[dict] = []

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from clients import RecallPool  # noqa: E402
+from kalos.clients import RecallPool  # noqa: E402
 from kalos.testing.loadgen import environment  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
@@ -106,10 +106,10 @@ async def recall_under_writes(name: str, dim: int, seconds: float) -> dict:
 
 def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
     """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
-    from broker.layout import Metric
-    from sidecar_cuda.backends.numpy_backend import NumpyBackend
-    from sidecar_cuda.persist import Persistence, Write
-    from sidecar_cuda.store import MemoryStore
+    from kalos.broker.layout import Metric
+    from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+    from kalos.sidecar_cuda.persist import Persistence, Write
+    from kalos.sidecar_cuda.store import MemoryStore
 
     rng = np.random.default_rng(4)
     vecs = rng.standard_normal((4096, dim)).astype(np.float32)
@@ -160,7 +160,7 @@ def load_time(rows: int, dim: int, workdir: str) -> dict:
     if r.returncode:
         raise RuntimeError(r.stderr)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name, *args],
+    proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
                             stderr=subprocess.PIPE, text=True)
     loaded = None
     assert proc.stderr is not None

@@ -36,13 +36,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.layout import Layout  # noqa: E402
-from clients import RecallClient, RecallPool  # noqa: E402
-from clients._transport import Connection  # noqa: E402
+from kalos.broker.layout import Layout  # noqa: E402
+from kalos.clients import RecallClient, RecallPool  # noqa: E402
+from kalos.clients._transport import Connection  # noqa: E402
 from kalos.testing.loadgen import environment  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from sidecar_cuda.metrics import SidecarCollector  # noqa: E402
-from sidecar_cuda.stats import BatchRecord, SidecarStats  # noqa: E402
+from kalos.sidecar_cuda.metrics import SidecarCollector  # noqa: E402
+from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats  # noqa: E402
 
 CONFIGS = ("off", "idle", "scrape-1s", "scrape-tight")
 

@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from clients import RecallClient  # noqa: E402
+from kalos.clients import RecallClient  # noqa: E402
 from kalos.testing.loadgen import LoadSpec, environment, run_load  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 

@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from clients import _requests  # noqa: E402
-from clients.blocking import RecallClient  # noqa: E402
+from kalos.clients import _requests  # noqa: E402
+from kalos.clients.blocking import RecallClient  # noqa: E402
 from kalos.testing.loadgen import environment  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
@@ -101,13 +101,13 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
     """The backend's search of one query in this process: wall and GPU time (p50, us), and the
     path the CUDA backend took."""
     if backend != "cuda":
-        from sidecar_cuda.backends.numpy_backend import NumpyBackend
-        from broker.layout import Metric
+        from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+        from kalos.broker.layout import Metric
 
         be: Any = NumpyBackend()
     else:
-        from sidecar_cuda.backends.cuda.backend import CupyBackend
-        from broker.layout import Metric
+        from kalos.sidecar_cuda.backends.cuda.backend import CupyBackend
+        from kalos.broker.layout import Metric
 
         be = CupyBackend(storage_dtype=dtype, **({} if host_work is None else {"host_work": host_work}))
     rng = np.random.default_rng(seed)

@@ -30,7 +30,7 @@ export PYTHONPATH=/tmp/site:$PWD
 
 check() {
   timeout 120 python3 -c "
-from sidecar_cuda.backends.cuda import CupyBackend
+from kalos.sidecar_cuda.backends.cuda import CupyBackend
 for dt in ('float32', 'float16'):
     be = CupyBackend(storage_dtype=dt)
     print(dt, be.description, 'compile_s %.2f warm_s %.2f' % (be.compile_s, be.warm_s))

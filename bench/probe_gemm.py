@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from broker.layout import Metric  # noqa: E402
+from kalos.broker.layout import Metric  # noqa: E402
 
 
 def events_ms(cp, fn, reps: int = 20, warm: int = 3) -> float:
@@ -50,7 +50,7 @@ def main() -> int:
     import cupy as cp
     from cupy_backends.cuda.libs import cublas
 
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     n, d = a.rows, a.dim
     rng = np.random.default_rng(int.from_bytes(os.urandom(4), "little"))

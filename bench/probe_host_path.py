@@ -4,8 +4,8 @@ Run on a GPU machine from the repository root (writes $OUT/<name>.json, or ./ wi
 Results: bench/results/h200-2026-12-01e/ and bench/results/README.md."""
 import json, os, time
 import numpy as np
-from broker.layout import Metric
-from sidecar_cuda.backends.cuda.backend import CupyBackend
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.cuda.backend import CupyBackend
 
 def wall(fn, reps):
     t = []

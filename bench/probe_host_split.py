@@ -5,8 +5,8 @@ Results: bench/results/h200-2026-12-01e/ and bench/results/README.md."""
 import json, os, time
 import numpy as np
 import cupy as cp
-from broker.layout import Metric
-from sidecar_cuda.backends.cuda.backend import CupyBackend
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.cuda.backend import CupyBackend
 
 def med(x): return round(float(np.median(x)) / 1e3, 2)
 res = {}

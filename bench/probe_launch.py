@@ -5,9 +5,9 @@ Results: bench/results/h200-2026-12-01e/ and bench/results/README.md."""
 import json, sys, time
 import numpy as np
 import cupy as cp
-from broker.layout import Metric
-from sidecar_cuda.backends.cuda import paths as P
-from sidecar_cuda.backends.cuda.backend import CupyBackend
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.cuda import paths as P
+from kalos.sidecar_cuda.backends.cuda.backend import CupyBackend
 
 def timeit(fn, stream, reps=400):
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()

@@ -43,8 +43,8 @@ def main() -> int:
 
     import cupy as cp
 
-    from broker.layout import Metric
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.broker.layout import Metric
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     n, d, k, reps = a.rows, a.dim, a.k, a.reps
     seed = int.from_bytes(os.urandom(4), "little")

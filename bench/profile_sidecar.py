@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Where the sidecar's serving thread spends its time under load: runs the sidecar under cProfile
-(``python -m cProfile -m sidecar_cuda``), drives it with client processes (kalos.testing.loadgen), stops
+(``python -m cProfile -m kalos.sidecar_cuda``), drives it with client processes (kalos.testing.loadgen), stops
 it with SIGTERM and prints the functions with the most own time and the serving path's cumulative
 times. cProfile slows every Python call, so read the shares, not the absolute times.
 

@@ -3,7 +3,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && export CUPY_CACHE_DIR=/tmp/kc && nvidia-smi > $OUT/nvidia-smi.txt 2>&1; S=$(date +%s)
 timeout 150 python3 -c "
 import logging,time;logging.basicConfig(level=10)
-from sidecar_cuda.backends.cuda import wgmma as w
+from kalos.sidecar_cuda.backends.cuda import wgmma as w
 for bq in (16,32,64):
   t=time.time(); c=w.compile_cubin(w.kernel_source(bq), w.compile_options(bq, w.stages_for(bq,232448))); print('bq',bq,'cubin',len(c),'bytes',round(time.time()-t,2),'s',flush=True)
 " > $OUT/compile.log 2>&1; echo "compile rc=$? t=$(( $(date +%s)-S ))"; tail -c 3000 $OUT/compile.log; grep -q "cubin" $OUT/compile.log || exit 3

@@ -1,11 +1,11 @@
 """Kalos broker core: the shared-memory contract, errors and validation shared by sidecar and clients."""
 
-from broker.errors import (
+from .errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
     KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
     UntrustedBroker, UsageError,
 )
-from broker.layout import PROTOCOL_VERSION
+from .layout import PROTOCOL_VERSION
 
 __all__ = [
     "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",

@@ -19,7 +19,7 @@
      +-- ClosedError           the pool or client was closed by its user
 
 posix_ipc, numpy and cupy exceptions are mapped to these at the boundary and never reach callers.
-The error a sidecar status code becomes is :func:`broker.layout.error_for_status`, beside ``Status``.
+The error a sidecar status code becomes is :func:`kalos.broker.layout.error_for_status`, beside ``Status``.
 This module imports nothing of Kalos, so every other one may import it.
 """
 

@@ -1,7 +1,7 @@
 """Names: which broker and namespace names are valid, and the POSIX objects of a broker.
 
 A broker name scopes every shared object of one sidecar (see the objects drawn in
-:mod:`broker.layout`); a namespace name travels in a slot's ``namespace`` field, so the longest
+:mod:`kalos.broker.layout`); a namespace name travels in a slot's ``namespace`` field, so the longest
 one is ``NAMESPACE_BYTES``. Clients check names before anything touches shared memory; the sidecar
 checks what it reads back from a slot with :func:`decode_namespace`.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from broker.errors import ConfigError, InvalidRequest
-from broker.layout import NAMESPACE_BYTES
+from .errors import ConfigError, InvalidRequest
+from .layout import NAMESPACE_BYTES
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,40}$")
 _NS_RE = re.compile(rf"^[A-Za-z0-9_.:@-]{{1,{NAMESPACE_BYTES}}}$")
@@ -64,5 +64,5 @@ def resp_name(name: str, i: int) -> str:
 
 def leases_path(name: str) -> str:
     """The lease-lock file of broker ``name`` (a plain file beside the POSIX objects; see
-    :mod:`broker.leases`)."""
+    :mod:`kalos.broker.leases`)."""
     return f"/dev/shm/kalos.{name}.leases"

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import InvalidRequest, PayloadTooLarge
+from .errors import InvalidRequest, PayloadTooLarge
 
 #: Ids are int64; -1 marks "no result" in result arrays, so negative ids are refused.
 MAX_ID = 2**63 - 1

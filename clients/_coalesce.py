@@ -35,8 +35,8 @@ import enum
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol, Union
 
-from broker.layout import Flag
-from clients.results import Hits
+from ..broker.layout import Flag
+from .results import Hits
 
 
 class Path(enum.Enum):

@@ -14,12 +14,12 @@ from typing import Any, Final, Union
 
 import numpy as np
 
-from broker.errors import ProtocolError
-from broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
-from broker.names import validate_namespace
-from broker.errors import InvalidRequest
-from broker.validation import as_ids, as_queries, check_k, encode_payloads, encode_where
-from clients.results import Hits, Records
+from ..broker.errors import ProtocolError
+from ..broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
+from ..broker.names import validate_namespace
+from ..broker.errors import InvalidRequest
+from ..broker.validation import as_ids, as_queries, check_k, encode_payloads, encode_where
+from .results import Hits, Records
 
 
 class _Default(enum.Enum):
@@ -107,7 +107,7 @@ def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str
     n = v.shape[0]
     idarr = as_ids(ids, n)
     if payloads is not None and len(payloads) != n:
-        from broker.errors import InvalidRequest
+        from ..broker.errors import InvalidRequest
 
         raise InvalidRequest(f"{len(payloads)} payloads for {n} vectors")
     out = []

@@ -23,19 +23,19 @@ from collections.abc import Callable
 import numpy as np
 import posix_ipc
 
-from broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
-from broker.layout import (
+from ..broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
+from ..broker.layout import (
     HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
     MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
     S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, metric_name,
     peek_header, slot_field_offset,
 )
-from broker import leases
-from broker.names import (
+from ..broker import leases
+from ..broker.names import (
     bell_name, leases_path, req_name, resp_name, shm_name, validate_broker_name,
 )
-from broker.owners import sem_path, stat_problem
-from broker.procs import process_start_ticks
+from ..broker.owners import sem_path, stat_problem
+from ..broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
 

@@ -8,14 +8,15 @@ import threading
 import time
 from typing import Any, cast
 
-from broker.errors import (
+from ..broker.errors import (
     BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from broker.layout import Layout, Op
-import clients._requests as _requests
-from clients._requests import DEFAULT, Timeout, resolve_timeout
-from clients._transport import ClientSlot, Connection, backoff_s
-from clients.results import Hits, Records
+from ..broker.layout import Layout, Op
+from ._requests import (
+    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, write as write_slot,
+)
+from ._transport import ClientSlot, Connection, backoff_s
+from .results import Hits, Records
 
 DEFAULT_SPIN_US = 250.0
 _READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
@@ -28,7 +29,7 @@ class RecallClient:
     ``timeout`` (seconds, None = no limit) is the default budget of each call. A request that times
     out stays in flight: the next call first waits for the sidecar to finish it, so a stale answer
     never reaches a later caller. Opening waits up to ``connect_timeout`` for a sidecar to serve
-    the name. Restarts and forks as for :class:`~clients.pool.RecallPool` (``reconnect``).
+    the name. Restarts and forks as for :class:`~kalos.clients.pool.RecallPool` (``reconnect``).
     """
 
     def __init__(self, name: str = "default", *, timeout: float | None = None,
@@ -50,7 +51,7 @@ class RecallClient:
         self._lock = threading.Lock()
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
-        self._ns = _requests.NamespaceCache()
+        self._ns = NamespaceCache()
         self._attach(time.monotonic() + connect_timeout, f"after {connect_timeout} s")
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
@@ -128,7 +129,7 @@ class RecallClient:
                where: dict[str, Any] | None = None) -> Hits:
         """Top-k of one vector; see RecallPool.recall for semantics and errors."""
         t0 = time.monotonic_ns()
-        p = _requests.recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True,
+        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True,
                              where)
         return cast(Hits, self._call(p, timeout, t0))
 
@@ -136,7 +137,7 @@ class RecallClient:
                     timeout: Timeout = DEFAULT, with_payload: bool = False,
                     where: dict[str, Any] | None = None) -> list[Hits]:
         t0 = time.monotonic_ns()
-        p = _requests.recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False,
+        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False,
                              where)
         return cast("list[Hits]", self._call(p, timeout, t0))
 
@@ -144,44 +145,44 @@ class RecallClient:
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         t0 = time.monotonic_ns()
         return sum(self._call(p, timeout, t0)
-                   for p in _requests.upsert(self.layout, ids, vectors, payloads, namespace))
+                   for p in encode_upsert(self.layout, ids, vectors, payloads, namespace))
 
     def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Delete by ids or by filter; see RecallPool.delete."""
         t0 = time.monotonic_ns()
         return sum(self._call(p, timeout, t0)
-                   for p in _requests.delete(self.layout, ids, namespace, where))
+                   for p in encode_delete(self.layout, ids, namespace, where))
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
             timeout: Timeout = DEFAULT) -> Records:
         """Records by id; see RecallPool.get for semantics and errors."""
         t0 = time.monotonic_ns()
-        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        preps = encode_get(self.layout, ids, namespace, with_vectors)
         parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
-        return _requests.merge_records(preps, parts, self.layout.dim)
+        return merge_records(preps, parts, self.layout.dim)
 
     def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
-        return cast(int, self._call(_requests.drop(namespace), timeout, time.monotonic_ns()))
+        return cast(int, self._call(encode_drop(namespace), timeout, time.monotonic_ns()))
 
     def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return cast("dict[str, int]", self._call(_requests.list_namespaces(), timeout, time.monotonic_ns()))
+        return cast("dict[str, int]", self._call(encode_list_namespaces(), timeout, time.monotonic_ns()))
 
     def export_page(self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None,
                     timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
         if given): (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
         return cast("tuple[Any, Any, list[Any]]", self._call(
-            _requests.export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+            encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
 
     def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
               timeout: Timeout = DEFAULT) -> int:
         """Records in ``namespace`` (matching ``where`` if given); see RecallPool.count."""
-        return cast(int, self._call(_requests.count(self.layout, namespace, where), timeout,
+        return cast(int, self._call(encode_count(self.layout, namespace, where), timeout,
                                     time.monotonic_ns()))
 
-    def _call(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
+    def _call(self, p: Prepared, budget: Timeout, t0: int) -> Any:
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -245,19 +246,19 @@ class RecallClient:
                 conn.close()
         self._pending = False
 
-    def _roundtrip(self, s: ClientSlot, p: _requests.Prepared, deadline: float | None,
+    def _roundtrip(self, s: ClientSlot, p: Prepared, deadline: float | None,
                    t0: int) -> Any:
         if self._pending:  # finish the abandoned request first
             self._wait(s, deadline)
             s.set_free()
             self._pending = False
-        blob_len = _requests.write(s.view, p)
+        blob_len = write_slot(s.view, p)
         s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
         self._pending = True
         self._wait(s, deadline)
         self._pending = False
         try:
-            result = _requests.read(s.view, s.outcome(), p)
+            result = read_slot(s.view, s.outcome(), p)
         except Exception:
             s.record(time.monotonic_ns() - t0, ok=False)
             s.set_free()

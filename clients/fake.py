@@ -2,7 +2,7 @@
 (free-slot stack, timeouts, cancellation, orphan draining, a broken waiter) without a sidecar.
 
 :class:`FakeConnection` lays out a real segment (``broker.layout``) in a bytearray and gives out
-real :class:`~clients._transport.ClientSlot` objects whose semaphores are counters; the test plays
+real :class:`~kalos.clients._transport.ClientSlot` objects whose semaphores are counters; the test plays
 the sidecar with :meth:`FakeConnection.serve`::
 
     conn = FakeConnection(Layout(n_slots=2, dim=4, max_k=4, max_queries=2, blob_bytes=1024))
@@ -20,12 +20,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from broker.errors import BrokerUnavailable
-from broker.layout import (
+from ..broker.errors import BrokerUnavailable
+from ..broker.layout import (
     S_BUSY, S_DONE, S_FREE, S_POSTED, Layout, SegmentView, SidecarState, SlotView, Status,
     header_field_offset,
 )
-from clients._transport import ClientSlot, Connection, Waiter
+from ._transport import ClientSlot, Connection, Waiter
 
 #: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
 #: or a Status to answer with an error.

@@ -39,16 +39,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-from broker.errors import (
+from ..broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
     PayloadTooLarge, ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from broker.layout import Layout, Op
-import clients._requests as _requests
-from clients._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
-from clients._requests import DEFAULT, Timeout, resolve_timeout
-from clients._transport import ClientSlot, Connection, Waiter, backoff_s
-from clients.results import Hits, Records
+from ..broker.layout import Layout, Op
+from ._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
+from ._requests import (
+    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, write as write_slot,
+)
+from ._transport import ClientSlot, Connection, Waiter, backoff_s
+from .results import Hits, Records
 
 LIVENESS_S = 0.1
 #: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
@@ -97,7 +98,7 @@ class _Member:
     """A recall queued to be coalesced (then riding in a shared slot): its own request, future,
     start time and coalescing key (None: it goes alone)."""
 
-    prep: _requests.Prepared
+    prep: Prepared
     future: asyncio.Future[Any]
     t0: int
     key: Key | None
@@ -109,7 +110,7 @@ class _Member:
 @dataclass(slots=True)
 class _Inflight:
     slot: ClientSlot
-    prep: _requests.Prepared
+    prep: Prepared
     future: asyncio.Future[Any]  # a shared slot: its first member's (each member has its own)
     t0: int
     members: list[_Member] | None = None  # the recalls sharing this slot (None: one caller)
@@ -245,8 +246,8 @@ class RecallPool:
 
     **Processes.** A pool belongs to the process (and event loop) that opened it; after ``fork``
     the child's copy raises ForkedPoolError. Open one pool per worker, after forking. ``connect(name,
-    sidecar_uid)`` makes the transport (default: :class:`clients._transport.Connection`; tests
-    inject :class:`clients.fake.FakeConnection`).
+    sidecar_uid)`` makes the transport (default: :class:`kalos.clients._transport.Connection`; tests
+    inject :class:`kalos.clients.fake.FakeConnection`).
     """
 
     def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
@@ -296,7 +297,7 @@ class RecallPool:
         self._broken: KalosError | None = None
         self._requests = 0
         self._errors = 0
-        self._ns = _requests.NamespaceCache()
+        self._ns = NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
         self._metric = "unknown"  # set by open()
 
@@ -489,7 +490,7 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state != "open" or self._broken is not None:
             self._check_usable()
-        p = _requests.recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
+        p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
                              single=True, where=where)
         return cast(Hits, await self._execute(p, timeout, t0))
 
@@ -500,7 +501,7 @@ class RecallPool:
         slot and one round trip (``where``: one filter for every row). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = _requests.recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload,
+        p = encode_recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload,
                              single=False, where=where)
         return cast("list[Hits]", await self._execute(p, timeout, t0))
 
@@ -513,7 +514,7 @@ class RecallPool:
         last wins. Payloads must be JSON-serialisable (PayloadTooLarge beyond the limit).
         """
         t0 = time.monotonic_ns()
-        preps = _requests.upsert(self.layout, ids, vectors, payloads, namespace)
+        preps = encode_upsert(self.layout, ids, vectors, payloads, namespace)
         return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
 
     async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
@@ -521,7 +522,7 @@ class RecallPool:
         """Delete records by id, or every record whose payload matches ``where`` (one of the two);
         returns how many existed. Unknown ids/namespace: 0, no error."""
         t0 = time.monotonic_ns()
-        preps = _requests.delete(self.layout, ids, namespace, where)
+        preps = encode_delete(self.layout, ids, namespace, where)
         return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
 
     async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
@@ -532,17 +533,17 @@ class RecallPool:
         UnknownNamespace, PayloadTooLarge (the payloads of one chunk exceed the slot's blob area),
         and the errors of :meth:`recall`."""
         t0 = time.monotonic_ns()
-        preps = _requests.get(self.layout, ids, namespace, with_vectors)
+        preps = encode_get(self.layout, ids, namespace, with_vectors)
         parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
-        return _requests.merge_records(preps, parts, self.layout.dim)
+        return merge_records(preps, parts, self.layout.dim)
 
     async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
         """Remove a namespace and all its records; returns the rows it held (0 if unknown)."""
-        return cast(int, await self._execute(_requests.drop(namespace), timeout, time.monotonic_ns()))
+        return cast(int, await self._execute(encode_drop(namespace), timeout, time.monotonic_ns()))
 
     async def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return cast("dict[str, int]", await self._execute(_requests.list_namespaces(), timeout,
+        return cast("dict[str, int]", await self._execute(encode_list_namespaces(), timeout,
                                                            time.monotonic_ns()))
 
     async def export_page(self, namespace: str, after: int = -1, *,
@@ -552,12 +553,12 @@ class RecallPool:
         ``where``, if given): (ids int64, vectors float32 as stored, payloads). Raises
         UnknownNamespace."""
         return cast("tuple[Any, Any, list[Any]]", await self._execute(
-            _requests.export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+            encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
 
     async def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
                     timeout: Timeout = DEFAULT) -> int:
         """Records in ``namespace`` (those matching ``where``, if given). Raises UnknownNamespace."""
-        return cast(int, await self._execute(_requests.count(self.layout, namespace, where), timeout,
+        return cast(int, await self._execute(encode_count(self.layout, namespace, where), timeout,
                                              time.monotonic_ns()))
 
     # ------------------------------------------------------------------ machinery
@@ -580,7 +581,7 @@ class RecallPool:
         if self._broken is not None:
             raise self._broken
 
-    async def _execute_all(self, preps: list[_requests.Prepared], timeout: Timeout, t0: int) -> list[Any]:
+    async def _execute_all(self, preps: list[Prepared], timeout: Timeout, t0: int) -> list[Any]:
         if len(preps) == 1:
             return [await self._execute(preps[0], timeout, t0)]
         return list(await asyncio.gather(*(self._execute(p, timeout, t0) for p in preps)))
@@ -607,7 +608,7 @@ class RecallPool:
             if self._conn is not None and slot in self._current:  # not a slot of a dead attachment
                 return slot
 
-    async def _execute(self, p: _requests.Prepared, budget: Timeout, t0: int) -> Any:
+    async def _execute(self, p: Prepared, budget: Timeout, t0: int) -> Any:
         self._check_usable()
         loop = self._loop
         assert loop is not None and self._free is not None
@@ -630,7 +631,7 @@ class RecallPool:
                         and (deadline is None or loop.time() < deadline)):
                     raise
 
-    async def _execute_once(self, p: _requests.Prepared, timeout: float | None,
+    async def _execute_once(self, p: Prepared, timeout: float | None,
                             deadline: float | None, t0: int) -> Any:
         loop = self._loop
         assert loop is not None and self._free is not None
@@ -645,7 +646,7 @@ class RecallPool:
                 self._unavailable(e)
                 raise
         try:
-            blob_len = _requests.write(slot.view, p)
+            blob_len = write_slot(slot.view, p)
             slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
         except BaseException:
             slot.set_free()
@@ -664,7 +665,7 @@ class RecallPool:
                                   "sidecar finishes it; the slot is then reused)") from None
 
     # ------------------------------------------------------------------ coalescing
-    async def _execute_queued(self, p: _requests.Prepared, timeout: float | None,
+    async def _execute_queued(self, p: Prepared, timeout: float | None,
                               deadline: float | None, t0: int) -> Any:
         """Queue a recall to be sent with others (see the class docstring) and await its share."""
         loop = self._loop
@@ -697,7 +698,7 @@ class RecallPool:
                 self._unqueue(m)
             raise
 
-    def _key_of(self, p: _requests.Prepared) -> Key:
+    def _key_of(self, p: Prepared) -> Key:
         """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
         ones (cached: most recalls of a pool share a few), computed for filtered ones."""
         if p.blob:
@@ -827,9 +828,9 @@ class RecallPool:
                 self._fail_members(group, e)  # reads: each caller sends again after the re-attach
                 self._unavailable(e)
                 return
-        p = group[0].prep if len(group) == 1 else _requests.recall_group([m.prep for m in group])
+        p = group[0].prep if len(group) == 1 else encode_recall_group([m.prep for m in group])
         try:
-            blob_len = _requests.write(slot.view, p)
+            blob_len = write_slot(slot.view, p)
             slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, group[-1].t0)
         except BaseException as e:
             slot.set_free()
@@ -862,7 +863,7 @@ class RecallPool:
         answers: list[Any] = []
         exc: KalosError | None = None
         try:
-            hits = _requests.read(s.view, s.outcome(), e.prep)
+            hits = read_slot(s.view, s.outcome(), e.prep)
             answers = split(hits, [Share(m.prep.nq, m.prep.k, m.prep.single) for m in members])
         except KalosError as x:
             exc = x
@@ -934,7 +935,7 @@ class RecallPool:
         result: Any = None
         exc: BaseException | None = None
         try:
-            result = _requests.read(s.view, s.outcome(), e.prep)
+            result = read_slot(s.view, s.outcome(), e.prep)
         except KalosError as x:
             exc = x
         latency = time.monotonic_ns() - e.t0

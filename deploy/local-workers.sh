@@ -32,7 +32,7 @@ stop() {
 }
 trap stop EXIT INT TERM
 
-"$python" -m sidecar_cuda &
+"$python" -m kalos.sidecar_cuda &
 pids+=($!)
 
 # Start the workers once the memory is loaded, like the pod's startupProbe.

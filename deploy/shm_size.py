@@ -16,8 +16,8 @@ import argparse
 import json
 import sys
 
-from broker.layout import Layout
-from sidecar_cuda.config import add_serve_arguments
+from kalos.broker.layout import Layout
+from kalos.sidecar_cuda.config import add_serve_arguments
 
 MIB = 1 << 20
 HEADROOM = 16 * MIB

@@ -1,17 +1,18 @@
 """Kalos: exact top-k recall served from a GPU sidecar over POSIX shared memory.
 
-This is the public API: ``from kalos import RecallPool`` is the short form of
-``from clients import RecallPool``. The applications live beside it (:mod:`kalos.cli`, the
+This is the public API (``from kalos import RecallPool``). One import package holds everything:
+``kalos.broker`` (the shared-memory contract), ``kalos.clients`` and ``kalos.sidecar_cuda``, kept in
+the checkout's top-level folders of those names. The applications live beside it (:mod:`kalos.cli`, the
 ``kalos`` command; :mod:`kalos.testing`, helpers for tests and benchmarks).
 """
 
-from broker.errors import (
+from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
     KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
     UsageError,
 )
-from broker.layout import PROTOCOL_VERSION
-from clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool
+from kalos.broker.layout import PROTOCOL_VERSION
+from kalos.clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool
 
 __version__ = "0.1.0"
 __all__ = [

@@ -6,18 +6,18 @@ import argparse
 import logging
 import sys
 
-from broker.errors import KalosError
-from sidecar_cuda.config import add_serve_arguments, config_from_args
+from kalos.broker.errors import KalosError
+from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
-    from sidecar_cuda.server import run
+    from kalos.sidecar_cuda.server import run
 
     return run(config_from_args(a))
 
 
 def cmd_cleanup(a: argparse.Namespace) -> int:
-    from sidecar_cuda.objects import cleanup
+    from kalos.sidecar_cuda.objects import cleanup
 
     removed = cleanup(a.name, force=a.force)
     for r in removed:
@@ -28,7 +28,7 @@ def cmd_cleanup(a: argparse.Namespace) -> int:
 
 
 def cmd_namespaces(a: argparse.Namespace) -> int:
-    from clients.blocking import RecallClient
+    from kalos.clients.blocking import RecallClient
 
     with RecallClient(a.name, timeout=a.timeout) as c:
         counts = c.namespaces()

@@ -94,7 +94,7 @@ def run_demo(a: argparse.Namespace) -> int:
 
 
 def _backend_line(name: str) -> str:
-    from clients._transport import Connection
+    from kalos.clients._transport import Connection
 
     c = Connection(name)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import ConfigError
+from kalos.broker.errors import ConfigError
 
 BLOCK_ROWS = 4096  # rows per pool.upsert call (each is split over the pool's slots)
 
@@ -20,7 +20,7 @@ def export_namespace(name: str, namespace: str, out_dir: str, *, timeout: float 
 
     Pages are read with an id cursor, so the export stays consistent record by record while
     writers go on (a record changed during the export appears in its old or new form)."""
-    from clients.blocking import RecallClient
+    from kalos.clients.blocking import RecallClient
 
     ids, vecs, payloads = [], [], []
     with RecallClient(name, timeout=timeout) as c:
@@ -71,7 +71,7 @@ def import_namespace(name: str, namespace: str, src: str, *, timeout: float | No
     ids, vectors, payloads = read_export(src)
 
     async def run() -> int:
-        from clients.pool import RecallPool
+        from kalos.clients.pool import RecallPool
 
         n = 0
         async with RecallPool(name, size=pool_size, timeout=timeout) as pool:

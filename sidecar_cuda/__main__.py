@@ -1,6 +1,6 @@
-"""``python -m sidecar_cuda [OPTIONS]``: run a sidecar until SIGTERM/SIGINT (what ``kalos serve`` runs).
+"""``python -m kalos.sidecar_cuda [OPTIONS]``: run a sidecar until SIGTERM/SIGINT (what ``kalos serve`` runs).
 
-The sidecar parses its own options (:mod:`sidecar_cuda.config`), so it needs nothing above it.
+The sidecar parses its own options (:mod:`kalos.sidecar_cuda.config`), so it needs nothing above it.
 """
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import argparse
 import logging
 import sys
 
-from broker.errors import KalosError
-from sidecar_cuda.config import add_serve_arguments, config_from_args
-from sidecar_cuda.server import run
+from ..broker.errors import KalosError
+from .config import add_serve_arguments, config_from_args
+from .server import run
 
-PROG = "python -m sidecar_cuda"
+PROG = "python -m kalos.sidecar_cuda"
 
 
 def build_parser() -> argparse.ArgumentParser:

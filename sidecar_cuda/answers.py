@@ -24,7 +24,7 @@ from typing import Protocol
 
 import numpy as np
 
-from broker.layout import S_DONE, Layout, SegmentView, SlotWords, Status
+from ..broker.layout import S_DONE, Layout, SegmentView, SlotWords, Status
 
 _OK = int(Status.OK)
 

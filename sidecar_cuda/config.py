@@ -1,6 +1,6 @@
 """What a sidecar is told at start: :class:`ServeConfig`, and the command-line options that fill it.
 
-The options are defined once, in :func:`add_serve_arguments`; ``python -m sidecar_cuda`` and
+The options are defined once, in :func:`add_serve_arguments`; ``python -m kalos.sidecar_cuda`` and
 ``kalos serve`` both add them to their parser and turn the parsed arguments into a config with
 :func:`config_from_args`.
 """
@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from broker.errors import ConfigError
-from broker.layout import Layout, Metric
+from ..broker.errors import ConfigError
+from ..broker.layout import Layout, Metric
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.validation import WhereNode
+from ..broker.validation import WhereNode
 
 MISSING = -1
 OTHER = -2

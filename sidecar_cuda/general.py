@@ -1,11 +1,11 @@
 """The GENERAL route: any batch, request by request. Every op is served here (writes, payloads,
 several namespaces, listing, export) and every request a broken client wrote gets its own status.
 
-Each request is parsed (:func:`~sidecar_cuda.batching.parse_request`); a rejected one is answered
-at once with its status; the rest are grouped (:func:`~sidecar_cuda.batching.plan_batch`): writes
+Each request is parsed (:func:`~kalos.sidecar_cuda.batching.parse_request`); a rejected one is answered
+at once with its status; the rest are grouped (:func:`~kalos.sidecar_cuda.batching.plan_batch`): writes
 first in posting order (made durable, then applied), then one search per namespace, then the other
 ops. An unexpected error in a group answers that group SERVER_ERROR (logged) and the rest of the
-batch is served as usual. Answers are written through the :class:`~sidecar_cuda.answers.AnswerWriter`
+batch is served as usual. Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter`
 and published by the caller once the whole batch is written.
 """
 
@@ -17,15 +17,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from broker.layout import Flag, Op, SegmentView, Status
-from broker.errors import InvalidRequest
-from broker.validation import WhereNode, decode_where, payload_problem
-from sidecar_cuda.answers import AnswerWriter
-from sidecar_cuda.batching import (
+from ..broker.layout import Flag, Op, SegmentView, Status
+from ..broker.errors import InvalidRequest
+from ..broker.validation import WhereNode, decode_where, payload_problem
+from .answers import AnswerWriter
+from .batching import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, write_segments,
 )
-from sidecar_cuda.persist import Persistence, StoreError, Write
-from sidecar_cuda.store import MemoryStore, Namespace
+from .persist import Persistence, StoreError, Write
+from .store import MemoryStore, Namespace
 
 log = logging.getLogger("kalos.sidecar")
 

@@ -1,7 +1,7 @@
 """The reaper: slots leased by clients that died or gave them up come back to FREE.
 
 A lease is alive while its holder keeps the slot's byte of the lease file locked
-(:mod:`broker.leases`): the kernel drops the lock when the holder dies, in any PID namespace.
+(:mod:`kalos.broker.leases`): the kernel drops the lock when the holder dies, in any PID namespace.
 Every lease field was written by a client, so nothing in them is trusted: the pid is only for
 diagnostics, and a slot that is not FREE without an owner is freed too (only a broken client
 leaves one). The reaper works under the same ``flock`` clients lease under (docs/protocol.md,
@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from broker.layout import OWNER_ABANDONED, S_FREE
+from ..broker.layout import OWNER_ABANDONED, S_FREE
 
 #: Seconds between two passes of the reaper (the serving loop runs it on time, busy or not).
 REAP_S = 0.25

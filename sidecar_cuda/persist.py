@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker.errors import ConfigError
+from ..broker.errors import ConfigError
 
 log = logging.getLogger("kalos.sidecar")
 DB_FILE = "kalos.sqlite3"

@@ -1,7 +1,7 @@
 """From posted slots to answers: one pass of the serving loop (:meth:`Pipeline.serve_pending`).
 
 A pass answers the oldest batch in flight if it has finished, takes every posted slot as one
-batch, lets :func:`~sidecar_cuda.batching.classify` pick its route, and runs it:
+batch, lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and runs it:
 
 * SINGLE: searched in place and answered at once;
 * UNIFORM: one search of the gathered queries, started on the backend; a pipelined batch is left
@@ -9,10 +9,10 @@ batch, lets :func:`~sidecar_cuda.batching.classify` pick its route, and runs it:
   started as the next batch, queued right behind it), any other is answered at once (a batch of
   filtered recalls that all carry the same filter is UNIFORM too: searched over its rows at once);
 * GENERAL: what is in flight is answered first (so a write never moves rows under a search, and
-  answers leave in order), then the batch is served request by request (:mod:`sidecar_cuda.general`).
+  answers leave in order), then the batch is served request by request (:mod:`kalos.sidecar_cuda.general`).
 
 At most :data:`PIPELINE_DEPTH` batches are in flight. Answers go through the
-:class:`~sidecar_cuda.answers.AnswerWriter`.
+:class:`~kalos.sidecar_cuda.answers.AnswerWriter`.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_field_offset
-from broker.names import decode_namespace
-from sidecar_cuda.answers import AnswerWriter
-from sidecar_cuda.backends.base import PendingSearch, completed
-from sidecar_cuda.batching import (
+from ..broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_field_offset
+from ..broker.names import decode_namespace
+from .answers import AnswerWriter
+from .backends.base import PendingSearch, completed
+from .batching import (
     Blobs, Limits, Plan, Route, SlotRef, classify, posted_slots, query_rows,
 )
-from sidecar_cuda.general import GeneralRoute
-from sidecar_cuda.stats import BatchRecord, SidecarStats
-from sidecar_cuda.store import MemoryStore, Namespace
+from .general import GeneralRoute
+from .stats import BatchRecord, SidecarStats
+from .store import MemoryStore, Namespace
 
 log = logging.getLogger("kalos.sidecar")
 _RECALL = int(Op.RECALL)

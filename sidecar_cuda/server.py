@@ -6,7 +6,7 @@ The loop (:meth:`Sidecar.serve_forever`) polls the slot states while requests ke
 sleeps on the doorbell once idle; each pass is :meth:`Pipeline.serve_pending
 <sidecar_cuda.pipeline.Pipeline.serve_pending>` (take the posted slots, classify them, serve the
 route), guarded so that nothing a slot holds can end the loop, and the reaper
-(:mod:`sidecar_cuda.leases`) runs on time, busy or not.
+(:mod:`kalos.sidecar_cuda.leases`) runs on time, busy or not.
 
 One recall, end to end: client -> (shm) -> this loop -> pipeline -> batching.classify -> store ->
 backend -> answers -> (shm) -> client."""
@@ -26,23 +26,23 @@ from typing import Any
 import numpy as np
 import posix_ipc
 
-from broker.errors import ConfigError
-from broker import leases
-from broker.layout import HEARTBEAT_S, SegmentView, SidecarState, SlotWords, header_field_offset
-from broker.names import validate_broker_name
-import sidecar_cuda.objects as objects
-from sidecar_cuda.answers import AnswerWriter
-from sidecar_cuda.backends.base import Backend
-from sidecar_cuda.backends.select import choose_backend
-from sidecar_cuda.batching import PIPELINE_MIN_WORK, Limits
-from sidecar_cuda.config import ServeConfig  # defined there; still importable from here
-from sidecar_cuda.general import GeneralRoute
-from sidecar_cuda.leases import REAP_S, reap_dead_owners
-from sidecar_cuda.notify import sd_notify
-from sidecar_cuda.persist import Persistence
-from sidecar_cuda.pipeline import PIPELINE_DEPTH, Pipeline
-from sidecar_cuda.stats import SidecarStats
-from sidecar_cuda.store import MemoryStore
+from ..broker.errors import ConfigError
+from ..broker import leases
+from ..broker.layout import HEARTBEAT_S, SegmentView, SidecarState, SlotWords, header_field_offset
+from ..broker.names import validate_broker_name
+from .objects import Objects, create as create_objects, unlink as unlink_objects
+from .answers import AnswerWriter
+from .backends.base import Backend
+from .backends.select import choose_backend
+from .batching import PIPELINE_MIN_WORK, Limits
+from .config import ServeConfig  # defined there; still importable from here
+from .general import GeneralRoute
+from .leases import REAP_S, reap_dead_owners
+from .notify import sd_notify
+from .persist import Persistence
+from .pipeline import PIPELINE_DEPTH, Pipeline
+from .stats import SidecarStats
+from .store import MemoryStore
 
 log = logging.getLogger("kalos.sidecar")
 _POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
@@ -72,7 +72,7 @@ class Sidecar:
         self.persist: Persistence | None = None
         self.stats = SidecarStats(self.layout.n_slots)
         self._stop = threading.Event()
-        self._objs: objects.Objects | None = None
+        self._objs: Objects | None = None
         self.seg: SegmentView | None = None
         # Staging for gathered queries (pinned on CUDA): one per batch in flight.
         self._stagings = [self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries,
@@ -88,7 +88,7 @@ class Sidecar:
     def start(self) -> None:
         """Create the objects, load memory, then announce READY."""
         cfg = self.cfg
-        self._objs = objects.create(cfg.name, self.layout, mode=cfg.shm_mode)
+        self._objs = create_objects(cfg.name, self.layout, mode=cfg.shm_mode)
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
@@ -190,7 +190,7 @@ class Sidecar:
         if self.seg is not None and int(self.seg.header["state"]) != SidecarState.FAILED:
             self.seg.header["state"] = SidecarState.STOPPED
         objs, self._objs = self._objs, None
-        objects.unlink(self.cfg.name, objs)
+        unlink_objects(self.cfg.name, objs)
         if self.persist is not None:
             self.persist.close()
         self.backend.close()
@@ -311,7 +311,7 @@ class Sidecar:
 
     def reap_dead_owners(self) -> int:
         """Free the slots of clients that died (or gave them up) while holding them, and slots
-        left in a state other than FREE without an owner (:mod:`sidecar_cuda.leases`). Slots of a
+        left in a state other than FREE without an owner (:mod:`kalos.sidecar_cuda.leases`). Slots of a
         batch in flight are left alone until it is answered."""
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
         fd = self._objs.leases_fd
@@ -333,7 +333,7 @@ def run(cfg: ServeConfig) -> int:
     sys.setswitchinterval(0.0005)
     exporter = None
     if cfg.metrics_port is not None:
-        from sidecar_cuda.metrics import MetricsServer
+        from .metrics import MetricsServer
 
         # Before loading: /healthz answers and /readyz says 503 until the memory is loaded.
         exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port)

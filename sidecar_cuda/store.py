@@ -3,7 +3,7 @@
 Rows of a namespace are kept dense: a delete moves the last live rows into the holes at once
 (compaction is part of the delete, so no search ever scans a tombstone), and capacity doubles when
 full (one device-side copy). This module holds no I/O of its own; durability is the job of
-:mod:`sidecar_cuda.persist`, called by the server before anything here changes.
+:mod:`kalos.sidecar_cuda.persist`, called by the server before anything here changes.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from broker.layout import Metric
-from broker.validation import WhereNode, decode_where
-from sidecar_cuda.backends.base import (
+from ..broker.layout import Metric
+from ..broker.validation import WhereNode, decode_where
+from .backends.base import (
     Backend, PendingSearch, SearchResult, completed, prepare_queries, prepare_rows,
 )
-from sidecar_cuda.filters import PayloadIndex
+from .filters import PayloadIndex
 
 MIN_CAPACITY = 1024
 #: Filter results kept per namespace (LRU, keyed by the filter's bytes), valid until its next write.

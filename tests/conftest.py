@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from kalos.testing.sidecar import start_sidecar_process
-from sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.objects import cleanup
 
 _counter = itertools.count()
 #: Run the behavioural suites against another backend: KALOS_TEST_BACKEND=cuda pytest tests/test_broker.py
@@ -89,7 +89,7 @@ def sidecar_factory():
         handles.append(h)
         backend = full[full.index("--backend") + 1]
         if backend in ("numpy", "cuda"):  # assert what runs: the header names the backend
-            from clients._transport import Connection
+            from kalos.clients._transport import Connection
 
             c = Connection(name, sidecar_uid=os.geteuid())  # (--shm-mode 0660 sidecars too)
             try:
@@ -196,8 +196,8 @@ def free_port() -> int:
 
 def slots_free(name: str) -> bool:
     """Every slot of broker ``name`` is FREE and owned by no process (nothing leaked)."""
-    from broker.layout import S_FREE
-    from clients._transport import Connection
+    from kalos.broker.layout import S_FREE
+    from kalos.clients._transport import Connection
 
     c = Connection(name)
     try:

@@ -93,12 +93,12 @@ def main() -> int:
     import cupy as cp
     from cupy_backends.cuda.libs import cublas
 
-    from broker.layout import Metric
+    from kalos.broker.layout import Metric
     from fused import ALT_CONFIGS, CONFIGS, DIAG_CONFIGS, FusedTopK
     try:
-        from sidecar_cuda.backends.cuda import CupyBackend
+        from kalos.sidecar_cuda.backends.cuda import CupyBackend
     except ImportError:  # the 9eb463e copy
-        from sidecar_cuda.cupy_backend import CupyBackend  # type: ignore[no-redef]
+        from kalos.sidecar_cuda.cupy_backend import CupyBackend  # type: ignore[no-redef]
 
     n, d, k, reps = a.rows, a.dim, a.k, a.reps
     seed = int.from_bytes(os.urandom(4), "little")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from broker.errors import UsageError
+from kalos.broker.errors import UsageError
 
 
 def require_similarity(metric: str, what: str) -> None:

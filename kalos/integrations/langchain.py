@@ -64,8 +64,8 @@ Filtered searches are exact top-k over the matching documents.
 
 Sync and async
 --------------
-Sync methods use a blocking :class:`~clients.blocking.RecallClient` (one slot, opened on first
-use); async methods use a :class:`~clients.pool.RecallPool` opened on first use in the running
+Sync methods use a blocking :class:`~kalos.clients.blocking.RecallClient` (one slot, opened on first
+use); async methods use a :class:`~kalos.clients.pool.RecallPool` opened on first use in the running
 event loop (a pool belongs to one loop: use one store per loop, or pass ``pool=``). Pools and
 clients passed in are the caller's; those the store opened are closed by :meth:`close` /
 :meth:`aclose` (or ``with`` / ``async with``).
@@ -87,11 +87,11 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from broker.errors import InvalidRequest, KalosError, UnknownNamespace, UsageError
-from broker.validation import MAX_WHERE_VALUES
-from clients.blocking import RecallClient
-from clients.pool import RecallPool
-from clients.results import Hits, Records
+from kalos.broker.errors import InvalidRequest, KalosError, UnknownNamespace, UsageError
+from kalos.broker.validation import MAX_WHERE_VALUES
+from kalos.clients.blocking import RecallClient
+from kalos.clients.pool import RecallPool
+from kalos.clients.results import Hits, Records
 
 __all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
            "ID_FIELD", "DOC_FIELD", "METADATA_PREFIX"]

@@ -1,6 +1,6 @@
 """LangGraph long-term memory on Kalos: :class:`KalosStore`, a ``langgraph.store.base.BaseStore``.
 
-Requires ``langgraph`` (``pip install 'kalos[langgraph]'``). Semantics follow LangGraph's
+Requires ``langgraph`` (``pip install 'kalos-recall[langgraph]'``). Semantics follow LangGraph's
 ``InMemoryStore`` (``put/get/search/delete/list_namespaces``, their ``a*`` forms, ``batch/abatch``,
 tuple namespaces, prefix search, ``index={"embed", "dims", "fields"}``, filters, ``limit/offset``);
 the differences are listed under *Differences* below.
@@ -65,10 +65,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from broker.errors import PayloadTooLarge, UnknownNamespace
-from broker.layout import NAMESPACE_BYTES
-from clients.blocking import RecallClient
-from clients.pool import RecallPool
+from kalos.broker.errors import PayloadTooLarge, UnknownNamespace
+from kalos.broker.layout import NAMESPACE_BYTES
+from kalos.clients.blocking import RecallClient
+from kalos.clients.pool import RecallPool
 from kalos.integrations import require_similarity
 
 try:
@@ -79,7 +79,7 @@ try:
     )
 except ImportError as e:  # pragma: no cover - depends on the installed extras
     raise ImportError("kalos.integrations.langgraph needs langgraph: "
-                      "pip install 'kalos[langgraph]'") from e
+                      "pip install 'kalos-recall[langgraph]'") from e
 try:
     from langgraph.store.base import validate_op_namespace
 except ImportError:  # pragma: no cover - older releases: BaseStore.put/get/search still check labels
@@ -372,8 +372,8 @@ class KalosStore(BaseStore):
     ``namespace + ".vec"``); stores with different ``namespace`` are independent. ``index``: as
     for ``InMemoryStore`` (``dims`` must be the sidecar's ``--dim``; without ``index`` nothing is
     embedded and ``query=`` is ignored). ``timeout``: seconds per Kalos request (None: no limit).
-    Sync methods use a :class:`~clients.blocking.RecallClient`, async ones a
-    :class:`~clients.pool.RecallPool` (``pool_size`` slots) of the running event loop; both are
+    Sync methods use a :class:`~kalos.clients.blocking.RecallClient`, async ones a
+    :class:`~kalos.clients.pool.RecallPool` (``pool_size`` slots) of the running event loop; both are
     opened on first use, or pass ``client=`` / ``pool=`` (not closed by the store then).
     Kalos errors (``BrokerUnavailable``, ``KalosTimeout``, ``PayloadTooLarge``...) propagate.
     Close with :meth:`close` / :meth:`aclose` or use the store as a (async) context manager.

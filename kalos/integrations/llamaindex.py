@@ -1,6 +1,6 @@
 """LlamaIndex vector store on a Kalos sidecar: :class:`KalosLlamaVectorStore`.
 
-Install with ``pip install 'kalos[llamaindex]'`` (``llama-index-core>=0.12``).
+Install with ``pip install 'kalos-recall[llamaindex]'`` (``llama-index-core>=0.12``).
 
 ```python
 from llama_index.core import StorageContext, VectorStoreIndex
@@ -43,8 +43,8 @@ How LlamaIndex maps onto Kalos (one namespace per store):
 * **Deletes.** ``delete(ref_doc_id)`` is ``delete(where={"ref_doc_id": ref_doc_id})``;
   ``delete_nodes`` and ``get_nodes`` filter on ``_node_id``.
 
-Synchronous methods use one blocking :class:`~clients.blocking.RecallClient`; the ``a``-methods use
-a :class:`~clients.pool.RecallPool` opened on first use in each event loop. Both are opened lazily
+Synchronous methods use one blocking :class:`~kalos.clients.blocking.RecallClient`; the ``a``-methods use
+a :class:`~kalos.clients.pool.RecallPool` opened on first use in each event loop. Both are opened lazily
 and owned by the store (``close()`` / ``aclose()``), unless given to the constructor. Call
 ``await store.aclose()`` before the event loop that used it ends.
 """
@@ -73,10 +73,10 @@ from llama_index.core.vector_stores.types import (
 )
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
-from broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNamespace
-from clients.blocking import RecallClient
-from clients.pool import RecallPool
-from clients.results import Hits
+from kalos.broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNamespace
+from kalos.clients.blocking import RecallClient
+from kalos.clients.pool import RecallPool
+from kalos.clients.results import Hits
 from kalos.integrations import require_similarity
 
 __all__ = ["KalosLlamaVectorStore", "UnsupportedQuery", "IdCollision", "kalos_id", "to_where",

@@ -63,7 +63,7 @@ class LoadResult:
 
 async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any
                        ) -> dict[str, Any]:
-    from clients.pool import DEFAULT_SPIN_US, MAX_SPIN_US, RecallPool
+    from kalos.clients.pool import DEFAULT_SPIN_US, MAX_SPIN_US, RecallPool
 
     rng = np.random.default_rng((spec.seed, rank))
     bank = rng.standard_normal((1024, spec.dim), dtype=np.float32)

@@ -1,8 +1,8 @@
 """The backend interface: where the memory matrix lives and how a batch is searched.
 
 A backend owns device memory; everything about ids, namespaces, payloads and durability lives in
-:mod:`sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
-:func:`sidecar_cuda.backends.select.choose_backend`; this module imports none of them.
+:mod:`kalos.sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
+:func:`kalos.sidecar_cuda.backends.select.choose_backend`; this module imports none of them.
 
 A search started with ``search_async`` is a :class:`concurrent.futures.Future` of (rows, scores):
 a finished one (:func:`completed`), the numpy backend's worker-thread future, or a
@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
-from broker.layout import Metric
+from ...broker.layout import Metric
 
 #: (rows or ids int64 (B, kk), scores float32 (B, kk)), best first.
 SearchResult = tuple[np.ndarray, np.ndarray]

@@ -4,7 +4,7 @@
 thread (numpy releases the GIL in the product and the selection) and returns its Future, so the
 sidecar's pipeline overlaps it with its own work; a smaller one runs at once on the calling thread
 (handing it to a thread and back costs more than it). Products below :data:`SMALL_WORK` run on one
-BLAS thread (:mod:`sidecar_cuda.backends.blas`, :func:`blas_threads`)."""
+BLAS thread (:mod:`kalos.sidecar_cuda.backends.blas`, :func:`blas_threads`)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from broker.layout import Metric
-from sidecar_cuda.backends.base import PendingSearch, SearchResult
-from sidecar_cuda.backends.blas import BlasThreads, find_blas_threads
+from ...broker.layout import Metric
+from .base import PendingSearch, SearchResult
+from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
 #: one core of the 2-vCPU VM (n 256, 64 queries, dim 128: 69 us on one thread, 41 us on two with

@@ -1,14 +1,14 @@
 """The one place a backend is chosen: ``--backend auto|numpy|cuda`` becomes a :class:`Backend`.
 
 The backends are imported here, when chosen, and by nothing else of the sidecar:
-:mod:`sidecar_cuda.backends.base` stays the interface that every backend imports, with no circle.
+:mod:`kalos.sidecar_cuda.backends.base` stays the interface that every backend imports, with no circle.
 """
 
 from __future__ import annotations
 
-from broker.errors import ConfigError
-from sidecar_cuda.backends.base import Backend
-from sidecar_cuda.backends.sharded import ShardedBackend, parse_devices
+from ...broker.errors import ConfigError
+from .base import Backend
+from .sharded import ShardedBackend, parse_devices
 
 
 def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = "all",
@@ -19,7 +19,7 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = 
     ``devices``: the GPUs of the CUDA backend (``all`` or ``0,1``...); ``shards``: how many shards
     each namespace is spread over (0: one per device, and 1 on numpy); more shards than devices
     place several on a device (round-robin). One shard is the plain backend, more a
-    :class:`~sidecar_cuda.backends.sharded.ShardedBackend`. ``host_work``: the CUDA backend's
+    :class:`~kalos.sidecar_cuda.backends.sharded.ShardedBackend`. ``host_work``: the CUDA backend's
     ``--host-search-work`` (None: its default); ``fused_kernel``: its ``--fused-kernel``.
 
     Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, for
@@ -30,14 +30,14 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = 
         raise ConfigError(f"--shards must be >= 0, got {shards}")
     if kind in ("auto", "cuda"):
         try:
-            from sidecar_cuda.backends.cuda import CupyBackend, cuda_available, device_count
+            from .cuda import CupyBackend, cuda_available, device_count
         except ImportError as e:  # no CUDA backend module or no CuPy
             if kind == "cuda":
                 raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
         else:
             why = cuda_available()
             if why is None:
-                from sidecar_cuda.backends.cuda.planner import HOST_WORK
+                from .cuda.planner import HOST_WORK
 
                 hw = HOST_WORK if host_work is None else host_work
                 devs = parse_devices(devices, device_count())
@@ -54,7 +54,7 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = 
                 raise ConfigError(f"--backend cuda: {why}")
     if storage_dtype != "float32":
         raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
-    from sidecar_cuda.backends.numpy_backend import NumpyBackend
+    from .numpy_backend import NumpyBackend
 
     if shards <= 1:
         return NumpyBackend()

@@ -1,6 +1,6 @@
 """Sharded memory: every namespace's rows spread over several backends (one per GPU, several on
 one GPU, or several numpy backends on the CPU), searched on all of them at once and merged into the
-exact global top-k. The store sees one :class:`~sidecar_cuda.backends.base.Matrix` as before.
+exact global top-k. The store sees one :class:`~kalos.sidecar_cuda.backends.base.Matrix` as before.
 
 Placement: global row ``r`` lives in block ``r // BLOCK``; blocks go round-robin over the S shards
 (block ``j`` on shard ``j % S``, as that shard's local block ``j // S``). The store keeps rows
@@ -21,9 +21,9 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from broker.errors import ConfigError
-from broker.layout import Metric
-from sidecar_cuda.backends.base import Backend, Matrix, PendingSearch, PolledFuture, SearchResult
+from ...broker.errors import ConfigError
+from ...broker.layout import Metric
+from .base import Backend, Matrix, PendingSearch, PolledFuture, SearchResult
 
 BLOCK = 1024  # rows per placement block
 

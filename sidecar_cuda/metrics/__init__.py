@@ -55,14 +55,14 @@ largest namespaces by rows as labels, every other namespace summed under ``names
 a real namespace named ``_other`` always falls in that bucket), backend info and uptime.
 """
 
-from sidecar_cuda.metrics.aggregate import (
+from .aggregate import (
     BATCH_SIZE_BOUNDS, COUNTER_CAP, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGE_CAP_NS,
     MonotonicTotals, SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets,
     nearest_rank_quantiles, ring_take_all, slots_matrix, top_namespaces,
 )
-from sidecar_cuda.metrics.collector import SidecarCollector, SidecarView
-from sidecar_cuda.metrics.exposition import TEXT_CONTENT_TYPE, encode_text
-from sidecar_cuda.metrics.http import MetricsServer
+from .collector import SidecarCollector, SidecarView
+from .exposition import TEXT_CONTENT_TYPE, encode_text
+from .http import MetricsServer
 
 __all__ = [
     "MetricsServer", "SidecarCollector", "SidecarView", "encode_text", "TEXT_CONTENT_TYPE",

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 from prometheus_client.utils import floatToGoString
 
-from broker.errors import ConfigError
-from broker.layout import LATENCY_BOUNDS_NS
-from sidecar_cuda.stats import BatchRecord
+from ...broker.errors import ConfigError
+from ...broker.layout import LATENCY_BOUNDS_NS
+from ..stats import BatchRecord
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 #: The sidecar's stages can be shorter than the shortest end-to-end bucket (5 us): two finer ones.

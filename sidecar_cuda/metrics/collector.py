@@ -17,17 +17,17 @@ from prometheus_client.metrics_core import (
 )
 from prometheus_client.registry import Collector
 
-from broker.errors import ConfigError
-from broker.layout import (
+from ...broker.errors import ConfigError
+from ...broker.layout import (
     HIST_BUCKETS, LATENCY_BOUNDS_NS, STATS_FIELDS, Layout, SegmentView, SidecarState, SlotState,
     Status,
 )
-from sidecar_cuda.metrics.aggregate import (
+from .aggregate import (
     BATCH_SIZE_BOUNDS, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGES, MonotonicTotals,
     SlidingWindow, StageAggregator, cumulative_buckets, le_text, ring_take_all, slots_matrix,
     top_namespaces,
 )
-from sidecar_cuda.stats import ROUTES, BatchRecord, SidecarStats
+from ..stats import ROUTES, BatchRecord, SidecarStats
 
 log = logging.getLogger("kalos.metrics")
 

@@ -13,10 +13,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.exposition import choose_encoder
 
-from broker.errors import ConfigError
-from broker.layout import SidecarState
-from sidecar_cuda.metrics.collector import SidecarCollector, SidecarView
-from sidecar_cuda.metrics.exposition import TEXT_CONTENT_TYPE, encode_text, wants_openmetrics_only
+from ...broker.errors import ConfigError
+from ...broker.layout import SidecarState
+from .collector import SidecarCollector, SidecarView
+from .exposition import TEXT_CONTENT_TYPE, encode_text, wants_openmetrics_only
 
 log = logging.getLogger("kalos.metrics")
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.errors import ClosedError
-from broker.layout import Metric
-from sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, cuda_available
-from sidecar_cuda.backends.numpy_backend import NumpyBackend
-from sidecar_cuda.store import Namespace
+from kalos.broker.errors import ClosedError
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, cuda_available
+from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
@@ -33,7 +33,7 @@ REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 4.5 * 2.0**-9}
 
 @pytest.fixture(scope="module", params=DTYPES)
 def backend(request):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype=request.param, host_work=0)  # (the kernels: host path in test_gpu_host_path.py)
     yield be
@@ -154,7 +154,7 @@ def test_graph_replays_follow_n_b_k(backend, rng):
 
 
 def test_without_graphs(rng):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float16", use_graphs=False, host_work=0)
     try:
@@ -252,7 +252,7 @@ def test_pinned_host_buffer_is_used_in_place(backend, rng):
 
 
 def test_bad_arguments_and_close(rng):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float32", host_work=0)
     m, _x = fill(be, rng, 100, 8, Metric.DOT)

@@ -11,11 +11,11 @@ import asyncio
 import numpy as np
 import pytest
 
-from clients import RecallPool
+from kalos.clients import RecallPool
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk
-from clients._transport import Connection
-from sidecar_cuda.backends.cuda import cuda_available
+from kalos.clients._transport import Connection
+from kalos.sidecar_cuda.backends.cuda import cuda_available
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),

@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from broker.layout import Metric
-from broker.validation import parse_where
-from sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from sidecar_cuda.backends.cuda import cuda_available
-from sidecar_cuda.store import Namespace
+from kalos.broker.layout import Metric
+from kalos.broker.validation import parse_where
+from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.cuda import cuda_available
+from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
@@ -22,7 +22,7 @@ REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
 
 @pytest.fixture(scope="module", params=list(REL_TOL))
 def backend(request):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype=request.param, host_work=0)  # (the kernels: host path in test_gpu_host_path.py)
     yield be

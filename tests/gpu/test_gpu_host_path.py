@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.layout import Metric
-from sidecar_cuda.backends.cuda import WARP_K, cuda_available
-from sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.cuda import WARP_K, cuda_available
+from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
 
 @pytest.fixture(scope="module", params=("float32", "float16", "bfloat16"))
 def backend(request):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype=request.param)  # the default --host-search-work
     assert be.host_work == HOST_WORK > 0

@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from broker.layout import Metric
-from broker.validation import parse_where
-from sidecar_cuda.backends.cuda import cuda_available, device_count
-from sidecar_cuda.backends.sharded import ShardedBackend
-from sidecar_cuda.store import Namespace
+from kalos.broker.layout import Metric
+from kalos.broker.validation import parse_where
+from kalos.sidecar_cuda.backends.cuda import cuda_available, device_count
+from kalos.sidecar_cuda.backends.sharded import ShardedBackend
+from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
@@ -38,7 +38,7 @@ def _check(q, live, ids, scores, k, rtol, allowed=None):
 
 
 def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     plain = CupyBackend(storage_dtype=dtype, host_work=0)
     try:
@@ -84,7 +84,7 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_several_shards_on_one_gpu(rng, dtype):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = ShardedBackend([CupyBackend(storage_dtype=dtype, device=0, host_work=0) for _ in range(3)],
                         ["cuda:0"] * 3, block=256)
@@ -97,7 +97,7 @@ def test_several_shards_on_one_gpu(rng, dtype):
 
 @pytest.mark.skipif(device_count() < 2, reason="needs two CUDA devices (nvidia-h200-x2)")
 def test_one_shard_per_gpu(rng):
-    from sidecar_cuda.backends.select import choose_backend
+    from kalos.sidecar_cuda.backends.select import choose_backend
 
     be = choose_backend("cuda", storage_dtype="float16", devices="all")
     try:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.layout import Metric
-from sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from sidecar_cuda.backends.cuda import cuda_available
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.cuda import cuda_available
 
 
 def _why() -> str | None:
@@ -38,7 +38,7 @@ REL_TOL = 2.0**-16  # float32 accumulation of float32 queries x float16 rows, re
 
 @pytest.fixture(scope="module")
 def backend():
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float16", host_work=0, wgmma_min_rows=MIN_ROWS)
     assert be._wg is not None, "the wgmma path was not built on a Hopper GPU (see the log)"
@@ -180,7 +180,7 @@ def test_the_planner_keeps_other_shapes_off_the_path(backend, rng):
 
 
 def test_fused_kernel_off_keeps_it_on_gemm(rng):
-    from sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float16", host_work=0, wgmma_min_rows=MIN_ROWS, fused_kernel="off")
     try:

@@ -31,7 +31,7 @@ from kalos.integrations.langchain import (  # noqa: E402
     DOC_FIELD, ID_FIELD, IdCollisionError, KalosVectorStore, kalos_id, mmr_select, to_where,
 )
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from sidecar_cuda.objects import cleanup  # noqa: E402
+from kalos.sidecar_cuda.objects import cleanup  # noqa: E402
 
 DIM = 6  # the standard suite's EMBEDDING_SIZE
 MAX_K = 64
@@ -487,7 +487,6 @@ async def test_async_methods_stay_on_the_loop(astore: KalosVectorStore, monkeypa
     import langchain_core.vectorstores.base as lc_base
 
     import kalos.integrations.langchain as adapter
-
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("left the event loop")
 

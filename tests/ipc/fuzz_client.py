@@ -18,11 +18,11 @@ from collections import Counter
 
 import numpy as np
 
-from broker.layout import (
+from kalos.broker.layout import (
     CONTROL_BYTES, STATS_BYTES, S_DONE, S_FREE, S_POSTED, Flag, Op, Status,
 )
-import clients._requests as _requests
-from clients._transport import ClientSlot, Connection, Semaphore
+import kalos.clients._requests as _requests
+from kalos.clients._transport import ClientSlot, Connection, Semaphore
 
 N_SLOTS = 6
 DEEP = b"[" * 20000 + b"]" * 20000  # beyond any JSON decoder's recursion limit

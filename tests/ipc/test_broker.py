@@ -12,14 +12,14 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from broker.errors import (
+from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
     ResponseTimeout, UnknownNamespace,
 )
-from broker.layout import PROTOCOL_VERSION
-from broker.names import shm_name
-from clients import RecallClient, RecallPool
-from clients._transport import Connection
+from kalos.broker.layout import PROTOCOL_VERSION
+from kalos.broker.names import shm_name
+from kalos.clients import RecallClient, RecallPool
+from kalos.clients._transport import Connection
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 from conftest import assert_topk, run_py, slots_free, wait_until
 
@@ -179,7 +179,7 @@ def test_blocking_client_timeout_then_recovers(slow_sidecar, rng):
 
 CLIENT_HOLDS_SLOTS = r"""
 import asyncio, sys, numpy as np
-from clients import RecallPool
+from kalos.clients import RecallPool
 async def main():
     pool = RecallPool(sys.argv[1], size=int(sys.argv[2]))
     await pool.open()
@@ -256,8 +256,8 @@ def test_sigterm_finishes_in_flight_and_unlinks(sidecar_factory, rng):
     h = sidecar_factory("term", "--dim", "256", "--random-rows", "300000", "--backend", "numpy")
     code = r"""
 import sys, numpy as np
-from clients import RecallClient
-from broker.errors import BrokerUnavailable
+from kalos.clients import RecallClient
+from kalos.broker.errors import BrokerUnavailable
 c = RecallClient(sys.argv[1])
 print("ready", flush=True)
 try:
@@ -398,7 +398,7 @@ async def test_bad_input_is_refused_before_shared_memory(sidecar):
 def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
     """Write nonsense straight into a leased slot; the sidecar answers with an error status for
     that slot alone and keeps serving everyone else."""
-    from broker.layout import Status
+    from kalos.broker.layout import Status
 
     c = Connection(sidecar.name)
     slot = c.lease(1)[0]
@@ -468,7 +468,7 @@ def test_objects_are_private_to_the_owner(sidecar):
 @pytest.mark.asyncio
 async def test_cancel_while_waiting_for_a_slot_restores_it():
     """A slot handed to a waiter that is cancelled before it runs goes back, never lost (pure)."""
-    from clients.pool import _FreeSlots
+    from kalos.clients.pool import _FreeSlots
 
     free = _FreeSlots(asyncio.get_running_loop())
     waiter = asyncio.ensure_future(free.get(None))

@@ -10,9 +10,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from broker.errors import KalosTimeout
-from clients import RecallPool
-from clients.results import Hits
+from kalos.broker.errors import KalosTimeout
+from kalos.clients import RecallPool
+from kalos.clients.results import Hits
 from conftest import assert_topk, slots_free
 
 pytestmark = pytest.mark.timeout(120)

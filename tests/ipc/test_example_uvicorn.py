@@ -18,7 +18,7 @@ import pytest
 
 from conftest import assert_topk, free_port, unique_name
 from kalos.testing import start_sidecar_process
-from sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.objects import cleanup
 
 uvicorn = pytest.importorskip("uvicorn")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,17 +14,17 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from broker.errors import InvalidRequest, UntrustedBroker
-from broker.layout import (
+from kalos.broker.errors import InvalidRequest, UntrustedBroker
+from kalos.broker.layout import (
     S_FREE, Layout, SegmentView, SidecarState, Status,
 )
-from broker.names import bell_name, req_name, resp_name, shm_name
-from broker.owners import sem_path, shm_path
-from broker.validation import MAX_PAYLOAD_DEPTH
-from clients import RecallClient, RecallPool
-from clients._transport import Connection
+from kalos.broker.names import bell_name, req_name, resp_name, shm_name
+from kalos.broker.owners import sem_path, shm_path
+from kalos.broker.validation import MAX_PAYLOAD_DEPTH
+from kalos.clients import RecallClient, RecallPool
+from kalos.clients._transport import Connection
 from conftest import assert_topk, free_port, run_py, unique_name, wait_until
-from sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.objects import cleanup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # where conftest.py lives
@@ -122,7 +122,7 @@ def test_lease_with_an_impossible_owner_pid_is_reclaimed(sidecar, pid):
 
 LOAD = """
 import asyncio, sys, time, numpy as np
-from clients import RecallPool
+from kalos.clients import RecallPool
 async def main():
     rng = np.random.default_rng(int(sys.argv[2]))
     async with RecallPool(sys.argv[1], size=16) as pool:
@@ -137,7 +137,7 @@ asyncio.run(main())
 
 HOLD = """
 import asyncio, sys, numpy as np
-from clients import RecallPool
+from kalos.clients import RecallPool
 async def main():
     async with RecallPool(sys.argv[1], size=int(sys.argv[2])) as pool:
         print("ready", flush=True)
@@ -278,7 +278,7 @@ async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
         with pytest.raises(UntrustedBroker, match="mode 0666"):
             RecallClient(name, connect_timeout=1, sidecar_uid=NOBODY)
         # The real sidecar refuses to start over them, says what to do, and removes nothing.
-        p = subprocess.run([sys.executable, "-m", "sidecar_cuda", "--name", name, "--ephemeral",
+        p = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral",
                             "--dim", "8", "--backend", "numpy"], capture_output=True, timeout=60)
         assert p.returncode != 0
         err = p.stderr.decode()
@@ -312,8 +312,8 @@ def test_own_objects_open_to_others_are_refused(sidecar):
 
 AS_NOBODY = """
 import os, sys
-from clients import RecallClient
-from broker.errors import BrokerUnavailable
+from kalos.clients import RecallClient
+from kalos.broker.errors import BrokerUnavailable
 import posix_ipc
 os.setgid(65534); os.setuid(65534)   # drop root after the imports (the interpreter lives in /root)
 try:
@@ -368,7 +368,7 @@ def test_data_dir_and_store_files_are_private_whatever_the_umask(sidecar_factory
 
 LEGIT = """
 import asyncio, json, sys, time, numpy as np
-from clients import RecallPool
+from kalos.clients import RecallPool
 sys.path.insert(0, sys.argv[4])
 from conftest import assert_topk
 async def main():
@@ -444,8 +444,8 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
 
 AS_GROUP_MEMBER = """
 import os, sys, numpy as np
-from clients import RecallClient
-from broker.errors import UntrustedBroker
+from kalos.clients import RecallClient
+from kalos.broker.errors import UntrustedBroker
 os.setgroups([]); os.setgid(0); os.setuid(65534)  # another user, in the sidecar user's group
 try:
     RecallClient(sys.argv[1], connect_timeout=1)

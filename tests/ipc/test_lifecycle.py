@@ -13,8 +13,8 @@ import time
 import numpy as np
 import pytest
 
-from broker.errors import InvalidRequest, PayloadTooLarge, UnknownNamespace
-from clients import RecallClient, RecallPool
+from kalos.broker.errors import InvalidRequest, PayloadTooLarge, UnknownNamespace
+from kalos.clients import RecallClient, RecallPool
 from conftest import assert_topk
 
 pytestmark = pytest.mark.timeout(240)
@@ -208,8 +208,8 @@ def test_restart_keeps_exactly_the_acknowledged_memories(sidecar_factory, tmp_pa
 
 WRITER = r"""
 import os, sys, numpy as np
-from clients import RecallClient
-from broker.errors import BrokerUnavailable, KalosError
+from kalos.clients import RecallClient
+from kalos.broker.errors import BrokerUnavailable, KalosError
 name, lo, hi, seed, log = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
 def say(line): os.write(fd, (line + "\n").encode())
@@ -308,7 +308,7 @@ def test_kill9_during_writes_loses_nothing_acknowledged(sidecar_factory, tmp_pat
 
 
 def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sidecar_factory):
-    from sidecar_cuda.persist import DB_FILE
+    from kalos.sidecar_cuda.persist import DB_FILE
 
     d = tmp_path / "data"
     h = sidecar_factory("st", "--dim", "8", "--backend", "numpy", "--data-dir", str(d), ephemeral=False)
@@ -320,7 +320,7 @@ def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sid
     from kalos.cli import main as kalos
 
     env_name = f"st-{os.getpid()}"
-    r = subprocess.run([sys.executable, "-m", "sidecar_cuda", "--name", env_name, "--dim", "16",
+    r = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", env_name, "--dim", "16",
                         "--data-dir", str(d), "--backend", "numpy"], capture_output=True, timeout=60)
     assert r.returncode != 0 and b"dim=8" in r.stderr
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
@@ -328,7 +328,7 @@ def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sid
     raw[100:4096] = os.urandom(4096 - 100)
     db.write_bytes(bytes(raw))
     digest = hashlib.sha256(db.read_bytes()).hexdigest()
-    r = subprocess.run([sys.executable, "-m", "sidecar_cuda", "--name", env_name, "--dim", "8",
+    r = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", env_name, "--dim", "8",
                         "--data-dir", str(d), "--backend", "numpy"], capture_output=True, timeout=60)
     assert r.returncode != 0 and b"nothing was changed" in r.stderr, r.stderr
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest

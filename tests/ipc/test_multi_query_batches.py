@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from clients import RecallPool
+from kalos.clients import RecallPool
 from conftest import assert_topk, free_port
 
 

@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
-from broker.layout import S_DONE, Op, Status
-from clients._transport import Connection
+from kalos.broker.layout import S_DONE, Op, Status
+from kalos.clients._transport import Connection
 from conftest import unique_name
-from sidecar_cuda.backends.numpy_backend import INLINE_WORK
-from sidecar_cuda.server import ServeConfig, Sidecar
+from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK
+from kalos.sidecar_cuda.server import ServeConfig, Sidecar
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,11 +8,11 @@ import asyncio
 import numpy as np
 import pytest
 
-import clients._requests as _requests
-from broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError, UnknownNamespace
-from broker.layout import Flag, Layout, Op, SegmentView, Status
-from clients import RecallClient, RecallPool, Records
-from clients._transport import ClientSlot, Connection
+import kalos.clients._requests as _requests
+from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError, UnknownNamespace
+from kalos.broker.layout import Flag, Layout, Op, SegmentView, Status
+from kalos.clients import RecallClient, RecallPool, Records
+from kalos.clients._transport import ClientSlot, Connection
 from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)

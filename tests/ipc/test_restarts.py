@@ -14,11 +14,11 @@ import time
 import numpy as np
 import pytest
 
-from broker.errors import BrokerUnavailable, ForkedPoolError, ProtocolError
-from clients import RecallClient, RecallPool
+from kalos.broker.errors import BrokerUnavailable, ForkedPoolError, ProtocolError
+from kalos.clients import RecallClient, RecallPool
 from conftest import assert_topk, run_py, unique_name, wait_until
 from kalos.testing import start_sidecar_process
-from sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.objects import cleanup
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: conftest.py
 TIMEOUT = 1.0  # every client call's own budget in the restart loop
@@ -27,8 +27,8 @@ CLIENT = """
 import asyncio, json, os, sys, time, numpy as np
 sys.path.insert(0, sys.argv[5])
 from conftest import assert_topk
-from clients import RecallPool
-from broker.errors import BrokerUnavailable, KalosTimeout
+from kalos.clients import RecallPool
+from kalos.broker.errors import BrokerUnavailable, KalosTimeout
 
 async def main():
     name, seed, stop_file, timeout = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
@@ -141,7 +141,7 @@ def test_pool_opened_before_the_sidecar_starts_waits_for_it(seed):
     name = unique_name("early")
     code = """
 import asyncio, sys, time, numpy as np
-from clients import RecallPool
+from kalos.clients import RecallPool
 async def main():
     t0 = time.monotonic()
     async with RecallPool(sys.argv[1], size=2, connect_timeout=15) as pool:
@@ -150,7 +150,7 @@ async def main():
 asyncio.run(main())
 """
     early = [run_py(code, name) for _ in range(2)]
-    blocking = run_py("import sys, numpy as np\nfrom clients import RecallClient\n"
+    blocking = run_py("import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
                       "with RecallClient(sys.argv[1], connect_timeout=15) as c:\n"
                       "    print(len(c.recall(np.ones(16, np.float32), k=3)), flush=True)", name)
     time.sleep(2.0)  # the pools are waiting for objects that do not exist yet
@@ -184,7 +184,7 @@ async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
             proc.kill()
             proc.wait()
             t0 = time.monotonic()
-            restarted = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name, *args],
+            restarted = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
                                          stderr=subprocess.DEVNULL)
             proc = restarted
             try:  # posted before the pool noticed the kill: in flight, so it fails
@@ -198,7 +198,7 @@ async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
             print(f"\n[slow start] answered {waited:.2f} s after the kill (load included)")
             proc.kill()
             proc.wait()
-            proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name,
+            proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name,
                                      "--ephemeral", "--dim", "16", "--backend", "numpy"],
                                     stderr=subprocess.DEVNULL)
             with pytest.raises((ProtocolError, BrokerUnavailable)):
@@ -215,8 +215,8 @@ async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
 
 FORK = """
 import asyncio, os, sys, numpy as np
-from clients import RecallClient, RecallPool
-from broker.errors import ForkedPoolError
+from kalos.clients import RecallClient, RecallPool
+from kalos.broker.errors import ForkedPoolError
 
 async def main():
     pool = await RecallPool(sys.argv[1], size=2).open()
@@ -269,7 +269,7 @@ def test_client_in_another_pid_namespace_is_served_and_reaped(sidecar_factory, s
 import asyncio, os, sys, numpy as np
 sys.path.insert(0, sys.argv[3])
 from conftest import assert_topk
-from clients import RecallPool
+from kalos.clients import RecallPool
 async def main():
     matrix = np.random.default_rng(int(sys.argv[2])).standard_normal((3000, 16), dtype=np.float32)
     rng = np.random.default_rng(1)
@@ -292,7 +292,7 @@ asyncio.run(main())
             pytest.skip(f"unshare is not permitted here: {err.strip()}")
         raise AssertionError(err)
     assert line.startswith("pid 1 ok"), line  # it sees itself as pid 1, and was served correctly
-    from clients._transport import Connection
+    from kalos.clients._transport import Connection
 
     c = Connection(h.name)
     try:

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from clients.pool import RecallPool
+from kalos.clients.pool import RecallPool
 from tests.conftest import TEST_BACKEND
 
 DIM = 24

@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
-from clients._transport import Connection
-from sidecar_cuda.__main__ import build_parser
-from sidecar_cuda.config import add_serve_arguments, config_from_args, env_var
-from sidecar_cuda.objects import cleanup
+from kalos.clients._transport import Connection
+from kalos.sidecar_cuda.__main__ import build_parser
+from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args, env_var
+from kalos.sidecar_cuda.objects import cleanup
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -111,7 +111,7 @@ def test_sidecar_notifies_ready_and_stopping_to_a_real_socket(tmp_path: Path) ->
     env = {**os.environ, "NOTIFY_SOCKET": sock_path, "KALOS_NAME": name, "KALOS_DIM": "16",
            "KALOS_EPHEMERAL": "1", "KALOS_BACKEND": "numpy", "KALOS_SLOTS": "4",
            "KALOS_RANDOM_ROWS": "1000"}
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda"], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda"], env=env)
     try:
         msg = sock.recv(4096).decode()
         assert msg.splitlines()[0] == "READY=1", msg

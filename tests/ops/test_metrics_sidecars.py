@@ -23,20 +23,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from broker.errors import ConfigError, UnknownNamespace
-from broker.layout import (
+from kalos.broker.errors import ConfigError, UnknownNamespace
+from kalos.broker.layout import (
     LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
 )
-from clients import RecallPool
+from kalos.clients import RecallPool
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
-from sidecar_cuda.metrics import (
+from kalos.sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
     ring_take_all, slots_matrix, top_namespaces,
 )
-from sidecar_cuda.objects import cleanup
-from sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
 from conftest import free_port
 
 pytestmark = pytest.mark.timeout(90)
@@ -181,7 +181,7 @@ def test_counters_add_up_across_clients_and_owner_changes(metrics_sidecar, rng):
 
     asyncio.run(burst(120, 3))
     seen.append(scrape(h.url).get("kalos_recall_latency_seconds_count"))
-    code = ("import sys, numpy as np\nfrom clients import RecallClient\n"
+    code = ("import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
             "with RecallClient(sys.argv[1]) as c:\n"
             "    for _ in range(50): c.recall(np.ones(32, np.float32), k=2)\n")
     p = subprocess.run([sys.executable, "-c", code, h.name], timeout=60, capture_output=True)
@@ -199,7 +199,7 @@ def test_counters_add_up_across_clients_and_owner_changes(metrics_sidecar, rng):
 def test_readyz_is_503_while_memory_loads():
     name = broker_name()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "sidecar_cuda", "--name", name, "--ephemeral",
+    proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral",
                              "--dim", "32", "--random-rows", "400000", "--backend", "numpy",
                              "--metrics-port", str(port)], stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -23,9 +23,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from clients import RecallPool
+from kalos.clients import RecallPool
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
-from sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.objects import cleanup
 from conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -249,7 +249,7 @@ def test_dashboard_uses_microsecond_histograms_and_known_metrics():
 
     import importlib.util
 
-    from sidecar_cuda.metrics import SidecarCollector
+    from kalos.sidecar_cuda.metrics import SidecarCollector
 
     # The unit tests' fake sidecar, loaded by path (tests/unit is on sys.path only when pytest
     # collected a file from it first).

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from broker.layout import S_BUSY, S_DONE, Layout, SegmentView, SlotWords, Status
-from sidecar_cuda.answers import AnswerWriter
+from kalos.broker.layout import S_BUSY, S_DONE, Layout, SegmentView, SlotWords, Status
+from kalos.sidecar_cuda.answers import AnswerWriter
 
 LAYOUT = Layout(n_slots=6, dim=8, max_k=4, max_queries=2, blob_bytes=256)
 

@@ -11,12 +11,12 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from broker.layout import Metric
-from sidecar_cuda.backends.base import PolledFuture, completed
-from sidecar_cuda.backends.cuda import kernels, planner
-from sidecar_cuda.backends import blas
-from sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
-from sidecar_cuda.store import MemoryStore
+from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.base import PolledFuture, completed
+from kalos.sidecar_cuda.backends.cuda import kernels, planner
+from kalos.sidecar_cuda.backends import blas
+from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
+from kalos.sidecar_cuda.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -304,7 +304,7 @@ def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
 
 
 def test_the_wgmma_shapes_fit_hopper():
-    from sidecar_cuda.backends.cuda import wgmma
+    from kalos.sidecar_cuda.backends.cuda import wgmma
 
     optin = 227 * 1024
     for bq in wgmma.QUERY_TILES:

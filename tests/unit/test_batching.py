@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
-from sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify
+from kalos.broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
+from kalos.sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify
 
 DIM = 8
 LIMITS = Limits(k_limit=16, dim=DIM, min_work=-1)
@@ -194,7 +194,7 @@ MULTI = LIMITS._replace(max_queries=4)
 
 
 def test_query_rows_lists_every_row_of_each_request_in_order():
-    from sidecar_cuda.batching import query_rows
+    from kalos.sidecar_cuda.batching import query_rows
 
     slots, rows = query_rows(np.array([3, 5, 7]), np.array([2, 1, 3], np.uint32), 4)
     assert slots.tolist() == [3, 3, 5, 7, 7, 7] and rows.tolist() == [0, 1, 0, 0, 1, 2]

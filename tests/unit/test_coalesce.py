@@ -9,14 +9,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from broker.errors import AcquireTimeout, ClosedError, ResponseTimeout
-from broker.layout import Flag, Layout, SlotView, Status
-from clients import RecallPool
-from clients._coalesce import (
+from kalos.broker.errors import AcquireTimeout, ClosedError, ResponseTimeout
+from kalos.broker.layout import Flag, Layout, SlotView, Status
+from kalos.clients import RecallPool
+from kalos.clients._coalesce import (
     Key, Path, Share, Waiting, coalesce_key, k_class, pick_group, route, split,
 )
-from clients.fake import FakeConnection
-from clients.results import Hits
+from kalos.clients.fake import FakeConnection
+from kalos.clients.results import Hits
 from conftest import assert_topk
 
 # --------------------------------------------------------------------------- pure decisions
@@ -298,7 +298,7 @@ async def test_payloads_that_overflow_together_are_asked_again_alone(rng):
 async def test_a_caller_asked_again_alone_times_out_as_sent_not_as_queued(rng):
     """After a shared slot overflowed, its callers wait again in the queue; one whose budget
     runs out there was sent already: ResponseTimeout, not AcquireTimeout."""
-    from broker.errors import AcquireTimeout, ResponseTimeout
+    from kalos.broker.errors import AcquireTimeout, ResponseTimeout
 
     matrix = rng.standard_normal((40, 8)).astype(np.float32)
     conn = FakeConnection(LAY)
@@ -331,7 +331,7 @@ async def test_an_error_answer_reaches_every_member(rng):
     calls = [pool.recall(q, k=3, timeout=5, namespace="nope") for q in qs]
     server = asyncio.ensure_future(serve_forever(conn, lambda v, op, k, nq: Status.UNKNOWN_NAMESPACE))
     out = await asyncio.gather(*calls, return_exceptions=True)
-    from broker.errors import UnknownNamespace
+    from kalos.broker.errors import UnknownNamespace
     assert all(isinstance(e, UnknownNamespace) for e in out)
     assert len({id(e) for e in out}) == 4  # each caller its own exception object
     st = pool.statistics()

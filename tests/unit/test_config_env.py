@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from broker.errors import ConfigError
-from sidecar_cuda.config import ServeConfig, add_serve_arguments, config_from_args, env_var
+from kalos.broker.errors import ConfigError
+from kalos.sidecar_cuda.config import ServeConfig, add_serve_arguments, config_from_args, env_var
 
 pytestmark = pytest.mark.timeout(10)
 

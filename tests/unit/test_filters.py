@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from broker.errors import InvalidRequest
-from broker.layout import Flag, Metric, Op
-from broker.validation import decode_where, encode_where, parse_where
-from sidecar_cuda.backends.numpy_backend import NumpyBackend
-from sidecar_cuda.batching import Request, _field_problem, plan_batch, write_segments
-from sidecar_cuda.store import Namespace
+from kalos.broker.errors import InvalidRequest
+from kalos.broker.layout import Flag, Metric, Op
+from kalos.broker.validation import decode_where, encode_where, parse_where
+from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+from kalos.sidecar_cuda.batching import Request, _field_problem, plan_batch, write_segments
+from kalos.sidecar_cuda.store import Namespace
 
 
 def test_encoding_is_canonical_and_decodes_to_the_same_filter():
@@ -115,7 +115,7 @@ def test_writes_are_cut_before_each_delete_by_filter():
     (40, 1000, 1000, [128]),     # k > 32: no fused round; 80 -> 128
 ])
 def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want):
-    from sidecar_cuda.backends.cuda.planner import filtered_plan
+    from kalos.sidecar_cuda.backends.cuda.planner import filtered_plan
 
     got = filtered_plan(k, matches, n, 1024)
     assert got == want
@@ -131,6 +131,6 @@ def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want
     (20, 1000, 1000, True, []),        # k > the cheap k' and kept: gather
 ])
 def test_filtered_plan_of_a_half_score_batch_keeps_its_path_or_gathers(k, matches, n, kept, want):
-    from sidecar_cuda.backends.cuda.planner import HALF_K, filtered_plan
+    from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, filtered_plan
 
     assert filtered_plan(k, matches, n, 1024, cheap_k=HALF_K, gather_kept=kept) == want

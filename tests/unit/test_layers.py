@@ -31,11 +31,19 @@ LAYERS: dict[str, frozenset[str]] = {
 Graph = dict[str, set[str]]
 
 
+#: Installed as ``kalos.broker``, ``kalos.clients`` and ``kalos.sidecar_cuda`` (``kalos/broker`` etc.
+#: are symlinks to the top-level folders): ``kalos.broker.x`` is the module ``broker.x`` here.
+MOUNTED = frozenset({"broker", "clients", "sidecar_cuda"})
+
+
 def find_modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> source file, for every ``.py`` file under the layered packages."""
+    """Dotted module name -> source file, for every ``.py`` file under the layered packages
+    (the symlinks under ``kalos/`` are not walked: their files are counted once, under their folder)."""
     modules: dict[str, Path] = {}
     for top in LAYERS:
         for path in sorted((root / top).rglob("*.py")):
+            if any((root / d).is_symlink() for d in path.relative_to(root).parents):
+                continue
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -43,9 +51,14 @@ def find_modules(root: Path) -> dict[str, Path]:
     return modules
 
 
-def _ours(name: str, modules: dict[str, Path]) -> str | None:
-    """The module of ours that importing ``name`` loads (its longest known prefix), if any."""
+def _ours(name: str, modules: dict[str, Path], layer: str) -> str | None:
+    """The module of ours that importing ``name`` loads (its longest known prefix), if any. In the
+    ``kalos`` layer ``kalos.broker.x`` is ``broker.x``; below it an absolute ``kalos.*`` import stays
+    an import of ``kalos`` (it runs ``kalos/__init__``, which imports the clients): those packages
+    import each other relatively (``from ..broker import layout``)."""
     parts = name.split(".")
+    if layer == "kalos" and len(parts) > 1 and parts[0] == "kalos" and parts[1] in MOUNTED:
+        parts = parts[1:]
     if parts[0] not in LAYERS:
         return None
     while parts:
@@ -69,12 +82,13 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
+            plain = base[len("kalos."):] if base.split(".")[:2][-1] in MOUNTED and base.startswith("kalos.") else base
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names
-                                if f"{base}.{alias.name}" in modules]
+                                if f"{plain}.{alias.name}" in modules]
         else:
             continue
         for target in targets:
-            ours = _ours(target, modules)
+            ours = _ours(target, modules, module.split(".")[0])
             if ours is not None:
                 found.add(ours)
     return found
@@ -161,12 +175,16 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "sidecar_cuda/server.py": "from . import objects\n",
         "sidecar_cuda/objects.py": "import clients.pool as pool\n",
         "kalos/__init__.py": "import broker\n",
+        "kalos/cli.py": "from kalos.clients import pool\nfrom kalos.sidecar_cuda import server\n",
+        "clients/fake.py": "from kalos.broker import layout\nfrom ..broker import errors\n",
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path)
-    assert layer_violations(graph) == ["broker.cli imports sidecar_cuda.server", "clients.pool imports kalos",
-                                       "sidecar_cuda.objects imports clients.pool"]
+    assert layer_violations(graph) == ["broker.cli imports sidecar_cuda.server", "clients.fake imports kalos",
+                                       "clients.pool imports kalos", "sidecar_cuda.objects imports clients.pool"]
+    assert graph["kalos.cli"] == {"clients", "clients.pool", "sidecar_cuda", "sidecar_cuda.server"}
+    assert "broker.errors" in graph["clients.fake"]
     assert import_circles(graph) == [["broker.errors", "broker.layout"],
                                      ["clients", "clients._requests", "clients.pool"]]

@@ -8,8 +8,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from broker import layout as L
-from broker import names
+from kalos.broker import layout as L
+from kalos.broker import names
 
 
 def _spans(fields, itemsize):
@@ -99,7 +99,7 @@ def test_c_header_matches_and_compiles(tmp_path):
 
 
 def test_layout_rejects_bad_geometry():
-    from broker.errors import ConfigError
+    from kalos.broker.errors import ConfigError
 
     for kw in (dict(n_slots=0), dict(dim=0), dict(max_k=0), dict(max_queries=0), dict(blob_bytes=10)):
         args = dict(n_slots=1, dim=1, max_k=1, max_queries=1, blob_bytes=1024) | kw

@@ -24,20 +24,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from broker.errors import ConfigError, UnknownNamespace
-from broker.layout import (
+from kalos.broker.errors import ConfigError, UnknownNamespace
+from kalos.broker.layout import (
     LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
 )
-from clients import RecallPool
+from kalos.clients import RecallPool
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
-from sidecar_cuda.metrics import (
+from kalos.sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
     ring_take_all, slots_matrix, top_namespaces,
 )
-from sidecar_cuda.objects import cleanup
-from sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
 
 pytestmark = pytest.mark.timeout(90)
 

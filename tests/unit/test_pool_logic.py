@@ -10,12 +10,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from broker.errors import (
+from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ProtocolError, ResponseTimeout,
 )
-from broker.layout import Layout, SlotView, Status
-from clients import RecallPool
-from clients.fake import FakeConnection
+from kalos.broker.layout import Layout, SlotView, Status
+from kalos.clients import RecallPool
+from kalos.clients.fake import FakeConnection
 from conftest import assert_topk
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
@@ -134,7 +134,7 @@ async def test_error_status_reaches_the_caller_and_is_counted():
     conn = FakeConnection(LAY)
     pool = await open_pool(conn)
     server = asyncio.ensure_future(serve_soon(conn, lambda v, op, k, nq: Status.BACKEND_ERROR))
-    from broker.errors import ServerError
+    from kalos.broker.errors import ServerError
     with pytest.raises(ServerError, match="BACKEND_ERROR"):
         await pool.recall(np.ones(8, np.float32), k=2, timeout=2)
     await server

@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker.errors import InvalidRequest, PayloadTooLarge
-from broker.layout import Layout, Metric, Op, Status
-from broker.validation import as_ids, as_queries, check_k, encode_payloads
-from sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
-from sidecar_cuda.batching import (
+from kalos.broker.errors import InvalidRequest, PayloadTooLarge
+from kalos.broker.layout import Layout, Metric, Op, Status
+from kalos.broker.validation import as_ids, as_queries, check_k, encode_payloads
+from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
+from kalos.sidecar_cuda.batching import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
 )
-from sidecar_cuda.store import MemoryStore, compaction_moves, last_wins
+from kalos.sidecar_cuda.store import MemoryStore, compaction_moves, last_wins
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 
@@ -167,7 +167,7 @@ def test_store_upsert_delete_search_match_reference(rng, metric):
 
 
 def test_pipeline_decision():
-    from sidecar_cuda.batching import PIPELINE_MIN_WORK, pipelined
+    from kalos.sidecar_cuda.batching import PIPELINE_MIN_WORK, pipelined
 
     assert not pipelined(10**15, -1)  # --pipeline off
     assert pipelined(0, 0) and pipelined(1, 0)  # --pipeline on

@@ -9,15 +9,15 @@ import json
 import numpy as np
 import pytest
 
-from broker.errors import ConfigError
-from broker.layout import Metric
-from broker.validation import parse_where
-from sidecar_cuda.backends.numpy_backend import NumpyBackend
-from sidecar_cuda.backends.select import choose_backend
-from sidecar_cuda.backends.sharded import (
+from kalos.broker.errors import ConfigError
+from kalos.broker.layout import Metric
+from kalos.broker.validation import parse_where
+from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+from kalos.sidecar_cuda.backends.select import choose_backend
+from kalos.sidecar_cuda.backends.sharded import (
     BLOCK, ShardedBackend, global_rows, live_rows, local_capacity, merge_top, parse_devices, place,
 )
-from sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.store import Namespace
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])

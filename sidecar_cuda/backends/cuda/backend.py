@@ -66,18 +66,18 @@ from typing import Any
 
 import numpy as np
 
-from broker.errors import ClosedError, ConfigError, KalosError, ServerError
-from broker.layout import Metric
-from sidecar_cuda.backends.base import PolledFuture, SearchResult
-from sidecar_cuda.backends.cuda.buffers import BufferSet
-from sidecar_cuda.backends.cuda.kernels import MAX_K, SMALL_QT, STORAGE, WARP_K, Kernels, vec_elements
-from sidecar_cuda.backends.cuda.matrix import CupyMatrix
-from sidecar_cuda.backends.cuda.paths import SearchPaths
-from sidecar_cuda.backends.cuda.planner import (
+from ....broker.errors import ClosedError, ConfigError, KalosError, ServerError
+from ....broker.layout import Metric
+from ..base import PolledFuture, SearchResult
+from .buffers import BufferSet
+from .kernels import MAX_K, SMALL_QT, STORAGE, WARP_K, Kernels, vec_elements
+from .matrix import CupyMatrix
+from .paths import SearchPaths
+from .planner import (
     GEMM_BLOCKS, HALF_K, HOST_WORK, QT_FOR, WGMMA_K, WGMMA_MIN_ROWS, half_ok, plan_path,
     size_bucket, wgmma_ok,
 )
-from sidecar_cuda.backends.cuda.wgmma import WgmmaKernels
+from .wgmma import WgmmaKernels
 
 log = logging.getLogger("kalos.cuda")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sidecar_cuda.backends.cuda.planner import next_pow2
+from .planner import next_pow2
 
 
 class Buffer:

@@ -1,4 +1,4 @@
-"""Rows of one namespace on the GPU: the CUDA backend's :class:`~sidecar_cuda.backends.base.Matrix`.
+"""Rows of one namespace on the GPU: the CUDA backend's :class:`~kalos.sidecar_cuda.backends.base.Matrix`.
 
 Rows are stored in the storage dtype, padded with zeros to whole 16-byte vectors, with the squared
 norm of every stored row beside them (for l2). Writes, moves and growth are device-side updates of
@@ -15,18 +15,18 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from broker.layout import Metric
-from sidecar_cuda.backends.base import PendingSearch, SearchResult
-from sidecar_cuda.backends.numpy_backend import topk_rows
-from sidecar_cuda.backends.cuda.kernels import BLOCK, Kernels
-from sidecar_cuda.backends.cuda.kernels import WARP_K
-from sidecar_cuda.backends.cuda.planner import (
+from ....broker.layout import Metric
+from ..base import PendingSearch, SearchResult
+from ..numpy_backend import topk_rows
+from .kernels import BLOCK, Kernels
+from .kernels import WARP_K
+from .planner import (
     GATHER_CACHE_FRACTION, GATHER_CACHE_MIN_BYTES, HALF_K, filtered_plan,
 )
 
 
 class MatrixOwner(Protocol):
-    """What a matrix uses of its backend (:class:`~sidecar_cuda.backends.cuda.backend.CupyBackend`)."""
+    """What a matrix uses of its backend (:class:`~kalos.sidecar_cuda.backends.cuda.backend.CupyBackend`)."""
 
     _cp: Any
     _stream: Any

@@ -1,7 +1,7 @@
 """The launch sequences of the CUDA backend's search paths (see backend.py's docstring):
 staging the request, the fused kernel (captured into CUDA graphs), the GEMM and half-score GEMM
 paths, and the wgmma path (``kalos_wgmma.cu``, Hopper) with its float32 redo.
-:class:`SearchPaths` is a part of :class:`~sidecar_cuda.backends.cuda.backend.CupyBackend`: its
+:class:`SearchPaths` is a part of :class:`~kalos.sidecar_cuda.backends.cuda.backend.CupyBackend`: its
 methods enqueue work on the backend's stream into the buffer set being enqueued (``_cur``).
 """
 
@@ -14,18 +14,18 @@ from typing import Any
 
 import numpy as np
 
-from sidecar_cuda.backends.cuda.buffers import Buffer, BufferSet
-from sidecar_cuda.backends.cuda.kernels import BLOCK, HALF_CAND, HEADER_BYTES, WARP_K, Kernels
-from sidecar_cuda.backends.cuda.matrix import CupyMatrix
-from sidecar_cuda.backends.cuda.planner import (
+from .buffers import Buffer, BufferSet
+from .kernels import BLOCK, HALF_CAND, HEADER_BYTES, WARP_K, Kernels
+from .matrix import CupyMatrix
+from .planner import (
     GEMM_BLOCKS, GRAPH_CACHE, HALF_SCORE_BYTES, ROWS_PER_BLOCK, SCORE_BUFFER_FLOATS,
     ZERO_COPY_BLOCKS, next_pow2, small_smem,
 )
-from sidecar_cuda.backends.cuda.wgmma import KC as WGMMA_KC
-from sidecar_cuda.backends.cuda.wgmma import MERGE_THREADS as WGMMA_MERGE_THREADS
-from sidecar_cuda.backends.cuda.wgmma import PREP_THREADS as WGMMA_PREP_THREADS
-from sidecar_cuda.backends.cuda.wgmma import THREADS as WGMMA_THREADS
-from sidecar_cuda.backends.cuda.wgmma import WgmmaKernels, parts_for
+from .wgmma import KC as WGMMA_KC
+from .wgmma import MERGE_THREADS as WGMMA_MERGE_THREADS
+from .wgmma import PREP_THREADS as WGMMA_PREP_THREADS
+from .wgmma import THREADS as WGMMA_THREADS
+from .wgmma import WgmmaKernels, parts_for
 
 log = logging.getLogger("kalos.cuda")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from sidecar_cuda.backends.cuda.kernels import BLOCK, SMALL_QT, WARP_K
+from .kernels import BLOCK, SMALL_QT, WARP_K
 
 ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
 ZERO_COPY_BLOCKS = 4  # at most this many blocks read the request from host memory directly

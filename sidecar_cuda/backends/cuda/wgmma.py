@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sidecar_cuda.backends.cuda.kernels import BLOCK
+from .kernels import BLOCK
 
 log = logging.getLogger("kalos.cuda")
 

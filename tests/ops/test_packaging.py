@@ -1,0 +1,97 @@
+"""The installed distribution: one import package (``kalos``), a distribution name of our own.
+
+The wheel is built from the checkout and installed into a fresh virtual environment (its
+dependencies from pip's cache or the index, as a user's ``pip install`` would). A user project with
+its own top-level ``clients/`` and ``broker/`` packages then imports ``kalos`` from the wheel, starts
+a sidecar with ``python -m kalos.sidecar_cuda`` and recalls through it: nothing of ours is looked up
+under the generic names (issue 22, items 3 and 4).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import re
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from conftest import unique_name
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = "kalos-recall"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_distribution_name_is_ours_and_docs_use_it() -> None:
+    assert re.search(r'^name = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)[1] == DIST  # type: ignore[index]
+    # Every extra the docs tell users to install names this distribution, never the other "kalos".
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "deploy" / "kalos-sidecar.service"]:
+        text = doc.read_text()
+        assert "install 'kalos[" not in text and 'install "kalos[' not in text, doc
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
+                    str(ROOT)], check=True, cwd=out)
+    (whl,) = out.glob("kalos_recall-*.whl")
+    return whl
+
+
+def test_wheel_holds_one_import_package(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert tops == {"kalos"}
+    for sub in ("broker/layout.py", "clients/pool.py", "sidecar_cuda/server.py", "sidecar_cuda/backends/cuda/kalos_topk.cu"):
+        assert f"kalos/{sub}" in names, sub
+
+
+def test_wheel_beside_a_project_with_its_own_clients_and_broker(wheel: Path, tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip())
+    for generic in ("broker", "clients", "sidecar_cuda"):
+        assert not (site / generic).exists(), f"{generic} installed at the top of site-packages"
+    # The user's project: generic package names of its own, on sys.path first (cwd).
+    project = tmp_path / "userproj"
+    for pkg in ("clients", "broker"):
+        (project / pkg).mkdir(parents=True)
+        (project / pkg / "__init__.py").write_text(f"USER_{pkg.upper()} = True\n")
+    name = unique_name("wheel")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    sidecar = subprocess.Popen([str(py), "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral", "--dim", "8",
+                                "--backend", "numpy"], cwd=project, env=env)
+    try:
+        code = """
+import asyncio, numpy as np
+import clients, broker
+assert clients.USER_CLIENTS and broker.USER_BROKER        # the project's own packages
+import kalos
+from kalos import RecallPool
+assert kalos.__file__.startswith(SITE), kalos.__file__    # ours, from the wheel
+async def main():
+    async with RecallPool(NAME, size=2, connect_timeout=60) as pool:
+        rng = np.random.default_rng(0)
+        m = rng.standard_normal((50, 8)).astype(np.float32)
+        await pool.upsert(np.arange(50), m)
+        q = m[7]
+        hits = await pool.recall(q, k=3)
+        ref = np.argsort(-(m.astype(np.float64) @ q.astype(np.float64)))[:3]
+        assert list(hits.ids) == list(ref), (hits.ids, ref)
+        print("ok", list(hits.ids))
+asyncio.run(main())
+""".replace("SITE", repr(str(site))).replace("NAME", repr(name))
+        r = subprocess.run([str(py), "-c", code], cwd=project, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("ok")
+    finally:
+        sidecar.terminate()
+        sidecar.wait(timeout=30)
