@@ -29,7 +29,7 @@ End-to-end latency as callers see it (``kalos_client_latency_seconds{op}``)
     *difference* to its own totals (:class:`MonotonicTotals`). A slot whose counters went down (a
     new owner that started from zero) contributes its new values as the difference. So the exported
     counters never go backwards, however slots change owners, and a slot given up keeps its history.
-    An op's series appear with its first request (``recall``'s always).
+    Every op's series are exported from the start (at zero until its first request).
 
 Window quantiles (summaries ``kalos_client_latency_window_seconds{op,quantile="0.5|0.95|0.99"}``)
     A sliding window per op over recent samples (:class:`SlidingWindow`): the last ``window_s``
@@ -68,11 +68,11 @@ from .aggregate import (
     nearest_rank_quantiles, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
 )
 from .collector import OP_LABELS, SidecarCollector, SidecarView
-from .exposition import TEXT_CONTENT_TYPE, encode_text
+from .exposition import TEXT_CONTENT_TYPE, TextEncoder, encode_text
 from .http import MetricsServer
 
 __all__ = [
-    "MetricsServer", "SidecarCollector", "SidecarView", "encode_text", "TEXT_CONTENT_TYPE",
+    "MetricsServer", "SidecarCollector", "SidecarView", "TextEncoder", "encode_text", "TEXT_CONTENT_TYPE",
     "MonotonicTotals", "SlidingWindow", "StageAggregator", "bucket_counts", "cumulative_buckets",
     "nearest_rank_quantiles", "ring_take_all", "slots_matrix", "split_ring_entries", "top_namespaces",
     "OP_LABELS", "QUANTILES", "STAGE_BOUNDS_NS", "BATCH_SIZE_BOUNDS", "OTHER_NAMESPACES", "COUNTER_CAP",

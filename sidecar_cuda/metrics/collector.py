@@ -21,7 +21,7 @@ from prometheus_client.samples import Sample
 
 from ...broker.errors import ConfigError
 from ...broker.layout import (
-    HIST_BUCKETS, L_RECALL, LATENCY_BOUNDS_NS, LATENCY_OPS, Layout, LatencyOp, SegmentView, SidecarState,
+    HIST_BUCKETS, LATENCY_BOUNDS_NS, LATENCY_OPS, Layout, LatencyOp, SegmentView, SidecarState,
     SlotState, Status,
 )
 from .aggregate import (
@@ -278,12 +278,10 @@ class SidecarCollector(Collector):
         wc = GaugeMetricFamily("kalos_client_latency_window_samples",
                                "Samples in each op's quantile window.", labels=["op"])
         if g:
+            # Every op from the start, at zero until its first request: rate() misses the first
+            # increase of a series that appears with a value.
             for i, op in enumerate(OP_LABELS):
                 hist = s["client_hist"][i]
-                # An op's series appear with its first request (recall's always): a sidecar that
-                # only serves recalls exports no more samples than before ops were labels.
-                if i != L_RECALL and not (hist.any() or s["err_count"][i] or s["timeout_count"][i]):
-                    continue
                 n_ok, lat_sum = int(hist.sum()), s["lat_sum_ns"][i] / 1e9
                 h.add_metric([op], cumulative_buckets(hist, _LAT_LE), lat_sum)
                 for ql, v in zip(_QUANTILE_LABELS, s["client_q"][i]):

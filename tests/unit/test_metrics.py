@@ -38,7 +38,7 @@ from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_to
 from kalos.sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
-    ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
+    TextEncoder, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
 )
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
@@ -367,7 +367,8 @@ def test_collector_aggregates_client_stats_of_every_slot(rng):
     assert sample(reg, "kalos_client_latency_seconds_count", **R) == len(lat)
     assert sample(reg, "kalos_client_latency_seconds_sum", **R) == pytest.approx(lat.sum() / 1e9)
     buckets = {float(s.labels["le"]): s.value for m in reg.collect()
-               if m.name == "kalos_client_latency_seconds" for s in m.samples if s.name.endswith("_bucket")}
+               if m.name == "kalos_client_latency_seconds" for s in m.samples
+               if s.name.endswith("_bucket") and s.labels["op"] == "recall"}
     assert len(buckets) == len(LATENCY_BOUNDS_NS) + 1
     for b in LATENCY_BOUNDS_NS:
         assert buckets[b / 1e9] == np.count_nonzero(lat <= b), b
@@ -378,8 +379,11 @@ def test_collector_aggregates_client_stats_of_every_slot(rng):
     assert sample(reg, "kalos_client_latency_window_seconds_count", **R) == len(lat)
     assert sample(reg, "kalos_client_latency_window_samples", **R) == len(lat)
     assert sample(reg, "kalos_metrics_dropped_samples_total", source="ring") == 0
-    # Only recalls were made: the other ops export nothing yet.
-    assert sample(reg, "kalos_client_latency_seconds_count", op="upsert") is None
+    # Only recalls were made: every other op is there, at zero (rate() needs the zero).
+    for op in LatencyOp:
+        if op != LatencyOp.RECALL:
+            assert sample(reg, "kalos_client_latency_seconds_count", op=op.name.lower()) == 0
+            assert sample(reg, "kalos_client_requests_total", op=op.name.lower(), outcome="error") == 0
 
     # Slot 0 gets a new owner whose counters start from zero: nothing goes backwards.
     before = sample(reg, "kalos_client_latency_seconds_count", **R)
@@ -397,7 +401,7 @@ def test_collector_aggregates_client_stats_of_every_slot(rng):
     assert sample(reg, "kalos_client_requests_total", outcome="error", **R) == 2
     assert sample(reg, "kalos_client_requests_total", outcome="timeout", **R) == 1
     assert sample(reg, "kalos_client_requests_total", outcome="error", op="upsert") == 1
-    assert sample(reg, "kalos_client_latency_seconds_count", op="upsert") == 0  # now exported
+    assert sample(reg, "kalos_client_latency_seconds_count", op="upsert") == 0
 
 
 def test_collector_counts_ring_entries_lost_between_harvests():
@@ -506,7 +510,7 @@ def test_collector_files_latencies_by_kind_of_call_without_clipping(rng):
             got = sample(reg, "kalos_client_latency_window_seconds", quantile=str(q), **lab)
             assert got == pytest.approx(want / 1e9, rel=1e-12), (name, q)
     assert sample(reg, "kalos_client_latency_window_seconds", op="recall", quantile="0.99") < 0.01
-    assert sample(reg, "kalos_client_latency_seconds_count", op="delete") is None  # none made
+    assert sample(reg, "kalos_client_latency_seconds_count", op="delete") == 0  # none made
     assert sample(reg, "kalos_metrics_dropped_samples_total", source="invalid") == 0
 
 
@@ -654,9 +658,15 @@ def test_encode_text_equals_prometheus_client_generate_latest(rng):
     Histogram("plain_seconds", "Standard histogram.", registry=reg).observe(0.25)
     Info("plain_build", "Info.", registry=reg).info({"version": "1.2"})
     fast, ref = encode_text(reg), generate_latest(reg)
+    # An endpoint keeps one encoder: it remembers label sets (here more than its limit: it starts
+    # over) and writes the same text scrape after scrape.
+    enc = TextEncoder(cache_limit=50)
+    encoded = [_parsed(enc.encode(reg)) for _ in range(3)]
     pf, pr = _parsed(fast), _parsed(ref)
     drop = {"kalos_uptime_seconds"}  # moves between the two calls
     assert [x for x in pf if x[1] not in drop] == [x for x in pr if x[1] not in drop]
+    for pe in encoded:
+        assert [x for x in pe if x[1] not in drop] == [x for x in pr if x[1] not in drop]
     assert len(pf) > 200
     # the same HELP/TYPE lines, in the same order
     assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == \
