@@ -174,10 +174,13 @@ _LATENCY_OF_OP: tuple[int, ...] = tuple(
     for v in range(max(Op) + 1))
 
 
+_OP_RECALL = int(Op.RECALL)  # (a member's attribute lookup costs more than the whole mapping)
+
+
 def latency_op(op: int, single: bool) -> int:
     """The LatencyOp (as an int) a client records a request of ``op`` under; ``single``: a recall
     of one vector (``recall``) rather than of a matrix (``recall_many``, whatever its rows)."""
-    if op == Op.RECALL:
+    if op == _OP_RECALL:
         return L_RECALL if single else L_RECALL_MANY
     return _LATENCY_OF_OP[op] if 0 <= op < len(_LATENCY_OF_OP) else L_OTHER
 

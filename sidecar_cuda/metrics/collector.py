@@ -100,6 +100,23 @@ _QUANTILE_LABELS = tuple(le_text(q) for q in QUANTILES)
 _LAT_LE = [le_text(b / 1e9) for b in LATENCY_BOUNDS_NS]
 _STAGE_LE = [le_text(b / 1e9) for b in STAGE_BOUNDS_NS]
 _BATCH_LE = [le_text(b) for b in BATCH_SIZE_BOUNDS]
+#: The labels of every client histogram's buckets, made once: a scrape then builds no label dicts
+#: for them (they are read, never changed, by the encoders).
+_OP_BUCKET_LABELS = [[{"op": op, "le": le} for le in _LAT_LE + ["+Inf"]] for op in OP_LABELS]
+_OP_LABELS = [{"op": op} for op in OP_LABELS]
+
+
+def _add_histogram(family: HistogramMetricFamily, bucket_labels: list[dict[str, str]],
+                   labels: dict[str, str], counts: np.ndarray, sum_value: float) -> None:
+    """``family.add_metric`` for per-bucket ``counts`` whose bucket labels are made already
+    (the same samples, in the same order)."""
+    cum = np.cumsum(counts).tolist()
+    name = family.name
+    family.samples.extend(Sample(name + "_bucket", lab, float(c)) for lab, c in zip(bucket_labels, cum))
+    family.samples.append(Sample(name + "_count", labels, float(cum[-1])))
+    family.samples.append(Sample(name + "_sum", labels, sum_value))
+
+
 _STAGE_METRICS = {
     "queue_wait": ("kalos_queue_wait_seconds",
                    "Sidecar queue wait per request: posted by the client -> taken into a batch."),
@@ -283,7 +300,7 @@ class SidecarCollector(Collector):
             for i, op in enumerate(OP_LABELS):
                 hist = s["client_hist"][i]
                 n_ok, lat_sum = int(hist.sum()), s["lat_sum_ns"][i] / 1e9
-                h.add_metric([op], cumulative_buckets(hist, _LAT_LE), lat_sum)
+                _add_histogram(h, _OP_BUCKET_LABELS[i], _OP_LABELS[i], hist, lat_sum)
                 for ql, v in zip(_QUANTILE_LABELS, s["client_q"][i]):
                     q.samples.append(Sample(q.name, {"op": op, "quantile": ql}, v / 1e9))
                 q.add_metric([op], n_ok, lat_sum)

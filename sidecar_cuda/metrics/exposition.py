@@ -60,10 +60,13 @@ class TextEncoder:
             out.append(f"# HELP {mname} {doc}\n# TYPE {mname} {_TEXT_TYPES.get(mtype, 'untyped')}\n")
             extra: dict[str, list[str]] = {}
             for s in metric.samples:
+                v = s.value
+                # A finite float (nearly every sample) as repr writes it, without a call.
+                vt = repr(v) if type(v) is float and v - v == 0.0 else _float_text(v)
                 if s.labels:
-                    line = f"{s.name}{{{self._label_set(s.labels)}}} {_float_text(s.value)}"
+                    line = f"{s.name}{{{self._label_set(s.labels)}}} {vt}"
                 else:
-                    line = f"{s.name} {_float_text(s.value)}"
+                    line = f"{s.name} {vt}"
                 if s.timestamp is not None:
                     line += f" {int(float(s.timestamp) * 1000):d}"
                 suffix = s.name[len(metric.name):]
