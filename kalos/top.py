@@ -216,8 +216,8 @@ def render(v: TopView, url: str = "") -> RenderableType:
     load.add_row("batch size", f"mean {_num(v.batch_mean, '{:.2f}')}", f"p50 ≤ {_num(v.batch_p50_le)}",
                  f"max ≤ {_num(v.batch_max_le)}")
 
-    lat = Table(title="latency (windows of recent requests; end to end by kind of call, a chunk "
-                "of a bulk call timed alone)", title_justify="left", box=None, pad_edge=False)
+    lat = Table(title="latency of recent requests (end to end: by kind of call)", title_justify="left",
+                box=None, pad_edge=False)
     lat.add_column("")
     for col in ("P50", "P95", "P99", "window"):
         lat.add_column(col, justify="right")
