@@ -655,6 +655,7 @@ class RecallPool:
             self._free.put_nowait(slot)
             raise
         fut: asyncio.Future[Any] = loop.create_future()
+        # t0 == 0: a chunk of a bulk call, timed from its sending (see _execute_all).
         self._inflight[slot.index] = _Inflight(slot, p, fut, t0 or time.monotonic_ns())
         self._posted += 1
         self._kick()

@@ -103,7 +103,7 @@ _BATCH_LE = [le_text(b) for b in BATCH_SIZE_BOUNDS]
 #: The labels of every client histogram's buckets, made once: a scrape then builds no label dicts
 #: for them (they are read, never changed, by the encoders).
 _OP_BUCKET_LABELS = [[{"op": op, "le": le} for le in _LAT_LE + ["+Inf"]] for op in OP_LABELS]
-_OP_LABELS = [{"op": op} for op in OP_LABELS]
+_OP_LABEL_SETS = [{"op": op} for op in OP_LABELS]
 
 
 def _add_histogram(family: HistogramMetricFamily, bucket_labels: list[dict[str, str]],
@@ -300,7 +300,7 @@ class SidecarCollector(Collector):
             for i, op in enumerate(OP_LABELS):
                 hist = s["client_hist"][i]
                 n_ok, lat_sum = int(hist.sum()), s["lat_sum_ns"][i] / 1e9
-                _add_histogram(h, _OP_BUCKET_LABELS[i], _OP_LABELS[i], hist, lat_sum)
+                _add_histogram(h, _OP_BUCKET_LABELS[i], _OP_LABEL_SETS[i], hist, lat_sum)
                 for ql, v in zip(_QUANTILE_LABELS, s["client_q"][i]):
                     q.samples.append(Sample(q.name, {"op": op, "quantile": ql}, v / 1e9))
                 q.add_metric([op], n_ok, lat_sum)
