@@ -86,11 +86,13 @@ MAGIC_U64 = int.from_bytes(MAGIC, "little")
 #: Bumped on every incompatible change of this module. 2: namespaces/upsert/delete ops.
 #: 3: leases and sidecar liveness held as locks on the lease file (broker.leases).
 #: 4: GET (records by id), COUNT, filters (Flag.WHERE).
-PROTOCOL_VERSION = 4
+#: 5: client latency by kind of call (LatencyOp): per-op counters and histograms, u64 ring entries
+#: tagged with the op (STATS_BYTES 2560 -> 8192).
+PROTOCOL_VERSION = 5
 
 HEADER_BYTES = 4096
 CONTROL_BYTES = 256
-STATS_BYTES = 2560
+STATS_BYTES = 8192
 PAGE = 4096
 NAMESPACE_BYTES = 64
 
@@ -106,10 +108,33 @@ LATENCY_BOUNDS_NS: tuple[int, ...] = tuple(
     )
 )
 HIST_BUCKETS = len(LATENCY_BOUNDS_NS) + 1  # + Inf
-HIST_OFFSET = 64  # within a slot's stats block
-RING_OFFSET = 384
-RING_LEN = 512  # u32 nanoseconds, saturating at 2**32-1
-assert HIST_OFFSET + 8 * HIST_BUCKETS <= RING_OFFSET and RING_OFFSET + 4 * RING_LEN <= STATS_BYTES
+HIST_OFFSET = 256  # within a slot's stats block: u64[LATENCY_OPS][HIST_BUCKETS]
+RING_OFFSET = 4096
+RING_LEN = 512  # u64 entries: LatencyOp << RING_OP_SHIFT | latency in ns
+#: A ring entry holds the op class in its top byte and the latency (ns, at most RING_NS_MAX: over
+#: two years, so no real latency is clipped) in the rest.
+RING_OP_SHIFT = 56
+RING_NS_MAX = (1 << RING_OP_SHIFT) - 1
+
+
+class LatencyOp(IntEnum):
+    """The kind of call a client's latency observation belongs to (the ``op`` label of the latency
+    metrics), so that bulk writes and admin calls never mix with recalls. See :func:`latency_op`."""
+
+    RECALL = 0  # recall(): one vector
+    RECALL_MANY = 1  # recall_many(): several vectors in one request
+    UPSERT = 2  # one chunk (up to max_queries rows) of an upsert
+    DELETE = 3  # one chunk of a delete by ids, or a delete by filter
+    GET = 4  # one chunk of a get by ids
+    OTHER = 5  # count, namespaces, drop_namespace, export_page
+
+
+LATENCY_OPS = len(LatencyOp)
+# Plain ints for the clients' hot path (see S_FREE below).
+L_RECALL, L_RECALL_MANY, L_UPSERT, L_DELETE, L_GET, L_OTHER = (int(x) for x in LatencyOp)
+
+assert HIST_OFFSET + 8 * LATENCY_OPS * HIST_BUCKETS <= RING_OFFSET
+assert RING_OFFSET + 8 * RING_LEN <= STATS_BYTES and LATENCY_OPS <= 255
 
 
 class SlotState(IntEnum):
@@ -141,6 +166,23 @@ class Op(IntEnum):
     EXPORT = 6  # page of records with id > ids[0], ascending: ids, vectors, payload lines
     GET = 7  # records of ids[0..nq) that exist, in the order asked: ids, vectors, payload lines
     COUNT = 8  # rows of a namespace (that match the filter, with Flag.WHERE): n_results
+
+
+# Indexed by Op value (a tuple: hashing an IntEnum runs Python code, indexing does not).
+_LATENCY_OF_OP: tuple[int, ...] = tuple(
+    {int(Op.UPSERT): L_UPSERT, int(Op.DELETE): L_DELETE, int(Op.GET): L_GET}.get(v, L_OTHER)
+    for v in range(max(Op) + 1))
+
+
+_OP_RECALL = int(Op.RECALL)  # (a member's attribute lookup costs more than the whole mapping)
+
+
+def latency_op(op: int, single: bool) -> int:
+    """The LatencyOp (as an int) a client records a request of ``op`` under; ``single``: a recall
+    of one vector (``recall``) rather than of a matrix (``recall_many``, whatever its rows)."""
+    if op == _OP_RECALL:
+        return L_RECALL if single else L_RECALL_MANY
+    return _LATENCY_OF_OP[op] if 0 <= op < len(_LATENCY_OF_OP) else L_OTHER
 
 
 class Status(IntEnum):
@@ -263,13 +305,16 @@ SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
 )
 assert SLOT_FIELDS[-1][2] + NAMESPACE_BYTES <= CONTROL_BYTES
 
-# Client stats fields: (name, numpy type, offset within the slot's stats block).
+# Client stats fields: (name, numpy type, offset within the slot's stats block). The per-op ones
+# are arrays indexed by LatencyOp.
 STATS_FIELDS: tuple[tuple[str, str, int], ...] = (
-    ("lat_count", "<u8", 0),  # recalls recorded into hist/ring (also the ring's write index)
-    ("lat_sum_ns", "<u8", 8),  # sum of recorded latencies
-    ("err_count", "<u8", 16),  # requests that ended in an error (any kind)
-    ("timeout_count", "<u8", 24),  # requests whose caller timed out or was cancelled
+    ("lat_count", "<u8", 0),  # latencies written to the ring, every op (the ring's write index)
+    ("lat_sum_ns", f"({LATENCY_OPS},)<u8", 8),  # per op: sum of the latencies in its histogram
+    ("err_count", f"({LATENCY_OPS},)<u8", 8 + 8 * LATENCY_OPS),  # per op: ended in an error
+    # per op: the caller timed out or was cancelled
+    ("timeout_count", f"({LATENCY_OPS},)<u8", 8 + 16 * LATENCY_OPS),
 )
+assert 8 + 24 * LATENCY_OPS <= HIST_OFFSET
 
 #: ``owner_pid`` of a slot given up by a live client while its request may still be in flight
 #: (``RecallPool.terminate``); the sidecar's reaper frees it like the slot of a dead owner.
@@ -406,8 +451,10 @@ class SlotView:
             (L.max_queries, L.max_k), np.float32, buf, base + L.result_scores_offset
         )
         self.blob = np.ndarray((L.blob_bytes,), np.uint8, buf, base + L.blob_offset)
-        self.hist = np.ndarray((HIST_BUCKETS,), np.uint64, buf, L.stats_base(index) + HIST_OFFSET)
-        self.ring = np.ndarray((RING_LEN,), np.uint32, buf, L.stats_base(index) + RING_OFFSET)
+        #: Latency histograms, one row per LatencyOp.
+        self.hist = np.ndarray((LATENCY_OPS, HIST_BUCKETS), np.uint64, buf,
+                               L.stats_base(index) + HIST_OFFSET)
+        self.ring = np.ndarray((RING_LEN,), np.uint64, buf, L.stats_base(index) + RING_OFFSET)
 
 
 class SegmentView:
@@ -483,12 +530,15 @@ def c_header() -> str:
         f"#define KALOS_HIST_BUCKETS {HIST_BUCKETS}",
         f"#define KALOS_RING_OFFSET {RING_OFFSET}",
         f"#define KALOS_RING_LEN {RING_LEN}",
+        f"#define KALOS_RING_OP_SHIFT {RING_OP_SHIFT}",
+        f"#define KALOS_RING_NS_MAX 0x{RING_NS_MAX:x}ULL",
+        f"#define KALOS_LATENCY_OPS {LATENCY_OPS}",
     ]
     for prefix, fields in (("KALOS_HDR", HEADER_FIELDS), ("KALOS_SLOT", SLOT_FIELDS),
                            ("KALOS_STATS", STATS_FIELDS)):
         for name, _t, off in fields:
             lines.append(f"#define {prefix}_{name.upper()} {off}")
-    for enum in (SlotState, SidecarState, Op, Status, Flag, Metric):
+    for enum in (SlotState, SidecarState, Op, Status, Flag, Metric, LatencyOp):
         for m in enum:
             lines.append(f"#define KALOS_{enum.__name__.upper()}_{m.name} {int(m)}")
     return "\n".join(lines) + "\n"

@@ -25,10 +25,11 @@ import posix_ipc
 
 from ..broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from ..broker.layout import (
-    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, LATENCY_BOUNDS_NS,
-    MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_OFFSET, S_DONE, S_FREE, S_POSTED,
-    S_WRITING, Layout, SegmentView, SidecarState, SlotView, header_field_offset, metric_name,
-    peek_header, slot_field_offset,
+    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, L_RECALL,
+    LATENCY_BOUNDS_NS, MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_NS_MAX,
+    RING_OFFSET, RING_OP_SHIFT, S_DONE, S_FREE, S_POSTED, S_WRITING, STATS_BYTES, Layout,
+    SegmentView, SidecarState, SlotView, header_field_offset, metric_name, peek_header,
+    slot_field_offset,
 )
 from ..broker import leases
 from ..broker.names import (
@@ -102,8 +103,8 @@ class ClientSlot:
     __slots__ = (
         "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
         "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
-        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_sleeping",
-        "generation", "name",
+        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_stats",
+        "_sleeping", "generation", "name",
     )
 
     def __init__(self, conn: Connection, index: int, req: Semaphore, resp: Semaphore) -> None:
@@ -127,12 +128,14 @@ class ClientSlot:
         self._flags, self._ns_len, self._blob_len = w("flags", 4), w("ns_len", 4), w("blob_len", 4)
         self._status, self._nres = w("status", 4), w("n_results", 4)
         self._gen, self._rgen, self._tpost = w("generation", 8), w("resp_generation", 8), w("t_post_ns", 8)
+        # Per-op fields: the word of LatencyOp 0; op i is that + i.
         self._lat_count, self._lat_sum = w("lat_count", 8), w("lat_sum_ns", 8)
         self._err_count, self._timeout_count = w("err_count", 8), w("timeout_count", 8)
         self._ns_off = slot_field_offset(L, index, "namespace")
         self._sleeping = header_field_offset("sidecar_sleeping") // 4
         self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
-        self._ring0 = (L.stats_base(index) + RING_OFFSET) // 4
+        self._ring0 = (L.stats_base(index) + RING_OFFSET) // 8
+        self._stats = L.stats_base(index)
         self.generation = int(self._w64[self._gen])
 
     # -- request ---------------------------------------------------------------------------
@@ -192,17 +195,25 @@ class ClientSlot:
         self._w32[self._state] = S_FREE
 
     # -- client-side latency accounting (only the lease owner writes these) ------------------
-    def record(self, latency_ns: int, ok: bool, timed_out: bool = False) -> None:
-        if not ok:
-            w = self._err_count if not timed_out else self._timeout_count
-            self._w64[w] += 1
-            return
+    def record(self, latency_ns: int, ok: bool, timed_out: bool = False, op: int = L_RECALL) -> None:
+        """Account one finished request of kind ``op`` (a LatencyOp; ``broker.layout.latency_op``)
+        in the slot's stats block: its latency if ``ok``, else an error or (``timed_out``: the
+        caller gave up or was cancelled) a timeout."""
         w64 = self._w64
-        w64[self._hist0 + bisect_left(_BOUNDS, latency_ns)] += 1
-        n = w64[self._lat_count]
-        self._w32[self._ring0 + n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
-        self._w64[self._lat_sum] += latency_ns
-        self._w64[self._lat_count] = n + 1  # last: the sidecar reads the ring up to this index
+        try:
+            if not ok:
+                w64[(self._timeout_count if timed_out else self._err_count) + op] += 1
+                return
+            lat = latency_ns if latency_ns < RING_NS_MAX else RING_NS_MAX
+            w64[self._hist0 + op * HIST_BUCKETS + bisect_left(_BOUNDS, lat)] += 1
+            w64[self._lat_sum + op] += lat
+            n = w64[self._lat_count]
+            w64[self._ring0 + n % RING_LEN] = op << RING_OP_SHIFT | lat
+            w64[self._lat_count] = n + 1  # last: the sidecar reads the ring up to this index
+        except (ValueError, OverflowError):
+            # A counter at 2**64 - 1, left by an earlier owner of the slot (what a client wrote is
+            # untrusted): start the block over. The exporter takes a decrease for a new owner.
+            self._mm[self._stats:self._stats + STATS_BYTES] = bytes(STATS_BYTES)
 
     def close(self) -> None:
         self.req.close()

@@ -11,7 +11,7 @@ from typing import Any, cast
 from ..broker.errors import (
     BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from ..broker.layout import Layout, Op
+from ..broker.layout import Layout, Op, latency_op
 from ._requests import (
     DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, write as write_slot,
 )
@@ -143,23 +143,21 @@ class RecallClient:
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
-        t0 = time.monotonic_ns()
-        return sum(self._call(p, timeout, t0)
+        # Each chunk is timed from its own start, not from the call's.
+        return sum(self._call(p, timeout, time.monotonic_ns())
                    for p in encode_upsert(self.layout, ids, vectors, payloads, namespace))
 
     def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Delete by ids or by filter; see RecallPool.delete."""
-        t0 = time.monotonic_ns()
-        return sum(self._call(p, timeout, t0)
+        return sum(self._call(p, timeout, time.monotonic_ns())
                    for p in encode_delete(self.layout, ids, namespace, where))
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
             timeout: Timeout = DEFAULT) -> Records:
         """Records by id; see RecallPool.get for semantics and errors."""
-        t0 = time.monotonic_ns()
         preps = encode_get(self.layout, ids, namespace, with_vectors)
-        parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
+        parts = [cast(Records, self._call(p, timeout, time.monotonic_ns())) for p in preps]
         return merge_records(preps, parts, self.layout.dim)
 
     def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
@@ -248,26 +246,27 @@ class RecallClient:
 
     def _roundtrip(self, s: ClientSlot, p: Prepared, deadline: float | None,
                    t0: int) -> Any:
+        op = latency_op(p.op, p.single)
         if self._pending:  # finish the abandoned request first
-            self._wait(s, deadline)
+            self._wait(s, deadline, op)
             s.set_free()
             self._pending = False
         blob_len = write_slot(s.view, p)
         s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
         self._pending = True
-        self._wait(s, deadline)
+        self._wait(s, deadline, op)
         self._pending = False
         try:
             result = read_slot(s.view, s.outcome(), p)
         except Exception:
-            s.record(time.monotonic_ns() - t0, ok=False)
+            s.record(time.monotonic_ns() - t0, ok=False, op=op)
             s.set_free()
             raise
-        s.record(time.monotonic_ns() - t0, ok=True)
+        s.record(time.monotonic_ns() - t0, ok=True, op=op)
         s.set_free()
         return result
 
-    def _wait(self, s: ClientSlot, deadline: float | None) -> None:
+    def _wait(self, s: ClientSlot, deadline: float | None, op: int) -> None:
         """Spin briefly on the slot state, then block on its response semaphore in slices,
         checking the sidecar's liveness between slices."""
         t0 = time.perf_counter()
@@ -279,7 +278,7 @@ class RecallClient:
         while True:
             budget = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
             if budget <= 0:
-                s.record(0, ok=False, timed_out=True)
+                s.record(0, ok=False, timed_out=True, op=op)
                 raise ResponseTimeout("no answer within the time budget")
             if s.wait(budget):
                 self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)

@@ -43,7 +43,7 @@ from ..broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
     PayloadTooLarge, ProtocolError, ResponseTimeout, UntrustedBroker,
 )
-from ..broker.layout import Layout, Op
+from ..broker.layout import Layout, Op, latency_op
 from ._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
 from ._requests import (
     DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, write as write_slot,
@@ -584,7 +584,9 @@ class RecallPool:
     async def _execute_all(self, preps: list[Prepared], timeout: Timeout, t0: int) -> list[Any]:
         if len(preps) == 1:
             return [await self._execute(preps[0], timeout, t0)]
-        return list(await asyncio.gather(*(self._execute(p, timeout, t0) for p in preps)))
+        # Chunks are timed each from its own sending (t0=0), not from the call: what a chunk
+        # waits for a slot behind the call's other chunks is no latency of the broker's.
+        return list(await asyncio.gather(*(self._execute(p, timeout, 0) for p in preps)))
 
     async def _acquire(self, deadline: float | None) -> ClientSlot:
         """A free slot of the current attachment, waiting (within ``deadline``) for one to be
@@ -653,7 +655,8 @@ class RecallPool:
             self._free.put_nowait(slot)
             raise
         fut: asyncio.Future[Any] = loop.create_future()
-        self._inflight[slot.index] = _Inflight(slot, p, fut, t0)
+        # t0 == 0: a chunk of a bulk call, timed from its sending (see _execute_all).
+        self._inflight[slot.index] = _Inflight(slot, p, fut, t0 or time.monotonic_ns())
         self._posted += 1
         self._kick()
         if deadline is None:
@@ -886,10 +889,11 @@ class RecallPool:
         for i, m in enumerate(members):
             fut = m.future
             latency = now - m.t0
+            op = latency_op(m.prep.op, m.prep.single)
             if fut.done():  # this caller was cancelled or timed out: drop its share
-                s.record(latency, ok=False, timed_out=True)
+                s.record(latency, ok=False, timed_out=True, op=op)
             else:
-                s.record(latency, ok=exc is None)
+                s.record(latency, ok=exc is None, op=op)
                 if exc is None:
                     fut.set_result(answers[i])
                 else:
@@ -940,10 +944,11 @@ class RecallPool:
             exc = x
         latency = time.monotonic_ns() - e.t0
         self._rt_ewma_ns += 0.2 * (latency - self._rt_ewma_ns)
+        op = latency_op(e.prep.op, e.prep.single)
         if fut.done():  # the caller was cancelled or timed out: drop the answer
-            s.record(latency, ok=False, timed_out=True)
+            s.record(latency, ok=False, timed_out=True, op=op)
         else:
-            s.record(latency, ok=exc is None)
+            s.record(latency, ok=exc is None, op=op)
         s.set_free()
         assert self._free is not None
         self._free.put_nowait(s)  # only now: the sidecar is done with the slot

@@ -2,7 +2,8 @@
 
 Every ``interval`` seconds it scrapes the endpoint, and shows slots in use, throughput and batch
 sizes computed from the counters' increase since the previous scrape, the latency quantiles the
-sidecar exports (end to end as callers see it, and per stage), errors by kind and memory rows.
+sidecar exports (end to end as callers see it, by kind of call, and per stage), errors by kind and
+memory rows.
 The arithmetic is in :func:`compute_view` (pure, tested without a terminal); :func:`render` turns
 its result into a ``rich`` renderable; :func:`run_top` does the I/O.
 """
@@ -65,15 +66,15 @@ class TopView:
     in_flight: float | None = None
     interval_s: float | None = None
     #: per second over the last interval; None on the first frame or after a counter reset
-    completed_per_s: float | None = None  # requests completed as callers saw them (ok)
+    completed_per_s: float | None = None  # requests completed as callers saw them (ok, every op)
     served_per_s: float | None = None  # requests served by the sidecar
     batches_per_s: float | None = None
     batch_mean: float | None = None  # over the last interval (else since start)
     batch_p50_le: float | None = None  # upper bound of the bucket holding the median batch size
     batch_max_le: float | None = None  # upper bound of the largest non-empty bucket
-    e2e_q: dict[str, float] = field(default_factory=dict)  # quantile -> seconds
+    e2e_q: dict[str, dict[str, float]] = field(default_factory=dict)  # op -> quantile -> seconds
     stage_q: dict[str, dict[str, float]] = field(default_factory=dict)  # stage -> quantile -> s
-    window_samples: float | None = None
+    window_samples: dict[str, float] = field(default_factory=dict)  # op -> samples in its window
     errors: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # kind -> (total, /s)
     client_errors: float | None = None
     client_timeouts: float | None = None
@@ -88,6 +89,26 @@ def _rate(cur: Scrape, prev: Scrape | None, name: str, **labels: str) -> float |
     if a is None or b is None or dt <= 0 or b < a:  # b < a: the sidecar restarted
         return None
     return (b - a) / dt
+
+
+def _sum_rate(cur: Scrape, prev: Scrape | None, name: str, **labels: str) -> float | None:
+    """Per second, the increase of the sum of every series of ``name`` with ``labels`` (a series
+    new since ``prev`` counts from 0: an op's series appear with its first request)."""
+    if prev is None or cur.t <= prev.t:
+        return None
+    total = 0.0
+    for lb, b in cur.series(name).items():
+        if labels.items() <= dict(lb).items():
+            a = prev.series(name).get(lb, 0.0)
+            if b < a:  # the sidecar restarted
+                return None
+            total += b - a
+    return total / (cur.t - prev.t) if cur.series(name) else None
+
+
+def _sum(s: Scrape, name: str, **labels: str) -> float | None:
+    vals = [v for lb, v in s.series(name).items() if labels.items() <= dict(lb).items()]
+    return sum(vals) if vals else None
 
 
 def _buckets(s: Scrape, name: str) -> list[tuple[float, float]]:
@@ -112,7 +133,7 @@ def compute_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
     v.leased = cur.get("kalos_slots_leased")
     v.in_flight = cur.get("kalos_slots_in_flight")
     v.interval_s = None if prev is None else cur.t - prev.t
-    v.completed_per_s = _rate(cur, prev, "kalos_client_requests_total", outcome="ok")
+    v.completed_per_s = _sum_rate(cur, prev, "kalos_client_requests_total", outcome="ok")
     v.served_per_s = _rate(cur, prev, "kalos_requests_total")
     v.batches_per_s = _rate(cur, prev, "kalos_batches_total")
 
@@ -134,17 +155,19 @@ def compute_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
         v.batch_p50_le = next(le for le, c in cb if c >= total / 2)
         v.batch_max_le = next(le for le, c in cb if c >= total)
 
-    for labels, val in cur.series("kalos_recall_latency_quantile_seconds").items():
-        v.e2e_q[dict(labels)["quantile"]] = val
-    for labels, val in cur.series("kalos_stage_latency_quantile_seconds").items():
+    for labels, val in cur.series("kalos_client_latency_window_seconds").items():
+        d = dict(labels)
+        v.e2e_q.setdefault(d["op"], {})[d["quantile"]] = val
+    for labels, val in cur.series("kalos_stage_latency_window_seconds").items():
         d = dict(labels)
         v.stage_q.setdefault(d["stage"], {})[d["quantile"]] = val
-    v.window_samples = cur.get("kalos_latency_window_samples", source="client")
+    for labels, val in cur.series("kalos_client_latency_window_samples").items():
+        v.window_samples[dict(labels)["op"]] = val
     for labels, val in cur.series("kalos_errors_total").items():
         kind = dict(labels)["kind"]
         v.errors[kind] = (val, _rate(cur, prev, "kalos_errors_total", kind=kind))
-    v.client_errors = cur.get("kalos_client_requests_total", outcome="error")
-    v.client_timeouts = cur.get("kalos_client_requests_total", outcome="timeout")
+    v.client_errors = _sum(cur, "kalos_client_requests_total", outcome="error")
+    v.client_timeouts = _sum(cur, "kalos_client_requests_total", outcome="timeout")
     for labels, val in cur.series("kalos_memory_rows").items():
         v.rows[dict(labels)["namespace"]] = val
     return v
@@ -188,22 +211,25 @@ def render(v: TopView, url: str = "") -> RenderableType:
         load.add_column(justify="right")
     load.add_row("slots", f"{_num(v.in_flight)} in flight", f"{_num(v.leased)} leased",
                  f"{_num(v.slots)} total")
-    load.add_row("throughput", f"{_num(v.completed_per_s)} recalls/s", f"{_num(v.served_per_s)} served/s",
+    load.add_row("throughput", f"{_num(v.completed_per_s)} done/s", f"{_num(v.served_per_s)} served/s",
                  f"{_num(v.batches_per_s)} batches/s")
     load.add_row("batch size", f"mean {_num(v.batch_mean, '{:.2f}')}", f"p50 ≤ {_num(v.batch_p50_le)}",
                  f"max ≤ {_num(v.batch_max_le)}")
 
-    lat = Table(title=f"latency (window: {_num(v.window_samples)} recent requests)",
-                title_justify="left", box=None, pad_edge=False)
+    lat = Table(title="latency of recent requests (end to end: by kind of call)", title_justify="left",
+                box=None, pad_edge=False)
     lat.add_column("")
-    for col in ("P50", "P95", "P99"):
+    for col in ("P50", "P95", "P99", "window"):
         lat.add_column(col, justify="right")
     keys = ("0.5", "0.95", "0.99")
-    lat.add_row("end to end (callers)", *(_dur(v.e2e_q.get(k)) for k in keys))
+    for op, q in sorted(v.e2e_q.items(), key=lambda kv: (kv[0] != "recall", kv[0])):
+        n = v.window_samples.get(op)
+        if op == "recall" or n:  # the kinds of call seen lately
+            lat.add_row(f"end to end: {op}", *(_dur(q.get(k)) for k in keys), _num(n))
     for stage, label in (("queue_wait", "sidecar queue wait"), ("compute", "batch compute"),
                          ("service", "sidecar service")):
         sq = v.stage_q.get(stage, {})
-        lat.add_row(label, *(_dur(sq.get(k)) for k in keys))
+        lat.add_row(label, *(_dur(sq.get(k)) for k in keys), "")
 
     err = Table(title="errors", title_justify="left", box=None, pad_edge=False)
     err.add_column("kind")

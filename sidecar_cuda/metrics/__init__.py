@@ -17,32 +17,39 @@ Everything is computed at scrape time by one collector of our own (:class:`Sidec
 registered in the registry the caller passes (a fresh ``CollectorRegistry`` otherwise; nothing is
 ever put in prometheus_client's global registry). Its sources:
 
-End-to-end latency as callers see it (``kalos_recall_latency_seconds``)
-    Each slot's client stats block in shared memory (``broker.layout``: ``lat_count``,
-    ``lat_sum_ns``, ``err_count``, ``timeout_count``, the histogram ``hist`` over the protocol's
-    ``LATENCY_BOUNDS_NS`` and a ring of the last ``RING_LEN`` latencies), written by the slot's lease
-    owner after every completed request, timed from the call including the wait for a slot. The
-    collector keeps the last value it saw of every per-slot counter and adds the *difference* to
-    its own totals (:class:`MonotonicTotals`). A slot whose counters went down (a new owner that
-    started from zero) contributes its new values as the difference. So the exported counters
-    never go backwards, however slots change owners, and a slot given up keeps its history.
+End-to-end latency as callers see it (``kalos_client_latency_seconds{op}``)
+    Each slot's client stats block in shared memory (``broker.layout``: per kind of call
+    (``LatencyOp``, the ``op`` label: recall, recall_many, upsert, delete, get, other) a histogram
+    ``hist[op]`` over the protocol's ``LATENCY_BOUNDS_NS``, ``lat_sum_ns[op]``, ``err_count[op]``,
+    ``timeout_count[op]``; and one ring of the last ``RING_LEN`` latencies, each entry tagged with
+    its op), written by the slot's lease owner after every completed request. A request is timed
+    from the call, including the wait for a slot; a chunk of a call sent in several chunks (upsert,
+    delete, get of more than max_queries rows) from its own sending, so a bulk write never shows as
+    one long recall. The collector keeps the last value it saw of every per-slot counter and adds the
+    *difference* to its own totals (:class:`MonotonicTotals`). A slot whose counters went down (a
+    new owner that started from zero) contributes its new values as the difference. So the exported
+    counters never go backwards, however slots change owners, and a slot given up keeps its history.
+    Every op's series are exported from the start (at zero until its first request).
 
-Quantile gauges (``kalos_recall_latency_quantile_seconds{quantile="0.5|0.95|0.99"}``)
-    A sliding window over recent samples (:class:`SlidingWindow`): the last ``window_s`` seconds
-    (default 60), at most ``window_samples`` samples (default 20000, newest kept). Client samples
+Window quantiles (summaries ``kalos_client_latency_window_seconds{op,quantile="0.5|0.95|0.99"}``)
+    A sliding window per op over recent samples (:class:`SlidingWindow`): the last ``window_s``
+    seconds (default 60), at most ``window_samples`` samples (default 20000, newest kept); the
+    summary's ``_count`` and ``_sum`` are the histogram's (since start). Client samples
     come from the rings: a harvest thread reads, every ``harvest_interval_s`` (0.1 s) and at every
     scrape, the entries written since its last read of each slot, using ``lat_count`` as the
-    ring's write index (:func:`ring_take_all`). A slot that completed more than ``RING_LEN`` requests
-    between two reads loses the older ones (one read trusts at most ``RING_LEN - 1`` entries: the
-    oldest may be under overwrite; losses are counted in ``kalos_metrics_dropped_samples_total``);
-    the window is then a subsample. Entries the writer may have overwritten during the copy are
-    discarded, never misread. Samples are stamped with the time they were read, not the time they
-    were recorded (the ring has no timestamps), which shifts the window by at most one harvest
-    interval. The quantile is the nearest-rank one: the smallest sample with at least q of the
-    window at or below it (numpy ``method="inverted_cdf"``). Ring entries saturate at 2**32-1 ns
-    (4.29 s); the histogram does not.
+    ring's write index (:func:`ring_take_all`), and files each under the op in its top byte (an
+    entry of no known op is counted as ``invalid`` and dropped). A slot that completed more than
+    ``RING_LEN`` requests between two reads loses the older ones (one read trusts at most
+    ``RING_LEN - 1`` entries: the oldest may be under overwrite; losses are counted in
+    ``kalos_metrics_dropped_samples_total``); the window is then a subsample. Entries the writer may
+    have overwritten during the copy are discarded, never misread. Samples are stamped with the time
+    they were read, not the time they were recorded (the ring has no timestamps), which shifts the
+    window by at most one harvest interval. The quantile is the nearest-rank one: the smallest sample
+    with at least q of the window at or below it (numpy ``method="inverted_cdf"``). Ring entries
+    keep 56 bits of nanoseconds (two years): no latency is clipped.
 
-The sidecar's own stages (``kalos_queue_wait_seconds``, ``kalos_batch_compute_seconds``, ``kalos_service_seconds``)
+The sidecar's own stages (``kalos_queue_wait_seconds``, ``kalos_batch_compute_seconds``, ``kalos_service_seconds``,
+and their window quantiles ``kalos_stage_latency_window_seconds{stage,quantile}``)
     From a ``SidecarStats`` observer, called by the serving thread with each ``BatchRecord``: it only
     stamps the record and queues it (a few hundred nanoseconds); the harvest thread turns records
     into histograms and windows. Queue wait is posted -> taken into a batch, per request. Compute is
@@ -58,16 +65,16 @@ a real namespace named ``_other`` always falls in that bucket), backend info and
 from .aggregate import (
     BATCH_SIZE_BOUNDS, COUNTER_CAP, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGE_CAP_NS,
     MonotonicTotals, SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets,
-    nearest_rank_quantiles, ring_take_all, slots_matrix, top_namespaces,
+    nearest_rank_quantiles, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
 )
-from .collector import SidecarCollector, SidecarView
-from .exposition import TEXT_CONTENT_TYPE, encode_text
+from .collector import OP_LABELS, SidecarCollector, SidecarView
+from .exposition import TEXT_CONTENT_TYPE, TextEncoder, encode_text
 from .http import MetricsServer
 
 __all__ = [
-    "MetricsServer", "SidecarCollector", "SidecarView", "encode_text", "TEXT_CONTENT_TYPE",
+    "MetricsServer", "SidecarCollector", "SidecarView", "TextEncoder", "encode_text", "TEXT_CONTENT_TYPE",
     "MonotonicTotals", "SlidingWindow", "StageAggregator", "bucket_counts", "cumulative_buckets",
-    "nearest_rank_quantiles", "ring_take_all", "slots_matrix", "top_namespaces",
-    "QUANTILES", "STAGE_BOUNDS_NS", "BATCH_SIZE_BOUNDS", "OTHER_NAMESPACES", "COUNTER_CAP",
+    "nearest_rank_quantiles", "ring_take_all", "slots_matrix", "split_ring_entries", "top_namespaces",
+    "OP_LABELS", "QUANTILES", "STAGE_BOUNDS_NS", "BATCH_SIZE_BOUNDS", "OTHER_NAMESPACES", "COUNTER_CAP",
     "STAGE_CAP_NS",
 ]

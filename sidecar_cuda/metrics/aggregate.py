@@ -16,7 +16,7 @@ import numpy as np
 from prometheus_client.utils import floatToGoString
 
 from ...broker.errors import ConfigError
-from ...broker.layout import LATENCY_BOUNDS_NS
+from ...broker.layout import LATENCY_BOUNDS_NS, RING_NS_MAX, RING_OP_SHIFT
 from ..stats import BatchRecord
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
@@ -107,8 +107,8 @@ def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
     j <= (count after the copy) - len are not trusted: at most ``len - 1`` entries of a slot come out
     of one read. A count below ``last`` means the slot's counters were reset: read from zero.
 
-    Returns (the new entries, slot after slot, oldest first, as int64 ns; the new ``last``; entries
-    lost: overwritten before this read, or possibly during the copy).
+    Returns (the new entries, slot after slot, oldest first, in the rings' dtype; the new ``last``;
+    entries lost: overwritten before this read, or possibly during the copy).
     """
     n = rings.shape[1]
     # Counts are client-written u64 read as int64: a negative one (2**63 and up) reads as a reset
@@ -127,7 +127,17 @@ def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
     after = np.maximum(np.asarray(reread(), np.int64), 0)
     keep = j > np.repeat(after, k) - n
     kept = int(keep.sum())
-    return vals[keep].astype(np.int64), count.copy(), lost + total - kept
+    out: np.ndarray = vals[keep]
+    return out, count.copy(), lost + total - kept
+
+
+def split_ring_entries(entries: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(op, latency ns) of ring entries (``op << RING_OP_SHIFT | ns``, u64), both as int64. The op
+    is a client's word: callers drop those outside LatencyOp."""
+    e = np.asarray(entries).astype(np.uint64)
+    ops = (e >> np.uint64(RING_OP_SHIFT)).astype(np.int64)
+    ns = (e & np.uint64(RING_NS_MAX)).astype(np.int64)
+    return ops, ns
 
 
 def slots_matrix(views: Sequence[np.ndarray]) -> np.ndarray:

@@ -14,18 +14,20 @@ from typing import Any, Protocol
 import numpy as np
 from prometheus_client.metrics_core import (
     CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric,
+    SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from ...broker.errors import ConfigError
 from ...broker.layout import (
-    HIST_BUCKETS, LATENCY_BOUNDS_NS, STATS_FIELDS, Layout, SegmentView, SidecarState, SlotState,
-    Status,
+    HIST_BUCKETS, LATENCY_BOUNDS_NS, LATENCY_OPS, Layout, LatencyOp, SegmentView, SidecarState,
+    SlotState, Status,
 )
 from .aggregate import (
     BATCH_SIZE_BOUNDS, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGES, MonotonicTotals,
     SlidingWindow, StageAggregator, cumulative_buckets, le_text, ring_take_all, slots_matrix,
-    top_namespaces,
+    split_ring_entries, top_namespaces,
 )
 from ..stats import ROUTES, BatchRecord, SidecarStats
 
@@ -89,10 +91,32 @@ class SidecarView(Protocol):
     def cfg(self) -> ConfigIdentity: ...
 
 
-_STATS_NAMES = tuple(f[0] for f in STATS_FIELDS)  # lat_count, lat_sum_ns, err_count, timeout_count
+#: Per-op client counters summed into the totals, after the histograms (``lat_count`` is only the
+#: ring's write index: the histograms count the latencies).
+_STATS_NAMES = ("lat_sum_ns", "err_count", "timeout_count")
+#: The ``op`` label values, by LatencyOp.
+OP_LABELS = tuple(op.name.lower() for op in LatencyOp)
+_QUANTILE_LABELS = tuple(le_text(q) for q in QUANTILES)
 _LAT_LE = [le_text(b / 1e9) for b in LATENCY_BOUNDS_NS]
 _STAGE_LE = [le_text(b / 1e9) for b in STAGE_BOUNDS_NS]
 _BATCH_LE = [le_text(b) for b in BATCH_SIZE_BOUNDS]
+#: The labels of every client histogram's buckets, made once: a scrape then builds no label dicts
+#: for them (they are read, never changed, by the encoders).
+_OP_BUCKET_LABELS = [[{"op": op, "le": le} for le in _LAT_LE + ["+Inf"]] for op in OP_LABELS]
+_OP_LABEL_SETS = [{"op": op} for op in OP_LABELS]
+
+
+def _add_histogram(family: HistogramMetricFamily, bucket_labels: list[dict[str, str]],
+                   labels: dict[str, str], counts: np.ndarray, sum_value: float) -> None:
+    """``family.add_metric`` for per-bucket ``counts`` whose bucket labels are made already
+    (the same samples, in the same order)."""
+    cum = np.cumsum(counts).tolist()
+    name = family.name
+    family.samples.extend(Sample(name + "_bucket", lab, float(c)) for lab, c in zip(bucket_labels, cum))
+    family.samples.append(Sample(name + "_count", labels, float(cum[-1])))
+    family.samples.append(Sample(name + "_sum", labels, sum_value))
+
+
 _STAGE_METRICS = {
     "queue_wait": ("kalos_queue_wait_seconds",
                    "Sidecar queue wait per request: posted by the client -> taken into a batch."),
@@ -120,15 +144,18 @@ class SidecarCollector(Collector):
         self._lock = threading.Lock()
         n = sidecar.layout.n_slots
         self._n_slots = n
-        self._client = MonotonicTotals(n, HIST_BUCKETS + len(_STATS_NAMES))
+        # Columns: every op's histogram (LATENCY_OPS x HIST_BUCKETS), then each of _STATS_NAMES
+        # for every op.
+        self._client = MonotonicTotals(n, LATENCY_OPS * (HIST_BUCKETS + len(_STATS_NAMES)))
         self._ring_last = np.zeros(n, np.int64)
         self._seg_views: tuple[SegmentView, np.ndarray, np.ndarray] | None = None  # (seg, rings, hists)
-        self._client_window = SlidingWindow(window_s, window_samples)
+        self._client_windows = [SlidingWindow(window_s, window_samples) for _ in LatencyOp]
         self._stages = StageAggregator(window_s, window_samples)
         self._pending: deque[tuple[BatchRecord, int]] = deque(maxlen=pending_limit)
         self._pending_limit = pending_limit
         self._dropped_batches = 0  # written by the serving thread only
         self._dropped_ring = 0
+        self._invalid_ring = 0  # ring entries whose op is no LatencyOp (a client's garbage)
         self._namespace_labels = namespace_labels
 
     # -- feeding ----------------------------------------------------------------------------
@@ -168,7 +195,18 @@ class SidecarCollector(Collector):
         vals, self._ring_last, lost = ring_take_all(rings, self._ring_last, counts,
                                                     lambda: counts_view.astype(np.int64))
         self._dropped_ring += lost
-        self._client_window.add(now, vals)
+        if len(vals) == 0:
+            return
+        ops, ns = split_ring_entries(vals)
+        if (ops == ops[0]).all():  # the usual harvest: one kind of call
+            if 0 <= ops[0] < LATENCY_OPS:
+                self._client_windows[int(ops[0])].add(now, ns)
+            else:
+                self._invalid_ring += len(ops)
+            return
+        for op, window in enumerate(self._client_windows):
+            window.add(now, ns[ops == op])
+        self._invalid_ring += int(((ops < 0) | (ops >= LATENCY_OPS)).sum())
 
     def _views(self) -> tuple[SegmentView, np.ndarray, np.ndarray] | None:
         seg = self._sc.seg
@@ -176,7 +214,7 @@ class SidecarCollector(Collector):
             return None
         if self._seg_views is None or self._seg_views[0] is not seg:
             self._seg_views = (seg, slots_matrix([v.ring for v in seg.slot]),
-                               slots_matrix([v.hist for v in seg.slot]))
+                               slots_matrix([v.hist.reshape(-1) for v in seg.slot]))
         return self._seg_views
 
     # -- scraping ---------------------------------------------------------------------------
@@ -210,11 +248,12 @@ class SidecarCollector(Collector):
             s["leased"] = int((owners != 0).sum())
             s["start_epoch_ns"] = int(seg.header["start_epoch_ns"])
         tot = self._client.totals
-        s["client_hist"] = tot[:HIST_BUCKETS].copy()
+        nh = LATENCY_OPS * HIST_BUCKETS
+        s["client_hist"] = tot[:nh].reshape(LATENCY_OPS, HIST_BUCKETS).copy()
         for j, name in enumerate(_STATS_NAMES):
-            s[name] = int(tot[HIST_BUCKETS + j])
-        s["client_q"] = self._client_window.quantiles(QUANTILES, now)
-        s["client_window"] = len(self._client_window)
+            s[name] = tot[nh + j * LATENCY_OPS:nh + (j + 1) * LATENCY_OPS].tolist()
+        s["client_q"] = [w.quantiles(QUANTILES, now) for w in self._client_windows]
+        s["client_window"] = [len(w) for w in self._client_windows]
         s["stage_q"] = {st: self._stages.windows[st].quantiles(QUANTILES, now) for st in STAGES}
         s["stage_window"] = {st: len(self._stages.windows[st]) for st in STAGES}
         stats = sc.stats
@@ -238,51 +277,57 @@ class SidecarCollector(Collector):
         """Every metric family; without a snapshot, empty ones (for ``describe``)."""
         g = snap is not None
         s: dict[str, Any] = snap if snap is not None else {}
-        # End to end, as callers see it.
+        # End to end, as callers see it, by kind of call.
         h = HistogramMetricFamily(
-            "kalos_recall_latency_seconds",
-            "End-to-end latency of completed requests as callers see it (call -> result, including "
-            "the wait for a slot), from every slot's client stats in shared memory.")
-        if g:
-            h.add_metric([], cumulative_buckets(s["client_hist"], _LAT_LE), s["lat_sum_ns"] / 1e9)
-        yield h
-        q = GaugeMetricFamily("kalos_recall_latency_quantile_seconds",
-                              "End-to-end latency quantiles (nearest rank) over the sliding window "
-                              "of recent requests read from the slots' latency rings.",
-                              labels=["quantile"])
-        if g:
-            for qq, v in zip(QUANTILES, s["client_q"]):
-                q.add_metric([le_text(qq)], v / 1e9)
-        yield q
+            "kalos_client_latency_seconds",
+            "End-to-end latency of completed requests as callers see them, by kind of call (op): "
+            "from the call (a chunk of a bulk call: from its sending) to the result in hand, "
+            "including the wait for a slot; from every slot's client stats in shared memory.",
+            labels=["op"])
+        q = SummaryMetricFamily(
+            "kalos_client_latency_window_seconds",
+            "Quantiles (nearest rank) of kalos_client_latency_seconds over the sliding window of "
+            "recent requests read from the slots' latency rings; count and sum since start.",
+            labels=["op"])
         c = CounterMetricFamily("kalos_client_requests", "Requests completed as callers saw them, by "
-                                "outcome (timeout: the caller gave up or was cancelled).",
-                                labels=["outcome"])
+                                "kind of call (op) and outcome (timeout: the caller gave up or was "
+                                "cancelled).", labels=["op", "outcome"])
+        wc = GaugeMetricFamily("kalos_client_latency_window_samples",
+                               "Samples in each op's quantile window.", labels=["op"])
         if g:
-            c.add_metric(["ok"], float(s["client_hist"].sum()))
-            c.add_metric(["error"], float(s["err_count"]))
-            c.add_metric(["timeout"], float(s["timeout_count"]))
-        yield c
+            # Every op from the start, at zero until its first request: rate() misses the first
+            # increase of a series that appears with a value.
+            for i, op in enumerate(OP_LABELS):
+                hist = s["client_hist"][i]
+                n_ok, lat_sum = int(hist.sum()), s["lat_sum_ns"][i] / 1e9
+                _add_histogram(h, _OP_BUCKET_LABELS[i], _OP_LABEL_SETS[i], hist, lat_sum)
+                for ql, v in zip(_QUANTILE_LABELS, s["client_q"][i]):
+                    q.samples.append(Sample(q.name, {"op": op, "quantile": ql}, v / 1e9))
+                q.add_metric([op], n_ok, lat_sum)
+                c.add_metric([op, "ok"], float(n_ok))
+                c.add_metric([op, "error"], float(s["err_count"][i]))
+                c.add_metric([op, "timeout"], float(s["timeout_count"][i]))
+                wc.add_metric([op], s["client_window"][i])
+        yield from (h, q, c, wc)
         # The sidecar's stages.
-        sq = GaugeMetricFamily("kalos_stage_latency_quantile_seconds",
-                               "Sidecar stage latency quantiles (nearest rank) over the sliding window.",
-                               labels=["stage", "quantile"])
+        sq = SummaryMetricFamily("kalos_stage_latency_window_seconds",
+                                 "Sidecar stage latency quantiles (nearest rank) over the sliding "
+                                 "window; count and sum since start.", labels=["stage"])
+        ws = GaugeMetricFamily("kalos_stage_latency_window_samples",
+                               "Samples in each stage's quantile window.", labels=["stage"])
         for stage in STAGES:
             name, doc = _STAGE_METRICS[stage]
             sh = HistogramMetricFamily(name, doc)
             if g:
                 agg = self._stages
-                sh.add_metric([], cumulative_buckets(agg.hist[stage], _STAGE_LE),
-                              agg.sums_ns[stage] / 1e9)
-                for qq, v in zip(QUANTILES, s["stage_q"][stage]):
-                    sq.add_metric([stage, le_text(qq)], v / 1e9)
+                stage_sum = agg.sums_ns[stage] / 1e9
+                sh.add_metric([], cumulative_buckets(agg.hist[stage], _STAGE_LE), stage_sum)
+                for ql, v in zip(_QUANTILE_LABELS, s["stage_q"][stage]):
+                    sq.samples.append(Sample(sq.name, {"stage": stage, "quantile": ql}, v / 1e9))
+                sq.add_metric([stage], int(agg.hist[stage].sum()), stage_sum)
+                ws.add_metric([stage], s["stage_window"][stage])
             yield sh
         yield sq
-        ws = GaugeMetricFamily("kalos_latency_window_samples",
-                               "Samples in each quantile window.", labels=["source"])
-        if g:
-            ws.add_metric(["client"], s["client_window"])
-            for stage in STAGES:
-                ws.add_metric([stage], s["stage_window"][stage])
         yield ws
         bs = HistogramMetricFamily("kalos_batch_size", "Requests per batch served by the sidecar.")
         if g:
@@ -320,10 +365,11 @@ class SidecarCollector(Collector):
         yield e
         d = CounterMetricFamily("kalos_metrics_dropped_samples",
                                 "Samples the exporter lost: ring entries overwritten before they were "
-                                "read (quantile windows only), batch records queued past the limit.",
-                                labels=["source"])
+                                "read (quantile windows only), ring entries of no known op (invalid), "
+                                "batch records queued past the limit.", labels=["source"])
         if g:
             d.add_metric(["ring"], float(self._dropped_ring))
+            d.add_metric(["invalid"], float(self._invalid_ring))
             d.add_metric(["batches"], float(self._dropped_batches))
         yield d
         # Slots.

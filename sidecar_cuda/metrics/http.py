@@ -16,7 +16,7 @@ from prometheus_client.exposition import choose_encoder
 from ...broker.errors import ConfigError
 from ...broker.layout import SidecarState
 from .collector import SidecarCollector, SidecarView
-from .exposition import TEXT_CONTENT_TYPE, encode_text, wants_openmetrics_only
+from .exposition import TEXT_CONTENT_TYPE, TextEncoder, wants_openmetrics_only
 
 log = logging.getLogger("kalos.metrics")
 
@@ -42,7 +42,7 @@ class _Handler(BaseHTTPRequestHandler):
                     encoder, ctype = choose_encoder(accept)
                     payload = encoder(owner.registry)
                 else:
-                    ctype, payload = TEXT_CONTENT_TYPE, encode_text(owner.registry)
+                    ctype, payload = TEXT_CONTENT_TYPE, owner.encoder.encode(owner.registry)
                 status = 200
             except Exception:  # a broken collector must not kill the endpoint
                 log.exception("collecting metrics failed")
@@ -97,6 +97,7 @@ class MetricsServer:
         self.collector = SidecarCollector(sidecar, window_s=window_s, window_samples=window_samples,
                                           namespace_labels=namespace_labels)
         self.registry.register(self.collector)
+        self.encoder = TextEncoder()
         self._httpd: _HTTPServer | None = None
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()

@@ -28,8 +28,8 @@ def test_header_control_and_stats_fields_do_not_overlap():
     _spans(L.HEADER_FIELDS, L.HEADER_BYTES)
     _spans(L.SLOT_FIELDS, L.CONTROL_BYTES)
     _spans(L.STATS_FIELDS, L.HIST_OFFSET)
-    assert L.HIST_OFFSET + 8 * L.HIST_BUCKETS <= L.RING_OFFSET
-    assert L.RING_OFFSET + 4 * L.RING_LEN <= L.STATS_BYTES
+    assert L.HIST_OFFSET + 8 * L.LATENCY_OPS * L.HIST_BUCKETS <= L.RING_OFFSET
+    assert L.RING_OFFSET + 8 * L.RING_LEN <= L.STATS_BYTES
 
 
 @pytest.mark.parametrize("n,dim,k,q,blob", [(1, 1, 1, 1, 1024), (64, 128, 128, 32, 262144),
@@ -70,8 +70,15 @@ def test_views_land_where_the_offsets_say():
     assert list(seg.slots["state"]) == [0, 0, L.S_POSTED]
     seg.stats[0]["lat_count"] = 9
     assert w.u64[w.lat_count[0]] == 9
-    seg.slot[0].hist[3] = 4
-    assert np.frombuffer(buf, np.uint64, 1, lay.stats_base(0) + L.HIST_OFFSET + 24)[0] == 4
+    seg.slot[0].hist[L.L_UPSERT, 3] = 4  # one row of buckets per LatencyOp
+    off = lay.stats_base(0) + L.HIST_OFFSET + 8 * (L.L_UPSERT * L.HIST_BUCKETS + 3)
+    assert np.frombuffer(buf, np.uint64, 1, off)[0] == 4
+    seg.stats[1]["timeout_count"][L.L_GET] = 6  # per-op counters: arrays indexed by LatencyOp
+    off = L.slot_field_offset(lay, 1, "timeout_count") + 8 * L.L_GET
+    assert np.frombuffer(buf, np.uint64, 1, off)[0] == 6
+    seg.slot[2].ring[5] = L.L_DELETE << L.RING_OP_SHIFT | L.RING_NS_MAX  # u64 entries: op | ns
+    off = lay.stats_base(2) + L.RING_OFFSET + 8 * 5
+    assert np.frombuffer(buf, np.uint64, 1, off)[0] >> np.uint64(56) == L.L_DELETE
     w.release()
     del seg
 
@@ -83,6 +90,14 @@ def test_c_header_matches_and_compiles(tmp_path):
         assert int(defs[f"KALOS_SLOT_{name.upper()}"]) == off
     for name, _t, off in L.HEADER_FIELDS:
         assert int(defs[f"KALOS_HDR_{name.upper()}"]) == off
+    for name, _t, off in L.STATS_FIELDS:
+        assert int(defs[f"KALOS_STATS_{name.upper()}"]) == off
+    for op in L.LatencyOp:
+        assert int(defs[f"KALOS_LATENCYOP_{op.name}"]) == op
+    for name in ("HIST_OFFSET", "HIST_BUCKETS", "RING_OFFSET", "RING_LEN", "RING_OP_SHIFT",
+                 "LATENCY_OPS", "STATS_BYTES"):
+        assert int(defs[f"KALOS_{name}"].rstrip("ULL"), 0) == getattr(L, name), name
+    assert int(defs["KALOS_RING_NS_MAX"].rstrip("ULL"), 0) == L.RING_NS_MAX
     assert int(defs["KALOS_PROTOCOL_VERSION"]) == L.PROTOCOL_VERSION
     # The committed copy for other languages is the generated one.
     import pathlib
@@ -96,6 +111,17 @@ def test_c_header_matches_and_compiles(tmp_path):
     except FileNotFoundError:
         pytest.skip("no C compiler")
     assert r.returncode == 0, r.stderr.decode()
+
+
+def test_latency_op_keeps_recalls_apart_from_bulk_and_admin_calls():
+    assert L.latency_op(L.Op.RECALL, True) == L.LatencyOp.RECALL
+    assert L.latency_op(L.Op.RECALL, False) == L.LatencyOp.RECALL_MANY
+    assert L.latency_op(L.Op.UPSERT, False) == L.LatencyOp.UPSERT
+    assert L.latency_op(L.Op.DELETE, False) == L.LatencyOp.DELETE
+    assert L.latency_op(L.Op.GET, False) == L.LatencyOp.GET
+    for op in (L.Op.COUNT, L.Op.EXPORT, L.Op.LIST_NAMESPACES, L.Op.DROP_NAMESPACE, 0, 99, -1):
+        assert L.latency_op(op, False) == L.LatencyOp.OTHER
+    assert {L.latency_op(op, single) for op in L.Op for single in (True, False)} == set(L.LatencyOp)
 
 
 def test_layout_rejects_bad_geometry():

@@ -26,15 +26,19 @@ from rich.console import Console
 
 from kalos.broker.errors import ConfigError, UnknownNamespace
 from kalos.broker.layout import (
-    LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
+    HIST_BUCKETS, L_DELETE, L_GET, L_RECALL, L_RECALL_MANY, L_UPSERT, LATENCY_BOUNDS_NS, LATENCY_OPS,
+    RING_LEN, RING_NS_MAX, RING_OP_SHIFT, S_BUSY, S_POSTED, STATS_BYTES, Layout, LatencyOp,
+    SegmentView, SidecarState, SlotView, Status,
 )
 from kalos.clients import RecallPool
+from kalos.clients._transport import ClientSlot
+from kalos.clients.fake import FakeConnection
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
 from kalos.sidecar_cuda.metrics import (
     OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
     SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
-    ring_take_all, slots_matrix, top_namespaces,
+    TextEncoder, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
 )
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
@@ -240,7 +244,7 @@ def test_slots_matrix_views_every_slot_without_copying():
     rings = slots_matrix([v.ring for v in sc.seg.slot])
     sc.seg.slot[3].ring[7] = 1234
     assert rings.shape == (5, RING_LEN) and rings[3, 7] == 1234
-    assert slots_matrix([sc.seg.slot[0].hist]).shape == (1, len(LATENCY_BOUNDS_NS) + 1)
+    assert slots_matrix([sc.seg.slot[0].hist.reshape(-1)]).shape == (1, LATENCY_OPS * HIST_BUCKETS)
     with pytest.raises(ValueError):
         slots_matrix([sc.seg.slot[0].ring, sc.seg.slot[1].ring, sc.seg.slot[4].ring])
 
@@ -333,14 +337,16 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
     )
 
 
-def client_record(seg: SegmentView, i: int, latency_ns: int) -> None:
-    """What a slot's lease owner writes after a completed request (ClientSlot.record)."""
-    st = seg.stats
-    seg.slot[i].hist[bisect_left(LATENCY_BOUNDS_NS, latency_ns)] += 1
-    n = int(st["lat_count"][i])
-    seg.slot[i].ring[n % RING_LEN] = min(latency_ns, 0xFFFFFFFF)
-    st["lat_sum_ns"][i] += latency_ns
-    st["lat_count"][i] = n + 1
+def client_record(sc: SimpleNamespace, i: int, latency_ns: int, ok: bool = True,
+                  timed_out: bool = False, op: int = L_RECALL) -> None:
+    """What a slot's lease owner writes after a finished request: the real ClientSlot.record."""
+    writers = sc.__dict__.setdefault("writers", {})
+    if i not in writers:
+        buf = sc._buf
+        conn = SimpleNamespace(layout=sc.layout, name="unit", seg=sc.seg, bell=None, mm=buf,
+                               w32=memoryview(buf).cast("I"), w64=memoryview(buf).cast("Q"))
+        writers[i] = ClientSlot(conn, i, None, None)  # type: ignore[arg-type]
+    writers[i].record(latency_ns, ok, timed_out, op=op)
 
 
 def sample(reg: CollectorRegistry, name: str, **labels: str) -> float | None:
@@ -354,35 +360,48 @@ def test_collector_aggregates_client_stats_of_every_slot(rng):
     reg.register(col)
     lat = rng.lognormal(np.log(150_000), 0.6, 1200).astype(np.int64)
     for j, v in enumerate(lat.tolist()):
-        client_record(sc.seg, j % 3, v)
+        client_record(sc, j % 3, v)
         if j % 500 == 499:
             col.harvest()  # the harvest thread's job: read rings before they wrap
-    assert sample(reg, "kalos_recall_latency_seconds_count") == len(lat)
-    assert sample(reg, "kalos_recall_latency_seconds_sum") == pytest.approx(lat.sum() / 1e9)
+    R = {"op": "recall"}
+    assert sample(reg, "kalos_client_latency_seconds_count", **R) == len(lat)
+    assert sample(reg, "kalos_client_latency_seconds_sum", **R) == pytest.approx(lat.sum() / 1e9)
     buckets = {float(s.labels["le"]): s.value for m in reg.collect()
-               if m.name == "kalos_recall_latency_seconds" for s in m.samples if s.name.endswith("_bucket")}
+               if m.name == "kalos_client_latency_seconds" for s in m.samples
+               if s.name.endswith("_bucket") and s.labels["op"] == "recall"}
     assert len(buckets) == len(LATENCY_BOUNDS_NS) + 1
     for b in LATENCY_BOUNDS_NS:
         assert buckets[b / 1e9] == np.count_nonzero(lat <= b), b
-    assert sample(reg, "kalos_client_requests_total", outcome="ok") == len(lat)
+    assert sample(reg, "kalos_client_requests_total", outcome="ok", **R) == len(lat)
     for q, want in zip(QUANTILES, nearest_rank_quantiles(lat, QUANTILES)):
-        assert sample(reg, "kalos_recall_latency_quantile_seconds", quantile=str(q)) == pytest.approx(want / 1e9)
-    assert sample(reg, "kalos_latency_window_samples", source="client") == len(lat)
+        got = sample(reg, "kalos_client_latency_window_seconds", quantile=str(q), **R)
+        assert got == pytest.approx(want / 1e9)
+    assert sample(reg, "kalos_client_latency_window_seconds_count", **R) == len(lat)
+    assert sample(reg, "kalos_client_latency_window_samples", **R) == len(lat)
     assert sample(reg, "kalos_metrics_dropped_samples_total", source="ring") == 0
+    # Only recalls were made: every other op is there, at zero (rate() needs the zero).
+    for op in LatencyOp:
+        if op != LatencyOp.RECALL:
+            assert sample(reg, "kalos_client_latency_seconds_count", op=op.name.lower()) == 0
+            assert sample(reg, "kalos_client_requests_total", op=op.name.lower(), outcome="error") == 0
 
     # Slot 0 gets a new owner whose counters start from zero: nothing goes backwards.
-    before = sample(reg, "kalos_recall_latency_seconds_count")
+    before = sample(reg, "kalos_client_latency_seconds_count", **R)
     st = sc.seg.stats
     st["lat_count"][0] = 0
     st["lat_sum_ns"][0] = 0
     sc.seg.slot[0].hist[:] = 0
     for v in (20_000, 30_000):
-        client_record(sc.seg, 0, v)
-    assert sample(reg, "kalos_recall_latency_seconds_count") == before + 2
-    st["err_count"][1] += 3
-    st["timeout_count"][2] += 1
-    assert sample(reg, "kalos_client_requests_total", outcome="error") == 3
-    assert sample(reg, "kalos_client_requests_total", outcome="timeout") == 1
+        client_record(sc, 0, v)
+    assert sample(reg, "kalos_client_latency_seconds_count", **R) == before + 2
+    client_record(sc, 1, 0, ok=False)
+    client_record(sc, 1, 0, ok=False)
+    client_record(sc, 1, 0, ok=False, op=L_UPSERT)
+    client_record(sc, 2, 0, ok=False, timed_out=True)
+    assert sample(reg, "kalos_client_requests_total", outcome="error", **R) == 2
+    assert sample(reg, "kalos_client_requests_total", outcome="timeout", **R) == 1
+    assert sample(reg, "kalos_client_requests_total", outcome="error", op="upsert") == 1
+    assert sample(reg, "kalos_client_latency_seconds_count", op="upsert") == 0
 
 
 def test_collector_counts_ring_entries_lost_between_harvests():
@@ -390,10 +409,11 @@ def test_collector_counts_ring_entries_lost_between_harvests():
     reg = CollectorRegistry()
     reg.register(SidecarCollector(sc))
     for v in range(RING_LEN + 100):
-        client_record(sc.seg, 1, 10_000 + v)
-    assert sample(reg, "kalos_recall_latency_seconds_count") == RING_LEN + 100  # histogram: exact
+        client_record(sc, 1, 10_000 + v)
+    # histogram: exact
+    assert sample(reg, "kalos_client_latency_seconds_count", op="recall") == RING_LEN + 100
     # a full ring: all but its oldest entry, which a busy writer could be overwriting
-    assert sample(reg, "kalos_latency_window_samples", source="client") == RING_LEN - 1
+    assert sample(reg, "kalos_client_latency_window_samples", op="recall") == RING_LEN - 1
     assert sample(reg, "kalos_metrics_dropped_samples_total", source="ring") == 101
 
 
@@ -424,7 +444,9 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     assert sample(reg, "kalos_queue_wait_seconds_sum") == pytest.approx(22e-6)
     assert sample(reg, "kalos_batch_compute_seconds_count") == 2
     assert sample(reg, "kalos_service_seconds_count") == 4
-    assert sample(reg, "kalos_stage_latency_quantile_seconds", stage="queue_wait", quantile="0.5") == 5e-6
+    assert sample(reg, "kalos_stage_latency_window_seconds", stage="queue_wait", quantile="0.5") == 5e-6
+    assert sample(reg, "kalos_stage_latency_window_seconds_count", stage="queue_wait") == 4
+    assert sample(reg, "kalos_stage_latency_window_samples", stage="service") == 4
     assert sample(reg, "kalos_batches_total") == 3 and sample(reg, "kalos_requests_total") == 5
     assert [sample(reg, "kalos_batches_by_route_total", route=r) for r in ("single", "uniform", "general")] \
         == [1, 0, 2]
@@ -450,6 +472,152 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     assert sample(reg, "kalos_ready") == 0
 
 
+def _reference_quantiles(vals: np.ndarray) -> list[float]:
+    """Nearest-rank quantiles by numpy (float64), independent of the exporter's own function."""
+    return [float(np.quantile(vals.astype(np.float64), q, method="inverted_cdf")) for q in QUANTILES]
+
+
+def test_collector_files_latencies_by_kind_of_call_without_clipping(rng):
+    """Issue 22, item 5: a bulk upsert's chunks (seconds each, many over 2**32 ns) recorded on the
+    same slots as recalls: each op has its own histogram, counters and window, recalls stay at
+    recall figures, and nothing is clipped at 4.29 s."""
+    sc = fake_sidecar(n_slots=4)
+    reg = CollectorRegistry()
+    col = SidecarCollector(sc)
+    reg.register(col)
+    made = {
+        "recall": (L_RECALL, rng.lognormal(np.log(120_000), 0.5, 700).astype(np.int64)),
+        "recall_many": (L_RECALL_MANY, rng.lognormal(np.log(400_000), 0.5, 60).astype(np.int64)),
+        "upsert": (L_UPSERT, rng.uniform(2e9, 9e9, 40).astype(np.int64)),
+        "get": (L_GET, rng.lognormal(np.log(90_000), 0.3, 25).astype(np.int64)),
+    }
+    seq = [(op, int(v)) for op, vals in made.values() for v in vals]
+    for j, idx in enumerate(rng.permutation(len(seq)).tolist()):
+        op, v = seq[idx]
+        client_record(sc, j % 4, v, op=op)
+        if j % 300 == 299:
+            col.harvest()  # before a slot's ring wraps
+    assert max(v for _op, v in seq) > 2**32  # values the old u32 ring clipped
+    for name, (_op, vals) in made.items():
+        lab = {"op": name}
+        assert sample(reg, "kalos_client_latency_seconds_count", **lab) == len(vals)
+        assert sample(reg, "kalos_client_latency_seconds_sum", **lab) == pytest.approx(vals.sum() / 1e9)
+        assert sample(reg, "kalos_client_requests_total", outcome="ok", **lab) == len(vals)
+        for b in LATENCY_BOUNDS_NS:
+            got = sample(reg, "kalos_client_latency_seconds_bucket", le=str(b / 1e9), **lab)
+            assert got == np.count_nonzero(vals <= b), (name, b)
+        for q, want in zip(QUANTILES, _reference_quantiles(vals)):
+            got = sample(reg, "kalos_client_latency_window_seconds", quantile=str(q), **lab)
+            assert got == pytest.approx(want / 1e9, rel=1e-12), (name, q)
+    assert sample(reg, "kalos_client_latency_window_seconds", op="recall", quantile="0.99") < 0.01
+    assert sample(reg, "kalos_client_latency_seconds_count", op="delete") == 0  # none made
+    assert sample(reg, "kalos_metrics_dropped_samples_total", source="invalid") == 0
+
+
+def test_collector_drops_ring_entries_of_no_known_op():
+    sc = fake_sidecar(n_slots=2)
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    client_record(sc, 0, 10_000)
+    ring, st = sc.seg.slot[0].ring, sc.seg.stats
+    for op in (LATENCY_OPS, 200, 255):  # a client's garbage: no such op
+        n = int(st["lat_count"][0])
+        ring[n % RING_LEN] = op << RING_OP_SHIFT | 5_000
+        st["lat_count"][0] = n + 1
+    client_record(sc, 0, 20_000, op=L_DELETE)
+    assert sample(reg, "kalos_metrics_dropped_samples_total", source="invalid") == 3
+    assert sample(reg, "kalos_client_latency_window_samples", op="recall") == 1
+    assert sample(reg, "kalos_client_latency_window_seconds", op="delete", quantile="0.5") == 20e-6
+
+
+def test_split_ring_entries_gives_op_and_nanoseconds(rng):
+    ops = rng.integers(0, 256, 1000)
+    ns = rng.integers(0, RING_NS_MAX, 1000, endpoint=True)
+    ns[:2] = (0, RING_NS_MAX)
+    entries = (ops.astype(np.uint64) << np.uint64(RING_OP_SHIFT)) | ns.astype(np.uint64)
+    got_ops, got_ns = split_ring_entries(entries)
+    assert got_ops.tolist() == ops.tolist() and got_ns.tolist() == ns.tolist()
+
+
+def test_client_record_starts_over_on_a_slot_left_at_the_counter_ceiling():
+    """A slot's stats block outlives its owner: a new owner must not crash on counters an earlier
+    (broken or hostile) owner left at 2**64 - 1, and the exported totals never go backwards."""
+    sc = fake_sidecar(n_slots=2)
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    client_record(sc, 1, 50_000)
+    assert sample(reg, "kalos_client_latency_seconds_count", op="recall") == 1
+    st = sc.seg.stats
+    for field in ("lat_count", "lat_sum_ns", "err_count", "timeout_count"):
+        st[field][1] = 2**64 - 1
+    sc.seg.slot[1].hist[:] = 2**64 - 1
+    for ok, timed_out in ((True, False), (False, False), (False, True)):
+        client_record(sc, 1, 60_000, ok=ok, timed_out=timed_out)  # must not raise
+    start = sc.layout.stats_base(1)
+    assert bytes(sc._buf[start:start + STATS_BYTES]).count(0) >= STATS_BYTES - 64  # started over
+    client_record(sc, 1, 70_000)
+    client_record(sc, 1, 0, ok=False, op=L_UPSERT)
+    assert int(st["lat_count"][1]) == 1 and int(st["err_count"][1][L_UPSERT]) == 1
+    assert sample(reg, "kalos_client_latency_seconds_count", op="recall") >= 1
+    assert sample(reg, "kalos_client_requests_total", op="upsert", outcome="error") == 1
+
+
+def test_exported_families_keep_quantile_and_le_labels_to_their_types():
+    """Issue 22, item 6, the rule ``promtool check metrics`` applies (tests/ops runs promtool on
+    a real sidecar): ``quantile`` only on summaries, ``le`` only on histograms."""
+    sc = fake_sidecar(n_slots=3)
+    for op in LatencyOp:
+        client_record(sc, 0, 1000 + op, op=op)
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    families = {m.name: m for m in reg.collect()}
+    assert families["kalos_client_latency_window_seconds"].type == "summary"
+    assert families["kalos_stage_latency_window_seconds"].type == "summary"
+    for m in families.values():
+        for smp in m.samples:
+            assert "quantile" not in smp.labels or m.type == "summary", (m.name, m.type)
+            assert "le" not in smp.labels or m.type == "histogram", (m.name, m.type)
+
+
+@pytest.mark.asyncio
+async def test_pool_times_each_chunk_of_a_bulk_call_from_its_own_sending(rng):
+    """Issue 22, item 5, in the pool: an upsert of several chunks over one slot is observed once per
+    chunk under op=upsert, each from its own sending. The chunks follow each other on the slot,
+    so their latencies add up to no more than the call (timed from the call, they would add up to
+    about n/2 calls); recall and recall_many go under their own ops."""
+    lay = Layout(n_slots=1, dim=8, max_k=4, max_queries=2, blob_bytes=1024)
+    conn = FakeConnection(lay)
+    pool = await RecallPool("fake", size=1, connect=lambda name, uid: conn, spin_us=50).open()
+
+    def answer(v: SlotView, op: int, k: int, nq: int):
+        width = k if op == 1 else nq  # a recall: k hits per row; a write: rows written
+        return np.zeros((max(nq, 1), width), np.int64), np.zeros((max(nq, 1), width), np.float32)
+
+    async def serve(n: int) -> None:
+        served = 0
+        while served < n:
+            served += conn.serve(answer)
+            await asyncio.sleep(0.001)
+
+    rows, chunks = 9, 5
+    server = asyncio.ensure_future(serve(chunks))
+    t0 = time.monotonic_ns()
+    await pool.upsert(np.arange(rows), rng.standard_normal((rows, 8)).astype(np.float32), timeout=10)
+    call_ns = time.monotonic_ns() - t0
+    await server
+    st, hist = conn.seg.stats[0], conn.seg.slot[0].hist
+    assert int(hist[L_UPSERT].sum()) == chunks and int(hist.sum()) == chunks
+    chunk_sum = int(st["lat_sum_ns"][L_UPSERT])
+    print(f"upsert call {call_ns / 1e6:.2f} ms, its {chunks} chunks add up to {chunk_sum / 1e6:.2f} ms")
+    assert 0 < chunk_sum <= call_ns
+    server = asyncio.ensure_future(serve(2))
+    await pool.recall(np.ones(8, np.float32), k=2, timeout=10)
+    await pool.recall_many(np.ones((2, 8), np.float32), k=2, timeout=10)
+    await server
+    assert [int(hist[op].sum()) for op in (L_RECALL, L_RECALL_MANY, L_UPSERT)] == [1, 1, chunks]
+    await pool.close()
+
+
 def test_collector_describes_its_metrics_so_duplicates_are_refused():
     sc = fake_sidecar()
     reg = CollectorRegistry()
@@ -465,7 +633,7 @@ def test_collector_before_the_segment_exists():
     reg = CollectorRegistry()
     reg.register(SidecarCollector(sc))
     assert sample(reg, "kalos_ready") == 0
-    assert sample(reg, "kalos_recall_latency_seconds_count") == 0
+    assert sample(reg, "kalos_client_latency_seconds_count", op="recall") == 0
     assert sample(reg, "kalos_slots_leased") is None
 
 
@@ -484,15 +652,21 @@ def test_encode_text_equals_prometheus_client_generate_latest(rng):
     col = SidecarCollector(sc)
     reg.register(col)
     for v in rng.integers(1_000, 10_000_000, 300).tolist():
-        client_record(sc.seg, int(v) % 3, int(v))
+        client_record(sc, int(v) % 3, int(v), op=int(v) % LATENCY_OPS)
     Counter("plain_events", "A standard counter (has _created).", ["kind"], registry=reg).labels("a").inc(3)
     Gauge("plain_gauge", "Line one\nline two \\ backslash.", registry=reg).set(float("inf"))
     Histogram("plain_seconds", "Standard histogram.", registry=reg).observe(0.25)
     Info("plain_build", "Info.", registry=reg).info({"version": "1.2"})
     fast, ref = encode_text(reg), generate_latest(reg)
+    # An endpoint keeps one encoder: it remembers label sets (here more than its limit: it starts
+    # over) and writes the same text scrape after scrape.
+    enc = TextEncoder(cache_limit=50)
+    encoded = [_parsed(enc.encode(reg)) for _ in range(3)]
     pf, pr = _parsed(fast), _parsed(ref)
     drop = {"kalos_uptime_seconds"}  # moves between the two calls
     assert [x for x in pf if x[1] not in drop] == [x for x in pr if x[1] not in drop]
+    for pe in encoded:
+        assert [x for x in pe if x[1] not in drop] == [x for x in pr if x[1] not in drop]
     assert len(pf) > 200
     # the same HELP/TYPE lines, in the same order
     assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == \
@@ -525,7 +699,7 @@ def test_metrics_server_endpoints_and_readiness():
         code, body = http_get(srv.url + "/metrics")
         assert code == 200
         names = {f.name for f in text_string_to_metric_families(body)}
-        assert {"kalos_recall_latency_seconds", "kalos_ready", "kalos_batch_size"} <= names
+        assert {"kalos_client_latency_seconds", "kalos_ready", "kalos_batch_size"} <= names
         assert "process_cpu_seconds" not in names  # the caller's registry: nothing added to it
         assert http_get(srv.url + "/nope")[0] == 404
         om = urllib.request.Request(srv.url + "/metrics",
@@ -556,8 +730,8 @@ def test_metrics_server_default_registry_is_private_and_has_process_metrics():
 
 def _exposition(ok: float, served: float, batches: float, bsum: float, errs: float) -> str:
     return f"""
-kalos_client_requests_total{{outcome="ok"}} {ok}
-kalos_client_requests_total{{outcome="error"}} 1
+kalos_client_requests_total{{op="recall",outcome="ok"}} {ok}
+kalos_client_requests_total{{op="recall",outcome="error"}} 1
 kalos_requests_total {served}
 kalos_batches_total {batches}
 kalos_batch_size_bucket{{le="1.0"}} {batches / 2}
@@ -567,8 +741,12 @@ kalos_batch_size_bucket{{le="+Inf"}} {batches}
 kalos_batch_size_count {batches}
 kalos_batch_size_sum {bsum}
 kalos_errors_total{{kind="DIM_MISMATCH"}} {errs}
-kalos_recall_latency_quantile_seconds{{quantile="0.99"}} 0.00042
-kalos_stage_latency_quantile_seconds{{stage="compute",quantile="0.5"}} 0.00003
+kalos_client_latency_window_seconds{{op="recall",quantile="0.99"}} 0.00042
+kalos_client_latency_window_seconds{{op="upsert",quantile="0.99"}} 0.0125
+kalos_client_latency_window_samples{{op="recall"}} 900
+kalos_client_latency_window_samples{{op="upsert"}} 40
+kalos_client_latency_window_samples{{op="get"}} 0
+kalos_stage_latency_window_seconds{{stage="compute",quantile="0.5"}} 0.00003
 kalos_slots 64
 kalos_slots_leased 8
 kalos_slots_in_flight 3
@@ -586,7 +764,10 @@ def test_top_view_rates_from_counter_deltas():
     assert v.batch_mean == pytest.approx(1000 / 400)
     assert v.batch_p50_le == 1.0 and v.batch_max_le == 4.0
     assert v.errors["DIM_MISMATCH"] == (7.0, pytest.approx(2.5))
-    assert v.e2e_q["0.99"] == pytest.approx(0.00042) and v.stage_q["compute"]["0.5"] == pytest.approx(3e-5)
+    assert v.e2e_q["recall"]["0.99"] == pytest.approx(0.00042)
+    assert v.e2e_q["upsert"]["0.99"] == pytest.approx(0.0125)
+    assert v.stage_q["compute"]["0.5"] == pytest.approx(3e-5)
+    assert v.window_samples == {"recall": 900, "upsert": 40, "get": 0}
     assert (v.slots, v.leased, v.in_flight, v.ready) == (64, 8, 3, True)
     first = compute_view(cur)
     assert first.completed_per_s is None and first.batch_mean == pytest.approx(1800 / 900)
@@ -596,6 +777,8 @@ def test_top_view_rates_from_counter_deltas():
     Console(file=out, width=120).print(render(v, "http://x/metrics"))
     text = out.getvalue()
     assert "READY" in text and "420 µs" in text and "DIM_MISMATCH" in text and "1,000" in text
+    assert "end to end: recall" in text and "end to end: upsert" in text and "12.50 ms" in text
+    assert "end to end: get" not in text  # no get in the window
 
 
 def test_top_reports_an_unreachable_endpoint():
