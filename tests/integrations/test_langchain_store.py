@@ -294,7 +294,7 @@ def test_in_batch_collision_writes_nothing(lc_sidecar: str) -> None:
     store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(),
                              id_map=weak)
     try:
-        with pytest.raises(IdCollisionError, match="both map"):
+        with pytest.raises(IdCollisionError, match="another key of this write"):
             store.add_texts(["p", "q"], ids=[a, b])
         assert store.similarity_search("p", k=4) == []
     finally:
@@ -486,11 +486,12 @@ async def test_async_methods_stay_on_the_loop(astore: KalosVectorStore, monkeypa
     """The async methods use the RecallPool: no blocking client, no executor thread."""
     import langchain_core.vectorstores.base as lc_base
 
-    import kalos.integrations.langchain as adapter
+    import kalos.integrations._core as core
+
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("left the event loop")
 
-    monkeypatch.setattr(adapter, "RecallClient", refuse)
+    monkeypatch.setattr(core, "RecallClient", refuse)
     monkeypatch.setattr(lc_base, "run_in_executor", refuse)
     table_of(astore).update({"a": np.ones(DIM), "b": -np.ones(DIM)})
     ids = await astore.aadd_documents([Document("a", metadata={"n": 1}), Document("b", id="B")])
