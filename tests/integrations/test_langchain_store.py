@@ -312,7 +312,9 @@ def test_to_where_mapping() -> None:
     assert to_where({"a": {"$eq": 1, "$ne": 2}}) == {"$and": [{"m.a": 1}, {"m.a": {"$ne": 2}}]}
     assert to_where({"$or": [{"a": 1}, {"b": {"$exists": False}}]}) == \
         {"$or": [{"m.a": 1}, {"m.b": {"$exists": False}}]}
-    for bad in [{"$not": {"a": 1}}, {"a": {"$like": "x%"}}, {"a": {}}, {}, {"$or": []}, [1]]:
+    # after $eq comes a value: a dict there is never read as operators (it used to become $in)
+    for bad in [{"$not": {"a": 1}}, {"a": {"$like": "x%"}}, {"a": {}}, {}, {"$or": []}, [1],
+                {"a": {"$eq": {"$in": [1, 2]}}}]:
         with pytest.raises(InvalidRequest):
             to_where(bad)  # type: ignore[arg-type]
 
