@@ -22,6 +22,7 @@ from ._loops import LoopPools
 from ._plans import Plan, Step
 
 R = TypeVar("R")
+S = TypeVar("S", bound="ConnectedStore")
 
 
 def require_similarity(metric: str, what: str) -> None:
@@ -167,3 +168,33 @@ async def _arun_all(pool: RecallPool, steps: Sequence[Step[Any]]) -> list[Any]:
             raise outcome
         results.append(outcome[0])
     return results
+
+
+class ConnectedStore:
+    """What every store does with its :class:`Connections` (``self._conns``): close, aclose and
+    the (async) context managers."""
+
+    _conns: Connections
+
+    def close(self) -> None:
+        """Close the blocking client the store opened (not one passed in) and terminate the
+        pools of event loops that have ended. Closing twice is fine; the pool of a running loop
+        needs :meth:`aclose` there."""
+        self._conns.close()
+
+    async def aclose(self) -> None:
+        """Close what the store opened: the running loop's pool (waiting for its requests),
+        then as :meth:`close`."""
+        await self._conns.aclose()
+
+    def __enter__(self: S) -> S:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self: S) -> S:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

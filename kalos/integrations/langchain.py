@@ -91,7 +91,7 @@ from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 from kalos.clients.results import Hits, Records
 
-from ._core import Connections
+from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
@@ -274,7 +274,7 @@ def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
 
 # --------------------------------------------------------------------------- the store
 
-class KalosVectorStore(VectorStore):
+class KalosVectorStore(ConnectedStore, VectorStore):
     """A LangChain vector store kept in one namespace of a Kalos sidecar (module docstring).
 
     ``name``: the sidecar's ``--name``; ``namespace``: this store's namespace; ``metric``: how to
@@ -306,29 +306,6 @@ class KalosVectorStore(VectorStore):
     @property
     def embeddings(self) -> Embeddings:
         return self._embedding
-
-    # ------------------------------------------------------------------ connections
-    def close(self) -> None:
-        """Close the blocking client the store opened (not one passed in), and the pools of
-        event loops that have ended. Closing twice is fine. The pool of a running loop needs
-        :meth:`aclose` there."""
-        self._conns.close()
-
-    async def aclose(self) -> None:
-        """Close what the store opened: the running loop's pool and the blocking client."""
-        await self._conns.aclose()
-
-    def __enter__(self) -> KalosVectorStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> KalosVectorStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ writes
     def add_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None, *,

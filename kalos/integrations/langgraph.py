@@ -69,7 +69,7 @@ from kalos.broker.layout import NAMESPACE_BYTES, Layout
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 
-from ._core import Connections
+from ._core import ConnectedStore, Connections
 from ._filters import RANGE_OPS, FieldOp, Where, all_of, any_of, condition
 from ._ids import IdCollision, IdScheme, Probing, claim, find
 from ._plans import DELETE, RECALL, Plan, Step, fetch_payloads, layout, scan, unit_rows, upsert_rows
@@ -331,7 +331,7 @@ def _unit_rows(vectors: Sequence[Sequence[float]], dim: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- the store
-class KalosStore(BaseStore):
+class KalosStore(ConnectedStore, BaseStore):
     """LangGraph's ``BaseStore`` on a Kalos sidecar (long-term memory shared by processes).
 
     ``name``: the broker. ``namespace``: the Kalos namespace of the items (the vectors go to
@@ -368,28 +368,6 @@ class KalosStore(BaseStore):
             self.embeddings = ensure_embeddings(index.get("embed"))
             self._fields = [(p, p if p == "$" else tokenize_path(p))
                             for p in (index.get("fields") or ["$"])]
-
-    # ------------------------------------------------------------------ connections
-    def close(self) -> None:
-        """Close the client this store opened, and the pools of loops that have ended (closing
-        twice is fine)."""
-        self._conns.close()
-
-    async def aclose(self) -> None:
-        """Close the pool this store opened on the running loop, and the sync client."""
-        await self._conns.aclose()
-
-    def __enter__(self) -> KalosStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> KalosStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ drivers
     def batch(self, ops: Iterable[Op]) -> list[Result]:

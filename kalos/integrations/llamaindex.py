@@ -77,7 +77,7 @@ from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 from kalos.clients.results import Hits
 
-from ._core import Connections
+from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, any_of, condition, in_chunks, one_of
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
@@ -220,7 +220,8 @@ def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
 
 # --------------------------------------------------------------------------- the store
 
-class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unused-ignore]
+class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
+                            BasePydanticVectorStore):
     """LlamaIndex vector store on a Kalos sidecar (exact top-k, cosine scores); see the module
     docstring for how ids, filters and scores map.
 
@@ -259,15 +260,6 @@ class KalosLlamaVectorStore(BasePydanticVectorStore):  # type: ignore[misc,unuse
     def client(self) -> RecallClient:
         """The blocking client of the synchronous methods (opened on first use)."""
         return self._conns.client()
-
-    def close(self) -> None:
-        """Close the blocking client and the pools of event loops that have ended (if the store
-        opened them). Closing twice is fine."""
-        self._conns.close()
-
-    async def aclose(self) -> None:
-        """Close this event loop's pool, then as :meth:`close`."""
-        await self._conns.aclose()
 
     # ------------------------------------------------------------------ writes
     def add(self, nodes: Sequence[BaseNode], **add_kwargs: Any) -> list[str]:
