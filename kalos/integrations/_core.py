@@ -69,7 +69,9 @@ class Connections:
         return client
 
     async def pool(self) -> RecallPool:
-        """The running loop's pool (the given one in every loop)."""
+        """The running loop's pool (the given one in every loop), opened on first use: waits up
+        to ``connect_timeout`` seconds for a sidecar, then raises BrokerUnavailable; raises
+        UsageError for an ``l2`` sidecar when the store promises cosine similarities."""
         pool = self._given_pool if self._given_pool is not None else await self._pools.get()
         self._check(pool.metric)
         return pool
@@ -128,7 +130,8 @@ class Connections:
 
     async def arun(self, plan: Plan[R]) -> R:
         """Run ``plan`` on the running loop's pool, the steps of each round concurrently (all
-        of them finish before the first uncaught error is raised)."""
+        of them finish before the first uncaught error is raised). Each request has the store's
+        ``timeout`` (seconds); raises what :meth:`pool` and the steps raise (Kalos errors)."""
         pool: RecallPool | None = None
         try:
             steps = next(plan)
