@@ -1,13 +1,15 @@
-"""Adapters that let other frameworks keep their vectors in a Kalos sidecar."""
+"""Adapters that let other frameworks keep their vectors in a Kalos sidecar.
+
+``langchain``, ``langgraph`` and ``llamaindex`` hold one store each; what they share is written
+once beside them: ``_ids`` (string keys as Kalos ids, the one collision error), ``_filters``
+(building Kalos ``where=`` filters), ``_plans`` (each operation as a plan that sync and async
+methods both run), ``_loops`` (one pool per event loop) and ``_core`` (a store's client, pools and
+the two drivers). docs/architecture.md, "Integrations", draws how they fit.
+"""
 
 from __future__ import annotations
 
-from kalos.broker.errors import UsageError
+from ._core import require_similarity
+from ._ids import IdCollision
 
-
-def require_similarity(metric: str, what: str) -> None:
-    """Stores that promise cosine similarities need a sidecar that scores by inner product:
-    raise UsageError (naming the sidecar's metric) for one started with ``--metric l2``."""
-    if metric not in ("cosine", "dot"):
-        raise UsageError(f"{what} needs a sidecar started with --metric cosine or dot (its scores "
-                         f"are then cosine similarities); this one scores with {metric!r}")
+__all__ = ["IdCollision", "require_similarity"]

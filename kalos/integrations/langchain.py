@@ -32,9 +32,10 @@ LangChain ids are strings; Kalos ids are non-negative int64. A string id maps to
 document by its string id. Documents added without an id get ``str(uuid4())``. The string id is
 also stored in the payload (``lc_id``), which makes a collision (two string ids, one int64)
 detectable: before writing, the store reads the records at the target ids (``get``, without
-vectors) and raises :class:`IdCollisionError`, writing nothing of the batch, if one of them holds
-another string id or is not a document of this store; two ids of one batch that collide are
-refused the same way. Reads check ``lc_id`` too (``get_by_ids`` never returns the other document),
+vectors) and raises :class:`IdCollisionError` (``kalos.integrations._ids.IdCollision``, the one
+collision error of the integrations), writing nothing of the batch, if one of them holds another
+string id or is not a document of this store; two ids of one batch that collide are refused the
+same way. Reads check ``lc_id`` too (``get_by_ids`` never returns the other document),
 and deletes select by ``lc_id`` with a filter, so deleting ``a`` never removes a colliding ``b``.
 
 The trade-off: the check and the write are two requests, not one transaction. The embedding is
@@ -64,19 +65,17 @@ Filtered searches are exact top-k over the matching documents.
 
 Sync and async
 --------------
-Sync methods use a blocking :class:`~kalos.clients.blocking.RecallClient` (one slot, opened on first
-use); async methods use a :class:`~kalos.clients.pool.RecallPool` opened on first use in the running
-event loop (a pool belongs to one loop: use one store per loop, or pass ``pool=``). Pools and
-clients passed in are the caller's; those the store opened are closed by :meth:`close` /
-:meth:`aclose` (or ``with`` / ``async with``).
+Each operation is written once, as a plan (``kalos.integrations._plans``) that both kinds of
+method run. Sync methods run it on a blocking :class:`~kalos.clients.blocking.RecallClient` (one
+slot, opened on first use); async methods on a :class:`~kalos.clients.pool.RecallPool` of the
+running event loop (one per loop, opened on first use there; ``kalos.integrations._loops``).
+Pools and clients passed in are the caller's; those the store opened are closed by :meth:`close` /
+:meth:`aclose` (or ``with`` / ``async with``; a pool of a loop that has ended is terminated on the
+store's next use or close).
 """
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import json
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -87,11 +86,17 @@ from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.vectorstores import VectorStore
 
-from kalos.broker.errors import InvalidRequest, KalosError, UnknownNamespace, UsageError
-from kalos.broker.validation import MAX_WHERE_VALUES
+from kalos.broker.errors import InvalidRequest, UnknownNamespace, UsageError
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 from kalos.clients.results import Hits, Records
+
+from ._core import ConnectedStore, Connections
+from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
+from ._ids import IdCollision, IdScheme, Probing, claim
+from ._plans import (
+    DELETE, DROP_NAMESPACE, GET, RECALL, Plan, Step, fetch_payloads, layout, upsert_rows,
+)
 
 __all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
            "ID_FIELD", "DOC_FIELD", "METADATA_PREFIX"]
@@ -99,16 +104,14 @@ __all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_
 ID_FIELD = "lc_id"
 DOC_FIELD = "lc_doc"
 METADATA_PREFIX = "m."
+#: One probe, no personalisation: the documented id any client can compute (pinned).
+IDS = IdScheme(Probing.REHASH)
 _INT63 = 2**63 - 1
-_IN_CHUNK = MAX_WHERE_VALUES  # ids per delete request (one ``$in``)
-_FIELD_OPS = frozenset({"$ne", "$gt", "$gte", "$lt", "$lte", "$in", "$nin", "$exists"})
 Metric = Literal["cosine", "dot", "l2"]
 _S = TypeVar("_S", bound="KalosVectorStore")
 
-
-class IdCollisionError(KalosError, ValueError):
-    """Two different string ids map to the same Kalos id (or the record there is not a document
-    of this store). Nothing of the batch was written."""
+#: The name this store's collision error had; the one error of the integrations.
+IdCollisionError = IdCollision
 
 
 # --------------------------------------------------------------------------- pure mapping
@@ -118,8 +121,7 @@ def kalos_id(doc_id: str) -> int:
     digest (UTF-8), big-endian, top bit cleared. Deterministic everywhere."""
     if not isinstance(doc_id, str):
         raise InvalidRequest(f"document ids are strings, got {type(doc_id).__name__}")
-    digest = hashlib.blake2b(doc_id.encode("utf-8"), digest_size=8).digest()
-    return int.from_bytes(digest, "big") & _INT63
+    return IDS.probe(doc_id)
 
 
 def to_payload(doc_id: str, text: str, metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -152,49 +154,11 @@ def to_document(payload: Any) -> Document | None:
                     metadata=metadata)
 
 
-def to_where(filter: Mapping[str, Any]) -> dict[str, Any]:
-    """A LangChain metadata filter as a Kalos ``where=`` (module docstring, "Filters"). Pure;
+def to_where(filter: Mapping[str, Any]) -> Where:
+    """A LangChain metadata filter as a Kalos ``where=`` (module docstring, "Filters"): the
+    Mongo-style filter of ``kalos.integrations._filters.mongo_where`` on the ``m.`` fields. Pure;
     raises InvalidRequest for what Kalos cannot express (Kalos checks the rest when sent)."""
-    if not isinstance(filter, Mapping) or not filter:
-        raise InvalidRequest(f"a filter is a non-empty dict, got {filter!r}")
-    clauses: list[dict[str, Any]] = []
-    for key, cond in filter.items():
-        if key in ("$and", "$or"):
-            if not isinstance(cond, (list, tuple)) or not cond:
-                raise InvalidRequest(f"{key} takes a non-empty list of filters")
-            clauses.append({key: [to_where(c) for c in cond]})
-        elif not isinstance(key, str) or not key or key.startswith("$"):
-            raise InvalidRequest(f"unsupported filter operator {key!r} (at the top: $and, $or, or a "
-                                 "metadata field)")
-        elif isinstance(cond, Mapping):
-            clauses.extend(_field_clauses(key, cond))
-        else:
-            clauses.append({METADATA_PREFIX + key: cond})
-    merged: dict[str, Any] = {}
-    for clause in clauses:
-        if merged.keys() & clause.keys():  # one field twice ($eq beside other operators)
-            return {"$and": clauses}
-        merged.update(clause)
-    return merged
-
-
-def _field_clauses(key: str, cond: Mapping[str, Any]) -> list[dict[str, Any]]:
-    if not cond:
-        raise InvalidRequest(f"empty condition on {key!r}")
-    field = METADATA_PREFIX + key
-    ops: dict[str, Any] = {}
-    out: list[dict[str, Any]] = []
-    for op, arg in cond.items():
-        if op == "$eq":  # Kalos writes equality as a bare value
-            out.append({field: arg})
-        elif op in _FIELD_OPS:
-            ops[op] = list(arg) if op in ("$in", "$nin") and isinstance(arg, (tuple, set)) else arg
-        else:
-            raise InvalidRequest(f"field {key!r}: operator {op!r} is not supported by Kalos filters "
-                                 f"(supported: $eq, {', '.join(sorted(_FIELD_OPS))})")
-    if ops:
-        out.append({field: ops})
-    return out
+    return mongo_where(filter, lambda key: METADATA_PREFIX + key)
 
 
 def relevance_fn(metric: str) -> Callable[[float], float]:
@@ -237,15 +201,12 @@ class _Batch:
     kalos_ids: list[int]
     payloads: list[dict[str, Any]]
 
-    def unique_kalos_ids(self) -> list[int]:
-        return list(dict.fromkeys(self.kalos_ids))
-
 
 def plan_batch(texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
                ids: Sequence[str | None] | None, id_map: Callable[[str], int]) -> _Batch:
     """Ids (a uuid4 for each missing one), Kalos ids and payloads of one add; raises
-    InvalidRequest on mismatched lengths and IdCollisionError when two string ids of the batch
-    share a Kalos id. Pure apart from drawing uuids."""
+    InvalidRequest on mismatched lengths or an id map out of range. Pure apart from drawing
+    uuids."""
     n = len(texts)
     if metadatas is not None and len(metadatas) != n:
         raise InvalidRequest(f"{len(metadatas)} metadatas for {n} texts")
@@ -253,28 +214,12 @@ def plan_batch(texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | Non
         raise InvalidRequest(f"{len(ids)} ids for {n} texts")
     doc_ids = [i if i is not None else str(uuid.uuid4()) for i in (ids or [None] * n)]
     kids = [id_map(i) for i in doc_ids]
-    owners: dict[int, str] = {}
     for sid, kid in zip(doc_ids, kids):
         if not 0 <= kid <= _INT63:
             raise InvalidRequest(f"id map gave {kid} for {sid!r}: Kalos ids are 0..2**63-1")
-        other = owners.setdefault(kid, sid)
-        if other != sid:
-            raise IdCollisionError(f"ids {other!r} and {sid!r} both map to Kalos id {kid}")
     payloads = [to_payload(sid, text, None if metadatas is None else metadatas[j])
                 for j, (sid, text) in enumerate(zip(doc_ids, texts))]
     return _Batch(doc_ids, kids, payloads)
-
-
-def check_collisions(batch: _Batch, existing: Records) -> None:
-    """Raise IdCollisionError if a record at one of the batch's Kalos ids holds another string id
-    or is not a document (the same string id is an update, not a collision). Pure."""
-    owner = dict(zip(batch.kalos_ids, batch.doc_ids))
-    for kid, payload in zip(existing.ids.tolist(), existing.payloads):
-        held = stored_id(payload)
-        if held != owner[kid]:
-            what = f"document {held!r}" if held is not None else "a record that is not a document"
-            raise IdCollisionError(f"id {owner[kid]!r} maps to Kalos id {kid}, which holds {what}; "
-                                   "nothing of this batch was written")
 
 
 def _docs_of(hits: Hits) -> list[tuple[Document, float]]:
@@ -286,9 +231,9 @@ def _docs_of(hits: Hits) -> list[tuple[Document, float]]:
     return out
 
 
-def _docs_by_id(asked: Sequence[str], records: Records) -> list[Document]:
+def _docs_by_id(asked: Sequence[str], payloads: Iterable[Any]) -> list[Document]:
     found: dict[str, Document] = {}
-    for payload in records.payloads:
+    for payload in payloads:
         doc = to_document(payload)
         if doc is not None and doc.id is not None:
             found[doc.id] = doc
@@ -318,17 +263,27 @@ def _no_extra(kwargs: Mapping[str, Any], method: str) -> None:
         raise TypeError(f"{method}() got unexpected keyword arguments {sorted(kwargs)}")
 
 
+def _where(filter: Mapping[str, Any] | None) -> Where | None:
+    return None if filter is None else to_where(filter)
+
+
+def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
+    """Candidates to recall for MMR: at least ``k``, at most the sidecar's max_k."""
+    return max(1, min(max(k, fetch_k), max_k))
+
+
 # --------------------------------------------------------------------------- the store
 
-class KalosVectorStore(VectorStore):
+class KalosVectorStore(ConnectedStore, VectorStore):
     """A LangChain vector store kept in one namespace of a Kalos sidecar (module docstring).
 
     ``name``: the sidecar's ``--name``; ``namespace``: this store's namespace; ``metric``: how to
     read scores for relevance (default: the sidecar's own ``--metric``, read from its header); ``timeout``: seconds per Kalos
     request (None: no limit); ``connect_timeout``: seconds to wait for the sidecar when opening;
     ``pool`` / ``client``: an open RecallPool / RecallClient to use instead of opening one (the
-    caller closes it); ``pool_size``: slots of the pool the store opens; ``id_map``: string id ->
-    Kalos id (default :func:`kalos_id`); ``relevance_score_fn``: score -> [0, 1].
+    caller closes it); ``pool_size``: slots of each pool the store opens (one per event loop);
+    ``id_map``: string id -> Kalos id (default :func:`kalos_id`); ``relevance_score_fn``: score
+    -> [0, 1].
 
     Errors are Kalos's (``InvalidRequest``, ``PayloadTooLarge``, ``BrokerUnavailable``, timeouts,
     ...) and :class:`IdCollisionError`; a namespace that does not exist yet reads as empty.
@@ -343,75 +298,14 @@ class KalosVectorStore(VectorStore):
         self._embedding = embedding
         self.name = name
         self.namespace = namespace
-        self._timeout = timeout
-        self._connect_timeout = connect_timeout
-        self._pool = pool
-        self._owns_pool = pool is None
-        self._pool_loop: asyncio.AbstractEventLoop | None = None
-        self._pool_lock: asyncio.Lock | None = None
-        self._pool_size = pool_size
-        self._client = client
-        self._owns_client = client is None
-        self._client_lock = threading.Lock()
+        self._conns = Connections(name, timeout=timeout, connect_timeout=connect_timeout,
+                                  pool_size=pool_size, client=client, pool=pool)
         self._id_map = id_map
         self._relevance = relevance_score_fn or (relevance_fn(metric) if metric is not None else None)
 
     @property
     def embeddings(self) -> Embeddings:
         return self._embedding
-
-    # ------------------------------------------------------------------ connections
-    def _sync(self) -> RecallClient:
-        with self._client_lock:
-            if self._client is None:
-                self._client = RecallClient(self.name, timeout=self._timeout,
-                                            connect_timeout=self._connect_timeout)
-            return self._client
-
-    async def _async(self) -> RecallPool:
-        loop = asyncio.get_running_loop()
-        if self._pool is not None and (not self._owns_pool or self._pool_loop is loop):
-            return self._pool
-        if self._pool is not None:
-            raise UsageError("this store's RecallPool was opened in another event loop: use one "
-                             "store per loop, or pass pool=")
-        if self._pool_lock is None:
-            self._pool_lock = asyncio.Lock()
-        async with self._pool_lock:
-            if self._pool is None:  # concurrent first calls open one pool
-                self._pool = await RecallPool(self.name, size=self._pool_size, timeout=self._timeout,
-                                              connect_timeout=self._connect_timeout).open()
-                self._pool_loop = loop
-        return self._pool
-
-    def close(self) -> None:
-        """Close the blocking client the store opened (not one passed in). Closing twice is fine.
-        A pool the store opened needs :meth:`aclose`."""
-        with self._client_lock:
-            client, self._client = self._client, (None if self._owns_client else self._client)
-        if client is not None and self._owns_client:
-            client.close()
-
-    async def aclose(self) -> None:
-        """Close what the store opened: its pool and its blocking client."""
-        pool = self._pool
-        if pool is not None and self._owns_pool:
-            self._pool = None
-            self._pool_loop = None
-            await pool.close()
-        self.close()
-
-    def __enter__(self) -> KalosVectorStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> KalosVectorStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     # ------------------------------------------------------------------ writes
     def add_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None, *,
@@ -420,38 +314,27 @@ class KalosVectorStore(VectorStore):
         The same id again replaces the document; raises IdCollisionError (nothing written) when
         an id's Kalos id holds another document."""
         _no_extra(kwargs, "add_texts")
-        texts = list(texts)
-        batch = plan_batch(texts, metadatas, ids, self._id_map)
-        if not texts:
-            return []
-        vectors = np.asarray(self._embedding.embed_documents(texts), np.float32)
-        client = self._sync()
-        try:
-            existing = client.get(batch.unique_kalos_ids(), namespace=self.namespace,
-                                  with_vectors=False)
-        except UnknownNamespace:
-            existing = _NO_RECORDS
-        check_collisions(batch, existing)
-        client.upsert(batch.kalos_ids, vectors, batch.payloads, namespace=self.namespace)
-        return batch.doc_ids
+        return self._conns.run(self._add(list(texts), metadatas, ids))
 
     async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None,
                          *, ids: Sequence[str | None] | None = None, **kwargs: Any) -> list[str]:
-        """:meth:`add_texts` on the store's RecallPool."""
+        """:meth:`add_texts` on the running loop's RecallPool."""
         _no_extra(kwargs, "aadd_texts")
-        texts = list(texts)
+        return await self._conns.arun(self._add(list(texts), metadatas, ids))
+
+    def _add(self, texts: list[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
+             ids: Sequence[str | None] | None) -> Plan[list[str]]:
         batch = plan_batch(texts, metadatas, ids, self._id_map)
         if not texts:
             return []
-        vectors = np.asarray(await self._embedding.aembed_documents(texts), np.float32)
-        pool = await self._async()
-        try:
-            existing = await pool.get(batch.unique_kalos_ids(), namespace=self.namespace,
-                                      with_vectors=False)
-        except UnknownNamespace:
-            existing = _NO_RECORDS
-        check_collisions(batch, existing)
-        await pool.upsert(batch.kalos_ids, vectors, batch.payloads, namespace=self.namespace)
+        emb = self._embedding
+        [vectors] = yield [Step(lambda _: emb.embed_documents(texts),
+                                lambda _: emb.aembed_documents(texts))]
+        held = yield from fetch_payloads(self.namespace, batch.kalos_ids)
+        at = claim({sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)},
+                   {i: stored_id(p) for i, p in held.items()})
+        yield from upsert_rows(self.namespace, [at[sid] for sid in batch.doc_ids],
+                               np.asarray(vectors, np.float32), batch.payloads)
         return batch.doc_ids
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
@@ -460,51 +343,45 @@ class KalosVectorStore(VectorStore):
         Unknown ids are not an error. Returns True."""
         filter_ = kwargs.pop("filter", None)
         _no_extra(kwargs, "delete")
-        client = self._sync()
-        if ids is None and filter_ is None:
-            client.drop_namespace(self.namespace)
-            return True
-        for where in _delete_filters(ids, filter_, client.layout.blob_bytes):
-            client.delete(where=where, namespace=self.namespace)
-        return True
+        return self._conns.run(self._delete(ids, filter_))
 
     async def adelete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
-        """:meth:`delete` on the store's RecallPool."""
+        """:meth:`delete` on the running loop's RecallPool."""
         filter_ = kwargs.pop("filter", None)
         _no_extra(kwargs, "adelete")
-        pool = await self._async()
-        if ids is None and filter_ is None:
-            await pool.drop_namespace(self.namespace)
+        return await self._conns.arun(self._delete(ids, filter_))
+
+    def _delete(self, ids: Sequence[str] | None, filter: Mapping[str, Any] | None) -> Plan[bool]:
+        """By ``lc_id`` (so a colliding document is never removed), ANDed with the metadata
+        filter when both are given; ids in chunks that fit one ``$in``."""
+        if ids is None and filter is None:
+            yield [DROP_NAMESPACE(self.namespace)]
             return True
-        await asyncio.gather(*(pool.delete(where=where, namespace=self.namespace)
-                               for where in _delete_filters(ids, filter_, pool.layout.blob_bytes)))
+        extra = _where(filter)
+        wheres: list[Where | None] = [extra]
+        if ids is not None:
+            blob_bytes = (yield from layout()).blob_bytes
+            wheres = [all_of([condition(ID_FIELD, FieldOp.IN, chunk), extra])
+                      for chunk in in_chunks(ids, blob_bytes)]
+        if wheres:
+            yield [DELETE(where=w, namespace=self.namespace) for w in wheres]
         return True
 
     # ------------------------------------------------------------------ reads by id
     def get_by_ids(self, ids: Sequence[str], /) -> list[Document]:
         """The documents of ``ids`` that exist, in the order asked, each once."""
-        asked = list(dict.fromkeys(ids))
-        if not asked:
-            return []
-        try:
-            records = self._sync().get([self._id_map(i) for i in asked], namespace=self.namespace,
-                                       with_vectors=False)
-        except UnknownNamespace:
-            return []
-        return _docs_by_id(asked, records)
+        return self._conns.run(self._get_by_ids(ids))
 
     async def aget_by_ids(self, ids: Sequence[str], /) -> list[Document]:
-        """:meth:`get_by_ids` on the store's RecallPool."""
+        """:meth:`get_by_ids` on the running loop's RecallPool."""
+        return await self._conns.arun(self._get_by_ids(ids))
+
+    def _get_by_ids(self, ids: Sequence[str]) -> Plan[list[Document]]:
         asked = list(dict.fromkeys(ids))
         if not asked:
             return []
-        pool = await self._async()
-        try:
-            records = await pool.get([self._id_map(i) for i in asked], namespace=self.namespace,
-                                     with_vectors=False)
-        except UnknownNamespace:
-            return []
-        return _docs_by_id(asked, records)
+        held = yield from fetch_payloads(self.namespace, [self._id_map(i) for i in asked])
+        return _docs_by_id(asked, held.values())
 
     # ------------------------------------------------------------------ search
     def similarity_search_with_score_by_vector(
@@ -514,26 +391,21 @@ class KalosVectorStore(VectorStore):
         """Exact top-``k`` documents for an embedding with Kalos scores (higher is better),
         best first; fewer when fewer (match). ``k`` is at most the sidecar's --max-k."""
         _no_extra(kwargs, "similarity_search")
-        try:
-            hits = self._sync().recall(np.asarray(embedding, np.float32), k, namespace=self.namespace,
-                                       with_payload=True, where=_where(filter))
-        except UnknownNamespace:
-            return []
-        return _docs_of(hits)
+        return self._conns.run(self._search(embedding, k, filter))
 
     async def asimilarity_search_with_score_by_vector(
             self, embedding: Sequence[float], k: int = 4, *,
             filter: Mapping[str, Any] | None = None,
             **kwargs: Any) -> list[tuple[Document, float]]:
-        """:meth:`similarity_search_with_score_by_vector` on the store's RecallPool."""
+        """:meth:`similarity_search_with_score_by_vector` on the running loop's RecallPool."""
         _no_extra(kwargs, "asimilarity_search")
-        pool = await self._async()
-        try:
-            hits = await pool.recall(np.asarray(embedding, np.float32), k, namespace=self.namespace,
-                                     with_payload=True, where=_where(filter))
-        except UnknownNamespace:
-            return []
-        return _docs_of(hits)
+        return await self._conns.arun(self._search(embedding, k, filter))
+
+    def _search(self, embedding: Sequence[float], k: int,
+                filter: Mapping[str, Any] | None) -> Plan[list[tuple[Document, float]]]:
+        [hits] = yield [RECALL(np.asarray(embedding, np.float32), k, namespace=self.namespace,
+                               with_payload=True, where=_where(filter)).catching(UnknownNamespace)]
+        return [] if isinstance(hits, UnknownNamespace) else _docs_of(hits)
 
     def similarity_search_with_score(self, query: str, k: int = 4,
                                      **kwargs: Any) -> list[tuple[Document, float]]:
@@ -563,9 +435,8 @@ class KalosVectorStore(VectorStore):
                 await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
-        if self._relevance is None:  # the sidecar's metric: from the open pool, else the client
-            pool = self._pool
-            self._relevance = relevance_fn(pool.metric if pool is not None else self._sync().metric)
+        if self._relevance is None:  # the sidecar's metric: from an open pool, else the client
+            self._relevance = relevance_fn(self._conns.metric())
         return self._relevance
 
     # ------------------------------------------------------------------ MMR
@@ -577,33 +448,27 @@ class KalosVectorStore(VectorStore):
         vectors (as stored: unit rows under cosine; MMR compares by cosine in any metric)."""
         filter_ = kwargs.pop("filter", None)
         _no_extra(kwargs, "max_marginal_relevance_search")
-        client = self._sync()
-        try:
-            hits = client.recall(np.asarray(embedding, np.float32),
-                                 _fetch_k(k, fetch_k, client.layout.max_k), namespace=self.namespace,
-                                 where=_where(filter_))
-            if len(hits) == 0:
-                return []
-            records = client.get(hits.ids, namespace=self.namespace, with_vectors=True)
-        except UnknownNamespace:
-            return []
-        return _mmr_docs(embedding, hits, records, k, lambda_mult)
+        return self._conns.run(self._mmr(embedding, k, fetch_k, lambda_mult, filter_))
 
     async def amax_marginal_relevance_search_by_vector(
             self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
             **kwargs: Any) -> list[Document]:
-        """:meth:`max_marginal_relevance_search_by_vector` on the store's RecallPool."""
+        """:meth:`max_marginal_relevance_search_by_vector` on the running loop's RecallPool."""
         filter_ = kwargs.pop("filter", None)
         _no_extra(kwargs, "amax_marginal_relevance_search")
-        pool = await self._async()
-        try:
-            hits = await pool.recall(np.asarray(embedding, np.float32),
-                                     _fetch_k(k, fetch_k, pool.layout.max_k),
-                                     namespace=self.namespace, where=_where(filter_))
-            if len(hits) == 0:
-                return []
-            records = await pool.get(hits.ids, namespace=self.namespace, with_vectors=True)
-        except UnknownNamespace:
+        return await self._conns.arun(self._mmr(embedding, k, fetch_k, lambda_mult, filter_))
+
+    def _mmr(self, embedding: list[float], k: int, fetch_k: int, lambda_mult: float,
+             filter: Mapping[str, Any] | None) -> Plan[list[Document]]:
+        where = _where(filter)
+        max_k = (yield from layout()).max_k
+        [hits] = yield [RECALL(np.asarray(embedding, np.float32), _fetch_k(k, fetch_k, max_k),
+                               namespace=self.namespace, where=where).catching(UnknownNamespace)]
+        if isinstance(hits, UnknownNamespace) or len(hits) == 0:
+            return []
+        [records] = yield [GET(hits.ids, namespace=self.namespace, with_vectors=True)
+                           .catching(UnknownNamespace)]
+        if isinstance(records, UnknownNamespace):
             return []
         return _mmr_docs(embedding, hits, records, k, lambda_mult)
 
@@ -635,40 +500,3 @@ class KalosVectorStore(VectorStore):
         store = cls(embedding, **kwargs)
         await store.aadd_texts(texts, metadatas, ids=ids)
         return store
-
-
-_NO_RECORDS = Records(np.empty(0, np.int64), None, [], np.empty(0, np.int64))
-
-
-def _where(filter: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    return None if filter is None else to_where(filter)
-
-
-def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
-    """Candidates to recall for MMR: at least ``k``, at most the sidecar's max_k."""
-    return max(1, min(max(k, fetch_k), max_k))
-
-
-def _delete_filters(ids: Sequence[str] | None, filter: Mapping[str, Any] | None,
-                    blob_bytes: int) -> list[dict[str, Any]]:
-    """The Kalos filters one delete sends: by ``lc_id`` (so a colliding document is never
-    removed), ANDed with the metadata filter when both are given. Ids go in chunks that fit one
-    ``$in`` (at most ``_IN_CHUNK`` values, half the slot's ``blob_bytes`` of JSON). Pure."""
-    extra = None if filter is None else to_where(filter)
-    if ids is None:
-        assert extra is not None
-        return [extra]
-    chunks: list[list[str]] = []
-    size = 0
-    for sid in dict.fromkeys(ids):
-        n = len(json.dumps(sid, ensure_ascii=False).encode()) + 1
-        if not chunks or len(chunks[-1]) == _IN_CHUNK or size + n > blob_bytes // 2:
-            chunks.append([])
-            size = 0
-        chunks[-1].append(sid)
-        size += n
-    out = []
-    for chunk in chunks:
-        by_id: dict[str, Any] = {ID_FIELD: {"$in": chunk}}
-        out.append(by_id if extra is None else {"$and": [by_id, extra]})
-    return out

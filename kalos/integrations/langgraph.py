@@ -18,9 +18,9 @@ LangGraph namespaces share one Kalos namespace and a prefix search is one filter
 
 * **Ids.** The item id is a 48-bit BLAKE2b hash of ``(namespace tuple, key)``; a put probes the
   window ``h .. h+7`` in one ``get`` and takes the record whose stored ``(ns, key)`` is its own, or
-  else the first free id. A record of another item is never overwritten by one writer (all
-  eight taken: :class:`KeyCollision`); lookups read the whole window, so deletes need no
-  tombstones. The check and the write are two requests, not a transaction: two processes putting
+  else the first free id (the integrations' one id scheme, ``kalos.integrations._ids``). A record
+  of another item is never overwritten by one writer (all eight taken: :class:`KeyCollision`, an
+  alias of ``IdCollision``); lookups read the whole window, so deletes need no tombstones. The check and the write are two requests, not a transaction: two processes putting
   *different* keys whose windows overlap (a 48-bit hash within 8 of each other) in the same round
   trip could both take the same free id; that needs a near-collision and the race. Vector
   ids carry their item id, so a recall needs no payloads to find its items.
@@ -54,22 +54,25 @@ Differences from InMemoryStore (deliberate)
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import time
-from collections.abc import Callable, Generator, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from kalos.broker.errors import PayloadTooLarge, UnknownNamespace
-from kalos.broker.layout import NAMESPACE_BYTES
+from kalos.broker.errors import UnknownNamespace
+from kalos.broker.layout import NAMESPACE_BYTES, Layout
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
-from kalos.integrations import require_similarity
+
+from ._core import ConnectedStore, Connections
+from ._filters import RANGE_OPS, FieldOp, Where, all_of, any_of, condition
+from ._ids import IdCollision, IdScheme, Probing, claim, find
+from ._plans import DELETE, RECALL, Plan, Step, fetch_payloads, layout, scan, unit_rows, upsert_rows
 
 try:
     from langchain_core.embeddings import Embeddings
@@ -88,13 +91,13 @@ except ImportError:  # pragma: no cover - older releases: BaseStore.put/get/sear
 
 __all__ = ["KalosStore", "KeyCollision", "item_id_window", "vector_id"]
 
-T = TypeVar("T")
-
 ITEM_ID_BITS = 48
 VECTOR_INDEX_BITS = 14
 #: Most vectors one item can have (indexed texts, one per path match).
 MAX_VECTORS_PER_ITEM = 1 << VECTOR_INDEX_BITS
 PROBE_WINDOW = 8
+#: Pinned: items already stored are found by these ids.
+IDS = IdScheme(Probing.WINDOW, probes=PROBE_WINDOW, bits=ITEM_ID_BITS)
 #: Top-level string values longer than this are not copied for server-side filtering.
 MAX_COPIED_STR = 256
 _EXACT_INT = 1 << 53
@@ -104,25 +107,29 @@ _RANGE_OPS: dict[str, Callable[[float, float], bool]] = {
 }
 _OPERATORS = frozenset({"$eq", "$ne", *_RANGE_OPS})
 
-
-class KeyCollision(RuntimeError):
-    """Every id of an item's probe window holds another item (never seen in practice: eight
-    48-bit hash collisions at once). Nothing of the batch was written."""
+#: The name this store's collision error had; the one error of the integrations.
+KeyCollision = IdCollision
+ItemKey = tuple[tuple[str, ...], str]
 
 
 # ----------------------------------------------------------------------------- ids (pure)
 def item_id_window(namespace: tuple[str, ...], key: str) -> list[int]:
     """The ids an item may take, in probing order: a 48-bit hash of ``(namespace, key)`` and the
     next ``PROBE_WINDOW - 1`` ids."""
-    canon = json.dumps([list(namespace), key], ensure_ascii=False, separators=(",", ":"))
-    h = int.from_bytes(hashlib.blake2b(canon.encode(), digest_size=8).digest(), "little")
-    base = h % ((1 << ITEM_ID_BITS) - PROBE_WINDOW)
-    return list(range(base, base + PROBE_WINDOW))
+    return IDS.ids(json.dumps([list(namespace), key], ensure_ascii=False, separators=(",", ":")))
 
 
 def vector_id(item_id: int, j: int) -> int:
     """The id of the ``j``-th vector of item ``item_id`` (the item id is ``id >> 14``)."""
     return (item_id << VECTOR_INDEX_BITS) | j
+
+
+def _item_key(payload: Any) -> ItemKey | None:
+    """The ``(namespace, key)`` a record of the items namespace holds (None: not an item)."""
+    if isinstance(payload, dict) and isinstance(payload.get("ns"), list) and \
+            isinstance(payload.get("key"), str):
+        return tuple(payload["ns"]), payload["key"]
+    return None
 
 
 # ----------------------------------------------------------------------------- filters (pure)
@@ -210,10 +217,10 @@ def _equal_values(v: Any) -> list[Any] | None:
     return None
 
 
-def translate_filter(filt: dict[str, Any] | None) -> tuple[list[dict[str, Any]], bool]:
+def translate_filter(filt: dict[str, Any] | None) -> tuple[list[Where], bool]:
     """Kalos ``where`` conditions (to AND) that every item matching ``filt`` satisfies, and whether
     they match exactly those items (else the caller keeps post-filtering and fetches more)."""
-    conds: list[dict[str, Any]] = []
+    conds: list[Where] = []
     exact = True
     for fld, fv in (filt or {}).items():
         col = "f." + fld
@@ -225,34 +232,29 @@ def translate_filter(filt: dict[str, Any] | None) -> tuple[list[dict[str, Any]],
         else:
             ops = [("$eq", fv)]
         for op, operand in ops:
-            if op in _RANGE_OPS:
+            if FieldOp(op) in RANGE_OPS:
                 x = float(operand)
                 if math.isfinite(x):
-                    conds.append({col: {op: x}})
+                    conds.append(condition(col, FieldOp(op), x))
                 else:
                     exact = False
                 continue
             if operand is None:  # missing fields equal None; non-copied values are missing too
                 exact = False
-                if op == "$eq":
-                    conds.append({"$or": [{col: None}, {col: {"$exists": False}}]})
-                else:
-                    conds.append({col: {"$ne": None}})
+                conds.append(any_of([condition(col, FieldOp.EQ, None),
+                                     condition(col, FieldOp.EXISTS, False)])
+                             if op == "$eq" else condition(col, FieldOp.NE, None))
                 continue
             vals = _equal_values(operand)
             if vals is None:
                 exact = False
                 continue
-            conds.append({col: {"$in" if op == "$eq" else "$nin": vals}})
+            conds.append(condition(col, FieldOp.IN if op == "$eq" else FieldOp.NIN, vals))
     return conds, exact
 
 
-def prefix_conditions(prefix: Sequence[str]) -> list[dict[str, Any]]:
-    return [{f"ns.{i}": label} for i, label in enumerate(prefix) if label != "*"]
-
-
-def _where(conds: list[dict[str, Any]]) -> dict[str, Any] | None:
-    return {"$and": conds} if conds else None
+def prefix_conditions(prefix: Sequence[str]) -> list[Where]:
+    return [condition(f"ns.{i}", FieldOp.EQ, label) for i, label in enumerate(prefix) if label != "*"]
 
 
 def namespace_matches(cond: MatchCondition, ns: tuple[str, ...]) -> bool:
@@ -268,37 +270,7 @@ def namespace_matches(cond: MatchCondition, ns: tuple[str, ...]) -> bool:
     return all(p == "*" or a == p for a, p in pairs)
 
 
-# ----------------------------------------------------------------------------- effects
-@dataclass(frozen=True)
-class _Call:
-    """One client call, by method name (RecallClient and RecallPool share the names).
-    Exceptions of the ``returns`` types come back as the result instead of being raised."""
-
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    returns: tuple[type[Exception], ...] = ()
-
-
-@dataclass(frozen=True)
-class _Embed:
-    texts: list[str]
-    query: bool = False
-
-
-_Effect = _Call | _Embed
-#: A plan yields lists of effects (run concurrently by the async driver), is sent their results.
-_Plan = Generator[list[_Effect], list[Any], T]
-
-
-@dataclass(frozen=True)
-class _Geometry:
-    dim: int
-    max_k: int
-    max_queries: int
-    blob_bytes: int
-
-
+# ----------------------------------------------------------------------------- records
 @dataclass
 class _Stored:
     """An item as read back from its record."""
@@ -355,26 +327,21 @@ def _unit_rows(vectors: Sequence[Sequence[float]], dim: int) -> np.ndarray:
     if m.shape[1] != dim:
         raise ValueError(f"the embedding function returned {m.shape[1]} dimensions; the sidecar "
                          f"serves {dim}")
-    norms = np.linalg.norm(m, axis=1, keepdims=True)
-    return np.where(norms > 0, m / np.where(norms > 0, norms, 1.0), 0.0).astype(np.float32)
-
-
-def _encoded_len(payload: Any) -> int:
-    return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
-                          allow_nan=False).encode()) + 1
+    return unit_rows(m)
 
 
 # ----------------------------------------------------------------------------- the store
-class KalosStore(BaseStore):
+class KalosStore(ConnectedStore, BaseStore):
     """LangGraph's ``BaseStore`` on a Kalos sidecar (long-term memory shared by processes).
 
     ``name``: the broker. ``namespace``: the Kalos namespace of the items (the vectors go to
     ``namespace + ".vec"``); stores with different ``namespace`` are independent. ``index``: as
     for ``InMemoryStore`` (``dims`` must be the sidecar's ``--dim``; without ``index`` nothing is
     embedded and ``query=`` is ignored). ``timeout``: seconds per Kalos request (None: no limit).
-    Sync methods use a :class:`~kalos.clients.blocking.RecallClient`, async ones a
-    :class:`~kalos.clients.pool.RecallPool` (``pool_size`` slots) of the running event loop; both are
-    opened on first use, or pass ``client=`` / ``pool=`` (not closed by the store then).
+    A batch is one plan: :meth:`batch` runs it on a :class:`~kalos.clients.blocking.RecallClient`,
+    :meth:`abatch` on a :class:`~kalos.clients.pool.RecallPool` (``pool_size`` slots) of the
+    running event loop (one per loop); both are opened on first use, or pass ``client=`` /
+    ``pool=`` (not closed by the store then).
     Kalos errors (``BrokerUnavailable``, ``KalosTimeout``, ``PayloadTooLarge``...) propagate.
     Close with :meth:`close` / :meth:`aclose` or use the store as a (async) context manager.
     """
@@ -390,13 +357,8 @@ class KalosStore(BaseStore):
         self.name = name
         self.items_namespace = namespace
         self.vectors_namespace = namespace + ".vec"
-        self._timeout = timeout
-        self._pool_size = pool_size
-        self._client = client
-        self._own_client = client is None
-        self._pool = pool
-        self._own_pool = pool is None
-        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._conns = Connections(name, timeout=timeout, pool_size=pool_size, client=client,
+                                  pool=pool, similarity_for="KalosStore")
         self._last_seq = 0
         self.index_config: IndexConfig | None = None
         self.embeddings: Embeddings | None = None
@@ -407,106 +369,31 @@ class KalosStore(BaseStore):
             self._fields = [(p, p if p == "$" else tokenize_path(p))
                             for p in (index.get("fields") or ["$"])]
 
-    # ------------------------------------------------------------------ connections
-    def _sync_client(self) -> RecallClient:
-        if self._client is None:
-            self._client = RecallClient(self.name, timeout=self._timeout)
-        require_similarity(self._client.metric, "KalosStore")
-        return self._client
-
-    async def _async_pool(self) -> RecallPool:
-        loop = asyncio.get_running_loop()
-        if self._pool is None or (self._own_pool and self._pool_loop is not loop):
-            # A pool belongs to the loop that opened it; one from a finished loop is dropped.
-            pool = RecallPool(self.name, size=self._pool_size, timeout=self._timeout)
-            await pool.open()
-            self._pool, self._pool_loop = pool, loop
-        require_similarity(self._pool.metric, "KalosStore")
-        return self._pool
-
-    def close(self) -> None:
-        """Close the client this store opened (closing twice is fine)."""
-        if self._own_client and self._client is not None:
-            self._client.close()
-            self._client = None
-
-    async def aclose(self) -> None:
-        """Close the pool this store opened on the running loop, and the sync client."""
-        if self._own_pool and self._pool is not None:
-            if self._pool_loop is asyncio.get_running_loop():
-                await self._pool.close()
-            self._pool = None
-        self.close()
-
-    def __enter__(self) -> KalosStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> KalosStore:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
     # ------------------------------------------------------------------ drivers
     def batch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops``; reads see the state before the batch's writes (as InMemoryStore)."""
-        client = self._sync_client()
-        plan = self._batch_plan(list(ops), self._geometry(client.layout))
-        try:
-            effects = next(plan)
-            while True:
-                effects = plan.send([self._run_sync(client, e) for e in effects])
-        except StopIteration as stop:
-            result: list[Result] = stop.value
-            return result
+        return self._conns.run(self._batch_plan(list(ops)))
 
     async def abatch(self, ops: Iterable[Op]) -> list[Result]:
         """Run ``ops`` on the running loop's pool; independent requests go concurrently."""
-        pool = await self._async_pool()
-        plan = self._batch_plan(list(ops), self._geometry(pool.layout))
-        try:
-            effects = next(plan)
-            while True:
-                results = await asyncio.gather(*(self._run_async(pool, e) for e in effects))
-                effects = plan.send(list(results))
-        except StopIteration as stop:
-            result: list[Result] = stop.value
-            return result
+        return await self._conns.arun(self._batch_plan(list(ops)))
 
-    @staticmethod
-    def _geometry(layout: Any) -> _Geometry:
-        return _Geometry(layout.dim, layout.max_k, layout.max_queries, layout.blob_bytes)
+    def _embed(self, texts: list[str], *, query: bool = False) -> Step[list[list[float]]]:
+        emb = self.embeddings
+        assert emb is not None
 
-    def _run_sync(self, client: RecallClient, e: _Effect) -> Any:
-        if isinstance(e, _Embed):
-            assert self.embeddings is not None
-            if e.query:
-                return [self.embeddings.embed_query(t) for t in e.texts]
-            return self.embeddings.embed_documents(e.texts)
-        try:
-            return getattr(client, e.method)(*e.args, **e.kwargs)
-        except e.returns as exc:
-            return exc
+        async def aembed_queries(_: RecallPool) -> list[list[float]]:
+            return list(await asyncio.gather(*(emb.aembed_query(t) for t in texts)))
 
-    async def _run_async(self, pool: RecallPool, e: _Effect) -> Any:
-        if isinstance(e, _Embed):
-            assert self.embeddings is not None
-            if e.query:
-                return list(await asyncio.gather(*(self.embeddings.aembed_query(t) for t in e.texts)))
-            return await self.embeddings.aembed_documents(e.texts)
-        try:
-            return await getattr(pool, e.method)(*e.args, **e.kwargs)
-        except e.returns as exc:
-            return exc
+        if query:
+            return Step(lambda _: [emb.embed_query(t) for t in texts], aembed_queries)
+        return Step(lambda _: emb.embed_documents(texts), lambda _: emb.aembed_documents(texts))
 
     # ------------------------------------------------------------------ plans
-    def _batch_plan(self, ops: list[Op], geo: _Geometry) -> _Plan[list[Result]]:
+    def _batch_plan(self, ops: list[Op]) -> Plan[list[Result]]:
         results: list[Result] = [None] * len(ops)
         gets: list[tuple[int, GetOp]] = []
-        puts: dict[tuple[tuple[str, ...], str], PutOp] = {}
+        puts: dict[ItemKey, PutOp] = {}
         for op in ops:
             validate_op_namespace(op)
             if isinstance(op, SearchOp):
@@ -518,8 +405,9 @@ class KalosStore(BaseStore):
                 gets.append((i, op))
             elif isinstance(op, PutOp):
                 puts[(op.namespace, op.key)] = op  # the last wins, at the first one's place
+        geo = yield from layout()
         if gets:
-            found, _ = yield from self._lookup([(op.namespace, op.key) for _, op in gets], geo)
+            found, _ = yield from self._lookup([(op.namespace, op.key) for _, op in gets])
             for i, op in gets:
                 s = found.get((op.namespace, op.key))
                 results[i] = None if s is None else s.item()
@@ -527,102 +415,59 @@ class KalosStore(BaseStore):
             if isinstance(op, SearchOp):
                 results[i] = yield from self._search(op, geo)
             elif isinstance(op, ListNamespacesOp):
-                results[i] = yield from self._list_namespaces(op, geo)
+                results[i] = yield from self._list_namespaces(op)
         if puts:
             yield from self._write(list(puts.values()), geo)
         return results
 
-    def _fetch(self, namespace: str, ids: list[int], geo: _Geometry) -> _Plan[dict[int, _Stored]]:
-        """The records of ``ids`` that exist; chunks whose payloads overflow the slot are halved."""
-        out: dict[int, _Stored] = {}
-        chunks = [ids[i: i + geo.max_queries] for i in range(0, len(ids), geo.max_queries)]
-        while chunks:
-            answers = yield [_Call("get", (c,), {"namespace": namespace, "with_vectors": False},
-                                   (UnknownNamespace, PayloadTooLarge)) for c in chunks]
-            retry: list[list[int]] = []
-            for c, a in zip(chunks, answers):
-                if isinstance(a, UnknownNamespace):
-                    return {}
-                if isinstance(a, PayloadTooLarge):
-                    if len(c) == 1:
-                        raise a
-                    retry += [c[: len(c) // 2], c[len(c) // 2:]]
-                    continue
-                for rid, p in zip(a.ids.tolist(), a.payloads):
-                    out[int(rid)] = _Stored(int(rid), p)
-            chunks = retry
-        return out
+    def _fetch(self, namespace: str, ids: list[int]) -> Plan[dict[int, _Stored]]:
+        """The records of ``ids`` that exist (those with a payload to read)."""
+        payloads = yield from fetch_payloads(namespace, ids)
+        return {i: _Stored(i, p) for i, p in payloads.items() if isinstance(p, dict)}
 
-    def _lookup(self, keys: list[tuple[tuple[str, ...], str]], geo: _Geometry
-                ) -> _Plan[tuple[dict[tuple[tuple[str, ...], str], _Stored], set[int]]]:
+    def _lookup(self, keys: list[ItemKey]
+                ) -> Plan[tuple[dict[ItemKey, _Stored], dict[int, ItemKey | None]]]:
         """The stored items of ``keys`` (absent ones left out), reading each probe window in
-        one request per slot-full; and every id of those windows that holds a record."""
-        windows = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
-        ids = sorted({i for w in windows.values() for i in w})
-        records = yield from self._fetch(self.items_namespace, ids, geo)
-        found: dict[tuple[tuple[str, ...], str], _Stored] = {}
-        for (ns, key), window in windows.items():
-            for i in window:
-                s = records.get(i)
-                if s is not None and tuple(s.payload.get("ns", ())) == ns and s.payload.get("key") == key:
-                    found[(ns, key)] = s
-                    break
-        return found, set(records)
+        one request per slot-full; and who holds each id of those windows that has a record."""
+        probes = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
+        payloads = yield from fetch_payloads(self.items_namespace,
+                                             sorted({i for w in probes.values() for i in w}))
+        held = {i: _item_key(p) for i, p in payloads.items()}
+        return {k: _Stored(i, payloads[i]) for k, i in find(probes, held).items()}, held
 
-    def _scan(self, namespace: str, where: dict[str, Any] | None
-              ) -> _Plan[tuple[list[int], list[np.ndarray], list[Any]]]:
-        """Every record matching ``where`` (paged by id): ids, vector pages, payloads."""
-        ids: list[int] = []
-        vecs: list[np.ndarray] = []
-        payloads: list[Any] = []
-        after = -1
-        while True:
-            [page] = yield [_Call("export_page", (namespace, after), {"where": where},
-                                  (UnknownNamespace,))]
-            if isinstance(page, UnknownNamespace):
-                break
-            pids, pvecs, ppay = page
-            if len(pids) == 0:
-                break
-            ids += [int(i) for i in pids]
-            vecs.append(np.asarray(pvecs, dtype=np.float32))
-            payloads += ppay
-            after = int(pids[-1])
-        return ids, vecs, payloads
-
-    def _list_items(self, conds: list[dict[str, Any]], filt: dict[str, Any] | None
-                    ) -> _Plan[list[_Stored]]:
-        """Every item under the conditions that matches ``filt``, in InMemoryStore's order."""
-        ids, _, payloads = yield from self._scan(self.items_namespace, _where(conds))
-        items = [_Stored(i, p) for i, p in zip(ids, payloads)
+    def _list_items(self, where: Where | None, filt: dict[str, Any] | None) -> Plan[list[_Stored]]:
+        """Every item under ``where`` that matches ``filt``, in InMemoryStore's order."""
+        found = yield from scan(self.items_namespace, where)
+        items = [_Stored(i, p) for i, p in zip(found.ids, found.payloads)
                  if isinstance(p, dict) and item_matches(p["value"], filt)]
         return _listing_order(items)
 
-    def _search(self, op: SearchOp, geo: _Geometry) -> _Plan[list[SearchItem]]:
+    def _search(self, op: SearchOp, geo: Layout) -> Plan[list[SearchItem]]:
         conds, exact = translate_filter(op.filter)
         conds = prefix_conditions(op.namespace_prefix) + conds
         if not (op.query and self.embeddings is not None):
-            items = yield from self._list_items(conds, op.filter)
+            items = yield from self._list_items(all_of(conds), op.filter)
             return [s.search_item(None) for s in items[op.offset: op.offset + op.limit]]
-        [[qv]] = yield [_Embed([op.query], query=True)]
+        [[qv]] = yield [self._embed([op.query], query=True)]
         q = _unit_rows([qv], geo.dim)[0]
-        ranked = yield from self._ranked(q, conds, exact, op.filter, op.offset + op.limit, geo)
+        ranked = yield from self._ranked(q, all_of(conds), exact, op.filter,
+                                         op.offset + op.limit, geo)
         scoreless: list[_Stored] = []
         if len(ranked) < op.offset + op.limit:  # some fill may be needed
-            scoreless = yield from self._list_items(conds + [{"nvec": 0}], op.filter)
+            scoreless = yield from self._list_items(
+                all_of(conds + [condition("nvec", FieldOp.EQ, 0)]), op.filter)
         return [s.search_item(score) for score, s in _page(ranked, scoreless, op.offset, op.limit)]
 
-    def _ranked(self, q: np.ndarray, conds: list[dict[str, Any]], exact: bool,
-                filt: dict[str, Any] | None, need: int, geo: _Geometry
-                ) -> _Plan[list[tuple[float, _Stored]]]:
+    def _ranked(self, q: np.ndarray, where: Where | None, exact: bool,
+                filt: dict[str, Any] | None, need: int, geo: Layout
+                ) -> Plan[list[tuple[float, _Stored]]]:
         """The best ``need`` items matching ``filt`` by their best vector, best first."""
         if need <= 0:
             return []
-        where = _where(conds)
         k = min(geo.max_k, max(16, 2 * need))
         while True:
-            [hits] = yield [_Call("recall", (q, k), {"namespace": self.vectors_namespace,
-                                                      "where": where}, (UnknownNamespace,))]
+            [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where)
+                            .catching(UnknownNamespace)]
             if isinstance(hits, UnknownNamespace):
                 return []
             best: dict[int, float] = {}
@@ -632,32 +477,32 @@ class KalosStore(BaseStore):
             order = list(best.items())
             if exact and not exhausted:
                 order = order[: need + 4]  # a few spare for items replaced meanwhile
-            kept = yield from self._rank_items(order, filt, geo)
+            kept = yield from self._rank_items(order, filt)
             if len(kept) >= need or exhausted:
                 return kept[:need]
             if k >= geo.max_k:
                 break
             k = min(geo.max_k, k * 4)
         # Post-filtering left too few of max_k vectors: score every candidate vector here.
-        ids, vecs, _ = yield from self._scan(self.vectors_namespace, where)
-        if not ids:
+        found = yield from scan(self.vectors_namespace, where)
+        if not found.ids:
             return []
-        scores = np.concatenate(vecs).astype(np.float64) @ q.astype(np.float64)
+        scores = found.vectors.astype(np.float64) @ q.astype(np.float64)
         best = {}
         for j in np.argsort(-scores, kind="stable").tolist():
-            best.setdefault(ids[j] >> VECTOR_INDEX_BITS, float(scores[j]))
+            best.setdefault(found.ids[j] >> VECTOR_INDEX_BITS, float(scores[j]))
         order = list(best.items())
         kept = []
         step = max(need, geo.max_queries)
         for lo in range(0, len(order), step):
-            kept += yield from self._rank_items(order[lo: lo + step], filt, geo)
+            kept += yield from self._rank_items(order[lo: lo + step], filt)
             if len(kept) >= need:
                 break
         return kept[:need]
 
-    def _rank_items(self, order: list[tuple[int, float]], filt: dict[str, Any] | None,
-                    geo: _Geometry) -> _Plan[list[tuple[float, _Stored]]]:
-        records = yield from self._fetch(self.items_namespace, [i for i, _ in order], geo)
+    def _rank_items(self, order: list[tuple[int, float]], filt: dict[str, Any] | None
+                    ) -> Plan[list[tuple[float, _Stored]]]:
+        records = yield from self._fetch(self.items_namespace, [i for i, _ in order])
         out: list[tuple[float, _Stored]] = []
         for iid, score in order:
             s = records.get(iid)
@@ -665,14 +510,14 @@ class KalosStore(BaseStore):
                 out.append((score, s))
         return out
 
-    def _list_namespaces(self, op: ListNamespacesOp, geo: _Geometry) -> _Plan[list[tuple[str, ...]]]:
-        conds: list[dict[str, Any]] = []
+    def _list_namespaces(self, op: ListNamespacesOp) -> Plan[list[tuple[str, ...]]]:
+        conds: list[Where] = []
         for c in op.match_conditions or ():
-            conds.append({"depth": {"$gte": len(c.path)}})
+            conds.append(condition("depth", FieldOp.GTE, len(c.path)))
             if c.match_type == "prefix":
                 conds += prefix_conditions(c.path)
-        _, _, payloads = yield from self._scan(self.items_namespace, _where(conds))
-        namespaces = {tuple(p["ns"]) for p in payloads if isinstance(p, dict)}
+        found = yield from scan(self.items_namespace, all_of(conds))
+        namespaces = {tuple(p["ns"]) for p in found.payloads if isinstance(p, dict)}
         if op.match_conditions:
             namespaces = {ns for ns in namespaces
                           if all(namespace_matches(c, ns) for c in op.match_conditions)}
@@ -695,21 +540,12 @@ class KalosStore(BaseStore):
         self._last_seq = max(time.time_ns(), self._last_seq + 1)
         return self._last_seq
 
-    def _write(self, puts: list[PutOp], geo: _Geometry) -> _Plan[None]:
-        existing, taken = yield from self._lookup([(op.namespace, op.key) for op in puts], geo)
-        # Ids: an existing item keeps its id; a new one takes the first free id of its window
-        # (never one holding another item: that is how a hash collision is survived).
-        ids: dict[tuple[tuple[str, ...], str], int] = {}
-        for op in puts:
-            k = (op.namespace, op.key)
-            if k in existing:
-                ids[k] = existing[k].id
-            elif op.value is not None:
-                free = [i for i in item_id_window(*k) if i not in taken]
-                if not free:
-                    raise KeyCollision(f"no free id for {k!r}: its {PROBE_WINDOW} ids hold other items")
-                ids[k] = free[0]
-                taken.add(free[0])
+    def _write(self, puts: list[PutOp], geo: Layout) -> Plan[None]:
+        existing, held = yield from self._lookup([(op.namespace, op.key) for op in puts])
+        # An existing item keeps its id; a new one takes the first free id of its window, never
+        # one holding another item: that is how a hash collision is survived.
+        ids = claim({(op.namespace, op.key): item_id_window(op.namespace, op.key)
+                     for op in puts if op.value is not None}, held)
         # Namespace order of new items: that of the namespace's items, if it has any.
         ns_seq: dict[tuple[str, ...], int] = {}
         for s in existing.values():
@@ -718,10 +554,10 @@ class KalosStore(BaseStore):
                                      if op.value is not None and op.namespace not in ns_seq))
         if unknown:
             zero = np.zeros(geo.dim, np.float32)
-            answers = yield [_Call("recall", (zero, 1), {
-                "namespace": self.items_namespace, "with_payload": True,
-                "where": _where([{"depth": len(ns)}] + prefix_conditions(ns))}, (UnknownNamespace,))
-                for ns in unknown]
+            answers = yield [RECALL(zero, 1, namespace=self.items_namespace, with_payload=True,
+                                    where=all_of([condition("depth", FieldOp.EQ, len(ns)),
+                                                  *prefix_conditions(ns)]))
+                             .catching(UnknownNamespace) for ns in unknown]
             for ns, hits in zip(unknown, answers):
                 if not isinstance(hits, UnknownNamespace) and len(hits) and hits.payloads:
                     ns_seq[ns] = hits.payloads[0]["ns_seq"]
@@ -729,7 +565,7 @@ class KalosStore(BaseStore):
         flat = list(dict.fromkeys(t for ts in texts for t in ts))
         embedded: dict[str, np.ndarray] = {}
         if flat:
-            [vectors] = yield [_Embed(flat)]
+            [vectors] = yield [self._embed(flat)]
             embedded = dict(zip(flat, _unit_rows(vectors, geo.dim)))
         now = datetime.now(timezone.utc).isoformat()
         item_rows: list[tuple[int, dict[str, Any]]] = []
@@ -763,28 +599,14 @@ class KalosStore(BaseStore):
         # Vectors before their item, stale vectors after it: a search meanwhile finds either
         # version of an item, never a vector without an item it can read.
         if vec_rows:
-            yield from self._upsert(self.vectors_namespace, vec_rows, geo)
+            yield from upsert_rows(self.vectors_namespace, [r[0] for r in vec_rows],
+                                   np.stack([r[1] for r in vec_rows]), [r[2] for r in vec_rows])
         if item_rows:
-            zero = np.zeros(geo.dim, np.float32)
-            yield from self._upsert(self.items_namespace, [(i, zero, p) for i, p in item_rows], geo)
+            yield from upsert_rows(self.items_namespace, [i for i, _ in item_rows],
+                                   np.zeros((len(item_rows), geo.dim), np.float32),
+                                   [p for _, p in item_rows])
         if gone_items:
-            yield [_Call("delete", (gone_items,), {"namespace": self.items_namespace})]
+            yield [DELETE(gone_items, namespace=self.items_namespace)]
         if stale_vecs:
-            yield [_Call("delete", (stale_vecs,), {"namespace": self.vectors_namespace})]
-        return None
-
-    def _upsert(self, namespace: str, rows: list[tuple[int, np.ndarray, dict[str, Any]]],
-                geo: _Geometry) -> _Plan[None]:
-        """Upserts in chunks that fit one slot (rows and payload bytes), sent together."""
-        chunks: list[list[tuple[int, np.ndarray, dict[str, Any]]]] = [[]]
-        size = 0
-        for row in rows:
-            n = _encoded_len(row[2])
-            if chunks[-1] and (len(chunks[-1]) == geo.max_queries or size + n > geo.blob_bytes):
-                chunks.append([])
-                size = 0
-            chunks[-1].append(row)
-            size += n
-        yield [_Call("upsert", ([r[0] for r in c], np.stack([r[1] for r in c]), [r[2] for r in c]),
-                     {"namespace": namespace}) for c in chunks if c]
+            yield [DELETE(stale_vecs, namespace=self.vectors_namespace)]
         return None

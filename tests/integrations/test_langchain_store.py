@@ -294,7 +294,7 @@ def test_in_batch_collision_writes_nothing(lc_sidecar: str) -> None:
     store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(),
                              id_map=weak)
     try:
-        with pytest.raises(IdCollisionError, match="both map"):
+        with pytest.raises(IdCollisionError, match="another key of this write"):
             store.add_texts(["p", "q"], ids=[a, b])
         assert store.similarity_search("p", k=4) == []
     finally:
@@ -312,7 +312,9 @@ def test_to_where_mapping() -> None:
     assert to_where({"a": {"$eq": 1, "$ne": 2}}) == {"$and": [{"m.a": 1}, {"m.a": {"$ne": 2}}]}
     assert to_where({"$or": [{"a": 1}, {"b": {"$exists": False}}]}) == \
         {"$or": [{"m.a": 1}, {"m.b": {"$exists": False}}]}
-    for bad in [{"$not": {"a": 1}}, {"a": {"$like": "x%"}}, {"a": {}}, {}, {"$or": []}, [1]]:
+    # after $eq comes a value: a dict there is never read as operators (it used to become $in)
+    for bad in [{"$not": {"a": 1}}, {"a": {"$like": "x%"}}, {"a": {}}, {}, {"$or": []}, [1],
+                {"a": {"$eq": {"$in": [1, 2]}}}]:
         with pytest.raises(InvalidRequest):
             to_where(bad)  # type: ignore[arg-type]
 
@@ -486,11 +488,12 @@ async def test_async_methods_stay_on_the_loop(astore: KalosVectorStore, monkeypa
     """The async methods use the RecallPool: no blocking client, no executor thread."""
     import langchain_core.vectorstores.base as lc_base
 
-    import kalos.integrations.langchain as adapter
+    import kalos.integrations._core as core
+
     def refuse(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("left the event loop")
 
-    monkeypatch.setattr(adapter, "RecallClient", refuse)
+    monkeypatch.setattr(core, "RecallClient", refuse)
     monkeypatch.setattr(lc_base, "run_in_executor", refuse)
     table_of(astore).update({"a": np.ones(DIM), "b": -np.ones(DIM)})
     ids = await astore.aadd_documents([Document("a", metadata={"n": 1}), Document("b", id="B")])

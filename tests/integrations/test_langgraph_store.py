@@ -381,6 +381,22 @@ def test_collisions_never_overwrite(store: KalosStore, monkeypatch: pytest.Monke
     assert store.search(("c",), query="item extra", limit=1)[0].key == "extra"
 
 
+def test_records_that_are_not_items_are_never_overwritten(store: KalosStore,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records another writer left in an item's window (no payload, a list payload) count as
+    taken: the item goes to the next free id and reads skip them."""
+    from kalos import RecallClient
+
+    monkeypatch.setattr(klg, "item_id_window", lambda ns, key: list(range(1000, 1000 + klg.PROBE_WINDOW)))
+    with RecallClient(store.name) as c:
+        c.upsert([1000], np.ones((1, DIM), np.float32), namespace=store.items_namespace)
+        c.upsert([1001], np.ones((1, DIM), np.float32), [[1, 2]], namespace=store.items_namespace)
+        store.put(("c",), "k", {"text": "item"})
+        assert store.get(("c",), "k").value == {"text": "item"}
+        recs = c.get([1000, 1001, 1002], namespace=store.items_namespace, with_vectors=False)
+        assert recs.payloads[:2] == [None, [1, 2]] and recs.payloads[2]["key"] == "k"
+
+
 def test_two_stores_share_one_sidecar(sidecar_factory: Any) -> None:
     """Two stores (two clients, as two processes would have) see each other's writes; stores
     with different Kalos namespaces are independent."""

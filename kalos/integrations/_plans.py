@@ -1,0 +1,213 @@
+"""Store logic written once for sync and async: plans that yield typed steps, and the plans the
+stores share.
+
+A *plan* is a generator: it yields a list of :class:`Step` values (requests that may run
+concurrently), is sent their results in the same order, and returns the operation's answer. It
+does no I/O itself. Two drivers run plans (``_core.Connections``): the blocking one on a
+``RecallClient``, a step after another; the async one on the running loop's ``RecallPool``, the
+steps of one list at once. A store method and its ``a``-twin are then the same plan::
+
+    def add(self, ...):         return self._conns.run(self._add(...))
+    async def aadd(self, ...):  return await self._conns.arun(self._add(...))
+
+A step names its call as a pair of typed callables (:class:`Call`: ``RecallClient.get`` and
+``RecallPool.get``, arguments checked by mypy against both), never by a method name. Errors listed
+in ``Step.catching`` come back as the step's result (a plan tests ``isinstance``); any other error
+ends the plan and reaches the caller.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+
+import numpy as np
+
+from kalos.broker.errors import PayloadTooLarge, UnknownNamespace
+from kalos.broker.layout import Layout
+from kalos.clients.blocking import RecallClient
+from kalos.clients.pool import RecallPool
+
+from ._filters import Where
+
+T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
+
+
+@dataclass(frozen=True)
+class Step(Generic[T]):
+    """One request of a plan: how it runs on a blocking client and how on a pool."""
+
+    run: Callable[[RecallClient], T]
+    arun: Callable[[RecallPool], Awaitable[T]]
+    catch: tuple[type[Exception], ...] = ()
+
+    def catching(self, *errors: type[Exception]) -> Step[T]:
+        """This step with ``errors`` handed back as its result instead of ending the plan."""
+        return replace(self, catch=self.catch + errors)
+
+
+#: Yields the steps to run (together), is sent their results, returns the answer.
+Plan = Generator[Sequence[Step[Any]], list[Any], R]
+
+
+class Call(Generic[P, T]):
+    """A Kalos operation both clients have under one signature: ``Call(RecallClient.get,
+    RecallPool.get)(ids, namespace=...)`` is the step of one ``get``."""
+
+    def __init__(self, blocking: Callable[Concatenate[RecallClient, P], T],
+                 pooled: Callable[Concatenate[RecallPool, P], Awaitable[T]]) -> None:
+        self._blocking = blocking
+        self._pooled = pooled
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Step[T]:
+        return Step(lambda c: self._blocking(c, *args, **kwargs),
+                    lambda p: self._pooled(p, *args, **kwargs))
+
+
+RECALL = Call(RecallClient.recall, RecallPool.recall)
+GET = Call(RecallClient.get, RecallPool.get)
+UPSERT = Call(RecallClient.upsert, RecallPool.upsert)
+DELETE = Call(RecallClient.delete, RecallPool.delete)
+DROP_NAMESPACE = Call(RecallClient.drop_namespace, RecallPool.drop_namespace)
+EXPORT_PAGE = Call(RecallClient.export_page, RecallPool.export_page)
+
+
+async def _pool_layout(pool: RecallPool) -> Layout:
+    return pool.layout
+
+
+#: The connection's geometry (no request: read from the sidecar's header).
+LAYOUT: Step[Layout] = Step(lambda c: c.layout, _pool_layout)
+
+
+def layout() -> Plan[Layout]:
+    """The sidecar's geometry (dim, max_k, max_queries, blob_bytes)."""
+    results = yield [LAYOUT]
+    lay: Layout = results[0]
+    return lay
+
+
+def together(plans: Sequence[Plan[Any]]) -> Plan[list[Any]]:
+    """Several plans side by side: each round, the steps of every unfinished plan go out in one
+    list (concurrently on a pool). Returns their answers in order."""
+    answers: list[Any] = [None] * len(plans)
+    pending: list[tuple[int, Sequence[Step[Any]]]] = []
+    for i, plan in enumerate(plans):
+        try:
+            pending.append((i, next(plan)))
+        except StopIteration as done:
+            answers[i] = done.value
+    while pending:
+        results = yield [s for _, steps in pending for s in steps]
+        at = 0
+        waiting, pending = pending, []
+        for i, steps in waiting:
+            part, at = results[at:at + len(steps)], at + len(steps)
+            try:
+                pending.append((i, plans[i].send(part)))
+            except StopIteration as done:
+                answers[i] = done.value
+    return answers
+
+
+def fetch_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any]]:
+    """The payloads of the records of ``ids`` that exist (id -> payload), read a slot-full of ids
+    per request, the requests together; a request whose payloads overflow the slot is halved
+    (PayloadTooLarge only for one record alone). A namespace that does not exist holds nothing."""
+    lay = yield from layout()
+    out: dict[int, Any] = {}
+    unique = list(dict.fromkeys(ids))
+    chunks = [unique[i:i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
+    while chunks:
+        answers = yield [GET(c, namespace=namespace, with_vectors=False)
+                         .catching(UnknownNamespace, PayloadTooLarge) for c in chunks]
+        retry: list[list[int]] = []
+        for chunk, got in zip(chunks, answers):
+            if isinstance(got, UnknownNamespace):
+                return {}
+            if isinstance(got, PayloadTooLarge):
+                if len(chunk) == 1:
+                    raise got
+                retry += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+                continue
+            out.update(zip(got.ids.tolist(), got.payloads))
+        chunks = retry
+    return out
+
+
+@dataclass(frozen=True)
+class Scan:
+    """Records read in id order: ids, their vectors (float32, as stored) and payloads."""
+
+    ids: list[int]
+    vectors: np.ndarray
+    payloads: list[Any]
+
+
+def scan(namespace: str, where: Where | None) -> Plan[Scan]:
+    """Every record matching ``where`` (all with None), paged by id; none if the namespace does
+    not exist."""
+    dim = (yield from layout()).dim
+    ids: list[int] = []
+    pages: list[np.ndarray] = [np.empty((0, dim), np.float32)]
+    payloads: list[Any] = []
+    after = -1
+    while True:
+        [page] = yield [EXPORT_PAGE(namespace, after, where=where).catching(UnknownNamespace)]
+        if isinstance(page, UnknownNamespace) or len(page[0]) == 0:
+            return Scan(ids, np.concatenate(pages), payloads)
+        pids, vectors, ppay = page
+        ids += pids.tolist()
+        pages.append(np.asarray(vectors, np.float32).reshape(len(pids), dim))
+        payloads += ppay
+        after = ids[-1]
+
+
+def upsert_rows(namespace: str, ids: Sequence[int], vectors: np.ndarray,
+                payloads: Sequence[Any]) -> Plan[None]:
+    """Write records (one id twice: the last row wins, at the first one's place), packed into
+    requests that fit a slot (rows and payload bytes), sent together."""
+    last = {int(i): j for j, i in enumerate(ids)}
+    rows = list(last.values())
+    ids_, vecs, pays = list(last), vectors[rows], [payloads[j] for j in rows]
+    lay = yield from layout()
+    yield [UPSERT(ids_[lo:hi], vecs[lo:hi], pays[lo:hi], namespace=namespace)
+           for lo, hi in pack([line_bytes(p) for p in pays], lay.max_queries, lay.blob_bytes)]
+    return None
+
+
+def pack(sizes: Sequence[int], max_rows: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Split rows into [lo, hi) runs of at most ``max_rows`` rows whose JSON lines (``sizes``
+    bytes each, newline-joined) fit ``max_bytes``; a row too big on its own gets a run alone (the
+    sidecar then refuses it with PayloadTooLarge). Pure."""
+    runs: list[tuple[int, int]] = []
+    lo, used = 0, -1
+    for i, size in enumerate(sizes):
+        if i > lo and (i - lo >= max_rows or used + 1 + size > max_bytes):
+            runs.append((lo, i))
+            lo, used = i, -1
+        used += 1 + size
+    if lo < len(sizes):
+        runs.append((lo, len(sizes)))
+    return runs
+
+
+def line_bytes(payload: Any) -> int:
+    """Bytes of a payload's JSON line as the client encodes it (0 for one it will refuse)."""
+    try:
+        return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
+                              allow_nan=False).encode())
+    except (TypeError, ValueError, RecursionError):
+        return 0  # the client's own check raises InvalidRequest with the reason
+
+
+def unit_rows(rows: Any) -> np.ndarray:
+    """float32 rows scaled to unit length in float64 (a zero row stays zero), so an inner
+    product is a cosine similarity."""
+    m = np.asarray(rows, dtype=np.float64)
+    norms = np.linalg.norm(m, axis=-1, keepdims=True)
+    return (m / np.where(norms == 0, 1.0, norms)).astype(np.float32)
