@@ -37,12 +37,14 @@ def kalos(*args: str, env: dict[str, str] | None = None, timeout: float = 90,
 
 
 def one_line_error(r: subprocess.CompletedProcess[str]) -> str:
-    """The command failed with exactly one line on stderr and no traceback; returns the line."""
+    """The command failed with one error line on stderr (after any progress lines) and no
+    traceback; returns the line."""
     assert r.returncode != 0, (r.stdout, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert "Traceback" not in r.stderr, r.stderr
-    assert len(lines) == 1, r.stderr
-    return lines[0]
+    progress = [line for line in lines[:-1] if re.match(r"(export|import) '[^']*': [\d,]+ ", line)]
+    assert lines and len(progress) == len(lines) - 1, r.stderr
+    return lines[-1]
 
 
 # ------------------------------------------------------------------ item 1: --ephemeral vs a data dir
@@ -58,19 +60,26 @@ def test_serve_refuses_ephemeral_beside_a_data_dir(entry: str, tmp_path: Path) -
         cmd = [sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral", "--backend", "numpy"]
         env = {"KALOS_DATA_DIR": str(kd3)}
         want = f"--ephemeral (from the command line) conflicts with --data-dir {kd3} (from KALOS_DATA_DIR='{kd3}')"
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+    finally:
+        cleanup(name, force=True)  # what a sidecar that wrongly started would leave
     assert want in one_line_error(r)
     assert r.returncode == 2
-    assert not kd3.exists() and leftover_names(name) == []
+    assert not kd3.exists()
 
 
 # ------------------------------------------------------------------ item 11: the data dir in words
 def _serve_fails(data_dir: Path) -> str:
     name = unique_name("dd")
-    r = kalos("serve", "--name", name, "--data-dir", str(data_dir), "--backend", "numpy", timeout=60)
+    try:
+        r = kalos("serve", "--name", name, "--data-dir", str(data_dir), "--backend", "numpy", timeout=60)
+    finally:
+        leftovers = leftover_names(name)
+        cleanup(name, force=True)
     # Checked before any shared object exists: nothing was created, so nothing was "unlinked".
     assert "objects unlinked" not in r.stderr and "stopped" not in r.stderr, r.stderr
-    assert leftover_names(name) == []
+    assert leftovers == []
     return one_line_error(r)
 
 
@@ -316,3 +325,17 @@ def test_cli_errors_are_one_line(case: str, tmp_path: Path) -> None:
     else:
         r = kalos("top", "--url", f"http://127.0.0.1:{free_port()}/metrics", "--once")
         assert r.returncode == 1 and "cannot read" in r.stdout and "Traceback" not in r.stderr + r.stdout
+
+
+def test_an_export_past_its_timeout_stops_and_removes_its_files(sidecar_factory, tmp_path: Path) -> None:
+    # 100k pages of 4 rows: far more than half a second of round trips on any machine.
+    h = sidecar_factory("slowexp", "--dim", "8", "--max-queries", "4", "--random-rows", "400000",
+                        "--backend", "numpy")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    line = one_line_error(kalos("export", "default", str(out), "--name", h.name, "--timeout", "0.5"))
+    print(f"gave up after {time.monotonic() - t0:.2f} s (interpreter start included)")
+    assert "CommandTimeout: not done within --timeout 0.5 s" in line, line
+    assert not out.exists()
+    with RecallClient(h.name, timeout=30) as c:  # the sidecar is unharmed
+        assert c.count("default") == 400_000

@@ -29,6 +29,13 @@ BROKER_COMMANDS = ("serve", "cleanup", "namespaces", "export", "import", "top")
 POSITIONALS = {"export": ["ns", "out"], "import": ["ns", "src"]}
 
 
+@pytest.fixture(autouse=True)
+def _no_kalos_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults as shipped: a KALOS_* variable of the caller's shell would change them."""
+    for var in [v for v in os.environ if v.startswith("KALOS_")]:
+        monkeypatch.delenv(var)
+
+
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     for a in p._actions:
         if isinstance(a, argparse._SubParsersAction):
