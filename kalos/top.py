@@ -5,22 +5,45 @@ sizes computed from the counters' increase since the previous scrape, the latenc
 sidecar exports (end to end as callers see it, by kind of call, and per stage), errors by kind and
 memory rows.
 The arithmetic is in :func:`compute_view` (pure, tested without a terminal); :func:`render` turns
-its result into a ``rich`` renderable; :func:`run_top` does the I/O.
+its result into a ``rich`` renderable; :func:`run_top` does the I/O. ``q`` quits.
+
+Which endpoint: ``--url`` if given; else the sidecar serving ``--name`` is found from the pid in
+its segment's header and its listening TCP sockets in ``/proc`` (same PID namespace, same user or
+root), and :data:`DEFAULT_URL` is tried last. A candidate counts only if its
+``kalos_backend_info`` names that broker, so a pid from another PID namespace or another sidecar
+on the default port is never shown as this one.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import os
+import select
+import sys
+import termios
 import time
+import tty
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
+
+from kalos.broker.errors import ConfigError
+from kalos.sidecar_cuda.objects import live_sidecar
+
+#: Where ``kalos top`` looks last (and the port the docs' examples give ``--metrics-port``).
+DEFAULT_URL = "http://127.0.0.1:9464/metrics"
+QUIT_KEYS = frozenset("qQ")
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -249,9 +272,128 @@ def render(v: TopView, url: str = "") -> RenderableType:
     return Group(head, Text(""), load, Text(""), lat, Text(""), err, Text(""), mem)
 
 
-def run_top(url: str, interval: float, once: bool = False, console: Console | None = None) -> int:
-    """Show the live view until Ctrl-C (``once``: scrape twice, ``interval`` apart, print one frame
-    with rates and exit). Returns 0, or 1 if the endpoint cannot be read."""
+def listening_sockets(table: str, inodes: Collection[int]) -> list[tuple[str, int]]:
+    """(host, port) of the listening sockets among ``inodes`` in a ``/proc/net/tcp`` or
+    ``tcp6`` table. Pure."""
+    out = []
+    for line in table.splitlines()[1:]:
+        f = line.split()
+        if len(f) < 10 or f[3] != _LISTEN or not f[9].isdigit() or int(f[9]) not in inodes:
+            continue
+        addr_hex, port_hex = f[1].split(":")
+        raw = bytes.fromhex(addr_hex)
+        if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        out.append((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
+    return out
+
+
+def metrics_url(host: str, port: int) -> str:
+    """The /metrics URL of a socket listening on (host, port); a wildcard address is reached on
+    loopback. Pure."""
+    ip = ipaddress.ip_address(host)
+    if ip.is_unspecified:
+        ip = ipaddress.ip_address("127.0.0.1" if ip.version == 4 else "::1")
+    return f"http://{ip}:{port}/metrics" if ip.version == 4 else f"http://[{ip}]:{port}/metrics"
+
+
+def sidecar_endpoints(pid: int) -> list[str] | None:
+    """/metrics URLs of the TCP sockets process ``pid`` listens on; None if its file descriptors
+    cannot be read here (another user, another PID namespace, gone)."""
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue  # closed meanwhile
+            if link.startswith("socket:["):
+                inodes.add(int(link[8:-1]))
+        urls = []
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+                    text = f.read()
+            except FileNotFoundError:  # no IPv6
+                continue
+            urls += [metrics_url(h, p) for h, p in listening_sockets(text, inodes)]
+        return urls
+    except OSError:
+        return None
+
+
+def find_metrics_url(name: str, scrape: Callable[[str], Scrape] | None = None) -> str:
+    """The /metrics URL of the sidecar serving broker ``name`` (see the module docstring).
+    Raises ConfigError saying what was tried and why it did not fit."""
+    get = scrape or (lambda url: fetch(url, timeout=2.0))
+    pid = live_sidecar(name)
+    found = None if pid is None else sidecar_endpoints(pid)
+    tried = []
+    for url in [*(found or []), DEFAULT_URL]:
+        try:
+            s = get(url)
+        except (OSError, ValueError) as e:  # URLError is an OSError
+            tried.append(f"{url}: {getattr(e, 'reason', e)}")
+            continue
+        brokers = sorted({dict(labels).get("broker", "?") for labels in s.series("kalos_backend_info")})
+        if name in brokers:
+            return url
+        tried.append(f"{url} serves broker {', '.join(brokers) or '?'}")
+    if pid is None:
+        why = "no sidecar serves it"
+    elif found is None:
+        why = f"its sidecar's (pid {pid}) sockets cannot be read from here"
+    elif not found:
+        why = f"its sidecar (pid {pid}) listens on no TCP port: start it with --metrics-port PORT"
+    else:
+        why = f"no endpoint of its sidecar (pid {pid}) answered as broker {name!r}"
+    raise ConfigError(f"cannot find the metrics endpoint of broker {name!r}: {why}; tried "
+                      f"{'; '.join(tried)}. Give --url http://HOST:PORT/metrics (the sidecar's "
+                      "--metrics-host and --metrics-port)")
+
+
+class Keys:
+    """Key presses from a terminal as they are typed (cbreak mode: no Enter needed, Ctrl-C still
+    interrupts), the terminal's settings restored on exit. Elsewhere :meth:`wait` just sleeps."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self._stream = sys.stdin if stream is None else stream
+        self._fd: int | None = None
+        self._saved: list[Any] | None = None
+
+    def __enter__(self) -> Keys:
+        try:
+            if self._stream.isatty():
+                fd = self._stream.fileno()
+                self._saved = termios.tcgetattr(fd)
+                self._fd = fd
+                tty.setcbreak(fd)
+        except (OSError, ValueError, termios.error):  # closed or not a real terminal
+            self._fd = None
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._fd is not None and self._saved is not None:
+            termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
+            self._fd = None
+
+    def wait(self, seconds: float) -> str:
+        """A key typed within ``seconds`` (returned at once), or "" when none was."""
+        if self._fd is None:
+            time.sleep(seconds)
+            return ""
+        ready, _, _ = select.select([self._fd], [], [], seconds)
+        if not ready:
+            return ""
+        return os.read(self._fd, 1).decode(errors="replace")
+
+
+def run_top(url: str, interval: float, once: bool = False, console: Console | None = None,
+            keys: Keys | None = None) -> int:
+    """Show the live view until ``q`` or Ctrl-C (``once``: scrape twice, ``interval`` seconds
+    apart, print one frame with rates and exit). ``keys``: where keys are read (default: stdin).
+    Returns 0, or 1 if the endpoint cannot be read."""
     console = console or Console()
     interval = max(0.05, float(interval))
 
@@ -273,11 +415,15 @@ def run_top(url: str, interval: float, once: bool = False, console: Console | No
             return 1
         console.print(render(compute_view(cur, prev), url))
         return 0
+    keys = Keys() if keys is None else keys
     try:
-        with Live(render(compute_view(prev), url), console=console, auto_refresh=False,
-                  screen=False) as live:
+        with keys as k, Live(render(compute_view(prev), url), console=console, auto_refresh=False,
+                                 screen=False) as live:
             while True:
-                time.sleep(interval)
+                end = time.monotonic() + interval
+                while (left := end - time.monotonic()) > 0:
+                    if k.wait(left) in QUIT_KEYS:
+                        return 0
                 try:
                     cur = fetch(url, timeout=max(2.0, interval))
                 except (OSError, ValueError) as e:
@@ -290,4 +436,5 @@ def run_top(url: str, interval: float, once: bool = False, console: Console | No
         return 0
 
 
-__all__ = ["run_top", "compute_view", "render", "parse_metrics", "fetch", "Scrape", "TopView"]
+__all__ = ["run_top", "compute_view", "render", "parse_metrics", "fetch", "Scrape", "TopView",
+           "find_metrics_url", "listening_sockets", "metrics_url", "Keys", "DEFAULT_URL"]

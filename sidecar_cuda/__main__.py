@@ -19,7 +19,7 @@ PROG = "python -m kalos.sidecar_cuda"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Run a Kalos sidecar that owns the memory and "
                                                        "serves recalls through shared memory.")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
     add_serve_arguments(p)
     return p
 

@@ -11,6 +11,7 @@ import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from ..broker.errors import ConfigError
@@ -62,6 +63,38 @@ class ServeConfig:
 ENV_PREFIX = "KALOS_"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
+#: Namespace attributes where parsing records where values came from: the options given on the
+#: command line (a set, made by the first one), and the defaults taken from the environment
+#: (dest -> ``VAR='value'``, a parser default).
+_GIVEN = "_kalos_given"
+_FROM_ENV = "_kalos_from_env"
+
+
+class Source(Enum):
+    """Where an option's value came from."""
+
+    COMMAND_LINE = "command line"
+    ENVIRONMENT = "environment"
+    DEFAULT = "default"
+
+
+@dataclass(frozen=True)
+class Origin:
+    source: Source
+    detail: str  # "the command line", "KALOS_EPHEMERAL='1'", "the default"
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def origin(a: argparse.Namespace, dest: str) -> Origin:
+    """Where option ``dest`` of arguments parsed by a parser given these options came from."""
+    if dest in getattr(a, _GIVEN, ()):
+        return Origin(Source.COMMAND_LINE, "the command line")
+    env: dict[str, str] = getattr(a, _FROM_ENV, None) or {}
+    if dest in env:
+        return Origin(Source.ENVIRONMENT, env[dest])
+    return Origin(Source.DEFAULT, "the default")
 
 
 def env_var(option: str) -> str:
@@ -109,6 +142,23 @@ def _flag(raw: str) -> bool:
     raise ValueError(raw)
 
 
+def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
+    given: set[str] | None = getattr(namespace, _GIVEN, None)
+    if given is None:
+        given = set()
+        setattr(namespace, _GIVEN, given)
+    given.add(dest)
+
+
+class _Store(argparse.Action):
+    """argparse's ``store``, remembering that the option was on the command line."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        _mark_given(namespace, self.dest)
+
+
 class _EnvFlag(argparse.Action):
     """A ``store_true`` flag whose default may come from the environment (1/true/yes/on, 0/...)."""
 
@@ -118,6 +168,54 @@ class _EnvFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         setattr(namespace, self.dest, True)
+        _mark_given(namespace, self.dest)
+
+
+def shown_default(default: object) -> str:
+    """How help text writes a default: ``none`` for None, ``off`` for False."""
+    if default is None:
+        return "none"
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    return str(default)
+
+
+def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
+                   kind: type[str | int | float] = str, choices: Sequence[str] | None = None,
+                   default: Any = None, shown: str | None = None, dest: str | None = None,
+                   switch: bool = False, environ: Mapping[str, str] | None = None) -> None:
+    """Add ``flag`` to ``p``, defaulting to ``$KALOS_FLAG`` when that variable is set and not empty
+    (``environ``, default ``os.environ``); the command line wins. The help text gets the default
+    (``shown`` if given) and the variable. A variable that does not convert fails
+    ``p.parse_args`` naming the variable, and only when the option is not on the command line."""
+    env = os.environ if environ is None else environ
+    var = env_var(flag)
+    raw = env.get(var, "")
+    kw: dict[str, Any] = {
+        "default": _EnvValue(raw, var) if raw else default,
+        "help": f"{help} (default: {shown if shown is not None else shown_default(default)}) "
+                f"[env {var}]"}
+    if dest is not None:
+        kw["dest"] = dest
+    if choices is not None:
+        kw["choices"] = choices
+    what = {int: "an integer", float: "a number"}.get(kind, "a string")
+    if switch:  # an on/off option without a value
+        action = p.add_argument(flag, action=_EnvFlag,
+                                type=_converter(_flag, "1/true/yes/on or 0/false/no/off"), **kw)
+    else:
+        action = p.add_argument(flag, action=_Store, type=_converter(kind, what, choices), **kw)
+    if raw:
+        from_env = dict(p.get_default(_FROM_ENV) or {})
+        from_env[action.dest] = f"{var}={raw!r}"
+        p.set_defaults(**{_FROM_ENV: from_env})
+
+
+def add_name_argument(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """``--name`` (``$KALOS_NAME``): the broker a command serves or talks to. Every ``kalos``
+    command that takes a broker name adds it with this function."""
+    add_env_option(p, "--name", default="default", environ=environ,
+                   help="broker name scoping the shared objects (/dev/shm/kalos.NAME)")
 
 
 def add_serve_arguments(p: argparse.ArgumentParser,
@@ -128,63 +226,50 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     empty (``environ``, default ``os.environ``); the command line wins over the environment. A
     variable that does not convert fails ``p.parse_args`` naming the variable, and only when the
     option is not given on the command line."""
-    env = os.environ if environ is None else environ
 
-    def opt(flag: str, *, kind: type[str | int | float] = str,
-            choices: Sequence[str] | None = None, default: Any = None, help: str,
-            dest: str | None = None, switch: bool = False) -> None:
-        var = env_var(flag)
-        raw = env.get(var, "")
-        kw: dict[str, Any] = {"default": _EnvValue(raw, var) if raw else default,
-                              "help": f"{help} [env {var}]"}
-        if dest is not None:
-            kw["dest"] = dest
-        what = {int: "an integer", float: "a number"}.get(kind, "a string")
-        if choices is not None:
-            kw["choices"] = choices
-        if switch:  # an on/off option without a value
-            p.add_argument(flag, action=_EnvFlag, type=_converter(_flag, "1/true/yes/on or 0/false/no/off"),
-                           **kw)
-            return
-        p.add_argument(flag, type=_converter(kind, what, choices), **kw)
+    def opt(flag: str, **kw: Any) -> None:
+        add_env_option(p, flag, environ=environ, **kw)
 
-    opt("--name", default="default", help="broker name scoping the shared objects (default: default)")
-    opt("--dim", kind=int, default=128, help="vector dimension (default: 128)")
-    opt("--slots", kind=int, default=64, help="shared-memory slots = max in-flight requests (default: 64)")
-    opt("--max-k", kind=int, default=128, help="largest k a request may ask (default: 128)")
+    add_name_argument(p, environ)
+    opt("--dim", kind=int, default=128, help="vector dimension")
+    opt("--slots", kind=int, default=64, help="shared-memory slots = max in-flight requests")
+    opt("--max-k", kind=int, default=128, help="largest k a request may ask")
     opt("--max-queries", kind=int, default=32,
-        help="rows per slot: queries of recall_many, vectors of one upsert chunk (default: 32)")
-    opt("--blob-bytes", kind=int, default=256 * 1024, help="per-slot payload area in bytes (default: 262144)")
+        help="rows per slot: queries of recall_many, vectors of one upsert chunk")
+    opt("--blob-bytes", kind=int, default=256 * 1024, help="per-slot payload area in bytes")
     opt("--backend", choices=["auto", "numpy", "cuda"], default="auto",
-        help="auto: CUDA if CuPy and a GPU are usable, else numpy (default: auto)")
+        help="auto: CUDA if CuPy and a GPU are usable, else numpy")
     opt("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
         help="storage dtype of the matrix on the GPU (numpy: float32 only)")
-    opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity (default: dot)")
+    opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity")
     opt("--devices", default="all",
-        help="GPUs the cuda backend spreads every namespace over: all, or a comma list such as "
-             "0,1 (default: all visible)")
+        help="GPUs the cuda backend spreads every namespace over: all (every visible one), or a "
+             "comma list such as 0,1")
     opt("--device", kind=int, default=None, help="one CUDA device ordinal (the same as --devices N)")
     opt("--shards", kind=int, default=0,
         help="shards per namespace: 0 = one per device (1 on numpy); more than the devices "
-             "places several on each (default: 0)")
-    opt("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
-    opt("--ephemeral", default=False, switch=True, help="keep memories in memory only (env: 1/true/yes/on)")
-    opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
+             "places several on each")
+    opt("--data-dir", shown="none; one of --data-dir and --ephemeral is required",
+        help="durable store directory (SQLite, WAL; created 0700 if missing, must belong to "
+             "this user); restarts keep acknowledged writes")
+    opt("--ephemeral", default=False, switch=True,
+        help="keep memories in memory only; conflicts with --data-dir (env: 1/true/yes/on)")
+    opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload")
     opt("--spin-us", kind=float, default=250.0,
-        help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
+        help="after a batch, poll the slots this long before sleeping on the doorbell")
     opt("--gather-us", kind=float, default=1000.0,
         help="when fewer requests are posted than the last batch held, wait up to a quarter "
-             "of that batch's service time, at most this long, for the rest (default: 1000; 0: off)")
+             "of that batch's service time, at most this long, for the rest (0: off)")
     opt("--pipeline", choices=["auto", "on", "off"], default="auto",
         help="start the next recall batch on the device while one runs: on, off, or auto "
-             "(only for batches of at least 2^34 rows x queries x dim; default: auto)")
-    opt("--host-search-work", kind=int, default=None,
+             "(only for batches of at least 2^34 rows x queries x dim)")
+    opt("--host-search-work", kind=int, default=None, shown="131072, measured on an H200 host",
         help="cuda backend: a search of at most this many rows x queries x padded dim is scored "
              "on the sidecar's CPU from a host copy of the rows, as a GPU launch would cost more "
-             "(default: 131072, measured on an H200 host; 0: always on the GPU)")
+             "(0: always on the GPU)")
     opt("--fused-kernel", default="auto",
         help="cuda backend: auto searches with the fused wgmma kernel (Hopper GPUs, float16 "
-             "storage) where it was measured to beat the GEMM paths, off never (default: auto)")
+             "storage) where it was measured to beat the GEMM paths, off never")
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     opt("--random-payloads", default=False, switch=True,
         help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of '
@@ -205,10 +290,14 @@ def add_serve_arguments(p: argparse.ArgumentParser,
 def config_from_args(a: argparse.Namespace) -> ServeConfig:
     """The config of options parsed by a parser given :func:`add_serve_arguments`.
 
-    Raises ConfigError unless one of ``--data-dir`` and ``--ephemeral`` is given: where the
-    memories live is never a default."""
+    Raises ConfigError unless exactly one of ``--data-dir`` and ``--ephemeral`` is given, from
+    the command line or the environment: where the memories live is never a default, and a stray
+    ``KALOS_EPHEMERAL`` must not make a durable sidecar forget everything at its next restart."""
     if a.data_dir is None and not a.ephemeral:
         raise ConfigError("give --data-dir DIR (durable) or --ephemeral (memory only)")
+    if a.data_dir is not None and a.ephemeral:
+        raise ConfigError(f"--ephemeral (from {origin(a, 'ephemeral')}) conflicts with "
+                          f"--data-dir {a.data_dir} (from {origin(a, 'data_dir')}): give one of them")
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
     if a.fused_kernel not in ("auto", "off"):
@@ -218,7 +307,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
         storage_dtype=a.dtype, metric=a.metric,
         devices=a.devices if a.device is None else str(a.device), shards=a.shards,
-        data_dir=None if a.ephemeral else a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
+        data_dir=a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
         pipeline=a.pipeline, host_search_work=a.host_search_work,
         fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,8 @@ from ..broker.errors import ConfigError
 log = logging.getLogger("kalos.sidecar")
 DB_FILE = "kalos.sqlite3"
 SCHEMA_VERSION = 1
+#: Seconds between the start-up load's progress lines.
+LOAD_REPORT_S = 5.0
 
 
 class StoreError(Exception):
@@ -42,11 +45,38 @@ class Write:
 _SIDE_FILES = ("", "-wal", "-shm", "-journal")
 
 
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no such user"
+
+
+def prepare_data_dir(data_dir: str) -> None:
+    """Make sure ``data_dir`` is a directory this process's user owns, creating it (0700) if
+    missing. Raises ConfigError saying what is wrong in words: a file in its place, another
+    owner (a store in a directory someone else controls can be swapped under the sidecar, so
+    root is refused one too), or the OS error of creating it."""
+    if os.path.exists(data_dir) and not os.path.isdir(data_dir):
+        raise ConfigError(f"data dir {data_dir} exists and is not a directory; give --data-dir a "
+                          "directory (it is created if missing)")
+    try:
+        os.makedirs(data_dir, mode=0o700, exist_ok=True)
+        owner = os.stat(data_dir).st_uid
+    except OSError as e:
+        raise ConfigError(f"cannot create data dir {data_dir}: {e.strerror}"
+                          f"{'' if e.filename in (None, data_dir) else f' ({e.filename})'}") from None
+    me = os.geteuid()
+    if owner != me:
+        raise ConfigError(f"data dir {data_dir} is owned by uid {owner} ({_user(owner)}) but the "
+                          f"sidecar runs as uid {me} ({_user(me)}); chown it or pick another dir")
+
+
 def make_private(data_dir: str, db_path: str) -> None:
     """The data directory 0700 and the store's files 0600, whatever the umask: every vector and
     payload is in them. A looser directory or file left by an earlier version or by hand is
-    tightened, with a log line. Raises OSError."""
-    os.makedirs(data_dir, mode=0o700, exist_ok=True)
+    tightened, with a log line. Raises ConfigError (:func:`prepare_data_dir`) or OSError."""
+    prepare_data_dir(data_dir)
     mode = os.stat(data_dir).st_mode & 0o777
     if mode & 0o077:
         os.chmod(data_dir, 0o700)
@@ -143,16 +173,28 @@ class Persistence:
                 raise ConfigError(f"store {self.path}: vector of wrong length in namespace {namespace!r}")
             yield ids, vecs, [r[2] for r in rows]
 
-    def load_into(self, store) -> tuple[int, float]:  # type: ignore[no-untyped-def]
-        """Load every namespace into ``store`` (a MemoryStore); returns (rows, seconds)."""
+    def load_into(self, store, *, every_s: float = LOAD_REPORT_S,  # type: ignore[no-untyped-def]
+                  chunk: int = 65536, clock: Callable[[], float] = time.monotonic) -> tuple[int, float]:
+        """Load every namespace into ``store`` (a MemoryStore); returns (rows, seconds). Logs the
+        rows to load first, then how far it got every ``every_s`` seconds (a large store takes
+        minutes and the sidecar is not ready until it is done)."""
         t0 = time.perf_counter()
         total = 0
         try:
-            for ns_name, count in self.namespaces():
+            counts = self.namespaces()
+            want = sum(n for _ns, n in counts)
+            log.info("loading %s rows in %d namespaces from %s", f"{want:,}", len(counts), self.path)
+            last = clock()
+            for ns_name, count in counts:
                 ns = store.get_or_create(ns_name, capacity=count)
-                for ids, vecs, pls in self.scan(ns_name, store.dim):
+                for ids, vecs, pls in self.scan(ns_name, store.dim, chunk):
                     ns.upsert(ids, vecs, pls)
                     total += len(ids)
+                    now = clock()
+                    if now - last >= every_s:
+                        last = now
+                        log.info("loading: %s of %s rows (%.0f%%), namespace %r", f"{total:,}",
+                                 f"{want:,}", 100.0 * total / max(want, 1), ns_name)
         except (sqlite3.DatabaseError, ValueError) as e:
             raise ConfigError(f"store {self.path} cannot be read ({e}); nothing was changed") from None
         return total, time.perf_counter() - t0

@@ -1,6 +1,6 @@
-"""The sidecar process's life: it creates the shared objects, loads the memory, announces READY,
-runs the serving loop until told to stop, answers what was posted before the stop, and unlinks
-everything.
+"""The sidecar process's life: it opens the durable store (if any), creates the shared objects,
+loads the memory, announces READY, runs the serving loop until told to stop, answers what was
+posted before the stop, and unlinks everything.
 
 The loop (:meth:`Sidecar.serve_forever`) polls the slot states while requests keep coming and
 sleeps on the doorbell once idle; each pass is :meth:`Pipeline.serve_pending
@@ -86,9 +86,20 @@ class Sidecar:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Create the objects, load memory, then announce READY."""
+        """Open the store, create the objects, load memory, then announce READY."""
         cfg = self.cfg
-        self._objs = create_objects(cfg.name, self.layout, mode=cfg.shm_mode)
+        # The data dir and the store first: one that cannot be used is a ConfigError before any
+        # shared object exists, so no client attaches to a sidecar that is about to fail and
+        # nothing has to be unlinked.
+        if cfg.data_dir is not None:
+            self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
+        try:
+            self._objs = create_objects(cfg.name, self.layout, mode=cfg.shm_mode)
+        except BaseException:
+            if self.persist is not None:
+                self.persist.close()
+                self.persist = None
+            raise
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
@@ -100,8 +111,7 @@ class Sidecar:
         self._heartbeat.start()
         try:
             self.store.get_or_create("default")
-            if cfg.data_dir is not None:
-                self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
+            if self.persist is not None:
                 rows, secs = self.persist.load_into(self.store)
                 log.info("loaded %d rows in %d namespaces from %s in %.2f s", rows,
                          len(self.store.namespaces), cfg.data_dir, secs)

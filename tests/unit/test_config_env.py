@@ -7,7 +7,9 @@ import argparse
 import pytest
 
 from kalos.broker.errors import ConfigError
-from kalos.sidecar_cuda.config import ServeConfig, add_serve_arguments, config_from_args, env_var
+from kalos.sidecar_cuda.config import (
+    Origin, ServeConfig, Source, add_serve_arguments, config_from_args, env_var, origin,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -155,3 +157,45 @@ def test_host_search_work_is_checked_and_passed_on() -> None:
     assert _config({"KALOS_HOST_SEARCH_WORK": "4096"}, ["--ephemeral"]).host_search_work == 4096
     with pytest.raises(ConfigError, match="host-search-work"):
         _config({}, ["--ephemeral", "--host-search-work", "-1"])
+
+
+@pytest.mark.parametrize("ephemeral_from_env", [False, True], ids=["ephemeral-flag", "ephemeral-env"])
+@pytest.mark.parametrize("data_dir_from_env", [False, True], ids=["dir-flag", "dir-env"])
+def test_ephemeral_and_a_data_dir_conflict_from_any_source(ephemeral_from_env: bool,
+                                                           data_dir_from_env: bool) -> None:
+    """A stray KALOS_EPHEMERAL (or --ephemeral) beside a data dir must not make a durable sidecar
+    forget everything at its next restart: any such combination is refused, naming both sources."""
+    env: dict[str, str] = {}
+    argv: list[str] = []
+    if ephemeral_from_env:
+        env["KALOS_EPHEMERAL"] = "1"
+    else:
+        argv.append("--ephemeral")
+    if data_dir_from_env:
+        env["KALOS_DATA_DIR"] = "./kd3"
+    else:
+        argv += ["--data-dir", "./kd3"]
+    with pytest.raises(ConfigError) as exc:
+        _config(env, argv)
+    msg = str(exc.value)
+    eph = "KALOS_EPHEMERAL='1'" if ephemeral_from_env else "the command line"
+    dd = "KALOS_DATA_DIR='./kd3'" if data_dir_from_env else "the command line"
+    assert f"--ephemeral (from {eph}) conflicts with --data-dir ./kd3 (from {dd})" in msg, msg
+
+
+def test_the_command_line_does_not_lift_the_conflict() -> None:
+    # A data dir on the command line "winning" over KALOS_DATA_DIR is still a data dir: the
+    # conflict is with --ephemeral, wherever either came from.
+    with pytest.raises(ConfigError, match="conflicts"):
+        _config({"KALOS_DATA_DIR": "/a", "KALOS_EPHEMERAL": "yes"}, ["--data-dir", "/b"])
+    assert _config({"KALOS_EPHEMERAL": "0"}, ["--data-dir", "/b"]).data_dir == "/b"
+
+
+def test_origin_names_where_a_value_came_from() -> None:
+    ns = _parser({"KALOS_DIM": "64"}).parse_args(["--slots", "8"])
+    assert origin(ns, "slots") == Origin(Source.COMMAND_LINE, "the command line")
+    assert origin(ns, "dim") == Origin(Source.ENVIRONMENT, "KALOS_DIM='64'")
+    assert origin(ns, "max_k") == Origin(Source.DEFAULT, "the default")
+    # The command line wins over the environment, and says so.
+    ns = _parser({"KALOS_DIM": "64"}).parse_args(["--dim", "32"])
+    assert origin(ns, "dim").source is Source.COMMAND_LINE and ns.dim == 32
