@@ -202,7 +202,7 @@ class CupyBackend:
         q = rng.standard_normal((2, 64), dtype=np.float32)
         runs = [(SearchPath.HOST, 1, 10), (SearchPath.FUSED, 1, 10), (SearchPath.GEMM, 2, 10),
                 (SearchPath.GEMM, 2, 64)]
-        if half_ok(m.traits(dev.storage), HALF_K):
+        if half_ok(m.traits, HALF_K):
             runs.append((SearchPath.HALF_GEMM, 2, 10))
         for path, b, k in runs:
             m.search(q[:b], 64, k, path=path)

@@ -39,7 +39,7 @@ class SearchPath(enum.Enum):
     EXACT = "exact"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Plan:
     """A search's path; ``qt``: queries per block of the fused kernel (FUSED only, else 0)."""
 
@@ -71,11 +71,15 @@ HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB
 #: Batch size -> queries per block of the fused kernel (the smallest QT >= b).
 QT_FOR = {b: next(q for q in SMALL_QT if q >= b) for b in range(1, SMALL_QT[-1] + 1)}
 
+# The plans handed out (a search should not pay for building one).
+_PLANS = {path: Plan(path) for path in SearchPath}
+_FUSED_PLANS = {qt: Plan(SearchPath.FUSED, qt) for qt in SMALL_QT}
+
 #: The path that redoes the queries a proving path could not prove exact: float32 scores decide.
 REDO = {SearchPath.HALF_GEMM: SearchPath.GEMM, SearchPath.WGMMA: SearchPath.EXACT}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Limits:
     """What the planner needs of the device and the options. ``smem_optin``: the device's opt-in
     shared memory per block; ``small_batch_max`` / ``small_work_max``: the fused kernel serves up
@@ -92,7 +96,7 @@ class Limits:
     wgmma_built: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Rows:
     """What the planner needs of the rows searched: storage, padded dim, the metric's l2-ness, and
     a bound on every stored row's norm (0 while none is written)."""
@@ -129,19 +133,19 @@ def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
     """The path of a batch of b queries for the top-k over rows [0, n) of ``rows``."""
     dpad = rows.dpad
     if b * n * dpad <= limits.host_work:
-        return Plan(SearchPath.HOST)
+        return _PLANS[SearchPath.HOST]
     if k <= WARP_K and (b <= limits.small_batch_max or n * b <= limits.small_work_max):
         qt = QT_FOR[min(b, SMALL_QT[-1])]
         while qt > 1 and small_smem(qt, dpad) > limits.smem_optin:
             qt //= 2
         if small_smem(qt, dpad) <= limits.smem_optin:
-            return Plan(SearchPath.FUSED, qt)
+            return _FUSED_PLANS[qt]
     if (limits.wgmma_built and WGMMA_MIN_B <= b <= WGMMA_MAX_B
             and n >= limits.wgmma_min_rows * (1 if b <= 16 else 2) and wgmma_ok(rows, k)):
-        return Plan(SearchPath.WGMMA)
+        return _PLANS[SearchPath.WGMMA]
     if n * b >= HALF_WORK_MIN and half_ok(rows, k):
-        return Plan(SearchPath.HALF_GEMM)
-    return Plan(SearchPath.GEMM)
+        return _PLANS[SearchPath.HALF_GEMM]
+    return _PLANS[SearchPath.GEMM]
 
 
 def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan:
@@ -150,13 +154,13 @@ def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan
     if path is SearchPath.FUSED:
         if k > WARP_K:
             raise ValueError(f"the fused path serves k <= {WARP_K}")
-        return Plan(path, QT_FOR[min(b, SMALL_QT[-1])])
+        return _FUSED_PLANS[QT_FOR[min(b, SMALL_QT[-1])]]
     if path is SearchPath.HALF_GEMM and not half_ok(rows, k):
         raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
     if path in (SearchPath.WGMMA, SearchPath.EXACT) and not (limits.wgmma_built and wgmma_ok(rows, k)):
         raise ValueError(f"the {path.value} path serves a Hopper device (built), float16 storage, "
                          f"dot or cosine, k <= {WGMMA_K} and a padded dim that is a multiple of 64")
-    return Plan(path)
+    return _PLANS[path]
 
 
 def cheap_k(path: SearchPath) -> int:

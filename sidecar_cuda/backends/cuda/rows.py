@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import replace
 
 import numpy as np
 
@@ -34,9 +35,10 @@ class DeviceRows:
         if self.capacity >= 2**31:
             raise ValueError("a CUDA matrix holds fewer than 2**31 rows")
         self.l2 = int(metric == Metric.L2)
-        # An upper bound on the norm of every stored row (the proving paths' error bound): raised
-        # by writes, never lowered (moves and deletes leave it a valid bound).
-        self.max_norm = 0.0
+        # What the planner reads of these rows, kept rather than built per search. Its max_norm
+        # bounds the norm of every stored row (the proving paths' error bound): raised by
+        # writes, never lowered (moves and deletes leave it a valid bound).
+        self.traits = Rows(dev.storage, self.dpad, bool(self.l2), 0.0)
         with dev.stream:
             self.data = dev.cp.zeros((self.capacity, self.dpad), dev.storage.bits)
             self.sqn = dev.cp.zeros(self.capacity, np.float32)
@@ -51,9 +53,13 @@ class DeviceRows:
         # "gathered", "gather_reused".
         self.filter_stats = {"gathered": 0, "gather_reused": 0}
 
-    def traits(self, storage: Storage) -> Rows:
-        """What the planner needs of these rows."""
-        return Rows(storage, self.dpad, bool(self.l2), self.max_norm)
+    @property
+    def max_norm(self) -> float:
+        return self.traits.max_norm
+
+    @max_norm.setter
+    def max_norm(self, bound: float) -> None:
+        self.traits = replace(self.traits, max_norm=bound)
 
     def changed(self) -> None:
         """The rows change: gathered copies of them, and the host copy, are stale."""

@@ -53,7 +53,7 @@ class CudaSearch(PolledFuture[SearchResult]):
 
 def plan_for(dev: Device, m: DeviceRows, b: int, n: int, k: int) -> Plan:
     """The planner's path for b queries over rows [0, n) of ``m`` on this device."""
-    return plan(b, n, k, m.traits(dev.storage), dev.limits)
+    return plan(b, n, k, m.traits, dev.limits)
 
 
 def start(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
@@ -95,8 +95,7 @@ def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
     if b == 0 or kk == 0:
         p.value = (np.empty((b, kk), np.int64), np.empty((b, kk), np.float32))
         return p
-    traits = m.traits(dev.storage)
-    pl = plan(b, n, k, traits, dev.limits) if path is None else forced(path, b, k, traits, dev.limits)
+    pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
     p.path = pl.path
     if pl.path is SearchPath.HOST:  # answered now, from the host copy (read back first if stale)
         p.value = search_host(dev, m, q, n, k)
