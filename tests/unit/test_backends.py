@@ -350,8 +350,8 @@ def test_a_forced_path_is_checked_against_what_it_serves():
 
 def test_redo_paths_and_the_cheap_overfetch_k_follow_the_proving_paths():
     assert planner.REDO == {P.HALF_GEMM: P.GEMM, P.WGMMA: P.EXACT}
-    assert [planner.cheap_k(p) for p in P] == [
-        {P.HALF_GEMM: planner.HALF_K, P.WGMMA: planner.HALF_K}.get(p, WARP_K) for p in P]
+    assert planner.cheap_k(P.HALF_GEMM) == planner.cheap_k(P.WGMMA) == planner.HALF_K == 16
+    assert {planner.cheap_k(p) for p in (P.HOST, P.FUSED, P.GEMM, P.EXACT)} == {WARP_K} == {32}
     # The value labels statistics and logs: one per path, the old spellings kept.
     assert {p.value for p in P} == {"host", "small", "wgmma", "gemmh", "gemm", "exact"}
 
