@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import os
 import shutil
 import signal
