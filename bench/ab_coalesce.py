@@ -81,7 +81,7 @@ def main() -> int:
     if a.base:
         sides.append(("new-off", HERE, []))
     sides.append(("new", HERE, ["--coalesce"]))
-    envs = [("default", {})] + ([("blas1", BLAS1)] if a.blas1 else [])
+    envs: list[tuple[str, dict[str, str]]] = [("default", {})] + ([("blas1", BLAS1)] if a.blas1 else [])
     result: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "bench_command": f"python bench/bench_broker.py {a.bench_args}",

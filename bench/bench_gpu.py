@@ -24,6 +24,9 @@ import sys
 import time
 import urllib.request
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -74,7 +77,7 @@ def latency_sample(lat_ns: list[int] | np.ndarray, n: int = 2000) -> list[float]
     return [round(float(x), 1) for x in a]
 
 
-def timed(fn, reps: int, warm: int = 20) -> dict[str, float]:
+def timed(fn: Callable[[], object], reps: int, warm: int = 20) -> dict[str, float]:
     for _ in range(warm):
         fn()
     lat = []
@@ -85,7 +88,7 @@ def timed(fn, reps: int, warm: int = 20) -> dict[str, float]:
     return pct(lat)
 
 
-def gpu_environment(cp) -> dict:
+def gpu_environment(cp: Any) -> dict[str, Any]:
     """Versions and device of a GPU run (JSON ``env``): environment() plus the GPU, CuPy, CUDA and
     torch (where installed)."""
     props = cp.cuda.runtime.getDeviceProperties(0)
@@ -103,7 +106,7 @@ def gpu_environment(cp) -> dict:
     return env
 
 
-def copy_bandwidth(cp) -> float:
+def copy_bandwidth(cp: Any) -> float:
     """Device-to-device copy of 2 GiB: (bytes read + bytes written) / time, TB/s (median of 10)."""
     a = cp.empty(2 * 1024**3 // 4, cp.float32)
     a[...] = 1.0
@@ -139,11 +142,12 @@ def scrape(port: int) -> dict[str, float]:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 # ---------------------------------------------------------------------------- in-process baselines
-def torch_baselines(matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict]:
+def torch_baselines(matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict[str, Any]]:
     import torch
 
     out = []
@@ -194,7 +198,7 @@ def torch_baselines(matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, re
     return out
 
 
-def cupy_naive(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict]:
+def cupy_naive(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict[str, Any]]:
     n = len(matrix)
     M = cp.asarray(matrix).astype(dtype)
     s = cp.cuda.Stream(non_blocking=True)
@@ -216,13 +220,13 @@ def cupy_naive(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, rep
     return r
 
 
-def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict]:
+def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int) -> list[dict[str, Any]]:
     """This backend called in-process: latency of Matrix.search (graphs on and off), recalls/s of
     batches, and GPU time per batch (CUDA events) on each path; also checks the answers."""
-    from kalos.sidecar_cuda.backends.cuda import CupyBackend
+    from kalos.sidecar_cuda.backends.cuda import CupyBackend, SearchPath
 
     n, d = matrix.shape
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     be = CupyBackend(storage_dtype=dtype)
     try:
         m = be.new_matrix(d, n, Metric.DOT)
@@ -230,47 +234,45 @@ def kalos_inproc(cp, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, r
             m.write_rows(np.arange(lo, min(n, lo + 65536)), matrix[lo:lo + 65536])
         i = [0]
         for graphs in (True, False):
-            be.use_graphs = graphs
+            be.device.graphs.enabled = graphs
 
             def one() -> None:
                 m.search(bank[i[0] % len(bank)][None, :], n, k)
                 i[0] += 1
 
             out.append({"what": f"kalos_single{'' if graphs else '_nograph'}", **timed(one, reps)})
-        be.use_graphs = True
-        samples = []
+        be.device.graphs.enabled = True
         for b in (8, 64, 256):
             qb = bank[:b]
             r = timed(lambda: m.search(qb, n, k), max(20, reps // 10), warm=5)
             out.append({"what": f"kalos_batch{b}", **r, "recalls_per_s": round(b / r["p50_us"] * 1e6),
-                        "path": be._plan(b, n, k, m)[0]})
+                        "path": m.plan(b, n, k).path.value})
         ids, scores = m.search(bank[:64], n, k)
         samples = [(bank[j], ids[j], scores[j]) for j in range(64)]
         checked, wrong = check_samples(samples, matrix, k, rtol=RTOL[dtype])
         out.append({"what": "kalos_check", "checked": checked, "wrong": wrong})
-        # GPU time per batch on each path (events around the enqueued work).
-        s = be._stream
+        # GPU time per batch on each path: events around the enqueued search (not its collection).
+        s = be.stream
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         for b in (1, 4, 8, 16, 64, 256):
             qb = np.ascontiguousarray(bank[:b])
-            for path in ("small", "gemm", "gemmh"):
-                if path == "small" and b > 64 or path == "gemmh" and not be._half_ok(m, k):
+            for path in (SearchPath.FUSED, SearchPath.GEMM, SearchPath.HALF_GEMM):
+                if path is SearchPath.FUSED and b > 64:
                     continue
-                be._cur = be._sets[0]
-                be._ensure(be._cur.h_out, 8 * b * min(k, n) + 4 * b)
-                qt = next((x for x in (1, 2, 4, 8, 16) if x >= b), 16)
-                fn = {"small": lambda: be._search_small(m, qb, n, k, qt),
-                      "gemm": lambda: be._search_gemm(m, qb, n, k, min(k, n)),
-                      "gemmh": lambda: be._search_gemm_h(m, qb, n, min(k, n))}[path]
+                try:
+                    m.search(qb, n, k, path=path)
+                except ValueError:  # (a path that cannot serve this search)
+                    continue
                 ts = []
                 for rep in range(25):
                     e0.record(s)
-                    fn()
+                    pending = m.search_async(qb, n, k, path=path)
                     e1.record(s)
                     e1.synchronize()
+                    pending.result()
                     if rep >= 5:
                         ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-                out.append({"what": "kalos_gpu_time", "path": path, "batch": b,
+                out.append({"what": "kalos_gpu_time", "path": path.value, "batch": b,
                             "gpu_us_median": round(float(np.median(ts)), 2)})
     finally:
         be.close()
@@ -303,7 +305,7 @@ def main() -> int:
     env = gpu_environment(cp)
     bw = copy_bandwidth(cp)
     log(f"# {env['gpu']}: copy bandwidth {bw:.3f} TB/s (read + write)")
-    results: list[dict] = []
+    results: list[dict[str, Any]] = []
     tasks_list = [int(t) for t in a.tasks.split(",")]
     for size in a.sizes.split(","):
         n, d, dtype = parse_size(size)

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from typing import Any
+
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -36,7 +38,7 @@ def pct(a: list[int]) -> dict[str, float]:
     return {"p50_us": round(float(p[0]), 1), "p95_us": round(float(p[1]), 1), "p99_us": round(float(p[2]), 1)}
 
 
-async def upsert_rates(name: str, dim: int, seconds: float, batch: int) -> dict:
+async def upsert_rates(name: str, dim: int, seconds: float, batch: int) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     vecs = rng.standard_normal((4096, dim)).astype(np.float32)
     out = {}
@@ -69,7 +71,7 @@ async def upsert_rates(name: str, dim: int, seconds: float, batch: int) -> dict:
     return out
 
 
-async def recall_under_writes(name: str, dim: int, seconds: float) -> dict:
+async def recall_under_writes(name: str, dim: int, seconds: float) -> dict[str, Any]:
     rng = np.random.default_rng(2)
     q = rng.standard_normal((256, dim)).astype(np.float32)
     vecs = rng.standard_normal((4096, dim)).astype(np.float32)
@@ -104,7 +106,7 @@ async def recall_under_writes(name: str, dim: int, seconds: float) -> dict:
     return out
 
 
-def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
+def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[str, Any]:
     """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
     from kalos.broker.layout import Metric
     from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
@@ -124,7 +126,7 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
             while time.perf_counter() < t_end:
                 ids = np.arange(n, n + size, dtype=np.int64)
                 v = vecs[n % 4096:n % 4096 + size] if n % 4096 + size <= 4096 else vecs[:size]
-                pls = [b'{"n":1}'] * size
+                pls: list[bytes | None] = [b'{"n":1}'] * size
                 if persist is not None:
                     persist.commit([Write("upsert", "w", ids=ids, vectors=v, payloads=pls)])
                 store.get_or_create("w").upsert(ids, v, pls)
@@ -136,7 +138,7 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict:
     return out
 
 
-def load_time(rows: int, dim: int, workdir: str) -> dict:
+def load_time(rows: int, dim: int, workdir: str) -> dict[str, Any]:
     """Fill a durable store with rows x dim (kalos import), then time a restart's load."""
     name = f"bl-load-{os.getpid()}"
     data = os.path.join(workdir, "load-data")
@@ -160,19 +162,19 @@ def load_time(rows: int, dim: int, workdir: str) -> dict:
     if r.returncode:
         raise RuntimeError(r.stderr)
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
-                            stderr=subprocess.PIPE, text=True)
+    reader = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
+                              stderr=subprocess.PIPE, text=True)
     loaded = None
-    assert proc.stderr is not None
-    for line in proc.stderr:
+    assert reader.stderr is not None
+    for line in reader.stderr:
         m = re.search(r"loaded (\d+) rows .* in ([0-9.]+) s", line)
         if m:
             loaded = (int(m.group(1)), float(m.group(2)))
         if "ready" in line:
             break
     ready_s = time.perf_counter() - t0
-    proc.terminate()
-    proc.wait(timeout=60)
+    reader.terminate()
+    reader.wait(timeout=60)
     db_bytes = sum(os.path.getsize(os.path.join(data, f)) for f in os.listdir(data))
     return {"rows": rows, "dim": dim, "import_s": round(import_s, 1),
             "import_rows_per_s": round(rows / import_s), "load_rows": loaded and loaded[0],
@@ -191,7 +193,7 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kalos-bench-")
-    results: dict = {}
+    results: dict[str, Any] = {}
     try:
         for mode in ("durable", "ephemeral"):
             name = f"bl-{mode}-{os.getpid()}"

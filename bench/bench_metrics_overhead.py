@@ -1,11 +1,9 @@
 #!/usr/bin/env python3
 """What observability costs the hot path.
 
-1. ``ClientSlot.record`` (the client's per-request latency accounting in shared memory), timed
-   directly with timeit against a real leased slot, next to an empty method of the same signature.
-2. The sidecar's per-batch observer (``SidecarCollector.observe_batch``) and ``record_batch`` with
+1. The sidecar's per-batch observer (``SidecarCollector.observe_batch``) and ``record_batch`` with
    and without it.
-3. Round trips (blocking client and asyncio pool, one request at a time, 256 x 128, k=10) through
+2. Round trips (blocking client and asyncio pool, one request at a time, 256 x 128, k=10) through
    a sidecar without the metrics endpoint, with it but not scraped, scraped once a second, and
    scraped in a tight loop by another process. Configurations are interleaved over several rounds
    (a fresh sidecar each time) and the medians of the rounds are reported.
@@ -38,7 +36,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from kalos.broker.layout import Layout  # noqa: E402
 from kalos.clients import RecallClient, RecallPool  # noqa: E402
-from kalos.clients._transport import Connection  # noqa: E402
 from kalos.testing.loadgen import environment  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 from kalos.sidecar_cuda.metrics import SidecarCollector  # noqa: E402
@@ -66,35 +63,13 @@ print(len(durs), durs[len(durs) // 2] if durs else 0.0)
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def per_call_ns(stmt: str, env: dict[str, Any], number: int) -> float:
     """Best of 7 repeats, in ns per call (the minimum is the cost without interference)."""
     return min(timeit.repeat(stmt, globals=env, number=number, repeat=7)) / number * 1e9
-
-
-class _Noop:
-    def record(self, latency_ns: int, ok: bool, timed_out: bool = False) -> None:
-        pass
-
-
-def bench_record(name: str, number: int) -> dict[str, float]:
-    conn = Connection(name)
-    slot = conn.lease(1)[0]
-    try:
-        env = {"rec": slot.record, "noop": _Noop().record}
-        out = {
-            "empty_method_ns": per_call_ns("noop(123456, True)", env, number),
-            "record_ok_ns": per_call_ns("rec(123456, True)", env, number),
-            "record_ok_slow_bucket_ns": per_call_ns("rec(3_000_000_000, True)", env, number),
-            "record_error_ns": per_call_ns("rec(0, False)", env, number),
-            "record_timeout_ns": per_call_ns("rec(0, False, True)", env, number),
-        }
-    finally:
-        conn.give_back([slot], [])
-        conn.close()
-    return out
 
 
 def bench_observer(number: int) -> dict[str, float]:
@@ -254,17 +229,7 @@ def main() -> int:
     machine = a.machine or f"cpu{os.cpu_count()}-{a.backend}"
     q = np.random.default_rng(1).standard_normal((256, a.dim)).astype(np.float32)
 
-    name = f"bench-metrics-{os.getpid()}-record"
-    proc = start_sidecar_process(["--ephemeral", "--dim", str(a.dim), "--random-rows", "16",
-                                  "--backend", "numpy", "--slots", "2"], name)
-    try:
-        record = bench_record(name, a.number)
-    finally:
-        stop_sidecar_process(proc)
     observer = bench_observer(a.number)
-    print("client-side ClientSlot.record, ns per call (best of 7 x %d):" % a.number)
-    for key, v in record.items():
-        print(f"  {key:28s} {v:8.0f}")
     print("sidecar-side per batch, ns per call:")
     for key, v in observer.items():
         print(f"  {key:28s} {v:8.0f}")
@@ -312,7 +277,7 @@ def main() -> int:
                    "backend": a.backend, "dtype": a.dtype, "loop": a.loop, "timeit_number": a.number,
                    "cores": {"sidecar": sorted(a.sidecar_cores or []), "client": sorted(a.client_cores or []),
                              "scraper": sorted(a.scraper_cores or [])}},
-        "record_ns": record, "sidecar_observer_ns": observer,
+        "sidecar_observer_ns": observer,
         "round_trip_summary": summary, "round_trip_rounds": rounds,
     }
     with open(out, "w") as f:

@@ -172,7 +172,7 @@ def check_answers(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows
 
 # ---------------------------------------------------------------------------- one size
 def inproc_rows(backend: str, host: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int,
-                seconds: float) -> list[dict]:
+                seconds: float) -> list[dict[str, Any]]:
     """In-process baselines at this size: torch on CUDA (one query, CUDA graph, batches of 64 and
     256), numpy on the CPU (one query, a batch of 256)."""
     if backend == "cuda":
@@ -185,8 +185,8 @@ def inproc_rows(backend: str, host: np.ndarray, dtype: str, k: int, bank: np.nda
     return out
 
 
-def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict, floor_us: float,
-                seed: int) -> tuple[list[dict], list[list]]:
+def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict[str, Any], floor_us: float,
+                seed: int) -> tuple[list[dict[str, Any]], list[list[Any]]]:
     """One sidecar for this size; a load run per --tasks. Returns (rows, kept answers per row)."""
     tasks_list = [int(t) for t in a.tasks.split(",")]
     name = f"bscale{os.getpid()}x{n}"
@@ -199,8 +199,8 @@ def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict,
     proc = start_sidecar_process(args, name, timeout=900)
     ready_s = time.perf_counter() - t0
     log(f"# sidecar ready in {ready_s:.1f} s")
-    rows: list[dict] = [{**base, "what": "sidecar_start", "ready_s": round(ready_s, 1)}]
-    kept: list[list] = [[]]
+    rows: list[dict[str, Any]] = [{**base, "what": "sidecar_start", "ready_s": round(ready_s, 1)}]
+    kept: list[list[Any]] = [[]]
     try:
         for tasks in tasks_list:
             procs = 1 if tasks == 1 else min(a.procs, tasks)
@@ -230,7 +230,7 @@ def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict,
     return rows, kept
 
 
-def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) -> list[dict]:
+def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) -> list[dict[str, Any]]:
     d, dtype = a.dim, a.dtype
     itemsize = np.dtype(dtype).itemsize
     nbytes = n * d * itemsize
@@ -242,7 +242,7 @@ def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) 
         base["bound_batch256_per_s"] = round(256 / t_b)
     reps = a.reps if n < 500_000 else max(100, a.reps // 3) if n < 5_000_000 else max(50, a.reps // 10)
     bank = np.random.default_rng(seed + 1).standard_normal((1024, d), dtype=np.float32)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
 
     t0 = time.perf_counter()
     path = None
@@ -291,13 +291,13 @@ def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) 
 
 
 # ---------------------------------------------------------------------------- report
-def table(rows: list[dict]) -> str:
-    by_n: dict[int, dict[str, dict]] = {}
+def table(rows: list[dict[str, Any]]) -> str:
+    by_n: dict[int, dict[str, dict[str, Any]]] = {}
     for r in rows:
         key = r["what"] if r["what"] != "broker" else f"broker{r['tasks']}"
         by_n.setdefault(r["n"], {})[key] = r
 
-    def f(r: dict | None, key: str, fmt: str = "{:,.1f}") -> str:
+    def f(r: dict[str, Any] | None, key: str, fmt: str = "{:,.1f}") -> str:
         return fmt.format(r[key]) if r and r.get(key) is not None else "-"
 
     head = ("rows", "one read", "1 task p50 us", "p95", "p99", "x read", "in-proc 1q p50", "256 tasks /s",
@@ -323,7 +323,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write(path: str, doc: dict) -> None:
+def write(path: str, doc: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(doc, f, indent=1)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib.util
-import json
 import os
 import shutil
 import signal
@@ -55,7 +54,7 @@ COPY_HINT = "mkdir -p .dev/seed && cp /work/shared/baselines/seed_* .dev/seed/"
 
 
 # ---------------------------------------------------------------------------- the seed
-def build_seed(seed_dir: str, nvcc: str, arch: str) -> tuple[str | None, dict]:
+def build_seed(seed_dir: str, nvcc: str, arch: str) -> tuple[str | None, dict[str, Any]]:
     """Compile seed_sidecar.cu into seed_dir. Returns (binary or None, what happened)."""
     exe = shutil.which(nvcc)
     if exe is None:
@@ -91,18 +90,19 @@ def load_client(seed_dir: str) -> Any:
 
 
 def run_seed(client: Any, binary: str, n: int, d: int, variant: str, iters: int,
-             timeout_s: float) -> dict:
+             timeout_s: float) -> dict[str, Any]:
     """One seed_client.run(), with the latencies it measured (caught where it summarises them)
     and its sidecar killed if it has not finished within timeout_s."""
     caught: list[np.ndarray] = []
-    servers: list[subprocess.Popen] = []
+    servers: list[subprocess.Popen[bytes]] = []
     orig_pct, orig_sub = client.pct, client.subprocess
 
-    def pct(a: Any) -> dict:
+    def pct(a: Any) -> dict[str, Any]:
         caught.append(np.asarray(a, np.int64))
-        return orig_pct(a)
+        summary: dict[str, Any] = orig_pct(a)
+        return summary
 
-    def popen(*args: Any, **kw: Any) -> subprocess.Popen:
+    def popen(*args: Any, **kw: Any) -> subprocess.Popen[bytes]:
         servers.append(subprocess.Popen(*args, **kw))
         return servers[-1]
 
@@ -137,7 +137,7 @@ def run_seed(client: Any, binary: str, n: int, d: int, variant: str, iters: int,
 
 # ---------------------------------------------------------------------------- Kalos at that size
 def broker_rows(a: argparse.Namespace, n: int, d: int, ks: list[int], seed: int, matrix: np.ndarray,
-                base: dict) -> list[dict]:
+                base: dict[str, Any]) -> list[dict[str, Any]]:
     """One sidecar at this size; a 1-task run for each k."""
     name = f"bseed{os.getpid()}x{n}"
     proc = start_sidecar_process(["--ephemeral", "--backend", a.backend, "--dtype", "float32", "--dim", str(d),
@@ -160,7 +160,7 @@ def broker_rows(a: argparse.Namespace, n: int, d: int, ks: list[int], seed: int,
     return out
 
 
-def inproc(a: argparse.Namespace, cp: Any, matrix: np.ndarray, k: int, seed: int) -> list[dict]:
+def inproc(a: argparse.Namespace, cp: Any, matrix: np.ndarray, k: int, seed: int) -> list[dict[str, Any]]:
     if a.backend != "cuda":
         p, tput = inproc_numpy(matrix, k, seconds=max(0.5, a.seconds / 2), batch=1)
         return [{"what": "numpy_single", "k": k, **{kk: round(v, 2) for kk, v in p.items()},
@@ -177,7 +177,7 @@ def inproc(a: argparse.Namespace, cp: Any, matrix: np.ndarray, k: int, seed: int
 
 
 # ---------------------------------------------------------------------------- main
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict[str, Any]]) -> str:
     head = ("size", "case", "k", "p50 us", "p95 us", "p99 us", "checked/wrong")
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for r in rows:
@@ -256,7 +256,7 @@ def main() -> int:
     try:
         for n, d in sizes:
             base = {"n": n, "dim": d, "dtype": "float32", "floor_us": round(n * d * 4 / (bw * 1e12) * 1e6, 2)}
-            rows: list[dict] = []
+            rows: list[dict[str, Any]] = []
             if client is not None:
                 for variant in VARIANTS:
                     try:

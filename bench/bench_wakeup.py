@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from typing import Any
+
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -34,7 +36,7 @@ def _echo(req_name: str, resp_name: str) -> None:
         resp.release()
 
 
-def ipc_floor(seconds: float) -> list[dict]:
+def ipc_floor(seconds: float) -> list[dict[str, Any]]:
     """The same run's floor: a bare posix_ipc semaphore ping-pong with an echo process, the
     client blocking in sem_wait or polling with sem_trywait (what any design here pays)."""
     import multiprocessing as mp
@@ -102,10 +104,10 @@ def main() -> int:
                     t = time.perf_counter_ns()
                     c.recall(q, k=4)
                     lat.append(time.perf_counter_ns() - t)
-            p = np.percentile(np.asarray(lat[100:]) / 1e3, [50, 95, 99])
+            q = np.percentile(np.asarray(lat[100:]) / 1e3, [50, 95, 99])
             rows.append({"client": "blocking", "mechanism": "spin then sem_timedwait" if spin else "sem_timedwait only",
-                         "spin_us": spin, "p50_us": round(float(p[0]), 1), "p95_us": round(float(p[1]), 1),
-                         "p99_us": round(float(p[2]), 1), "n": len(lat)})
+                         "spin_us": spin, "p50_us": round(float(q[0]), 1), "p95_us": round(float(q[1]), 1),
+                         "p99_us": round(float(q[2]), 1), "n": len(lat)})
     finally:
         stop_sidecar_process(proc)
     rows += ipc_floor(a.seconds)

@@ -1,24 +1,21 @@
-"""Where the microseconds of one lone recall go (issue 14, item 4): one instrumented run.
+"""Where the microseconds of one lone recall go, from public entry points only.
 
-A sidecar process (``--backend``, rows from ``--random-rows``) and one blocking client in this
-process doing recalls one after another. Each recall is stamped on both sides with
-CLOCK_MONOTONIC (the sidecar's stamps are the slot's ``t_pick_ns`` / ``t_done_ns``, which every
-answer carries), so each stage is measured on the same requests:
+A sidecar process (``--backend``, rows from ``--random-rows``, its metrics endpoint on) and one
+blocking client (``RecallClient``) in this process doing recalls one after another:
 
-    client encode     validate + encode the query (clients/_requests.recall)
-    client write      copy into the slot's views (_requests.write)
-    post              header, POSTED, req semaphore (+ doorbell when the sidecar sleeps)
-    sidecar wake      t_post -> t_pick: the sidecar notices and takes the slot
-    sidecar serve     t_pick -> t_done: classify, stage, launch, kernel, sync, write the answer
-    client wake       t_done -> the client sees DONE and consumes the response (it spins here, as
-                      the pool does within its spin window)
-    client decode     _requests.read -> Hits
-    release           latency record + slot freed
+    end to end        RecallClient.recall, measured here (p50, p99)
+    sidecar wait      posted by the client -> taken into a batch (the sidecar's
+                      ``kalos_stage_latency_quantile_seconds{stage="queue_wait"}``)
+    sidecar serve     taken -> answered: the sidecar's ``service`` stage (posted -> answered)
+                      less its wait
+    client            end to end less the sidecar's service: validate, encode, write, post, then
+                      notice the answer, decode, release
 
-Then, in this process on the same shape (``--backend cuda``): the search through the backend
-(wall time) and its GPU time from CUDA events, which split "sidecar serve" into kernel, launch +
-sync, and the sidecar's own Python (the rest). Prints the table of p50s (and the sum against the
-measured end-to-end p50) and writes JSON.
+The sidecar's figures are the quantiles of its own sliding window over the measured recalls (one
+at a time, so each batch is one request). Then, in this process on the same shape: the search
+through the backend (``Matrix.search``, wall time) and, on CUDA, its GPU time from CUDA events on
+the backend's stream, which split "sidecar serve" into kernel, launch + sync and the sidecar's
+own Python (the rest). Prints the table of p50s and writes JSON.
 
     python3 bench/breakdown.py --backend cuda --sizes 256x128:float32,1Mx768:float16 --out X.json
 """
@@ -28,21 +25,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kalos.clients import _requests  # noqa: E402
-from kalos.clients.blocking import RecallClient  # noqa: E402
+from kalos.broker.layout import Metric  # noqa: E402
+from kalos.clients import RecallClient  # noqa: E402
 from kalos.testing.loadgen import environment  # noqa: E402
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
 
-STAGES = ["client encode", "client write", "post", "sidecar wake", "sidecar serve", "client wake",
-          "client decode", "release"]
+STAGES = ["sidecar wait", "sidecar serve", "client"]
 
 
 def parse_size(s: str) -> tuple[int, int, str]:
@@ -52,64 +50,57 @@ def parse_size(s: str) -> tuple[int, int, str]:
     return int(float(rows.rstrip("km")) * mult), int(dim), dtype or "float32"
 
 
-def client_stages(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> dict[str, np.ndarray]:
-    """Per-stage ns of ``n`` lone recalls (after ``warm``), as listed in the module docstring."""
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def stage_quantiles(port: int) -> dict[tuple[str, str], float]:
+    """The sidecar's stage quantiles in microseconds, by (stage, quantile), from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "kalos_stage_latency_quantile_seconds":
+            for s in fam.samples:
+                out[(s.labels["stage"], s.labels["quantile"])] = s.value * 1e6
+    return out
+
+
+def lone_recalls(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> np.ndarray:
+    """End-to-end ns of ``n`` recalls made one after another (after ``warm`` more)."""
     rng = np.random.default_rng(seed)
     qs = rng.standard_normal((n + warm, dim), dtype=np.float32)
-    out = {s: np.zeros(n, np.int64) for s in STAGES + ["end to end"]}
+    e2e = np.zeros(n, np.int64)
     with RecallClient(name) as c:
-        c.recall(qs[0], k=k)  # attach
-        s = c._slot  # the instrumented path below is RecallClient._roundtrip, stamped
-        nsb = c._ns.encode("default")
-        w64 = s._w64
-        base = s._tpost  # t_post_ns; t_pick_ns and t_done_ns follow it (8 bytes each)
         for i in range(n + warm):
-            t0 = time.monotonic_ns()
-            p = _requests.recall(c.layout, qs[i], k, nsb, False, True, None)
-            t1 = time.monotonic_ns()
-            blob_len = _requests.write(s.view, p)
-            t2 = time.monotonic_ns()
-            s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
-            t3 = time.monotonic_ns()
-            while not (s.is_done() and s.try_consume()):
-                pass
-            t4 = time.monotonic_ns()
-            hits = _requests.read(s.view, s.outcome(), p)
-            t5 = time.monotonic_ns()
-            s.record(t5 - t0, ok=True)
-            s.set_free()
-            t6 = time.monotonic_ns()
+            t0 = time.perf_counter_ns()
+            hits = c.recall(qs[i], k=k)
+            t1 = time.perf_counter_ns()
             assert len(hits) == k
-            if i < warm:
-                continue
-            j = i - warm
-            t_post, t_pick, t_done = int(w64[base]), int(w64[base + 1]), int(w64[base + 2])
-            out["client encode"][j] = t1 - t0
-            out["client write"][j] = t2 - t1
-            out["post"][j] = t3 - t2
-            out["sidecar wake"][j] = t_pick - t_post
-            out["sidecar serve"][j] = t_done - t_pick
-            out["client wake"][j] = t4 - t_done
-            out["client decode"][j] = t5 - t4
-            out["release"][j] = t6 - t5
-            out["end to end"][j] = t6 - t0
-    return out
+            if i >= warm:
+                e2e[i - warm] = t1 - t0
+    return e2e
 
 
 def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, reps: int,
               host_work: int | None = None) -> dict[str, Any]:
     """The backend's search of one query in this process: wall and GPU time (p50, us), and the
     path the CUDA backend took."""
+    be: Any
     if backend != "cuda":
         from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-        from kalos.broker.layout import Metric
 
-        be: Any = NumpyBackend()
+        be = NumpyBackend()
     else:
-        from kalos.sidecar_cuda.backends.cuda.backend import CupyBackend
-        from kalos.broker.layout import Metric
+        from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
-        be = CupyBackend(storage_dtype=dtype, **({} if host_work is None else {"host_work": host_work}))
+        be = CupyBackend(storage_dtype=dtype) if host_work is None else CupyBackend(storage_dtype=dtype,
+                                                                                   host_work=host_work)
     rng = np.random.default_rng(seed)
     m = be.new_matrix(dim, rows, Metric.DOT)
     chunk = 1 << 17
@@ -123,23 +114,22 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
         import cupy as cp
 
         ev = (cp.cuda.Event(), cp.cuda.Event())
+        be.stats.clear()
     for i in range(reps + 10):
         t0 = time.perf_counter_ns()
         if ev is not None:
-            ev[0].record(be._stream)
+            ev[0].record(be.stream)
         m.search(q[i], rows, k)
         if ev is not None:
-            ev[1].record(be._stream)
+            ev[1].record(be.stream)
             ev[1].synchronize()
         t1 = time.perf_counter_ns()
         if i >= 10:
             wall.append(t1 - t0)
             if ev is not None:
-                import cupy as cp
-
                 gpu.append(cp.cuda.get_elapsed_time(ev[0], ev[1]) * 1e6)
     res: dict[str, Any] = {"search wall": float(np.median(wall)) / 1e3}
-    paths = sorted(p for p, _bucket in getattr(be, "search_stats", {}))
+    paths = sorted(p.value for p, _bucket in be.stats.by_path) if backend == "cuda" else []
     if paths:
         res["path"] = ",".join(paths)
     if gpu and paths != ["host"]:
@@ -149,7 +139,7 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--sizes", default="256x128:float32")
     ap.add_argument("-k", type=int, default=10)
@@ -166,20 +156,27 @@ def main() -> int:
     for size in a.sizes.split(","):
         rows, dim, dtype = parse_size(size)
         name = f"kbd{os.getpid()}x{rows}"
+        port = free_port()
         args = ["--dim", str(dim), "--backend", a.backend, "--dtype", dtype, "--ephemeral",
-                "--random-rows", str(rows), "--seed", str(a.seed), *a.sidecar_args.split()]
+                "--random-rows", str(rows), "--seed", str(a.seed), "--metrics-port", str(port),
+                *a.sidecar_args.split()]
         if a.host_search_work is not None:
             args += ["--host-search-work", str(a.host_search_work)]
         proc = start_sidecar_process(args, name, timeout=600)
         try:
-            st = client_stages(name, dim, a.k, a.n, 300, a.seed + 1)
+            e2e = lone_recalls(name, dim, a.k, a.n, 300, a.seed + 1)
+            time.sleep(1.5)  # (the sidecar's harvest thread moves the last records into its windows)
+            sq = stage_quantiles(port)
         finally:
             stop_sidecar_process(proc)
         ip = inprocess(a.backend, rows, dim, dtype, a.k, a.seed, a.reps, a.host_search_work)
-        p50 = {s: float(np.median(v)) / 1e3 for s, v in st.items()}
-        p99 = {s: float(np.percentile(v, 99)) / 1e3 for s, v in st.items()}
+        p50: dict[str, float] = {"end to end": float(np.median(e2e)) / 1e3}
+        p99: dict[str, float] = {"end to end": float(np.percentile(e2e, 99)) / 1e3}
+        for out, q in ((p50, "0.5"), (p99, "0.99")):
+            out["sidecar wait"] = sq.get(("queue_wait", q), float("nan"))
+            out["sidecar serve"] = sq.get(("service", q), float("nan")) - out["sidecar wait"]
+            out["client"] = out["end to end"] - out["sidecar serve"] - out["sidecar wait"]
         serve = p50["sidecar serve"]
-        split = {}
         if "GPU time (events)" in ip:
             split = {"kernel (GPU time)": ip["GPU time (events)"],
                      "launch + sync (backend wall - GPU)": ip["search wall"] - ip["GPU time (events)"],
@@ -194,7 +191,6 @@ def main() -> int:
             if s == "sidecar serve":
                 for name2, v in split.items():
                     print(f"    {name2:38s} {v:9.1f}")
-        print(f"  {'sum of stage p50s':40s} {sum(p50[s] for s in STAGES):9.1f}")
         print(f"  {'end to end (measured)':40s} {p50['end to end']:9.1f} {p99['end to end']:9.1f}")
         print("  in-process search: " + ", ".join(f"{kk} {v:.1f} us" if isinstance(v, float) else f"{kk} {v}"
                                                   for kk, v in ip.items()))

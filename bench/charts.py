@@ -37,7 +37,7 @@ try:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 except ImportError:  # reported in main()
-    plt = None  # type: ignore[assignment]
+    plt = None
 
 Row = dict[str, Any]
 SizeKey = tuple[int, int, str]
@@ -74,7 +74,7 @@ def size_label(key: SizeKey) -> str:
     return f"{human(n)} x {d} {DTYPE_SHORT.get(dt, dt)}"
 
 
-def load_rows(doc: dict) -> list[Row]:
+def load_rows(doc: dict[str, Any]) -> list[Row]:
     """The measurement rows of any of the benchmarks' JSON, with a `what` on each (bench_broker's
     rows, which have none, are broker rows)."""
     rows = doc.get("rows", doc if isinstance(doc, list) else [])
@@ -118,7 +118,7 @@ def case_label(r: Row, several_k: bool) -> str:
     return s
 
 
-def title_of(doc: dict, path: str) -> str:
+def title_of(doc: dict[str, Any], path: str) -> str:
     env = doc.get("env", {})
     where = env.get("gpu") or env.get("cpu") or env.get("node", "")
     date = str(doc.get("date", ""))[:10]
@@ -224,7 +224,7 @@ def chart_concurrency(rows: list[Row], title: str, path: str) -> str | None:
     fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (key, g) in enumerate(groups.items()):
         color = COLORS[i % len(COLORS)]
-        lines: dict[tuple, list[Row]] = {}
+        lines: dict[tuple[Any, ...], list[Row]] = {}
         for r in brokers(g):  # one line per (k, loop): the most processes measured at each task count
             lines.setdefault((r.get("k"), r.get("loop")), []).append(r)
         for j, (kk, rs) in enumerate(lines.items()):

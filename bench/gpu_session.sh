@@ -7,7 +7,7 @@
 #   bash bench/gpu_session.sh table   # issue 14's table: 256x128 f32 and 1M x 768 f16 at 1 and
 #                                     # 256 tasks, with and without coalescing clients (~4 min)
 #   bash bench/gpu_session.sh wgmma   # the wgmma path vs the GEMM paths in the backend, 1M and 2M x
-#                                     # 768 fp16, batches 2-32 (bench/probe_wgmma_path.py, ~1 min)
+#                                     # 768 fp16, batches 2-32 (bench/probe.py paths, ~1 min)
 #   bash bench/gpu_session.sh bench   # the full benchmark matrix (bench/bench_gpu.py, ~6 min)
 #   bash bench/gpu_session.sh check table
 #
@@ -50,10 +50,9 @@ table() {
 }
 
 wgmma() {
-  for rows in 1000000 2097152; do
-    timeout 150 python3 bench/probe_wgmma_path.py --rows $rows --batches 2,4,8,12,16,24,32 \
-      --out "$OUT/probe-wgmma-path-$rows.json" 2>&1 | grep -v '^{' | tee "$OUT/probe-wgmma-path-$rows.log" | tail -12
-  done
+  timeout 300 python3 bench/probe.py paths --rows 1000000,2097152 --batches 2,4,8,12,16,24,32 \
+    --paths auto,wgmma,gemm,gemmh --check --out "$OUT/probe-paths-wgmma.json" 2>&1 | grep -v '^{' \
+    | tee "$OUT/probe-paths-wgmma.log" | tail -18
 }
 
 bench() {

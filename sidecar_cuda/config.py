@@ -8,14 +8,44 @@ The options are defined once, in :func:`add_serve_arguments`; ``python -m kalos.
 from __future__ import annotations
 
 import argparse
+import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from ..broker.errors import ConfigError
 from ..broker.layout import Layout, Metric
+
+
+class Pipelining(str, enum.Enum):
+    """``--pipeline``: start the next recall batch on the device while one runs. The values are
+    the option's spellings (a config prints and compares as it was given)."""
+
+    AUTO = "auto"  # for batches of batching.PIPELINE_MIN_WORK and more
+    ON = "on"
+    OFF = "off"
+
+
+class FusedKernel(str, enum.Enum):
+    """``--fused-kernel``: the CUDA backend's wgmma path (Hopper, float16 storage) where it was
+    measured to win (AUTO), or never (OFF)."""
+
+    AUTO = "auto"
+    OFF = "off"
+
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+
+def _option(kind: type[_E], value: object, flag: str) -> _E:
+    """``value`` as a member of ``kind``; ConfigError names the option and its choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        values = [str(m.value) for m in kind]
+        choices = f"{', '.join(values[:-1])} or {values[-1]}"
+        raise ConfigError(f"{flag} must be {choices}, got {value!r}") from None
 
 
 @dataclass
@@ -35,9 +65,9 @@ class ServeConfig:
     data_dir: str | None = None  # None: ephemeral (in memory only)
     spin_us: float = 250.0
     gather_us: float = 1000.0
-    pipeline: str = "auto"  # on | off | auto: pipeline batches of server.PIPELINE_MIN_WORK and more
+    pipeline: Pipelining = Pipelining.AUTO
     host_search_work: int | None = None  # cuda: searches this small run on the CPU (None: default)
-    fused_kernel: str = "auto"  # cuda: the wgmma path (Hopper, float16) where measured to win: auto | off
+    fused_kernel: FusedKernel = FusedKernel.AUTO  # cuda backend
     random_rows: int = 0
     random_payloads: bool = False  # --random-rows rows get {"bucket": id % 1000}
     seed: int = 0
@@ -45,6 +75,12 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no HTTP endpoint
     shm_mode: int = 0o600  # 0o660: shared with the sidecar user's group (a dedicated sidecar user)
+
+    def __post_init__(self) -> None:
+        # The one check of these options: the command line and direct construction (tests, the
+        # harness) give their spellings, and nothing downstream sees a string.
+        self.pipeline = _option(Pipelining, self.pipeline, "--pipeline")
+        self.fused_kernel = _option(FusedKernel, self.fused_kernel, "--fused-kernel")
 
     def layout(self) -> Layout:
         lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
@@ -70,7 +106,7 @@ _GIVEN = "_kalos_given"
 _FROM_ENV = "_kalos_from_env"
 
 
-class Source(Enum):
+class Source(enum.Enum):
     """Where an option's value came from."""
 
     COMMAND_LINE = "command line"
@@ -260,7 +296,7 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     opt("--gather-us", kind=float, default=1000.0,
         help="when fewer requests are posted than the last batch held, wait up to a quarter "
              "of that batch's service time, at most this long, for the rest (0: off)")
-    opt("--pipeline", choices=["auto", "on", "off"], default="auto",
+    opt("--pipeline", choices=[p.value for p in Pipelining], default="auto",
         help="start the next recall batch on the device while one runs: on, off, or auto "
              "(only for batches of at least 2^34 rows x queries x dim)")
     opt("--host-search-work", kind=int, default=None, shown="131072, measured on an H200 host",
@@ -300,8 +336,6 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
                           f"--data-dir {a.data_dir} (from {origin(a, 'data_dir')}): give one of them")
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
-    if a.fused_kernel not in ("auto", "off"):
-        raise ConfigError(f"--fused-kernel must be auto or off, got {a.fused_kernel!r}")
     return ServeConfig(
         name=a.name, dim=a.dim, slots=a.slots, max_k=a.max_k, max_queries=a.max_queries,
         blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,

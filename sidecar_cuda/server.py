@@ -35,7 +35,7 @@ from .answers import AnswerWriter
 from .backends.base import Backend
 from .backends.select import choose_backend
 from .batching import PIPELINE_MIN_WORK, Limits
-from .config import ServeConfig  # defined there; still importable from here
+from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
 from .general import GeneralRoute
 from .leases import REAP_S, reap_dead_owners
 from .notify import sd_notify
@@ -54,10 +54,6 @@ class Sidecar:
         self.cfg = cfg
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
-        if cfg.pipeline not in ("auto", "on", "off"):
-            raise ConfigError(f"--pipeline must be auto, on or off, got {cfg.pipeline!r}")
-        if cfg.fused_kernel not in ("auto", "off"):
-            raise ConfigError(f"--fused-kernel must be auto or off, got {cfg.fused_kernel!r}")
         if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
@@ -141,9 +137,9 @@ class Sidecar:
         general = GeneralRoute(seg, writer, self.store, self.persist, self._stagings[0],
                                backend_max_k=self.backend.max_k, payload_limit=cfg.payload_limit,
                                on_unexpected=self._log_unexpected)
+        min_work = {Pipelining.ON: 0, Pipelining.OFF: -1, Pipelining.AUTO: PIPELINE_MIN_WORK}[cfg.pipeline]
         limits = Limits(k_limit=min(self.layout.max_k, self.backend.max_k), dim=cfg.dim,
-                        min_work={"on": 0, "off": -1, "auto": PIPELINE_MIN_WORK}[cfg.pipeline],
-                        max_queries=self.layout.max_queries)
+                        min_work=min_work, max_queries=self.layout.max_queries)
         return Pipeline(seg, self._words, self._objs.mm, self._objs.req, writer, general,
                         self.store, self.stats, self._stagings, limits,
                         gather_ns=int(cfg.gather_us * 1000),

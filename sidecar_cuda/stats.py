@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .batching import Route
+
 
 class BatchRecord:
     """One served batch, as the serving thread reports it: cheap to make (no arrays are built);
@@ -25,8 +27,8 @@ class BatchRecord:
         self.t_done_ns = t_done_ns  # CLOCK_MONOTONIC when the results were written (0: unknown)
 
 
-#: The routes a batch is served by (sidecar_cuda/batching.py: Route), as metric labels.
-ROUTES = ("single", "uniform", "general")
+#: The routes a batch is served by, as metric labels.
+ROUTES = tuple(r.value for r in Route)
 
 
 @dataclass

@@ -7,13 +7,14 @@ The backends are imported here, when chosen, and by nothing else of the sidecar:
 from __future__ import annotations
 
 from ...broker.errors import ConfigError
+from ..config import FusedKernel
 from .base import Backend
 from .sharded import ShardedBackend, parse_devices
 
 
 def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = "all",
                    shards: int = 0, host_work: int | None = None,
-                   fused_kernel: str = "auto") -> Backend:
+                   fused_kernel: FusedKernel = FusedKernel.AUTO) -> Backend:
     """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise.
 
     ``devices``: the GPUs of the CUDA backend (``all`` or ``0,1``...); ``shards``: how many shards

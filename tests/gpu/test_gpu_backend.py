@@ -1,7 +1,7 @@
 """The CUDA backend against a numpy float64 reference, on fresh random data (seeds are printed).
 
 Skipped at collection, with the reason, where CuPy or a CUDA device is missing (CI has neither):
-``sidecar_cuda.cupy_backend`` imports without CuPy and ``cuda_available()`` says why.
+``sidecar_cuda.backends.cuda`` imports without CuPy and ``cuda_available()`` says why.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from kalos.broker.errors import ClosedError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from kalos.sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, cuda_available
+from kalos.sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, SearchPath, cuda_available
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.store import Namespace
 
@@ -118,15 +118,15 @@ def test_search_matches_float64(backend, rng, metric, n, d, k, b):
     check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " auto")
     # Both paths, whichever the planner picked.
     if k <= WARP_K:
-        rows, scores = backend.search(m, q, n, k, path="small")
+        rows, scores = m.search(q, n, k, path=SearchPath.FUSED)
         check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " fused")
-    rows, scores = backend.search(m, q, n, k, path="gemm")
+    rows, scores = m.search(q, n, k, path=SearchPath.GEMM)
     check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemm")
     if backend.storage_dtype == "float16" and k <= HALF_K:
-        before = backend.half_fallbacks
-        rows, scores = backend.search(m, q, n, k, path="gemmh")
+        before = backend.stats.half_fallbacks
+        rows, scores = m.search(q, n, k, path=SearchPath.HALF_GEMM)
         check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemmh")
-        if backend.half_fallbacks == before:  # (redone queries went the GEMM path's way)
+        if backend.stats.half_fallbacks == before:  # (redone queries went the GEMM path's way)
             # Against the stored (rounded) rows the half-score answer is exact to float32 rounding.
             check(q, rounded(x, "float16"), metric, k, rows, scores, "float32", what + " gemmh tight")
 
@@ -179,8 +179,8 @@ def test_ties_and_adversarial_order(backend, rng):
     m = backend.new_matrix(d, len(x), Metric.DOT)
     m.write_rows(np.arange(len(x)), x)
     for k in (1, 10, 32, 100, MAX_K):
-        for path in ("small", "gemm") if k <= WARP_K else ("gemm",):
-            rows, scores = backend.search(m, q, len(x), k, path=path)
+        for path in (SearchPath.FUSED, SearchPath.GEMM) if k <= WARP_K else (SearchPath.GEMM,):
+            rows, scores = m.search(q, len(x), k, path=path)
             check(q, x, Metric.DOT, k, rows, scores, backend.storage_dtype, f"ties k={k} {path}")
 
 
@@ -246,8 +246,9 @@ def test_pinned_host_buffer_is_used_in_place(backend, rng):
     m, x = fill(backend, rng, 5000, d, Metric.DOT)
     buf = backend.host_buffer((64, d), np.float32)
     buf[:] = rng.standard_normal((64, d), dtype=np.float32)
-    assert backend._pinned_address(buf[:40]) is not None
-    rows, scores = backend.search(m, buf[:40], 5000, 10, path="gemm")
+    assert backend.device.pinned_address(buf[:40]) is not None
+    assert backend.device.pinned_address(np.zeros((40, d), np.float32)) is None
+    rows, scores = m.search(buf[:40], 5000, 10, path=SearchPath.GEMM)
     check(buf[:40], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, "pinned staging")
 
 
@@ -284,16 +285,16 @@ def test_half_scores_exact_at_scale(backend, rng, metric):
     n, d = 100_003, 768
     m, x = fill(backend, rng, n, d, metric)
     xr = rounded(x, "float16")
-    before = backend.half_fallbacks
+    before = backend.stats.half_fallbacks
     for b, k in ((2, 1), (64, 10), (256, 10), (33, 16)):
         q = queries(rng, b, d, metric)
-        rows, scores = backend.search(m, q, n, k, path="gemmh")
+        rows, scores = m.search(q, n, k, path=SearchPath.HALF_GEMM)
         check(q, xr, metric, k, rows, scores, "float32", f"half {metric.name} b={b} k={k}")
     # Random data leaves a wide gap between the 10th and the 32nd score: nothing redone.
-    assert backend.half_fallbacks - before <= 2
-    assert backend._plan(256, n, 10, m)[0] == "gemm"  # 25.6M scores: float32 scores are cheaper
-    assert backend._plan(256, 1_000_000, 10, m)[0] == "gemmh"
-    assert backend._plan(256, 1_000_000, 17, m)[0] == "gemm"  # k > 16
+    assert backend.stats.half_fallbacks - before <= 2
+    assert m.plan(256, n, 10).path is SearchPath.GEMM  # 25.6M scores: float32 scores are cheaper
+    assert m.plan(256, 1_000_000, 10).path is SearchPath.HALF_GEMM
+    assert m.plan(256, 1_000_000, 17).path is SearchPath.GEMM  # k > 16
 
 
 @pytest.mark.parametrize("scale_q,scale_x", [(1e4, 1.0), (1e-5, 1.0), (1.0, 300.0), (3e-3, 1e-3)])
@@ -306,7 +307,7 @@ def test_half_scores_extreme_scales(backend, rng, scale_q, scale_x):
     m = backend.new_matrix(d, n, Metric.DOT)
     m.write_rows(np.arange(n), x)
     q = (rng.standard_normal((40, d), dtype=np.float32) * np.float32(scale_q)).astype(np.float32)
-    rows, scores = backend.search(m, q, n, 10, path="gemmh")
+    rows, scores = m.search(q, n, 10, path=SearchPath.HALF_GEMM)
     assert np.isfinite(scores).all()
     check(q, rounded(x, "float16"), Metric.DOT, 10, rows, scores, "float32",
           f"half scales q x{scale_q} rows x{scale_x}")
@@ -322,9 +323,9 @@ def test_half_scores_fall_back_on_ties(backend, rng):
     hot = rng.choice(n, size=40 * 3, replace=False)
     x[hot] = np.repeat(q[:3] * np.float32(2.0), 40, axis=0)  # queries 0-2: 40 exact ties on top
     m.write_rows(hot, x[hot])
-    before = backend.half_fallbacks
-    rows, scores = backend.search(m, q, n, 10, path="gemmh")
-    assert backend.half_fallbacks - before >= 3
+    before = backend.stats.half_fallbacks
+    rows, scores = m.search(q, n, 10, path=SearchPath.HALF_GEMM)
+    assert backend.stats.half_fallbacks - before >= 3
     check(q, x, Metric.DOT, 10, rows, scores, "float16", "half ties")
     for i in range(3):
         assert set(rows[i]) <= set(hot[40 * i:40 * (i + 1)].tolist())

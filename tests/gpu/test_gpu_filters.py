@@ -11,7 +11,8 @@ import pytest
 from kalos.broker.layout import Metric
 from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from kalos.sidecar_cuda.backends.cuda import cuda_available
+from kalos.sidecar_cuda.backends.cuda import HALF_K, cuda_available
+from kalos.sidecar_cuda.backends.cuda.planner import cheap_k
 from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
@@ -115,7 +116,7 @@ def test_filtered_paths_cache_and_invalidation(backend, rng):
     # 6 x 40 000 scores are below HALF_WORK_MIN: the float32 GEMM serves this batch on every
     # dtype, so k' = 32 is as cheap as k' = 16 and proves it (the half-score path's choice to
     # gather instead is planner.filtered_plan's, tested in tests/unit/test_filters.py).
-    assert m._cheap_k(6, n) == 32
+    assert cheap_k(m.plan(6, n, HALF_K).path) == 32
     assert over() == o0 + 7 and m.filter_stats["gathered"] == g0
     before = dict(m.filter_stats)
     few = np.sort(rng.choice(n, n // 100, replace=False)).astype(np.int64)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kalos.broker.layout import Metric
-from kalos.sidecar_cuda.backends.cuda import WARP_K, cuda_available
-from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK
+from kalos.sidecar_cuda.backends.cuda import WARP_K, SearchPath, cuda_available
+from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK, cheap_k
 
 _WHY = cuda_available()
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
@@ -25,7 +25,7 @@ def backend(request):
 
     be = CupyBackend(storage_dtype=request.param)  # the default --host-search-work
     assert be.host_work == HOST_WORK > 0
-    assert be.warm_s > 0 and be.search_stats == {} and not be._graphs  # warmed up, nothing left over
+    assert be.warm_s > 0 and be.stats.by_path == {} and len(be.device.graphs) == 0  # warmed up, nothing left over
     yield be
     be.close()
 
@@ -59,19 +59,19 @@ def test_a_lone_tiny_search_takes_the_host_path_and_is_exact(backend, metric, se
     m = backend.new_matrix(d, 300, metric)
     m.write_rows(np.arange(n), rng.standard_normal((n, d), dtype=np.float32) * 3)
     stored = m.read_rows(np.arange(n))
-    backend.search_stats.clear()
+    backend.stats.clear()
     for k in (1, 10, 64, 300):  # any k, up to more than the rows
         q = rng.standard_normal((1, d), dtype=np.float32)
-        rows, scores = backend.search(m, q, n, k)
+        rows, scores = m.search(q, n, k)
         assert rows.shape == (1, min(k, n)) and rows.dtype == np.int64 and scores.dtype == np.float32
         assert_exact(q, stored, metric == Metric.L2, k, rows, scores)
-    assert set(backend.search_stats) == {("host", "1")}, backend.search_stats
+    assert set(backend.stats.by_path) == {(SearchPath.HOST, "1")}, backend.stats.by_path
     # The same answers as the fused kernel on the same rows.
     q = rng.standard_normal((1, d), dtype=np.float32)
-    r_host, s_host = backend.search(m, q, n, 10)
-    r_gpu, s_gpu = backend.search(m, q, n, 10, path="small")
+    r_host, s_host = m.search(q, n, 10)
+    r_gpu, s_gpu = m.search(q, n, 10, path=SearchPath.FUSED)
     assert np.allclose(s_host, s_gpu, rtol=1e-5, atol=1e-4)
-    assert ("small", "1") in backend.search_stats
+    assert (SearchPath.FUSED, "1") in backend.stats.by_path
 
 
 def test_the_host_copy_follows_writes_moves_and_growth(backend, seed):
@@ -81,20 +81,20 @@ def test_the_host_copy_follows_writes_moves_and_growth(backend, seed):
     x = rng.standard_normal((64, d), dtype=np.float32)
     m.write_rows(np.arange(64), x)
     q = rng.standard_normal((1, d), dtype=np.float32)
-    backend.search(m, q, 64, 1, path="host")  # (takes the copy)
+    m.search(q, 64, 1, path=SearchPath.HOST)  # (takes the copy)
     # A write makes row 5 the clear best; the copy taken above must not answer any more.
     m.write_rows(np.array([5]), (q * 100).astype(np.float32))
-    assert backend.search(m, q, 64, 1, path="host")[0][0, 0] == 5
+    assert m.search(q, 64, 1, path=SearchPath.HOST)[0][0, 0] == 5
     # A move: row 5's vector goes to row 40.
     m.move_rows(np.array([5]), np.array([40]))
-    assert backend.search(m, q, 64, 1, path="host")[0][0, 0] == 40
+    assert m.search(q, 64, 1, path=SearchPath.HOST)[0][0, 0] == 40
     # Growth, then a row past the old end: a search over more rows than the copy held.
     m.grow(200)
     m.write_rows(np.array([150]), (q * 1000).astype(np.float32))
-    rows, _ = backend.search(m, q, 151, 3, path="host")
+    rows, _ = m.search(q, 151, 3, path=SearchPath.HOST)
     assert rows[0, :2].tolist() == [150, 40]
     # A shorter n than the copy holds is served from the copy: rows >= n never answer.
-    rows, _ = backend.search(m, q, 40, 64, path="host")
+    rows, _ = m.search(q, 40, 64, path=SearchPath.HOST)
     assert rows.max() < 40
 
 
@@ -106,7 +106,7 @@ def test_row_ids_and_async_on_the_host_path(backend, seed):
     m.write_rows(np.arange(50), x)
     ids = np.arange(1000, 1050, dtype=np.int64)
     q = rng.standard_normal((3, d), dtype=np.float32)
-    fut = backend.search_async(m, q, 50, 5, row_ids=ids)
+    fut = m.search_async(q, 50, 5, row_ids=ids)
     assert fut.done()  # answered on the host at once
     rows, scores = fut.result()
     assert rows.min() >= 1000
@@ -119,10 +119,10 @@ def test_larger_work_stays_on_the_gpu(backend, seed):
     n = HOST_WORK // d + 1  # one row more than the host path takes for one query
     m = backend.new_matrix(d, n, Metric.DOT)
     m.write_rows(np.arange(n), rng.standard_normal((n, d), dtype=np.float32))
-    backend.search_stats.clear()
-    backend.search(m, rng.standard_normal((1, d), dtype=np.float32), n, 10)
-    backend.search(m, rng.standard_normal((1, d), dtype=np.float32), n - 1, 10)
-    assert set(backend.search_stats) == {("small", "1"), ("host", "1")}, backend.search_stats
+    backend.stats.clear()
+    m.search(rng.standard_normal((1, d), dtype=np.float32), n, 10)
+    m.search(rng.standard_normal((1, d), dtype=np.float32), n - 1, 10)
+    assert set(backend.stats.by_path) == {(SearchPath.FUSED, "1"), (SearchPath.HOST, "1")}, backend.stats.by_path
 
 
 def test_filtered_search_of_every_row_is_the_plain_search(backend, seed):
@@ -150,6 +150,6 @@ def test_cheap_overfetch_k_follows_the_half_score_path(backend, seed):
     m.write_rows(np.arange(16), np.random.default_rng(seed).standard_normal((16, 8), dtype=np.float32))
     big_n = HALF_WORK_MIN // 64
     want_big = HALF_K if backend.storage_dtype == "float16" else WARP_K
-    assert m._cheap_k(64, big_n) == want_big
-    assert m._cheap_k(64, big_n // 4) == WARP_K  # below HALF_WORK_MIN: the float32 GEMM
-    assert m._cheap_k(1, 16) == WARP_K  # host path
+    assert cheap_k(m.plan(64, big_n, HALF_K).path) == want_big
+    assert cheap_k(m.plan(64, big_n // 4, HALF_K).path) == WARP_K  # below HALF_WORK_MIN: the float32 GEMM
+    assert cheap_k(m.plan(1, 16, HALF_K).path) == WARP_K  # host path

@@ -89,7 +89,7 @@ def test_several_shards_on_one_gpu(rng, dtype):
     be = ShardedBackend([CupyBackend(storage_dtype=dtype, device=0, host_work=0) for _ in range(3)],
                         ["cuda:0"] * 3, block=256)
     try:
-        assert len({id(b._stream) for b in be.backends}) == 3  # three streams, three buffer sets
+        assert len({id(b.stream) for b in be.backends}) == 3  # three streams, three buffer sets
         _exercise(be, rng, dtype)
     finally:
         be.close()

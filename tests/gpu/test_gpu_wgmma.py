@@ -1,7 +1,7 @@
 """The CUDA backend's wgmma path (Hopper, float16 storage) against a numpy float64 reference.
 
 The planner's row threshold is lowered (``wgmma_min_rows``) so small matrices take the path; every
-test asserts the path that ran through ``search_stats``. Fresh random data (the seed is printed).
+test asserts the path that ran through the backend's ``stats``. Fresh random data (the seed is printed).
 Skipped at collection where CuPy or a CUDA device is missing, and on a device that is not Hopper
 (compute capability 9.x): the path does not exist there.
 """
@@ -13,7 +13,8 @@ import pytest
 
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
-from kalos.sidecar_cuda.backends.cuda import cuda_available
+from kalos.sidecar_cuda.backends.cuda import Plan, SearchPath, cuda_available
+from kalos.sidecar_cuda.config import FusedKernel
 
 
 def _why() -> str | None:
@@ -41,7 +42,7 @@ def backend():
     from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
     be = CupyBackend(storage_dtype="float16", host_work=0, wgmma_min_rows=MIN_ROWS)
-    assert be._wg is not None, "the wgmma path was not built on a Hopper GPU (see the log)"
+    assert be.wgmma_built, "the wgmma path was not built on a Hopper GPU (see the log)"
     yield be
     be.close()
 
@@ -81,8 +82,8 @@ def check(q: np.ndarray, x: np.ndarray, k: int, rows: np.ndarray, scores: np.nda
         assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted"
 
 
-def count(be, path: str) -> int:
-    return sum(c for (p, _), (c, _ns) in be.search_stats.items() if p == path)
+def count(be, path: SearchPath) -> int:
+    return be.stats.count(path)
 
 
 # n not a multiple of the 128-row tile (and one that is), d = 64 .. 1536 (whole 128-byte lines)
@@ -94,10 +95,10 @@ def test_answers_match_float64(backend, rng, n, d, k, b):
     m, x = fill(backend, rng, n, d, capacity=n + 300)
     m.write_rows(np.arange(n, n + 300), 50 * rng.standard_normal((300, d), dtype=np.float32))
     q = queries(rng, b, d)
-    assert backend._plan(b, n, k, m) == ("wgmma", 0)
-    before = count(backend, "wgmma")
+    assert m.plan(b, n, k) == Plan(SearchPath.WGMMA)
+    before = count(backend, SearchPath.WGMMA)
     rows, scores = m.search(q, n, k)
-    assert count(backend, "wgmma") == before + 1
+    assert count(backend, SearchPath.WGMMA) == before + 1
     check(q, x, k, rows, scores, f"n={n} d={d} k={k} b={b}")
 
 
@@ -108,9 +109,9 @@ def test_cosine_and_async_row_ids(backend, rng):
     rows, scores = m.search(q, n, k)
     check(q, x, k, rows, scores, "cosine")
     ids = rng.choice(10**9, n, replace=False).astype(np.int64)
-    before = count(backend, "wgmma")
+    before = count(backend, SearchPath.WGMMA)
     got, got_s = m.search_async(q, n, k, row_ids=ids).result()
-    assert count(backend, "wgmma") == before + 1
+    assert count(backend, SearchPath.WGMMA) == before + 1
     np.testing.assert_array_equal(got, ids[rows])
     np.testing.assert_array_equal(got_s, scores)
 
@@ -137,9 +138,9 @@ def test_writes_after_a_search_are_seen(backend, rng):
     m.write_rows(np.array([0]), -q[:1])
     x2 = np.concatenate([x, new.astype(np.float16).astype(np.float32)])
     x2[0] = (-q[0]).astype(np.float16).astype(np.float32)
-    before = count(backend, "wgmma")
+    before = count(backend, SearchPath.WGMMA)
     rows, scores = m.search(q, n + 16, k)
-    assert count(backend, "wgmma") == before + 1
+    assert count(backend, SearchPath.WGMMA) == before + 1
     assert (rows[:, 0] == n + np.arange(16)).all()
     check(q, x2, k, rows, scores, "after")
 
@@ -152,45 +153,45 @@ def test_identical_rows_force_the_float32_redo(backend, rng):
     m, xs = fill(backend, rng, n, d, x=x)
     q = queries(rng, b, d)
     q[b // 2:] = np.abs(q[b // 2:]) * np.sign(row)  # half of them certainly favour the copies
-    before, fb = count(backend, "wgmma"), backend.wgmma_fallbacks
+    before, fb = count(backend, SearchPath.WGMMA), backend.stats.wgmma_fallbacks
     for k in (1, 10, 16):
         rows, scores = m.search(q, n, k)
         check(q, xs, k, rows, scores, f"identical rows k={k}")
-    assert count(backend, "wgmma") == before + 3
-    assert backend.wgmma_fallbacks > fb  # ties at the 32nd candidate: unproven, redone
+    assert count(backend, SearchPath.WGMMA) == before + 3
+    assert backend.stats.wgmma_fallbacks > fb  # ties at the 32nd candidate: unproven, redone
 
 
 def test_the_planner_keeps_other_shapes_off_the_path(backend, rng):
     d = 128
     m, _ = fill(backend, rng, 3000, d)
-    assert backend._plan(16, 3000, 17, m)[0] != "wgmma"  # k > 16
-    assert backend._plan(33, 3000, 10, m)[0] != "wgmma"  # b > 32
-    assert backend._plan(1, 30_000, 10, m)[0] == "small"  # one query: the small fused kernel
-    assert backend._plan(16, MIN_ROWS - 1, 10, m)[0] != "wgmma"  # few rows
-    assert backend._plan(16, MIN_ROWS, 10, m)[0] == "wgmma"
-    assert backend._plan(17, 2 * MIN_ROWS - 1, 10, m)[0] != "wgmma"  # the 32-query tile: 2x rows
+    assert m.plan(16, 3000, 17).path is not SearchPath.WGMMA  # k > 16
+    assert m.plan(33, 3000, 10).path is not SearchPath.WGMMA  # b > 32
+    assert m.plan(1, 30_000, 10).path is SearchPath.FUSED  # one query: the small fused kernel
+    assert m.plan(16, MIN_ROWS - 1, 10).path is not SearchPath.WGMMA  # few rows
+    assert m.plan(16, MIN_ROWS, 10).path is SearchPath.WGMMA
+    assert m.plan(17, 2 * MIN_ROWS - 1, 10).path is not SearchPath.WGMMA  # the 32-query tile: 2x rows
     m100, _ = fill(backend, rng, 3000, 100)  # padded dim 104: not whole 128-byte lines
-    assert backend._plan(16, 3000, 10, m100)[0] != "wgmma"
+    assert m100.plan(16, 3000, 10).path is not SearchPath.WGMMA
     ml2, _ = fill(backend, rng, 3000, d, Metric.L2)
-    assert backend._plan(16, 3000, 10, ml2)[0] != "wgmma"
+    assert ml2.plan(16, 3000, 10).path is not SearchPath.WGMMA
     with pytest.raises(ValueError, match="wgmma"):
-        backend.search(m, queries(rng, 16, d), 3000, 17, path="wgmma")
+        m.search(queries(rng, 16, d), 3000, 17, path=SearchPath.WGMMA)
     with pytest.raises(ValueError, match="wgmma"):
-        backend.search(ml2, queries(rng, 16, d), 3000, 10, path="wgmma")
+        ml2.search(queries(rng, 16, d), 3000, 10, path=SearchPath.WGMMA)
 
 
 def test_fused_kernel_off_keeps_it_on_gemm(rng):
     from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype="float16", host_work=0, wgmma_min_rows=MIN_ROWS, fused_kernel="off")
+    be = CupyBackend(storage_dtype="float16", host_work=0, wgmma_min_rows=MIN_ROWS, fused_kernel=FusedKernel.OFF)
     try:
-        assert be._wg is None
+        assert not be.wgmma_built
         n, d, b, k = 3000, 256, 16, 10
         m, x = fill(be, rng, n, d)
         q = queries(rng, b, d)
-        assert be._plan(b, n, k, m) == ("gemm", 0)
+        assert m.plan(b, n, k) == Plan(SearchPath.GEMM)
         rows, scores = m.search(q, n, k)
-        assert count(be, "gemm") == 1 and count(be, "wgmma") == 0
+        assert count(be, SearchPath.GEMM) == 1 and count(be, SearchPath.WGMMA) == 0
         ref = q.astype(np.float64) @ x.astype(np.float64).T
         kth = -np.partition(-ref, k - 1, axis=1)[:, k - 1]
         tol = 3 * 2.0**-11 * np.linalg.norm(q, axis=1) * np.linalg.norm(x, axis=1).max()

@@ -4,6 +4,7 @@ path planner, and the constants the kernels are compiled with."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from concurrent.futures import Future
@@ -11,9 +12,10 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
+from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import PolledFuture, completed
-from kalos.sidecar_cuda.backends.cuda import kernels, planner
+from kalos.sidecar_cuda.backends.cuda import WARP_K, Storage, kernels, planner
 from kalos.sidecar_cuda.backends import blas
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
 from kalos.sidecar_cuda.store import MemoryStore
@@ -245,41 +247,59 @@ def test_ensure_capacity_is_public_and_keeps_rows(rng):
 
 # --------------------------------------------------------------------------- CUDA planning
 
-PLAN = dict(smem_optin=227 * 1024, small_batch_max=1, small_work_max=1 << 12)
+LIMITS = planner.Limits(smem_optin=227 * 1024, small_batch_max=1, small_work_max=1 << 12, host_work=0)
+F16, F32 = Storage.FLOAT16, Storage.FLOAT32
+P = planner.SearchPath
+
+
+def rows(dpad: int, storage: Storage = F16, *, l2: bool = False, max_norm: float = 3.0) -> planner.Rows:
+    return planner.Rows(storage, dpad, l2, max_norm)
+
+
+def plan(b: int, n: int, k: int, dpad: int, *, half: bool = False, wgmma: bool = False,
+         **limits: int) -> tuple[str, int]:
+    """The plan as (path label, qt): ``half`` picks float16 rows (else float32), ``wgmma`` says
+    the wgmma kernels are built."""
+    lim = dataclasses.replace(LIMITS, wgmma_built=wgmma, **limits)
+    p = planner.plan(b, n, k, rows(dpad, F16 if half else F32), lim)
+    assert isinstance(p, planner.Plan) and isinstance(p.path, planner.SearchPath)
+    return p.path.value, p.qt
 
 
 def test_the_cuda_planner_picks_the_measured_paths():
-    assert planner.plan_path(1, 1_000_000, 10, 768, **PLAN, half=False) == ("small", 1)
-    assert planner.plan_path(3, 1000, 10, 128, **PLAN, half=False) == ("small", 4)  # 3000 scores
-    assert planner.plan_path(1, 1000, 33, 128, **PLAN, half=False) == ("gemm", 0)  # k > 32
-    assert planner.plan_path(64, 100_000, 10, 768, **PLAN, half=True) == ("gemm", 0)
-    assert planner.plan_path(256, 1_000_000, 10, 768, **PLAN, half=True) == ("gemmh", 0)
-    assert planner.plan_path(256, 1_000_000, 10, 768, **PLAN, half=False) == ("gemm", 0)
+    assert plan(1, 1_000_000, 10, 768) == ("small", 1)
+    assert plan(3, 1000, 10, 128) == ("small", 4)  # 3000 scores
+    assert plan(1, 1000, 33, 128) == ("gemm", 0)  # k > 32
+    assert plan(64, 100_000, 10, 768, half=True) == ("gemm", 0)
+    assert plan(256, 1_000_000, 10, 768, half=True) == ("gemmh", 0)
+    assert plan(256, 1_000_000, 10, 768, half=False) == ("gemm", 0)
+    assert plan(256, 1_000_000, 17, 768, half=True) == ("gemm", 0)  # k > 16
     # A query too wide for the shared memory of 16 per block: fewer per block.
-    big = planner.plan_path(16, 200, 10, 4096, **{**PLAN, "smem_optin": 100 * 1024}, half=False)
+    big = plan(16, 200, 10, 4096, smem_optin=100 * 1024)
     assert big[0] == "small" and planner.small_smem(big[1], 4096) <= 100 * 1024 and big[1] < 16
     # Work up to host_work (rows x queries x padded dim) is scored on the host copy; 0: never.
     hw = planner.HOST_WORK
-    assert planner.plan_path(1, hw // 128, 10, 128, **PLAN, half=False, host_work=hw) == ("host", 0)
-    assert planner.plan_path(2, hw // 128, 10, 128, **PLAN, half=False, host_work=hw)[0] == "small"
-    assert planner.plan_path(1, hw // 128 + 1, 10, 128, **PLAN, half=False, host_work=hw)[0] == "small"
-    assert planner.plan_path(1, 256, 100, 128, **PLAN, half=False, host_work=hw) == ("host", 0)  # any k
-    assert planner.plan_path(1, 256, 10, 128, **PLAN, half=False, host_work=0)[0] == "small"
-    assert planner.half_ok(1, 16, 3.0) and not planner.half_ok(1, 17, 3.0)
+    assert plan(1, hw // 128, 10, 128, host_work=hw) == ("host", 0)
+    assert plan(2, hw // 128, 10, 128, host_work=hw)[0] == "small"
+    assert plan(1, hw // 128 + 1, 10, 128, host_work=hw)[0] == "small"
+    assert plan(1, 256, 100, 128, host_work=hw) == ("host", 0)  # any k
+    assert plan(1, 256, 10, 128, host_work=0)[0] == "small"
+    assert planner.half_ok(rows(768), 16) and not planner.half_ok(rows(768), 17)
+    assert not planner.half_ok(rows(768, F32), 10) and not planner.half_ok(rows(768, max_norm=0.0), 10)
+    assert not planner.half_ok(rows(768, Storage.BFLOAT16), 10)
 
 
 def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
     big = planner.WGMMA_MIN_ROWS
     assert big == 1 << 19
-    on = dict(PLAN, half=True, wgmma=True)
     for b in (2, 5, 15, 16, 17, 32):
         for k in (1, 10, 16):
-            assert planner.plan_path(b, 2 * big, k, 768, **on) == ("wgmma", 0), (b, k)
+            assert plan(b, 2 * big, k, 768, half=True, wgmma=True) == ("wgmma", 0), (b, k)
     for b in (2, 8, 16):
-        assert planner.plan_path(b, 1_000_000, 10, 768, **on) == ("wgmma", 0)
-        assert planner.plan_path(b, big, 10, 768, **on) == ("wgmma", 0)
+        assert plan(b, 1_000_000, 10, 768, half=True, wgmma=True) == ("wgmma", 0)
+        assert plan(b, big, 10, 768, half=True, wgmma=True) == ("wgmma", 0)
     for dpad in (384, 1024, 1536):
-        assert planner.plan_path(32, 2 * big, 10, dpad, **on) == ("wgmma", 0)
+        assert plan(32, 2 * big, 10, dpad, half=True, wgmma=True) == ("wgmma", 0)
     # Outside the measured range the other paths decide exactly as without it.
     outside = [(33, 1_000_000, 10, 768), (64, 1_000_000, 10, 768),
                (256, 1_000_000, 10, 768), (16, big - 1, 10, 768), (16, 1_000_000, 17, 768),
@@ -287,20 +307,62 @@ def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
                (17, 2 * big - 1, 10, 768), (32, 1_000_000, 10, 768),  # the 32-query tile: 2x rows
                (1, 1_000_000, 10, 768), (16, 2000, 10, 64), (2, big - 1, 10, 768)]
     for b, n, k, dpad in outside:
-        want = planner.plan_path(b, n, k, dpad, **PLAN, half=True)
-        assert planner.plan_path(b, n, k, dpad, **on) == want, (b, n, k, dpad)
+        want = plan(b, n, k, dpad, half=True)
+        assert plan(b, n, k, dpad, half=True, wgmma=True) == want, (b, n, k, dpad)
         assert want[0] != "wgmma"
-    # Not eligible (no kernel, another storage or metric): the plan without it.
-    assert planner.plan_path(16, 1_000_000, 10, 768, **PLAN, half=True) == ("gemm", 0)
-    assert planner.plan_path(32, 1_000_000, 10, 768, **PLAN, half=False, wgmma=False) == ("gemm", 0)
+    # Not built, or rows it cannot serve (float32, l2): the plan without it.
+    assert plan(16, 1_000_000, 10, 768, half=True) == ("gemm", 0)
+    assert plan(32, 1_000_000, 10, 768, half=False, wgmma=True) == ("gemm", 0)
+    on = dataclasses.replace(LIMITS, wgmma_built=True)
+    assert planner.plan(16, 1_000_000, 10, rows(768, l2=True), on).path is P.GEMM
     # The threshold is injectable (the GPU tests lower it).
-    assert planner.plan_path(16, 2000, 10, 64, **on, wgmma_min_rows=1000) == ("wgmma", 0)
-    assert planner.plan_path(17, 2000, 10, 64, **on, wgmma_min_rows=1000) == ("wgmma", 0)
-    assert planner.plan_path(17, 1999, 10, 64, **on, wgmma_min_rows=1000)[0] != "wgmma"
-    assert planner.wgmma_ok(1, 16, False, 3.0, 768) and not planner.wgmma_ok(1, 17, False, 3.0, 768)
-    assert not planner.wgmma_ok(0, 10, False, 3.0, 768) and not planner.wgmma_ok(2, 10, False, 3.0, 768)
-    assert not planner.wgmma_ok(1, 10, True, 3.0, 768)  # l2
-    assert not planner.wgmma_ok(1, 10, False, 0.0, 768) and not planner.wgmma_ok(1, 10, False, 3.0, 776)
+    assert plan(16, 2000, 10, 64, half=True, wgmma=True, wgmma_min_rows=1000) == ("wgmma", 0)
+    assert plan(17, 2000, 10, 64, half=True, wgmma=True, wgmma_min_rows=1000) == ("wgmma", 0)
+    assert plan(17, 1999, 10, 64, half=True, wgmma=True, wgmma_min_rows=1000)[0] != "wgmma"
+    assert planner.wgmma_ok(rows(768), 16) and not planner.wgmma_ok(rows(768), 17)
+    assert not planner.wgmma_ok(rows(768, F32), 10) and not planner.wgmma_ok(rows(768, Storage.BFLOAT16), 10)
+    assert not planner.wgmma_ok(rows(768, l2=True), 10)
+    assert not planner.wgmma_ok(rows(768, max_norm=0.0), 10) and not planner.wgmma_ok(rows(776), 10)
+
+
+def test_a_forced_path_is_checked_against_what_it_serves():
+    """The path a caller names (tests, benchmarks) is refused where it cannot run, and the fused
+    kernel gets the smallest tile that holds the batch."""
+    on = dataclasses.replace(LIMITS, wgmma_built=True)
+    assert planner.forced(P.FUSED, 3, 32, rows(128), LIMITS) == planner.Plan(P.FUSED, 4)
+    assert planner.forced(P.FUSED, 40, 10, rows(128), LIMITS) == planner.Plan(P.FUSED, 16)
+    with pytest.raises(ValueError, match="fused"):
+        planner.forced(P.FUSED, 1, 33, rows(128), LIMITS)
+    assert planner.forced(P.HALF_GEMM, 8, 16, rows(768), LIMITS) == planner.Plan(P.HALF_GEMM)
+    with pytest.raises(ValueError, match="half-score"):
+        planner.forced(P.HALF_GEMM, 8, 17, rows(768), LIMITS)
+    with pytest.raises(ValueError, match="half-score"):
+        planner.forced(P.HALF_GEMM, 8, 10, rows(768, F32), LIMITS)
+    assert planner.forced(P.WGMMA, 8, 10, rows(768), on) == planner.Plan(P.WGMMA)
+    for path in (P.WGMMA, P.EXACT):
+        with pytest.raises(ValueError, match=path.value):
+            planner.forced(path, 8, 10, rows(768), LIMITS)  # not built
+        with pytest.raises(ValueError, match=path.value):
+            planner.forced(path, 8, 10, rows(768, l2=True), on)
+    for path in (P.HOST, P.GEMM):  # serve anything
+        assert planner.forced(path, 300, planner.HALF_K + 100, rows(100, F32), LIMITS) == planner.Plan(path)
+
+
+def test_redo_paths_and_the_cheap_overfetch_k_follow_the_proving_paths():
+    assert planner.REDO == {P.HALF_GEMM: P.GEMM, P.WGMMA: P.EXACT}
+    assert planner.cheap_k(P.HALF_GEMM) == planner.cheap_k(P.WGMMA) == planner.HALF_K == 16
+    assert {planner.cheap_k(p) for p in (P.HOST, P.FUSED, P.GEMM, P.EXACT)} == {WARP_K} == {32}
+    # The value labels statistics and logs: one per path, the old spellings kept.
+    assert {p.value for p in P} == {"host", "small", "wgmma", "gemmh", "gemm", "exact"}
+
+
+def test_storage_traits_and_parsing():
+    assert [(s.code, s.itemsize, s.vec, s.cuda_type) for s in Storage] == [
+        (0, 4, 4, 0), (1, 2, 8, 2), (2, 2, 8, 14)]
+    assert Storage.parse("float16") is Storage.FLOAT16 and Storage.parse(Storage.BFLOAT16) is Storage.BFLOAT16
+    assert np.dtype(Storage.FLOAT32.bits) == np.float32 and np.dtype(Storage.BFLOAT16.bits) == np.uint16
+    with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
+        Storage.parse("float64")
 
 
 def test_the_wgmma_shapes_fit_hopper():
@@ -321,7 +383,6 @@ def test_the_wgmma_shapes_fit_hopper():
         assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
         assert f"!defined({name})" in src, name
     assert "// @FW_MMA@" not in src and "#error" in src
-    assert not planner.half_ok(0, 10, 3.0) and not planner.half_ok(1, 10, 0.0)
     assert [planner.next_pow2(x) for x in (1, 2, 3, 257, 1024)] == [1, 2, 4, 512, 1024]
 
 
@@ -329,12 +390,12 @@ def test_kernel_constants_come_from_python_only():
     """Every constant the host shares with the kernels reaches the .cu as a -D option; the .cu
     defines none of them and stops without them; its kernels are the ones the host looks up."""
     src = kernels.kernel_source()
-    opts = kernels.compile_options("float16")
+    opts = kernels.compile_options(Storage.FLOAT16)
     defined = dict(o[2:].split("=") for o in opts if o.startswith("-D"))
     assert defined == {"KALOS_STORAGE": "1", "KALOS_VEC": "8", "KALOS_BLOCK": str(kernels.BLOCK),
                        "KALOS_HEADER_INTS": str(kernels.HEADER_BYTES // 4),
                        "KALOS_HC": str(kernels.HALF_CAND)}
-    assert dict(o[2:].split("=") for o in kernels.compile_options("float32")
+    assert dict(o[2:].split("=") for o in kernels.compile_options(Storage.FLOAT32)
                 if o.startswith("-D"))["KALOS_VEC"] == "4"
     for name in defined:
         assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
@@ -343,7 +404,7 @@ def test_kernel_constants_come_from_python_only():
     instantiated = [int(x) for x in re.findall(r"^KALOS_SMALL_KERNEL\((\d+)\)", src, re.M)]
     assert tuple(instantiated) == kernels.SMALL_QT
     unrolls = [int(x) for x in re.findall(r"^KALOS_HSCORES_KERNEL\((\d+)\)", src, re.M)]
-    assert tuple(unrolls) == kernels.HSCORE_UNROLLS
+    assert unrolls == [kernels.HSCORE_UNROLL]
     for fn in ("kalos_scores_topk_w", "kalos_scores_topk_b", "kalos_prep_queries",
                "kalos_prep_queries_h", "kalos_rescore_h", "kalos_write_rows", "kalos_move_rows"):
         assert re.search(rf"\b{fn}\(", src), fn

@@ -69,4 +69,10 @@ class BufferSet:
         self.d_top = Buffer(cp, pinned=False, stream=stream)  # half path: 32 candidates a query
         self.done = cp.cuda.Event(block=False, disable_timing=True)
         self.busy = False  # a search using these buffers has not been collected yet
-        self.seq = 0  # which search (CupyBackend._seq) last used them
+        self.seq = 0  # which search (Device.seq) last used them
+
+    def make_room(self, buf: Buffer, nbytes: int) -> None:
+        """``buf`` (one of this set's) holds at least ``nbytes``; graphs that captured it before
+        it moved are stale (the epoch is part of their key: never replayed, aged out)."""
+        if buf.ensure(nbytes):
+            self.epoch += 1

@@ -1,23 +1,51 @@
 """Which path a CUDA search takes, and how big its pieces are. Pure: no CuPy, no device.
 
-* ``small``: the fused kernel (k <= 32, and one query or a small score matrix);
-* ``gemmh``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
-* ``wgmma``: fused float16 tensor-core scoring + exact top-k (``kalos_wgmma.cu``, Hopper only):
+:func:`plan` returns a :class:`Plan` (a :class:`SearchPath` and, for the fused kernel, its queries
+per block) from the batch, the matrix's traits and the device's :class:`Limits`:
+
+* ``HOST``: work too small to pay for a launch (at most ``host_work`` rows x queries x padded dim,
+  ``--host-search-work``) is scored on the sidecar's CPU from a float32 copy of the stored rows;
+* ``FUSED``: the fused kernel (k <= 32, and one query or a small score matrix);
+* ``WGMMA``: fused float16 tensor-core scoring + exact top-k (``kalos_wgmma.cu``, Hopper only):
   float16 storage, inner product, k <= 16, 2-32 queries, at least ``wgmma_min_rows`` rows (twice
   that above 16 queries) whose padded dim is whole 128-byte lines, where it was measured to beat
   the GEMM paths;
-* ``gemm``: the float32-score GEMM, everything else;
-* ``host``: work too small to pay for a launch (at most ``host_work`` rows x queries x padded dim,
-  ``--host-search-work``) is scored on the sidecar's CPU from a float32 copy of the stored rows.
+* ``HALF_GEMM``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
+* ``GEMM``: the float32-score GEMM, everything else;
+* ``EXACT``: never planned: the wgmma path's redo of the queries it could not prove (float32
+  scores of every row); ``REDO`` names each proving path's redo.
 
-The thresholds were measured on an H200 (docs/gpu.md).
+:func:`forced` checks a path a caller names (tests, benchmarks) instead. The thresholds were
+measured on an H200 (docs/gpu.md).
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from dataclasses import dataclass
 
-from .kernels import BLOCK, SMALL_QT, WARP_K
+from .kernels import BLOCK, SMALL_QT, WARP_K, Storage
+
+
+class SearchPath(enum.Enum):
+    """How one search runs (backend.py's docstring); the value labels it in statistics."""
+
+    HOST = "host"
+    FUSED = "small"  # (the kernels kalos_small_q{QT})
+    WGMMA = "wgmma"
+    HALF_GEMM = "gemmh"
+    GEMM = "gemm"
+    EXACT = "exact"
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A search's path; ``qt``: queries per block of the fused kernel (FUSED only, else 0)."""
+
+    path: SearchPath
+    qt: int = 0
+
 
 ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
 ZERO_COPY_BLOCKS = 4  # at most this many blocks read the request from host memory directly
@@ -30,26 +58,53 @@ HALF_WORK_MIN = 1 << 26  # half-score path from this many scores (rows x queries
 # the H200 it costs ~60 us more than the GEMM path at 100k rows (any batch), the same at 1M x 64,
 # and 17% less at 1M x 256 (docs/gpu.md)
 HOST_WORK = 1 << 17  # default --host-search-work: rows x queries x padded dim scored on the host
-# copy at most. Measured in-process on the H200's host (bench/results/h200-2026-12-01e/
-# probe-host-path.json): the host copy wins at every shape up to 196 608 (by 10-60 %) and loses
-# at 262 144 (by 10-25 %)
+# copy at most (the host copy won at every shape up to 196 608 and lost from 262 144: docs/gpu.md)
 WGMMA_K = 16  # wgmma path: largest k (the answer is proven exact against 32 candidates)
 WGMMA_MIN_B, WGMMA_MAX_B = 2, 32  # wgmma path: batch sizes where it was measured to win or tie
-# (a lone query takes the small fused kernel first). Through the backend (x 768 float16, k = 10,
-# H200; its GPU time over the faster GEMM path's, wall in brackets): b = 2-12: 0.85-0.93 (0.89-0.94)
-# at 1M and 2M rows (bench/results/h200-2026-12-02/); b = 16: 0.85-0.93 at 1M (0.88-0.94), 0.85 at
-# 512k (0.95), 0.94 at 256k (1.02); b = 24-32: 0.89-0.98 at 1M (0.92-1.00) and 0.85 at 2M (0.89),
-# 1.02 at 512k (1.09), 1.05 at 256k (h200-2026-12-01f/); b = 64: 1.10-1.20 everywhere (the
-# prototype's sampled starting gate is not in this path); b = 17-32 run the 32-query tile
+# (a lone query takes the fused kernel first; 64 and more lost by 10-20 %): docs/gpu.md
 WGMMA_MIN_ROWS = 1 << 19  # wgmma path: from this many rows at b <= 16, twice as many for b = 17-32
-# (the 32-query tile): the wall time wins from 512k rows at b = 16, and at b = 32 loses at 512k
-# and wins or ties at 1M
+# (the 32-query tile lost at 512k rows and won or tied at 1M): docs/gpu.md
 WGMMA_ROW_ELEMS = 64  # wgmma path: the padded dim a multiple of this (whole 128-byte float16 lines)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
 #: Batch size -> queries per block of the fused kernel (the smallest QT >= b).
 QT_FOR = {b: next(q for q in SMALL_QT if q >= b) for b in range(1, SMALL_QT[-1] + 1)}
+
+# The plans handed out (a search should not pay for building one).
+_PLANS = {path: Plan(path) for path in SearchPath}
+_FUSED_PLANS = {qt: Plan(SearchPath.FUSED, qt) for qt in SMALL_QT}
+
+#: The path that redoes the queries a proving path could not prove exact: float32 scores decide.
+REDO = {SearchPath.HALF_GEMM: SearchPath.GEMM, SearchPath.WGMMA: SearchPath.EXACT}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the planner needs of the device and the options. ``smem_optin``: the device's opt-in
+    shared memory per block; ``small_batch_max`` / ``small_work_max``: the fused kernel serves up
+    to this many queries, or up to this many rows x queries (the crossover against the GEMM path
+    measured on an H200, docs/gpu.md); ``host_work``: see HOST_WORK (0: never the host);
+    ``wgmma_min_rows``: see WGMMA_MIN_ROWS (tests lower it); ``wgmma_built``: the wgmma kernels
+    were built (a Hopper device, ``--fused-kernel auto``, float16 storage)."""
+
+    smem_optin: int
+    small_batch_max: int = 1
+    small_work_max: int = 1 << 12
+    host_work: int = HOST_WORK
+    wgmma_min_rows: int = WGMMA_MIN_ROWS
+    wgmma_built: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """What the planner needs of the rows searched: storage, padded dim, the metric's l2-ness, and
+    a bound on every stored row's norm (0 while none is written)."""
+
+    storage: Storage
+    dpad: int
+    l2: bool
+    max_norm: float
 
 
 def next_pow2(x: int) -> int:
@@ -62,39 +117,56 @@ def small_smem(qt: int, dpad: int) -> int:
     return 4 * (qt * dpad + qt) + warps * qt * 32 * 8 + 16
 
 
-def half_ok(storage_code: int, k: int, max_norm: float) -> bool:
-    """Can the half-score path serve k over rows whose norms are bounded by ``max_norm``?"""
-    return storage_code == 1 and k <= HALF_K and 0.0 < max_norm < 1e30
+def half_ok(rows: Rows, k: int) -> bool:
+    """Can the half-score path serve k over these rows? Float16 storage, row norms bounded."""
+    return rows.storage is Storage.FLOAT16 and k <= HALF_K and 0.0 < rows.max_norm < 1e30
 
 
-def wgmma_ok(storage_code: int, k: int, l2: bool, max_norm: float, dpad: int) -> bool:
+def wgmma_ok(rows: Rows, k: int) -> bool:
     """Can the wgmma path (its kernels built) serve k over these rows? Float16 storage, inner
-    product (dot, cosine), rows whose norms are bounded by ``max_norm``, whole 128-byte lines."""
-    return (storage_code == 1 and k <= WGMMA_K and not l2 and 0.0 < max_norm < 1e30
-            and dpad % WGMMA_ROW_ELEMS == 0)
+    product (dot, cosine), rows whose norms are bounded, whole 128-byte lines."""
+    return (rows.storage is Storage.FLOAT16 and k <= WGMMA_K and not rows.l2
+            and 0.0 < rows.max_norm < 1e30 and rows.dpad % WGMMA_ROW_ELEMS == 0)
 
 
-def plan_path(b: int, n: int, k: int, dpad: int, *, smem_optin: int, small_batch_max: int,
-              small_work_max: int, half: bool, host_work: int = 0, wgmma: bool = False,
-              wgmma_min_rows: int = WGMMA_MIN_ROWS) -> tuple[str, int]:
-    """("host", 0), ("small", QT), ("wgmma", 0), ("gemmh", 0) or ("gemm", 0) for a batch of b
-    queries over n rows. ``half``: :func:`half_ok` for this matrix and k; ``host_work``: see
-    HOST_WORK; ``wgmma``: :func:`wgmma_ok` for this matrix and k, and the kernels are built
-    (a Hopper device, ``--fused-kernel auto``); ``wgmma_min_rows``: see WGMMA_MIN_ROWS."""
-    if b * n * dpad <= host_work:
-        return "host", 0
-    if k <= WARP_K and (b <= small_batch_max or n * b <= small_work_max):
+def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
+    """The path of a batch of b queries for the top-k over rows [0, n) of ``rows``."""
+    dpad = rows.dpad
+    if b * n * dpad <= limits.host_work:
+        return _PLANS[SearchPath.HOST]
+    if k <= WARP_K and (b <= limits.small_batch_max or n * b <= limits.small_work_max):
         qt = QT_FOR[min(b, SMALL_QT[-1])]
-        while qt > 1 and small_smem(qt, dpad) > smem_optin:
+        while qt > 1 and small_smem(qt, dpad) > limits.smem_optin:
             qt //= 2
-        if small_smem(qt, dpad) <= smem_optin:
-            return "small", qt
-    if (wgmma and WGMMA_MIN_B <= b <= WGMMA_MAX_B and n >= wgmma_min_rows * (1 if b <= 16 else 2)
-            and k <= WGMMA_K and dpad % WGMMA_ROW_ELEMS == 0):
-        return "wgmma", 0
-    if n * b >= HALF_WORK_MIN and half:
-        return "gemmh", 0
-    return "gemm", 0
+        if small_smem(qt, dpad) <= limits.smem_optin:
+            return _FUSED_PLANS[qt]
+    if (limits.wgmma_built and WGMMA_MIN_B <= b <= WGMMA_MAX_B
+            and n >= limits.wgmma_min_rows * (1 if b <= 16 else 2) and wgmma_ok(rows, k)):
+        return _PLANS[SearchPath.WGMMA]
+    if n * b >= HALF_WORK_MIN and half_ok(rows, k):
+        return _PLANS[SearchPath.HALF_GEMM]
+    return _PLANS[SearchPath.GEMM]
+
+
+def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan:
+    """The plan of a path named by the caller (tests, benchmarks) instead of :func:`plan`'s choice.
+    Raises ValueError when the path cannot serve this search."""
+    if path is SearchPath.FUSED:
+        if k > WARP_K:
+            raise ValueError(f"the fused path serves k <= {WARP_K}")
+        return _FUSED_PLANS[QT_FOR[min(b, SMALL_QT[-1])]]
+    if path is SearchPath.HALF_GEMM and not half_ok(rows, k):
+        raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
+    if path in (SearchPath.WGMMA, SearchPath.EXACT) and not (limits.wgmma_built and wgmma_ok(rows, k)):
+        raise ValueError(f"the {path.value} path serves a Hopper device (built), float16 storage, "
+                         f"dot or cosine, k <= {WGMMA_K} and a padded dim that is a multiple of 64")
+    return _PLANS[path]
+
+
+def cheap_k(path: SearchPath) -> int:
+    """The largest k' a filtered search can over-fetch on the path of its unfiltered search:
+    HALF_K on the half-score GEMM and the wgmma path (both serve k <= 16), else WARP_K."""
+    return HALF_K if path in (SearchPath.HALF_GEMM, SearchPath.WGMMA) else WARP_K
 
 
 #: A filtered search over-fetches (top-k' of every row, k' > k) when at least 1/OVERFETCH_FRACTION

@@ -1,0 +1,165 @@
+"""One search on the CUDA backend, start to answer: :func:`start` checks the request, asks the
+planner (``planner.plan``, pure) for a :class:`Plan` and has ``paths.enqueue`` put it on the
+stream; :class:`CudaSearch` is the Future the sidecar polls; :func:`collect` waits for the
+device, reads the answer and redoes on the float32 path the queries a proving path could not
+prove. Two searches may be pending (one per buffer set of the :class:`Device`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ....broker.errors import KalosError, ServerError
+from ..base import PolledFuture, SearchResult
+from .buffers import BufferSet
+from .device import Device
+from .kernels import MAX_K
+from .paths import enqueue, search_host
+from .planner import REDO, Plan, SearchPath, forced, plan
+from .rows import DeviceRows
+
+
+class Launch:
+    """One search as enqueued: what collecting it needs (``value``: answered without the device)."""
+
+    __slots__ = ("bufs", "m", "q", "n", "k", "kk", "path", "t0", "row_ids", "value")
+
+    def __init__(self, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int,
+                 path: SearchPath | None, t0: int) -> None:
+        self.bufs, self.m, self.q = bufs, m, q
+        self.n, self.k, self.kk, self.path, self.t0 = n, k, kk, path, t0
+        self.row_ids: np.ndarray | None = None  # rows come back as row_ids[rows]
+        self.value: SearchResult | None = None
+
+
+class CudaSearch(PolledFuture[SearchResult]):
+    """A search enqueued on the device's stream: ``done()`` asks its CUDA event without blocking
+    (a CUDA error counts as done: ``result()`` raises it as ServerError); ``result()`` waits for
+    it and reads the answer (:func:`collect`)."""
+
+    def __init__(self, dev: Device, launch: Launch) -> None:
+        super().__init__()
+        self._dev = dev
+        self._launch = launch
+
+    def _poll(self) -> bool:
+        return self._launch.value is not None or bool(self._launch.bufs.done.done)
+
+    def _collect(self) -> SearchResult:
+        return collect(self._dev, self._launch)
+
+
+def plan_for(dev: Device, m: DeviceRows, b: int, n: int, k: int) -> Plan:
+    """The planner's path for b queries over rows [0, n) of ``m`` on this device."""
+    return plan(b, n, k, m.traits, dev.limits)
+
+
+def start(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
+          path: SearchPath | None = None, row_ids: np.ndarray | None = None) -> CudaSearch:
+    """Enqueue the exact top-k of float32 ``queries`` (b, dim) over rows [0, n) of ``m`` and
+    return at once its Future; the host path answers here. ``path``: this path instead of the
+    planner's (ValueError where it cannot serve the search). ``row_ids``: the answer's rows come
+    back as ``row_ids[rows]``. Raises ValueError for a bad shape, k or n, RuntimeError when two
+    searches are pending already, ServerError when the device fails, ClosedError once closed."""
+    launch = _launch(dev, m, queries, n, k, path)
+    launch.row_ids = row_ids
+    return CudaSearch(dev, launch)
+
+
+def run(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
+        path: SearchPath | None = None) -> SearchResult:
+    """:func:`start` and :func:`collect` at once."""
+    return collect(dev, _launch(dev, m, queries, n, k, path))
+
+
+def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
+            path: SearchPath | None) -> Launch:
+    dev.check_usable()
+    q = queries
+    if q.dtype != np.float32 or q.ndim != 2 or not q.flags.c_contiguous:
+        q = np.ascontiguousarray(q, np.float32).reshape(len(q), -1)
+    b, d = q.shape
+    if d != m.dim:
+        raise ValueError(f"queries have dim {d}, the matrix {m.dim}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+    if not 0 <= n <= m.capacity:
+        raise ValueError(f"n={n} outside the matrix capacity {m.capacity}")
+    kk = min(k, n)
+    bufs = next((st for st in dev.sets if not st.busy), None)
+    if bufs is None:
+        raise RuntimeError("two searches are pending already: collect one first")
+    p = Launch(bufs, m, q, n, k, kk, path, time.perf_counter_ns())
+    if b == 0 or kk == 0:
+        p.value = (np.empty((b, kk), np.int64), np.empty((b, kk), np.float32))
+        return p
+    pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
+    p.path = pl.path
+    if pl.path is SearchPath.HOST:  # answered now, from the host copy (read back first if stale)
+        p.value = search_host(dev, m, q, n, k)
+        return p
+    bufs.busy = True
+    try:
+        with dev.cuda:
+            enqueue(dev, bufs, pl, m, q, n, k, kk)
+    except BaseException as e:
+        bufs.busy = False
+        if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
+            raise
+        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+    return p
+
+
+def collect(dev: Device, p: Launch) -> SearchResult:
+    """Wait for a launch and read its answer, redoing on the float32 path the queries the
+    half-score or wgmma path flagged. Raises ServerError when the device fails or times out."""
+    if p.value is not None:
+        if p.path is not SearchPath.HOST:
+            return p.value  # (empty: nothing to look up in row_ids)
+        return _answer(dev, p, *p.value)
+    bufs, b, kk = p.bufs, len(p.q), p.kk
+    assert p.path is not None
+    try:
+        dev.wait(bufs.done)
+        out = bufs.h_out
+        rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
+        scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
+        redo_path = REDO.get(p.path)
+        if redo_path is not None:
+            # Flagged by the kernel, or with a row missing (scores beyond float16 even after
+            # scaling, for queries of norm ~2^100 and more): the float32 path decides.
+            redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:]
+                                  | (rows < 0).any(axis=1))
+            if redo.size:
+                if p.path is SearchPath.HALF_GEMM:
+                    dev.stats.half_fallbacks += int(redo.size)
+                else:
+                    dev.stats.wgmma_fallbacks += int(redo.size)
+                qr = np.ascontiguousarray(p.q[redo])
+                with dev.cuda:
+                    enqueue(dev, bufs, Plan(redo_path), p.m, qr, p.n, p.k, kk)
+                dev.wait(bufs.done)
+                rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
+                scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk:].reshape(-1, kk)
+    except (KalosError, ValueError, IndexError, TypeError):
+        raise
+    except Exception as e:
+        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+    finally:
+        bufs.busy = False
+        dev.graphs.prune(min((x.seq for x in dev.sets if x.busy), default=dev.seq + 1))
+    return _answer(dev, p, rows, scores)
+
+
+def _answer(dev: Device, p: Launch, rows: np.ndarray, scores: np.ndarray) -> SearchResult:
+    """A collected search: counted in the device's statistics, its rows looked up in ``row_ids``."""
+    assert p.path is not None
+    dev.stats.add(p.path, len(p.q), time.perf_counter_ns() - p.t0)
+    if p.row_ids is not None:
+        rows = p.row_ids[rows]
+    return rows, scores
+
+
+__all__ = ["CudaSearch", "Launch", "collect", "plan_for", "run", "start"]
