@@ -11,7 +11,6 @@ leases back.
 from __future__ import annotations
 
 import asyncio
-import random
 import fcntl
 import mmap
 import os
@@ -19,6 +18,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
@@ -39,16 +39,14 @@ from ..broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
 
-#: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
-BACKOFF_MIN_S = 0.01
-BACKOFF_MAX_S = 0.2
+@dataclass(frozen=True, slots=True)
+class SlotCensus:
+    """Who holds a broker's slots (a snapshot, for the error that says why a pool got none)."""
 
-
-def backoff_s(attempt: int, rng: random.Random) -> float:
-    """Delay before re-attach attempt ``attempt`` (0-based): full jitter over an exponential
-    ceiling, so N workers of one host do not stampede a starting sidecar. Pure but for ``rng``."""
-    ceiling = min(BACKOFF_MAX_S, BACKOFF_MIN_S * (2 ** min(attempt, 16)))
-    return rng.uniform(BACKOFF_MIN_S / 2, ceiling)
+    n_slots: int
+    free: int  # leasable now
+    leased: int  # held by live processes (this one's other pools included)
+    reclaimable: int  # held by processes that exited, abandoned, or draining: the reaper frees them
 
 
 class Semaphore:
@@ -225,8 +223,9 @@ class Connection:
         try:
             self.shm = posix_ipc.SharedMemory(shm_name(name))
         except posix_ipc.ExistentialError:
-            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: "
-                                    f"`kalos serve --name {name}`)") from None
+            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: `kalos serve "
+                                    f"--name {name} --ephemeral`, or `--data-dir DIR` instead of "
+                                    "--ephemeral to keep the records)") from None
         except posix_ipc.PermissionsError as e:
             raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
                                     "sidecar's user)") from None
@@ -371,6 +370,30 @@ class Connection:
                     self._unlock(i)
             raise
         return out
+
+    def census(self) -> SlotCensus:
+        """Count the slots by who holds them. A leased slot whose lock byte no process holds
+        belongs to a process that exited (the reaper frees it); this process's own locks are
+        invisible to the lock test, so its own leases are counted by pid."""
+        slots = self.seg.slots
+        free = leased = reclaimable = 0
+        try:
+            for i, (owner, state) in enumerate(zip(slots["owner_pid"].tolist(),
+                                                   slots["state"].tolist())):
+                if owner == 0 and state == S_FREE:
+                    if leases.is_locked(self.leases_fd, i):  # inherited by a forked child
+                        leased += 1
+                    else:
+                        free += 1
+                elif owner in (0, OWNER_ABANDONED):
+                    reclaimable += 1
+                elif owner == self.pid or leases.is_locked(self.leases_fd, i):
+                    leased += 1
+                else:
+                    reclaimable += 1
+        except OSError as e:
+            raise BrokerUnavailable(f"broker {self.name!r}: lease file: {e}") from None
+        return SlotCensus(self.layout.n_slots, free, leased, reclaimable)
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         """End leases: idle slots become free now; busy ones (request in flight) are marked
