@@ -233,16 +233,20 @@ class Connection:
             raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         try:
             self._check_owner(shm_name(name), os.fstat(self.shm.fd), "shared memory")
+            # A sidecar creates the segment, sizes it, and writes the magic last: an empty
+            # segment or a zero magic is one still starting. BrokerUnavailable, so that callers
+            # try again within their own budget (clients._attach), never a sleep here.
+            if self.shm.size == 0:
+                raise BrokerUnavailable(f"broker {name!r}: a sidecar is creating its segment")
             if self.shm.size < HEADER_BYTES:
                 raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
                                     "Kalos segment")
             self.mm = mmap.mmap(self.shm.fd, self.shm.size)
             hdr = peek_header(memoryview(self.mm))
+            if int(hdr["magic"]) == 0:
+                raise BrokerUnavailable(f"broker {name!r}: a sidecar is still writing its header")
             if int(hdr["magic"]) != MAGIC_U64:
-                # The sidecar writes the magic last; give a starting sidecar a moment.
-                time.sleep(0.05)
-                if int(hdr["magic"]) != MAGIC_U64:
-                    raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
+                raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
             if int(hdr["version"]) != PROTOCOL_VERSION:
                 raise ProtocolError(
                     f"broker {name!r} speaks protocol version {int(hdr['version'])}, this client "

@@ -115,10 +115,11 @@ def fate(ok: bool, posted: bool, status: int | None) -> Fate:
 
 def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
             fates: Sequence[Fate]) -> KalosError:
-    """The error a failed call raises: ``cause`` itself if no chunk was applied or is in doubt
-    (nothing happened: the call can be fixed or sent again as it is), else a PartialWrite that is
-    also a ``type(cause)``, listing the ids by fate. ``op``: UPSERT or DELETE."""
-    if all(f is Fate.NOT_APPLIED for f in fates):
+    """The error a failed call raises: ``cause`` itself if the call was one request (the
+    sidecar applies a request whole or not at all) or no chunk was applied or is in doubt
+    (nothing happened: the call can be fixed or sent again as it is); else a PartialWrite that
+    is also a ``type(cause)``, listing the ids by fate. ``op``: UPSERT or DELETE."""
+    if len(fates) < 2 or all(f is Fate.NOT_APPLIED for f in fates):
         return cause
     by: dict[Fate, list[int]] = {f: [] for f in Fate}
     for ids, f in zip(chunk_ids, fates):
@@ -130,9 +131,10 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
     verb = "written" if op is Op.UPSERT else "deleted"
     return partial_write(
         cause,
-        f"{what} partly applied: of {total} ids, {len(written)} {verb}, {len(unwritten)} not, "
-        f"{len(doubt)} in doubt (sent, no answer: send them again, {what} is idempotent); "
-        f".written, .unwritten and .in_doubt list them. Stopped by {type(cause).__name__}: {cause}",
+        f"{what} of {total} ids in {len(fates)} requests stopped part way: {len(written)} "
+        f"{verb}, {len(unwritten)} not, {len(doubt)} in doubt (sent, no answer; {what} is "
+        f"idempotent: sending them again is safe); .written, .unwritten and .in_doubt list them. "
+        f"Stopped by {type(cause).__name__}: {cause}",
         written=written, unwritten=unwritten, in_doubt=doubt)
 
 

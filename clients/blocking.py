@@ -11,7 +11,7 @@ from typing import Any, cast
 import numpy as np
 
 from ..broker.errors import (
-    BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError, ResponseTimeout,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError, ResponseTimeout,
 )
 from ..broker.layout import Layout, Op
 from ._requests import (
@@ -203,30 +203,40 @@ class RecallClient:
         return self._call_until(p, self._deadline(budget), t0)
 
     def _call_until(self, p: Prepared, deadline: float | None, t0: int) -> Any:
-        with self._lock:
-            if self._closed:
-                raise ClosedError("client is closed")
-            if os.getpid() != self._pid:
-                raise ForkedPoolError(
-                    f"this client was opened in process {self._pid} and cannot be used in process "
-                    f"{os.getpid()} (a fork): open one in each worker after forking")
-            if self._broken is not None:
-                raise self._broken
-            while True:
-                if self._conn is None or self._conn.quiet():
-                    self._ensure_attached(deadline)
-                assert self._conn is not None
-                try:
-                    return self._roundtrip(self._slot, p, deadline, t0)
-                except BrokerUnavailable as e:
-                    if not self._reconnect:
-                        self._broken = e
-                        raise
-                    self._drop()  # the answer can no longer come from this sidecar
-                    if p.op in _READS and (deadline is None or time.monotonic() < deadline):
-                        continue  # a read: send it again to the next sidecar, same budget
-                    raise BrokerUnavailable(f"{e} (the request was in flight; the client "
-                                            "re-attaches on its next call)") from None
+        if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
+            raise ForkedPoolError(
+                f"this client was opened in process {self._pid} and cannot be used in process "
+                f"{os.getpid()} (a fork): open one in each worker after forking")
+        # Another thread's call holds the slot: waiting for it is part of this call's budget.
+        if not self._lock.acquire(timeout=-1 if deadline is None
+                                  else max(0.0, deadline - time.monotonic())):
+            raise AcquireTimeout("no slot within the time budget (the client's one slot was "
+                                 "busy with another thread's call)")
+        try:
+            return self._call_locked(p, deadline, t0)
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+        if self._closed:
+            raise ClosedError("client is closed")
+        if self._broken is not None:
+            raise self._broken
+        while True:
+            if self._conn is None or self._conn.quiet():
+                self._ensure_attached(deadline)
+            assert self._conn is not None
+            try:
+                return self._roundtrip(self._slot, p, deadline, t0)
+            except BrokerUnavailable as e:
+                if not self._reconnect:
+                    self._broken = e
+                    raise
+                self._drop()  # the answer can no longer come from this sidecar
+                if p.op in _READS and (deadline is None or time.monotonic() < deadline):
+                    continue  # a read: send it again to the next sidecar, same budget
+                raise BrokerUnavailable(f"{e} (the request was in flight; the client "
+                                        "re-attaches on its next call)") from None
 
     def _ensure_attached(self, deadline: float | None) -> None:
         """Before posting: a sidecar that died or stopped is replaced (waiting within the

@@ -212,7 +212,8 @@ class _FreeSlots:
 class RecallPool:
     """A pool of leased slots of one broker, for asyncio (default loop or uvloop).
 
-    ``size`` slots are leased at :meth:`open` (at least ``min_size``, else BrokerUnavailable);
+    ``size`` slots are leased at :meth:`open` (at most the sidecar's slot count, else ConfigError;
+    at least ``min_size``, else SlotsExhausted);
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
     sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
     bound how long the pool polls shared memory after a completion before it blocks.
@@ -248,10 +249,12 @@ class RecallPool:
     within their own timeout (then BrokerUnavailable). Reads (recall, recall_many, namespaces,
     export_page) lost with the old sidecar are sent again to the new one within their timeout;
     writes in flight fail with BrokerUnavailable. A sidecar that comes back with another
-    geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach.
-    ``reconnect=False``: the first outage breaks the pool for good (BrokerUnavailable).
-    Upserts and deletes are idempotent: one that failed with BrokerUnavailable may or may not
-    have been applied, and retrying it is safe.
+    geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach,
+    and one with fewer slots than ``size`` a ConfigError. ``reconnect=False``: the first outage
+    breaks the pool for good (BrokerUnavailable), and :meth:`open` does not wait for a sidecar
+    that is not there. Upserts and deletes are idempotent: one that failed with
+    BrokerUnavailable may or may not have been applied (PartialWrite names the ids when the call
+    had several chunks), and retrying it is safe.
 
     **Processes.** A pool belongs to the process (and event loop) that opened it; after ``fork``
     the child's copy raises ForkedPoolError. Open one pool per worker, after forking. ``connect(name,

@@ -166,7 +166,10 @@ def test_failure_is_the_cause_when_nothing_happened_else_a_partial_write():
                 [Fate.APPLIED, Fate.IN_DOUBT, Fate.NOT_APPLIED])
     assert isinstance(e, PartialWrite) and isinstance(e, BrokerUnavailable)
     assert (e.written, e.in_doubt, e.unwritten) == ((1, 2), (3, 4), (5,))
-    assert "of 5 ids, 2 written, 1 not, 2 in doubt" in str(e) and "BrokerUnavailable: gone" in str(e)
+    assert "of 5 ids in 3 requests stopped part way: 2 written, 1 not, 2 in doubt" in str(e)
+    assert "BrokerUnavailable: gone" in str(e)
+    one = BrokerUnavailable("in flight")  # one request: the sidecar applies it whole or not
+    assert failure(Op.UPSERT, one, ids[:1], [Fate.IN_DOUBT]) is one
     t = failure(Op.DELETE, ResponseTimeout("late"), ids, [Fate.APPLIED] * 2 + [Fate.IN_DOUBT])
     assert isinstance(t, TimeoutError) and isinstance(t, PartialWrite) and "2 deleted" not in str(t)
     assert "4 deleted" in str(t)
@@ -319,3 +322,39 @@ def test_an_untrusted_broker_is_never_waited_for():
     with pytest.raises(UntrustedBroker):
         drive(steps, clock, None)
     assert clock.now == 100.0
+
+
+def test_a_segment_still_being_created_is_retried_not_fatal():
+    """A sidecar creates its segment, sizes it and writes the magic last. A client arriving in
+    between used to sleep 50 ms (unclipped) and then fail for good with ProtocolError, which
+    broke a pool re-attaching to a restarting sidecar; now it is BrokerUnavailable, which the
+    attach loop retries within the budget. A wrong (non-zero) magic is still a ProtocolError."""
+    import mmap
+    import os
+
+    import posix_ipc
+
+    from kalos.broker.errors import ProtocolError
+    from kalos.broker.names import shm_name
+
+    name = f"t{os.getpid()}-starting"
+    shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=0o600, size=0)
+    try:
+        with pytest.raises(BrokerUnavailable, match="creating its segment"):
+            Connection(name)
+        os.ftruncate(shm.fd, LAY.total_bytes)
+        with pytest.raises(BrokerUnavailable, match="still writing its header"):
+            Connection(name)
+        clock = Clock()
+        steps = attach(lambda n, uid: Connection(n), name, None, size=1, min_size=1,
+                       deadline=clock.now + 0.05, wait_for_sidecar=True, within="within 0.05 s",
+                       clock=clock, rng=random.Random(1))
+        with pytest.raises(BrokerUnavailable, match="no sidecar served it within 0.05 s"):
+            drive(steps, clock, clock.now + 0.05)
+        with mmap.mmap(shm.fd, LAY.total_bytes) as mm:
+            mm[:8] = b"NOTKALOS"
+        with pytest.raises(ProtocolError, match="bad magic"):
+            Connection(name)
+    finally:
+        shm.close_fd()
+        shm.unlink()

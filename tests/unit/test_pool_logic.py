@@ -402,3 +402,45 @@ async def test_writes_and_the_vector_rule_in_the_blocking_client(rng):
     finally:
         stop.set()
         t.join()
+
+
+async def test_a_blocking_call_waiting_for_another_threads_call_keeps_its_budget():
+    """Calls of several threads share the client's one slot; waiting for it is part of a call's
+    budget: AcquireTimeout while the other call is still running, not after it."""
+    await asyncio.to_thread(two_threads_one_client)
+
+
+def two_threads_one_client() -> None:
+    import threading
+
+    from kalos.clients import RecallClient
+
+    conn = FakeConnection(WLAY)
+    c = RecallClient("fake", connect=lambda name, uid: conn)
+    first: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            c.recall(np.ones(8, np.float32), k=2, timeout=1.5)  # nobody answers
+        except BaseException as e:  # noqa: BLE001
+            first.append(e)
+    t = threading.Thread(target=slow)
+    t.start()
+    assert wait_posted(conn)
+    with pytest.raises(AcquireTimeout, match="another thread's call"):
+        c.recall(np.ones(8, np.float32), k=2, timeout=0.05)
+    assert t.is_alive() and not first  # the first call was still waiting for its answer
+    t.join()
+    assert isinstance(first[0], ResponseTimeout)
+    c.close()
+
+
+def wait_posted(conn: FakeConnection, timeout: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not conn.posted():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
