@@ -156,6 +156,9 @@ class RecallClient:
         results: list[Any] = [None] * len(preps)
         for i in order:
             try:
+                if deadline is not None and time.monotonic() >= deadline:  # never post what
+                    raise AcquireTimeout(  # nobody will wait for
+                        "the call's time budget ran out before this part was sent")
                 results[i] = self._call_until(preps[i], deadline, t0)
             except KalosError as e:
                 fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]

@@ -56,15 +56,15 @@ from ._transport import ClientSlot, Connection, Waiter
 from .results import Hits, Records
 
 LIVENESS_S = 0.1
+#: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
+_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
+DEFAULT_SPIN_US = 250.0
+MAX_SPIN_US = 2000.0
 _NO_IDS = np.empty(0, np.int64)  # a delete by filter names no ids
 
 
 class _Halted(Exception):
     """A write chunk not posted because another chunk of its call failed (not an error)."""
-#: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
-DEFAULT_SPIN_US = 250.0
-MAX_SPIN_US = 2000.0
 
 
 
@@ -650,9 +650,11 @@ class RecallPool:
     async def _chunk(self, p: Prepared, deadline: float | None, t0: int) -> Any:
         """One chunk of a write: its count, or the KalosError it failed with (an outcome)."""
         assert self._loop is not None
+        left = None if deadline is None else deadline - self._loop.time()
         try:
-            return await self._execute(p, None if deadline is None
-                                       else max(0.0, deadline - self._loop.time()), t0)
+            if left is not None and left <= 0:  # never post what nobody will wait for
+                raise AcquireTimeout("the call's time budget ran out before this part was sent")
+            return await self._execute(p, left, t0)
         except KalosError as e:
             if p.call is not None:
                 p.call.failed = True

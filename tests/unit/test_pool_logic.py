@@ -444,3 +444,23 @@ def wait_posted(conn: FakeConnection, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.001)
     return True
+
+
+async def test_the_budget_running_out_between_chunks_is_a_partial_timeout(rng):
+    """One budget for the whole call: the chunk that was answered is written, the one posted and
+    never answered is in doubt, the one that never got a slot is not written."""
+    conn = FakeConnection(WLAY)
+    pool = await open_pool(conn, size=1)
+    ids, vecs = wrows(rng, 6)  # 3 chunks over 1 slot
+    side = WriteSidecar(conn)
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=0.3))
+    await until(lambda: len(conn.posted()) == 1)
+    conn.serve(side)  # the first chunk is answered; the second then waits for nobody
+    with pytest.raises(ResponseTimeout) as e:
+        await task
+    err = e.value
+    assert isinstance(err, PartialWrite) and isinstance(err, TimeoutError)
+    assert sorted(err.written) == sorted(side.applied) and len(err.written) == 2
+    assert len(err.in_doubt) == 2 and len(err.unwritten) == 2
+    assert sorted(err.written + err.in_doubt + err.unwritten) == ids.tolist()
+    pool.terminate()
