@@ -4,7 +4,8 @@
 
     KalosError
      +-- UsageError            the caller's mistake: bad arguments or configuration
-     |    +-- ConfigError      bad broker name, layout parameters, CLI options
+     |    +-- ConfigError      bad broker name, layout parameters, CLI options, a pool larger
+     |    |                    than the sidecar's --slots
      |    +-- ForkedPoolError  a pool used in a forked child of the process that opened it
      |    +-- InvalidRequest   wrong dim/dtype/shape, NaN/inf, k out of range, too many queries ...
      |         +-- UnknownNamespace

@@ -54,7 +54,7 @@ class _Retry(Exception):
 def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, min_size: int,
            deadline: float | None, wait_for_sidecar: bool, within: str,
            clock: Callable[[], float], rng: random.Random,
-           max_size_is_slots: bool = False) -> Generator[float, None, Attachment]:
+           for_pool: bool = False) -> Generator[float, None, Attachment]:
     """Attach and lease between ``min_size`` and ``size`` slots; yields pauses (seconds).
 
     ``deadline``: monotonic seconds (by ``clock``), None for no limit. ``wait_for_sidecar``:
@@ -62,7 +62,8 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
     deadline; False: raise BrokerUnavailable at once. A live sidecar that is still loading is
     waited for (within the deadline) either way, and so are slots that the sidecar is reclaiming
     from processes that exited. ``within``: how the budget is named in messages.
-    ``max_size_is_slots``: a ``size`` above the sidecar's slot count is a ConfigError (at open).
+    ``for_pool``: a pool's attachment (a RecallClient's otherwise): a ``size`` above the
+    sidecar's slot count is a ConfigError, and messages speak of the pool's size.
 
     Raises BrokerUnavailable (naming ``within``), SlotsExhausted (other processes hold the
     slots), ConfigError, UntrustedBroker, ProtocolError.
@@ -73,7 +74,7 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
             return (yield from _attempt(connect, name, sidecar_uid, size=size, min_size=min_size,
                                         deadline=deadline, within=within, clock=clock,
                                         wait_for_sidecar=wait_for_sidecar,
-                                        max_size_is_slots=max_size_is_slots))
+                                        for_pool=for_pool))
         except _Retry as r:
             pause = pause_within(backoff_s(attempt, rng), deadline, clock())
             if pause is None:
@@ -87,7 +88,7 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
 
 def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, min_size: int,
              deadline: float | None, within: str, clock: Callable[[], float],
-             wait_for_sidecar: bool, max_size_is_slots: bool) -> Generator[float, None, Attachment]:
+             wait_for_sidecar: bool, for_pool: bool) -> Generator[float, None, Attachment]:
     try:
         conn = connect(name, sidecar_uid)
     except BrokerUnavailable as e:
@@ -108,7 +109,7 @@ def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
                                         f"(loading), not ready {within}")
             yield pause
         n_slots = conn.layout.n_slots
-        if max_size_is_slots and size > n_slots:
+        if for_pool and size > n_slots:
             raise ConfigError(
                 f"a pool of size={size} asks for more slots than broker {name!r} has ({n_slots}): "
                 f"lower size (at most {n_slots}, less if other processes use this broker too) or "
@@ -121,7 +122,7 @@ def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
         except BrokerUnavailable as e:  # its objects went away under us
             raise _absent(e, wait_for_sidecar) from None
         if len(slots) < min_size:
-            error = SlotsExhausted(_exhausted(name, census, size, min_size))
+            error = SlotsExhausted(_exhausted(name, census, size, min_size, for_pool))
             if census.free + census.reclaimable >= min_size:
                 raise _Retry(error)  # the sidecar's reaper frees them within a fraction of a second
             raise error
@@ -141,12 +142,16 @@ def _absent(e: BrokerUnavailable, wait: bool) -> Exception:
     return BrokerUnavailable(f"{e} (reconnect=False: not waiting for one)")
 
 
-def _exhausted(name: str, c: SlotCensus, size: int, min_size: int) -> str:
+def _exhausted(name: str, c: SlotCensus, size: int, min_size: int, for_pool: bool) -> str:
     gone = f", {c.reclaimable} being reclaimed from processes that exited" if c.reclaimable else ""
-    return (f"broker {name!r} has {c.n_slots} slots: {c.leased} leased by other pools (of this "
-            f"or other processes){gone}, {c.free} free; this pool needs at least {min_size} "
-            f"(min_size; it asks for {size}). Close pools that are not needed, lower size and "
-            "min_size, or start the sidecar with more --slots")
+    held = (f"broker {name!r} has {c.n_slots} slots: {c.leased} leased by other pools (of this "
+            f"or other processes){gone}, {c.free} free; ")
+    if not for_pool:
+        return held + ("a RecallClient needs one. Close pools that are not needed or start the "
+                       "sidecar with more --slots")
+    return held + (f"this pool needs at least {min_size} (min_size; it asks for {size}). Close "
+                   "pools that are not needed, lower size and min_size, or start the sidecar with "
+                   "more --slots")
 
 
 __all__ = ["Attachment", "Connect", "attach", "backoff_s", "pause_within"]

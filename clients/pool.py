@@ -346,7 +346,7 @@ class RecallPool:
         steps = attach(self._connect, self.name, self._sidecar_uid, size=self._size,
                        min_size=self._min_size, deadline=deadline,
                        wait_for_sidecar=wait_for_sidecar, within=within, clock=time.monotonic,
-                       rng=self._rng, max_size_is_slots=True)
+                       rng=self._rng, for_pool=True)
         try:
             while True:
                 await asyncio.sleep(next(steps))

@@ -273,7 +273,7 @@ def test_size_above_the_slot_count_is_a_config_error_naming_both():
     conn = FakeConnection(LAY)
     steps = attach(lambda name, uid: conn, "f", None, size=5, min_size=1, deadline=None,
                    wait_for_sidecar=True, within="", clock=Clock(), rng=random.Random(1),
-                   max_size_is_slots=True)
+                   for_pool=True)
     with pytest.raises(ConfigError, match=r"size=5 asks for more slots than broker 'f' has \(4\).*--slots"):
         drive(steps, Clock(), None)
     assert conn.closed and conn.seg.slots["owner_pid"].tolist() == [0, 0, 0, 0]
@@ -284,7 +284,8 @@ def test_slots_held_by_live_processes_fail_at_once_as_slots_exhausted():
     conn.seg.slots["owner_pid"] = [0, 7, 7, 8]
     clock = Clock()
     steps = attach(lambda name, uid: conn, "f", None, size=3, min_size=2, deadline=clock.now + 10,
-                   wait_for_sidecar=True, within="within 10 s", clock=clock, rng=random.Random(1))
+                   wait_for_sidecar=True, within="within 10 s", clock=clock, rng=random.Random(1),
+                   for_pool=True)
     with pytest.raises(SlotsExhausted) as e:
         drive(steps, clock, clock.now + 10)
     assert not isinstance(e.value, BrokerUnavailable) and clock.now == 100.0
@@ -292,6 +293,11 @@ def test_slots_held_by_live_processes_fail_at_once_as_slots_exhausted():
     assert "has 4 slots: 3 leased by other pools (of this or other processes), 1 free" in msg
     assert "needs at least 2" in msg and "--slots" in msg and "waited" not in msg
     assert conn.seg.slots["owner_pid"].tolist() == [0, 7, 7, 8]  # the one free slot given back
+    conn.seg.slots["owner_pid"] = [7, 7, 7, 8]
+    steps = attach(lambda name, uid: conn, "f", None, size=1, min_size=1, deadline=None,
+                   wait_for_sidecar=True, within="", clock=clock, rng=random.Random(1))
+    with pytest.raises(SlotsExhausted, match="4 leased by other pools .* a RecallClient needs one"):
+        drive(steps, clock, None)
 
 
 def test_slots_being_reclaimed_are_waited_for():

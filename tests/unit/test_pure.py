@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kalos.broker.errors import InvalidRequest, PayloadTooLarge
+from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Layout, Metric, Op, Status
 from kalos.broker.validation import VectorsFor, as_ids, as_vectors, check_k, payload_lines
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
@@ -26,7 +26,7 @@ def fields(**kw):
 
 def test_as_vectors_accepts_and_refuses():
     v = np.arange(8, dtype=np.float32)
-    R, M, U = VectorsFor.RECALL, VectorsFor.RECALL_MANY, VectorsFor.UPSERT
+    R, M = VectorsFor.RECALL, VectorsFor.RECALL_MANY
     assert as_vectors(v, 8, R, 4).shape == (1, 8)
     assert as_vectors(v.astype(np.float64), 8, R, 4).dtype == np.float32
     assert as_vectors(list(range(8)), 8, R, 4).shape == (1, 8)
