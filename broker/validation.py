@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidRequest, PayloadTooLarge
+from .errors import InvalidRequest
 
 #: Ids are int64; -1 marks "no result" in result arrays, so negative ids are refused.
 MAX_ID = 2**63 - 1
@@ -57,42 +58,90 @@ def payload_problem(line: bytes) -> str | None:
     return None
 
 
-def as_queries(x: Any, dim: int, max_queries: int, *, single: bool) -> np.ndarray:
-    """Return a C-contiguous float32 (n, dim) copy-free view where possible.
+class VectorsFor(enum.Enum):
+    """The call vectors are given to, which fixes the one shape it takes: ``recall`` exactly
+    ``(dim,)``; ``recall_many`` and ``upsert`` exactly ``(n, dim)``."""
 
-    ``single``: x must be one vector of shape (dim,) (or (1, dim)); otherwise a (n, dim) matrix.
-    Raises InvalidRequest on wrong dtype/shape/dim, non-finite values, or n outside 1..max_queries.
+    RECALL = "recall"
+    RECALL_MANY = "recall_many"
+    UPSERT = "upsert"
+
+
+#: Largest float32 magnitude: a value beyond it becomes infinity when converted.
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def as_vectors(x: Any, dim: int, use: VectorsFor, max_rows: int | None = None) -> np.ndarray:
+    """The one rule for vectors given to any call: a C-contiguous float32 ``(n, dim)`` array
+    (a view of ``x`` where possible).
+
+    Any real float or integer dtype is converted to float32; a value beyond float32's range
+    (about 3.4e38), NaN or infinity is refused. :attr:`VectorsFor.RECALL` takes exactly one vector
+    of shape ``(dim,)`` (returned as ``(1, dim)``), the others exactly ``(n, dim)`` with ``n`` in
+    ``1..max_rows`` (no bound if None). Anything else raises InvalidRequest naming the shape it
+    got and the one expected.
     """
-    if (single and type(x) is np.ndarray and x.dtype == np.float32 and x.shape == (dim,)
-            and x.flags.c_contiguous):
+    if (use is VectorsFor.RECALL and type(x) is np.ndarray and x.dtype == np.float32
+            and x.shape == (dim,) and x.flags.c_contiguous):
         # Fast path for the common call: one float32 vector. Its dot product with itself is
         # finite iff every element is, unless it overflows (elements beyond ~1.8e19); only then
         # is the element-wise check needed. (A third of the cost of x.sum() here: no wrapper.)
         if math.isfinite(x.dot(x)) or np.isfinite(x).all():
             return x[None, :]
         raise InvalidRequest("vectors contain NaN or infinity")
-    a = np.asarray(x)
-    if a.dtype.kind not in "fiu" or a.dtype.kind == "b":
-        raise InvalidRequest(f"vectors must be a real numeric array, got dtype {a.dtype}")
-    if single:
-        if a.ndim == 2 and a.shape[0] == 1:
-            a = a[0]
-        if a.ndim != 1:
-            raise InvalidRequest(f"recall() takes one vector of shape ({dim},), got shape {a.shape}; "
-                                 "use recall_many() for several")
+    try:
+        a = np.asarray(x)
+    except (TypeError, ValueError) as e:  # ragged lists, arrays of another device (cupy) ...
+        raise InvalidRequest(f"{use.value}: vectors must be a numeric array, got "
+                             f"{type(x).__name__} ({e})") from None
+    if a.dtype.kind not in "fiu":
+        raise InvalidRequest(f"{use.value}: vectors must be real numbers (a float or integer "
+                             f"dtype, converted to float32), got dtype {a.dtype}")
+    problem = _shape_problem(a.shape, dim, use, max_rows)
+    if problem is not None:
+        raise InvalidRequest(problem)
+    if use is VectorsFor.RECALL:
         a = a[None, :]
-    elif a.ndim != 2:
-        raise InvalidRequest(f"expected a 2-d array (n, {dim}), got shape {a.shape}")
-    n, d = a.shape
-    if d != dim:
-        raise InvalidRequest(f"dimension mismatch: broker serves dim={dim}, got {d}")
-    if not 1 <= n <= max_queries:
-        raise InvalidRequest(f"{n} rows in one request; this broker allows 1..{max_queries} per slot")
     with np.errstate(over="ignore", invalid="ignore"):
-        a = np.ascontiguousarray(a, dtype=np.float32)
-    if not np.isfinite(a).all():
-        raise InvalidRequest("vectors contain NaN or infinity (after conversion to float32)")
-    return a
+        out = np.ascontiguousarray(a, dtype=np.float32)
+    if not np.isfinite(out).all():
+        if a.dtype.kind == "f" and a.dtype.itemsize > 4 and np.isfinite(a).all():
+            raise InvalidRequest(f"{use.value}: a value does not fit in float32 (its magnitude "
+                                 f"exceeds {_F32_MAX:.4g}); vectors are stored as float32")
+        raise InvalidRequest("vectors contain NaN or infinity")
+    return out
+
+
+def _shape_problem(shape: tuple[int, ...], dim: int, use: VectorsFor,
+                   max_rows: int | None) -> str | None:
+    """Why ``shape`` is not what ``use`` takes (the message for the caller), or None. Pure."""
+    if use is VectorsFor.RECALL:
+        if shape == (dim,):
+            return None
+        want = f"recall takes one vector of shape ({dim},); got {shape}"
+        if len(shape) == 2 and shape[1] == dim:
+            hint = ": use recall_many for several queries" + (", or vec[0]" if shape[0] == 1 else "")
+            return want + hint
+        if len(shape) == 1:
+            return f"{want}: dimension mismatch, the broker serves dim={dim}"
+        return want
+    what = "recall_many takes a matrix of shape (n, {d})" if use is VectorsFor.RECALL_MANY else \
+        "upsert takes a matrix of shape (n, {d}), one row per id"
+    want = what.format(d=dim) + f"; got {shape}"
+    if len(shape) == 1 and shape[0] == dim:
+        return want + (": use recall for one vector, or vec[None]" if use is VectorsFor.RECALL_MANY
+                       else ": pass vec[None] for one record")
+    if len(shape) != 2:
+        return want
+    n, d = shape
+    if d != dim:
+        return f"{want}: dimension mismatch, the broker serves dim={dim}"
+    if n < 1:
+        return f"{want}: no rows"
+    if max_rows is not None and n > max_rows:
+        return (f"{want}: {n} rows in one request; this broker allows 1..{max_rows} "
+                "(its --max-queries)")
+    return None
 
 
 def check_k(k: Any, max_k: int) -> int:
@@ -123,28 +172,27 @@ def as_ids(ids: Any, n: int | None = None, *, max_n: int | None = None) -> np.nd
     return np.ascontiguousarray(a)
 
 
-def encode_payloads(payloads: Sequence[Any] | None, n: int, limit: int) -> bytes:
-    """JSON-lines encoding of one payload per row (``null`` for none); refuses more than ``limit`` bytes."""
-    if payloads is None:
-        return b""
+def payload_lines(payloads: Sequence[Any], n: int) -> list[bytes]:
+    """One JSON text per row (``null`` for none), as the sidecar stores it; every payload is
+    checked (JSON-serialisable, finite numbers, nesting) before any is sent. Raises
+    InvalidRequest naming the first row refused."""
     if len(payloads) != n:
         raise InvalidRequest(f"{len(payloads)} payloads for {n} vectors")
-    try:
-        lines = [json.dumps(p, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-                 for p in payloads]
-    except RecursionError:
-        raise InvalidRequest(f"a payload nests deeper than {MAX_PAYLOAD_DEPTH} levels") from None
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"payloads must be JSON-serialisable: {e}") from None
-    for line in lines:
+    out = []
+    for row, p in enumerate(payloads):
+        try:
+            line = json.dumps(p, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except RecursionError:
+            raise InvalidRequest(f"the payload of row {row} nests deeper than "
+                                 f"{MAX_PAYLOAD_DEPTH} levels") from None
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"payloads must be JSON-serialisable (row {row}): {e}") from None
         if line.count("[") + line.count("{") > MAX_PAYLOAD_DEPTH and \
                 json_depth(json.loads(line)) > MAX_PAYLOAD_DEPTH:
-            raise InvalidRequest(f"a payload nests deeper than {MAX_PAYLOAD_DEPTH} levels")
-    blob = "\n".join(lines).encode()
-    if len(blob) > limit:
-        raise PayloadTooLarge(f"payloads take {len(blob)} bytes; one request carries at most {limit} "
-                              "(split the upsert or raise the sidecar's --blob-bytes)")
-    return blob
+            raise InvalidRequest(f"the payload of row {row} nests deeper than "
+                                 f"{MAX_PAYLOAD_DEPTH} levels")
+        out.append(line.encode())
+    return out
 
 
 # --------------------------------------------------------------------------- filters (where=)

@@ -14,11 +14,13 @@ from typing import Any, Final, Union
 
 import numpy as np
 
-from ..broker.errors import ProtocolError
+from ..broker.errors import InvalidRequest, ProtocolError
 from ..broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
 from ..broker.names import validate_namespace
-from ..broker.errors import InvalidRequest
-from ..broker.validation import as_ids, as_queries, check_k, encode_payloads, encode_where
+from ..broker.validation import (
+    VectorsFor, as_ids, as_vectors, check_k, encode_where, payload_lines,
+)
+from ._writes import WriteCall, last_wins, pack
 from .results import Hits, Records
 
 
@@ -53,6 +55,12 @@ class Prepared:
     blob: bytes = b""
     single: bool = False
     with_vectors: bool = True  # GET: copy the vectors out of the answer
+    max_line: int = 0  # UPSERT: bytes of its longest payload line (clients._writes.probe_first)
+    # What became of it, for a write that fails (clients._writes.fate): posted to a slot, and
+    # the error status the sidecar answered (None: none was read).
+    posted: bool = False
+    status: int | None = None
+    call: WriteCall | None = None  # a chunk sent with others: not posted once one has failed
 
 
 class NamespaceCache(dict[str, bytes]):
@@ -72,7 +80,8 @@ class NamespaceCache(dict[str, bytes]):
 def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool,
            where: Any = None) -> Prepared:
     """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
-    q = as_queries(x, layout.dim, layout.max_queries, single=single)
+    q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY,
+                   layout.max_queries)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
     p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
@@ -99,34 +108,41 @@ def recall_group(preps: list[Prepared]) -> Prepared:
 
 
 def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
-    """One request per slot-full of rows (bulk upserts are split and sent concurrently)."""
-    v = np.asarray(vectors)
-    if v.ndim == 1:
-        v = v[None, :]
+    """One request per chunk of rows (sent concurrently by the pool): every row, id and payload
+    is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
+    payload bytes as a slot's blob area; duplicate ids keep their last row (the chunks of a call
+    may be served in any order)."""
     ns = validate_namespace(namespace)
-    n = v.shape[0]
+    v = as_vectors(vectors, layout.dim, VectorsFor.UPSERT)
+    n = len(v)
     idarr = as_ids(ids, n)
-    if payloads is not None and len(payloads) != n:
-        from ..broker.errors import InvalidRequest
-
-        raise InvalidRequest(f"{len(payloads)} payloads for {n} vectors")
+    lines = None if payloads is None else payload_lines(payloads, n)
+    keep = last_wins(idarr)
+    if keep is not None:
+        v, idarr = v[keep], idarr[keep]
+        if lines is not None:
+            lines = [lines[i] for i in keep.tolist()]
     out = []
-    step = layout.max_queries
-    for lo in range(0, n, step):
-        hi = min(n, lo + step)
-        q = as_queries(v[lo:hi], layout.dim, layout.max_queries, single=False)
-        blob = encode_payloads(None if payloads is None else payloads[lo:hi], hi - lo, layout.blob_bytes)
-        out.append(Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=q, ids=idarr[lo:hi], blob=blob))
+    for lo, hi in pack(lines, len(idarr), layout.max_queries, layout.blob_bytes):
+        p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=v[lo:hi], ids=idarr[lo:hi])
+        if lines is not None:
+            p.blob = b"\n".join(lines[lo:hi])
+            p.max_line = max(map(len, lines[lo:hi]))
+        out.append(p)
     return out
 
 
 def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared]:
+    """By filter: one request. By ids: one request per max_queries ids (duplicates dropped)."""
     ns = validate_namespace(namespace)
     if (ids is None) == (where is None):
         raise InvalidRequest("delete takes ids or where=, one of them")
     if where is not None:
         return [Prepared(Op.DELETE, ns, flags=Flag.WHERE, blob=encode_where(where, layout.blob_bytes))]
     idarr = as_ids(ids)
+    keep = last_wins(idarr)
+    if keep is not None:
+        idarr = idarr[keep]
     step = layout.max_queries
     return [Prepared(Op.DELETE, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step])
             for lo in range(0, len(idarr), step)]
@@ -195,6 +211,7 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
     Hits / list[Hits] / int / dict / export page. Raises the mapped error."""
     status, n, blob_len = outcome
     if status != Status.OK:
+        p.status = status
         raise error_for_status(status, _blob(v, blob_len).decode(errors="replace"))
     if p.op == Op.RECALL:
         if p.single and not p.flags:  # the common case, with the fewest calls

@@ -11,7 +11,6 @@ leases back.
 from __future__ import annotations
 
 import asyncio
-import random
 import fcntl
 import mmap
 import os
@@ -19,6 +18,7 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
@@ -40,16 +40,14 @@ from ..broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
 
-#: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
-BACKOFF_MIN_S = 0.01
-BACKOFF_MAX_S = 0.2
+@dataclass(frozen=True, slots=True)
+class SlotCensus:
+    """Who holds a broker's slots (a snapshot, for the error that says why a pool got none)."""
 
-
-def backoff_s(attempt: int, rng: random.Random) -> float:
-    """Delay before re-attach attempt ``attempt`` (0-based): full jitter over an exponential
-    ceiling, so N workers of one host do not stampede a starting sidecar. Pure but for ``rng``."""
-    ceiling = min(BACKOFF_MAX_S, BACKOFF_MIN_S * (2 ** min(attempt, 16)))
-    return rng.uniform(BACKOFF_MIN_S / 2, ceiling)
+    n_slots: int
+    free: int  # leasable now
+    leased: int  # held by live processes (this one's other pools included)
+    reclaimable: int  # held by processes that exited, abandoned, or draining: the reaper frees them
 
 
 class Semaphore:
@@ -236,8 +234,9 @@ class Connection:
         try:
             self.shm = posix_ipc.SharedMemory(shm_name(name))
         except posix_ipc.ExistentialError:
-            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: "
-                                    f"`kalos serve --name {name}`)") from None
+            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: `kalos serve "
+                                    f"--name {name} --ephemeral`, or `--data-dir DIR` instead of "
+                                    "--ephemeral to keep the records)") from None
         except posix_ipc.PermissionsError as e:
             raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
                                     "sidecar's user)") from None
@@ -245,16 +244,20 @@ class Connection:
             raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         try:
             self._check_owner(shm_name(name), os.fstat(self.shm.fd), "shared memory")
+            # A sidecar creates the segment, sizes it, and writes the magic last: an empty
+            # segment or a zero magic is one still starting. BrokerUnavailable, so that callers
+            # try again within their own budget (clients._attach), never a sleep here.
+            if self.shm.size == 0:
+                raise BrokerUnavailable(f"broker {name!r}: a sidecar is creating its segment")
             if self.shm.size < HEADER_BYTES:
                 raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
                                     "Kalos segment")
             self.mm = mmap.mmap(self.shm.fd, self.shm.size)
             hdr = peek_header(memoryview(self.mm))
+            if int(hdr["magic"]) == 0:
+                raise BrokerUnavailable(f"broker {name!r}: a sidecar is still writing its header")
             if int(hdr["magic"]) != MAGIC_U64:
-                # The sidecar writes the magic last; give a starting sidecar a moment.
-                time.sleep(0.05)
-                if int(hdr["magic"]) != MAGIC_U64:
-                    raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
+                raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
             if int(hdr["version"]) != PROTOCOL_VERSION:
                 raise ProtocolError(
                     f"broker {name!r} speaks protocol version {int(hdr['version'])}, this client "
@@ -382,6 +385,30 @@ class Connection:
                     self._unlock(i)
             raise
         return out
+
+    def census(self) -> SlotCensus:
+        """Count the slots by who holds them. A leased slot whose lock byte no process holds
+        belongs to a process that exited (the reaper frees it); this process's own locks are
+        invisible to the lock test, so its own leases are counted by pid."""
+        slots = self.seg.slots
+        free = leased = reclaimable = 0
+        try:
+            for i, (owner, state) in enumerate(zip(slots["owner_pid"].tolist(),
+                                                   slots["state"].tolist())):
+                if owner == 0 and state == S_FREE:
+                    if leases.is_locked(self.leases_fd, i):  # inherited by a forked child
+                        leased += 1
+                    else:
+                        free += 1
+                elif owner in (0, OWNER_ABANDONED):
+                    reclaimable += 1
+                elif owner == self.pid or leases.is_locked(self.leases_fd, i):
+                    leased += 1
+                else:
+                    reclaimable += 1
+        except OSError as e:
+            raise BrokerUnavailable(f"broker {self.name!r}: lease file: {e}") from None
+        return SlotCensus(self.layout.n_slots, free, leased, reclaimable)
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         """End leases: idle slots become free now; busy ones (request in flight) are marked

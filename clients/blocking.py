@@ -8,19 +8,24 @@ import threading
 import time
 from typing import Any, cast
 
+import numpy as np
+
 from ..broker.errors import (
-    BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout, UntrustedBroker,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError, ResponseTimeout,
 )
 from ..broker.layout import Layout, Op, latency_op
 from ._requests import (
     DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, write as write_slot,
 )
-from ._transport import ClientSlot, Connection, backoff_s
+from ._attach import Attachment, Connect, attach
+from ._transport import ClientSlot, Connection
+from ._writes import failure, fate, probe_first
 from .results import Hits, Records
 
 DEFAULT_SPIN_US = 250.0
 _READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
 _SLICE_S = 0.05
+_NO_IDS = np.empty(0, np.int64)  # a delete by filter names no ids
 
 
 class RecallClient:
@@ -35,8 +40,9 @@ class RecallClient:
     def __init__(self, name: str = "default", *, timeout: float | None = None,
                  spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = 2000.0,
                  connect_timeout: float = 10.0, sidecar_uid: int | None = None,
-                 reconnect: bool = True) -> None:
+                 reconnect: bool = True, connect: Connect | None = None) -> None:
         self.name = name
+        self._connect: Connect = connect or _connect
         self._sidecar_uid = sidecar_uid
         self._reconnect = reconnect
         self._rng = random.Random()
@@ -52,44 +58,27 @@ class RecallClient:
         self._pending = False  # a timed-out request is still in the slot
         self._closed = False
         self._ns = NamespaceCache()
-        self._attach(time.monotonic() + connect_timeout, f"after {connect_timeout} s")
+        self._attach(time.monotonic() + connect_timeout, reconnect, f"within {connect_timeout} s")
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
 
-    def _attach(self, deadline: float | None, waited: str) -> None:
-        """Attach and lease one slot, retrying (jittered backoff) until ``deadline`` while no
-        sidecar serves the name, it loads, or a dead one is being replaced. Raises
-        BrokerUnavailable (naming ``waited``), UntrustedBroker, ProtocolError."""
-
-        attempt = 0
-        while True:
-            try:
-                conn = Connection(self.name, sidecar_uid=self._sidecar_uid)
-                try:
-                    while not conn.is_ready():
-                        conn.check_alive()
-                        if deadline is not None and time.monotonic() > deadline:
-                            raise BrokerUnavailable(f"broker {self.name!r} not ready {waited}")
-                        time.sleep(0.005)
-                    conn.check_alive()
-                    slots = conn.lease(1)
-                    if not slots:
-                        raise BrokerUnavailable(f"broker {self.name!r}: no free slot")
-                except BaseException:
-                    conn.close()
-                    raise
-            except (UntrustedBroker, ProtocolError):
-                raise
-            except BrokerUnavailable as e:
-                if deadline is not None and time.monotonic() > deadline:
-                    raise BrokerUnavailable(f"{e} (no sidecar serving it {waited})") from None
-                time.sleep(backoff_s(attempt, self._rng))
-                attempt += 1
-                continue
-            self._conn, self._slot = conn, slots[0]
-            self._metric = conn.metric
-            self._pending = False
-            return
+    def _attach(self, deadline: float | None, wait_for_sidecar: bool, within: str) -> None:
+        """Attach and lease one slot (:func:`clients._attach.attach`, its pauses slept here:
+        each one clipped to ``deadline``)."""
+        steps = attach(self._connect, self.name, self._sidecar_uid, size=1, min_size=1,
+                       deadline=deadline, wait_for_sidecar=wait_for_sidecar, within=within,
+                       clock=time.monotonic, rng=self._rng)
+        try:
+            while True:
+                time.sleep(next(steps))
+        except StopIteration as done:
+            conn, slots = cast(Attachment, done.value)
+        finally:
+            steps.close()
+        self._conn, self._slot = conn, slots[0]
+        self._metric = conn.metric
+        self._pending = False
+        self._payload_ok = 0
 
     @property
     def layout(self) -> Layout:
@@ -143,15 +132,41 @@ class RecallClient:
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
-        # Each chunk is timed from its own start, not from the call's.
-        return sum(self._call(p, timeout, time.monotonic_ns())
-                   for p in encode_upsert(self.layout, ids, vectors, payloads, namespace))
+        """Insert or replace records; see RecallPool.upsert. Chunks go one after the other (the
+        one with the longest payload first); after a failure no further chunk is sent."""
+        return self._write(Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace), timeout)
 
     def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Delete by ids or by filter; see RecallPool.delete."""
-        return sum(self._call(p, timeout, time.monotonic_ns())
-                   for p in encode_delete(self.layout, ids, namespace, where))
+        return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
+
+    def _write(self, op: Op, preps: list[Prepared], budget: Timeout) -> int:
+        """The chunks of one upsert or delete, in turn, within one budget; the error of a call
+        that fails part way names the ids by fate (clients._writes.failure)."""
+        deadline = self._deadline(budget)
+        probe = probe_first([p.max_line for p in preps], self._payload_ok)
+        order = list(range(len(preps)))
+        if probe is not None:
+            order.remove(probe)
+            order.insert(0, probe)
+        results: list[Any] = [None] * len(preps)
+        for i in order:
+            try:
+                if deadline is not None and time.monotonic() >= deadline:  # never post what
+                    raise AcquireTimeout(  # nobody will wait for
+                        "the call's time budget ran out before this part was sent")
+                # Each chunk is timed from its own start (its latency), the budget is the call's.
+                results[i] = self._call_until(preps[i], deadline, time.monotonic_ns())
+            except KalosError as e:
+                fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]
+                err = failure(op, e, [p.ids if p.ids is not None else _NO_IDS for p in preps], fates)
+                if err is e:
+                    raise
+                raise err from e
+            if i == probe:
+                self._payload_ok = max(self._payload_ok, preps[i].max_line)
+        return sum(results)
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
             timeout: Timeout = DEFAULT) -> Records:
@@ -180,33 +195,48 @@ class RecallClient:
         return cast(int, self._call(encode_count(self.layout, namespace, where), timeout,
                                     time.monotonic_ns()))
 
-    def _call(self, p: Prepared, budget: Timeout, t0: int) -> Any:
+    def _deadline(self, budget: Timeout) -> float | None:
         timeout = resolve_timeout(budget, self._timeout)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            if self._closed:
-                raise ClosedError("client is closed")
-            if os.getpid() != self._pid:
-                raise ForkedPoolError(
-                    f"this client was opened in process {self._pid} and cannot be used in process "
-                    f"{os.getpid()} (a fork): open one in each worker after forking")
-            if self._broken is not None:
-                raise self._broken
-            while True:
-                if self._conn is None or self._conn.quiet():
-                    self._ensure_attached(deadline)
-                assert self._conn is not None
-                try:
-                    return self._roundtrip(self._slot, p, deadline, t0)
-                except BrokerUnavailable as e:
-                    if not self._reconnect:
-                        self._broken = e
-                        raise
-                    self._drop()  # the answer can no longer come from this sidecar
-                    if p.op in _READS and (deadline is None or time.monotonic() < deadline):
-                        continue  # a read: send it again to the next sidecar, same budget
-                    raise BrokerUnavailable(f"{e} (the request was in flight; the client "
-                                            "re-attaches on its next call)") from None
+        return None if timeout is None else time.monotonic() + timeout
+
+    def _call(self, p: Prepared, budget: Timeout, t0: int) -> Any:
+        return self._call_until(p, self._deadline(budget), t0)
+
+    def _call_until(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+        if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
+            raise ForkedPoolError(
+                f"this client was opened in process {self._pid} and cannot be used in process "
+                f"{os.getpid()} (a fork): open one in each worker after forking")
+        # Another thread's call holds the slot: waiting for it is part of this call's budget.
+        if not self._lock.acquire(timeout=-1 if deadline is None
+                                  else max(0.0, deadline - time.monotonic())):
+            raise AcquireTimeout("no slot within the time budget (the client's one slot was "
+                                 "busy with another thread's call)")
+        try:
+            return self._call_locked(p, deadline, t0)
+        finally:
+            self._lock.release()
+
+    def _call_locked(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+        if self._closed:
+            raise ClosedError("client is closed")
+        if self._broken is not None:
+            raise self._broken
+        while True:
+            if self._conn is None or self._conn.quiet():
+                self._ensure_attached(deadline)
+            assert self._conn is not None
+            try:
+                return self._roundtrip(self._slot, p, deadline, t0)
+            except BrokerUnavailable as e:
+                if not self._reconnect:
+                    self._broken = e
+                    raise
+                self._drop()  # the answer can no longer come from this sidecar
+                if p.op in _READS and (deadline is None or time.monotonic() < deadline):
+                    continue  # a read: send it again to the next sidecar, same budget
+                raise BrokerUnavailable(f"{e} (the request was in flight; the client "
+                                        "re-attaches on its next call)") from None
 
     def _ensure_attached(self, deadline: float | None) -> None:
         """Before posting: a sidecar that died or stopped is replaced (waiting within the
@@ -220,7 +250,7 @@ class RecallClient:
                     self._broken = e
                     raise
                 self._drop()
-        self._attach(deadline, "within the time budget")
+        self._attach(deadline, True, "within the call's time budget")
         assert self._conn is not None
         new = self._conn.layout
         old = self._layout
@@ -253,6 +283,7 @@ class RecallClient:
             self._pending = False
         blob_len = write_slot(s.view, p)
         s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
+        p.posted = True
         self._pending = True
         self._wait(s, deadline, op)
         self._pending = False
@@ -285,3 +316,7 @@ class RecallClient:
                 return
             assert self._conn is not None
             self._conn.check_alive()
+
+
+def _connect(name: str, sidecar_uid: int | None) -> Connection:
+    return Connection(name, sidecar_uid=sidecar_uid)

@@ -25,11 +25,11 @@ from ..broker.layout import (
     S_BUSY, S_DONE, S_FREE, S_POSTED, Layout, SegmentView, SidecarState, SlotView, Status,
     header_field_offset,
 )
-from ._transport import ClientSlot, Connection, Waiter
+from ._transport import ClientSlot, Connection, SlotCensus, Waiter
 
 #: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
-#: or a Status to answer with an error.
-Answer = Callable[[SlotView, int, int, int], "tuple[np.ndarray, np.ndarray] | Status"]
+#: an int (rows affected) for a write, or a Status to answer with an error.
+Answer = Callable[[SlotView, int, int, int], "tuple[np.ndarray, np.ndarray] | int | Status"]
 
 
 class FakeSemaphore:
@@ -94,6 +94,7 @@ class FakeConnection(Connection):
         self._heartbeat_word = header_field_offset("heartbeat_ns") // 8
         self.seg.header["heartbeat_ns"] = 2**62  # never quiet: liveness is ``alive``
         self.leased: list[int] = []
+        self.dead: set[int] = set()  # owner pids to count as exited processes (census)
 
     def check_alive(self) -> None:
         if not self.alive:
@@ -106,6 +107,19 @@ class FakeConnection(Connection):
             slots[i]["owner_pid"] = self.pid
         self.leased += free
         return [ClientSlot(self, i, self.req[i], self.resp[i]) for i in free]
+
+    def census(self) -> SlotCensus:
+        """Like the real one, with a slot's owner alive while ``owner_pid`` is not in ``dead``."""
+        slots = self.seg.slots
+        free = leased = reclaimable = 0
+        for owner, state in zip(slots["owner_pid"].tolist(), slots["state"].tolist()):
+            if owner == 0 and state == S_FREE:
+                free += 1
+            elif owner in (0, -1) or owner in self.dead:
+                reclaimable += 1
+            else:
+                leased += 1
+        return SlotCensus(self.layout.n_slots, free, leased, reclaimable)
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         for s in idle:
@@ -123,11 +137,14 @@ class FakeConnection(Connection):
     def posted(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(self.seg.slots["state"] == S_POSTED)]
 
-    def serve(self, answer: Answer) -> int:
-        """Play the sidecar once: answer every posted request (in slot order) through the real
-        protocol fields: results, status, resp_generation, DONE, then the response post."""
+    def serve(self, answer: Answer, slots: list[int] | None = None) -> int:
+        """Play the sidecar once: answer every posted request (in slot order; only those of
+        ``slots`` if given) through the real protocol fields: results, status,
+        resp_generation, DONE, then the response post."""
         served = 0
         for i in self.posted():
+            if slots is not None and i not in slots:
+                continue
             if not self.req[i].try_acquire():
                 continue
             rec = self.seg.slots[i]
@@ -136,6 +153,8 @@ class FakeConnection(Connection):
             out = answer(v, int(rec["op"]), int(rec["k"]), int(rec["nq"]))
             if isinstance(out, Status):
                 rec["status"], rec["n_results"], rec["blob_len"] = int(out), 0, 0
+            elif isinstance(out, int):
+                rec["status"], rec["n_results"], rec["blob_len"] = int(Status.OK), out, 0
             else:
                 ids, scores = out
                 kk = ids.shape[1]

@@ -39,16 +39,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+
 from ..broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
-    PayloadTooLarge, ProtocolError, ResponseTimeout, UntrustedBroker,
+    PayloadTooLarge, ProtocolError, ResponseTimeout, SlotsExhausted,
 )
 from ..broker.layout import Layout, Op, latency_op
 from ._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
 from ._requests import (
     DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, write as write_slot,
 )
-from ._transport import ClientSlot, Connection, Waiter, backoff_s
+from ._attach import attach, backoff_s
+from ._writes import WriteCall, failure, fate, probe_first
+from ._transport import ClientSlot, Connection, Waiter
 from .results import Hits, Records
 
 LIVENESS_S = 0.1
@@ -56,6 +60,11 @@ LIVENESS_S = 0.1
 _READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
 DEFAULT_SPIN_US = 250.0
 MAX_SPIN_US = 2000.0
+_NO_IDS = np.empty(0, np.int64)  # a delete by filter names no ids
+
+
+class _Halted(Exception):
+    """A write chunk not posted because another chunk of its call failed (not an error)."""
 
 
 
@@ -203,7 +212,8 @@ class _FreeSlots:
 class RecallPool:
     """A pool of leased slots of one broker, for asyncio (default loop or uvloop).
 
-    ``size`` slots are leased at :meth:`open` (at least ``min_size``, else BrokerUnavailable);
+    ``size`` slots are leased at :meth:`open` (at most the sidecar's slot count, else ConfigError;
+    at least ``min_size``, else SlotsExhausted);
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
     sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
     bound how long the pool polls shared memory after a completion before it blocks.
@@ -239,10 +249,12 @@ class RecallPool:
     within their own timeout (then BrokerUnavailable). Reads (recall, recall_many, namespaces,
     export_page) lost with the old sidecar are sent again to the new one within their timeout;
     writes in flight fail with BrokerUnavailable. A sidecar that comes back with another
-    geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach.
-    ``reconnect=False``: the first outage breaks the pool for good (BrokerUnavailable).
-    Upserts and deletes are idempotent: one that failed with BrokerUnavailable may or may not
-    have been applied, and retrying it is safe.
+    geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach,
+    and one with fewer slots than ``size`` a ConfigError. ``reconnect=False``: the first outage
+    breaks the pool for good (BrokerUnavailable), and :meth:`open` does not wait for a sidecar
+    that is not there. Upserts and deletes are idempotent: one that failed with
+    BrokerUnavailable may or may not have been applied (PartialWrite names the ids when the call
+    had several chunks), and retrying it is safe.
 
     **Processes.** A pool belongs to the process (and event loop) that opened it; after ``fork``
     the child's copy raises ForkedPoolError. Open one pool per worker, after forking. ``connect(name,
@@ -273,6 +285,7 @@ class RecallPool:
         self._posted = 0
         self._coalesced = 0
         self._rng = random.Random()
+        self._payload_ok = 0  # the longest payload line the current sidecar has taken (bytes)
         self._attached: asyncio.Event | None = None  # set while attached to a serving sidecar
         self._reattacher: asyncio.Task[None] | None = None
         self._outages = 0
@@ -303,30 +316,23 @@ class RecallPool:
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
-        """Attach to the sidecar and lease slots, waiting up to ``connect_timeout`` seconds while
-        no sidecar serves the name yet, while it loads, or while a dead one is being replaced.
-        Raises BrokerUnavailable (none became ready in time, or no free slots), UntrustedBroker,
-        ProtocolError."""
+        """Attach to the sidecar and lease slots.
+
+        Waits up to ``connect_timeout`` seconds for a sidecar that is loading, for slots the
+        sidecar is reclaiming from processes that exited, and (with ``reconnect=True``) while no
+        sidecar serves the name yet or a dead one is being replaced; with ``reconnect=False`` no
+        live sidecar fails at once. Raises BrokerUnavailable (no sidecar, or none ready in time),
+        SlotsExhausted (other processes hold the slots: fewer than ``min_size`` are free),
+        ConfigError (``size`` is above the sidecar's slot count), UntrustedBroker, ProtocolError.
+        """
         if self._state != "new":
             raise ClosedError(f"pool is {self._state}: a pool is opened once")
         self._loop = asyncio.get_running_loop()
         self._free = _FreeSlots(self._loop)
         self._wake = asyncio.Event()
         self._attached = asyncio.Event()
-        deadline = time.monotonic() + self._connect_timeout
-        attempt = 0
-        while True:
-            try:
-                conn, slots = await self._attach_once()
-                break
-            except (UntrustedBroker, ProtocolError):
-                raise
-            except BrokerUnavailable as e:
-                if time.monotonic() > deadline:
-                    raise BrokerUnavailable(f"{e} (waited {self._connect_timeout} s for a sidecar "
-                                            "to serve it)") from None
-            await asyncio.sleep(backoff_s(attempt, self._rng))
-            attempt += 1
+        conn, slots = await self._attach(time.monotonic() + self._connect_timeout,
+                                         self._reconnect, f"within {self._connect_timeout} s")
         self._layout = conn.layout
         self._metric = conn.metric
         self._install(conn, slots)
@@ -334,25 +340,20 @@ class RecallPool:
         _POOLS.add(self)
         return self
 
-    async def _attach_once(self) -> tuple[Connection, list[ClientSlot]]:
-        """One attempt: open the objects, wait (briefly) for READY, lease slots. Raises
-        BrokerUnavailable if it cannot be done now."""
-        conn = self._connect(self.name, self._sidecar_uid)
+    async def _attach(self, deadline: float | None, wait_for_sidecar: bool,
+                      within: str) -> tuple[Connection, list[ClientSlot]]:
+        """Drive :func:`clients._attach.attach` on the loop (its pauses are asyncio sleeps)."""
+        steps = attach(self._connect, self.name, self._sidecar_uid, size=self._size,
+                       min_size=self._min_size, deadline=deadline,
+                       wait_for_sidecar=wait_for_sidecar, within=within, clock=time.monotonic,
+                       rng=self._rng, for_pool=True)
         try:
-            while not conn.is_ready():
-                conn.check_alive()  # a dead or stopped one is being replaced: try again later
-                await asyncio.sleep(0.005)
-            conn.check_alive()
-            slots = conn.lease(self._size)
-            if len(slots) < self._min_size:
-                conn.give_back(slots, [])
-                raise BrokerUnavailable(
-                    f"broker {self.name!r}: only {len(slots)} free slots, pool needs {self._min_size} "
-                    f"(all {conn.layout.n_slots} are leased; start the sidecar with more --slots)")
-        except BaseException:
-            conn.close()
-            raise
-        return conn, slots
+            while True:
+                await asyncio.sleep(next(steps))
+        except StopIteration as done:
+            return cast("tuple[Connection, list[ClientSlot]]", done.value)
+        finally:
+            steps.close()  # cancelled while pausing: the half-made attachment is closed
 
     def _install(self, conn: Connection, slots: list[ClientSlot]) -> None:
         """Make an attachment current: its slots free, its waiter thread started."""
@@ -363,6 +364,7 @@ class RecallPool:
         self._current = frozenset(slots)
         for s in slots:
             self._free.put_nowait(s)
+        self._payload_ok = 0  # what this sidecar's --payload-limit is known to take
         self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
         self._attached.set()
 
@@ -430,6 +432,8 @@ class RecallPool:
             self._waiter = None
         busy = [e.slot for e in self._inflight.values()]
         for e in self._inflight.values():
+            if e.prep.call is not None:
+                e.prep.call.failed = True  # its call's other chunks are not posted (_write)
             for f in e.futures():
                 if not f.done():
                     f.set_exception(copy.copy(exc))
@@ -509,21 +513,30 @@ class RecallPool:
                      namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Insert or replace records (vector and payload together); returns the rows written.
 
-        Rows are sent in chunks of max_queries, concurrently over the pool's slots; each chunk is
-        durable (with ``--data-dir``) before it is acknowledged. Duplicate ids in one chunk: the
-        last wins. Payloads must be JSON-serialisable (PayloadTooLarge beyond the limit).
+        ``vectors``: shape (n, dim), one row per id (README, "Vectors"); duplicate ids: the last
+        wins. Every row, id and payload is checked before anything is sent (InvalidRequest,
+        PayloadTooLarge). Rows go in chunks (max_queries rows, a slot's blob area of payloads),
+        concurrently over the pool's slots; each chunk is durable (with ``--data-dir``) before
+        it is acknowledged. The chunk with the longest payload goes first and alone when this
+        sidecar has not yet taken one as long, so a payload over its ``--payload-limit`` fails
+        the call with nothing written. ``timeout`` (seconds, None = no limit) is one budget for
+        the whole call. A failure after part of the call was applied (an outage, a store failure
+        or the budget running out between chunks) raises PartialWrite, also an instance of the
+        error that stopped it (BrokerUnavailable, ServerError, KalosTimeout ...), naming the ids
+        written, not written and in doubt.
         """
         t0 = time.monotonic_ns()
         preps = encode_upsert(self.layout, ids, vectors, payloads, namespace)
-        return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
+        return await self._write(Op.UPSERT, preps, timeout, t0)
 
     async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
                      namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
         """Delete records by id, or every record whose payload matches ``where`` (one of the two);
-        returns how many existed. Unknown ids/namespace: 0, no error."""
+        returns how many existed. Unknown ids/namespace: 0, no error. More ids than max_queries
+        go in chunks, as for :meth:`upsert` (PartialWrite if the call fails part way)."""
         t0 = time.monotonic_ns()
         preps = encode_delete(self.layout, ids, namespace, where)
-        return sum(cast("list[int]", await self._execute_all(preps, timeout, t0)))
+        return await self._write(Op.DELETE, preps, timeout, t0)
 
     async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
                   timeout: Timeout = DEFAULT) -> Records:
@@ -580,6 +593,74 @@ class RecallPool:
                               "pool is not open (use `async with RecallPool(...)` or await open())")
         if self._broken is not None:
             raise self._broken
+
+    async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> int:
+        """Send the chunks of one upsert or delete within one budget: the probe chunk alone
+        first (clients._writes.probe_first), then the rest at once. After the first failure no
+        further chunk is posted; the chunks in flight are awaited, and the error says what
+        became of every id (clients._writes.failure)."""
+        self._check_usable()
+        loop = self._loop
+        assert loop is not None
+        timeout = resolve_timeout(budget, self._timeout)
+        deadline = None if timeout is None else loop.time() + timeout
+        conn = self._conn
+        if len(preps) > 1:
+            t0 = 0  # each chunk timed from its own sending (_execute_once), not from the call
+        probe = probe_first([p.max_line for p in preps], self._payload_ok)
+        results: list[Any] = [None] * len(preps)
+        rest = list(range(len(preps)))
+        if probe is not None:
+            rest.remove(probe)
+            results[probe] = await self._chunk(preps[probe], deadline, t0)
+            if isinstance(results[probe], KalosError):
+                rest = []
+            elif self._conn is conn:
+                self._payload_ok = max(self._payload_ok, preps[probe].max_line)
+        if len(rest) == 1:
+            results[rest[0]] = await self._chunk(preps[rest[0]], deadline, t0)
+        elif rest:
+            call = WriteCall()
+            for i in rest:
+                preps[i].call = call
+            tasks = [loop.create_task(self._chunk(preps[i], deadline, t0)) for i in rest]
+
+            def stop_unposted(_done: asyncio.Task[Any]) -> None:
+                if call.failed:  # chunks still waiting for a slot (or a sidecar) give up now
+                    for t, i in zip(tasks, rest):
+                        if not t.done() and not preps[i].posted:
+                            t.cancel()
+
+            for t in tasks:
+                t.add_done_callback(stop_unposted)
+            settled = await asyncio.gather(*tasks, return_exceptions=True)
+            for i, r in zip(rest, settled):
+                if isinstance(r, (asyncio.CancelledError, _Halted)):
+                    continue  # stopped before it was posted: not sent
+                if isinstance(r, BaseException) and not isinstance(r, KalosError):
+                    raise r  # a bug, not an outcome (_chunk returns Kalos errors)
+                results[i] = r
+        if all(isinstance(r, int) for r in results):
+            return sum(results)
+        cause = next(r for r in results if isinstance(r, KalosError))
+        fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]
+        err = failure(op, cause, [p.ids if p.ids is not None else _NO_IDS for p in preps], fates)
+        if err is cause:
+            raise cause
+        raise err from cause
+
+    async def _chunk(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+        """One chunk of a write: its count, or the KalosError it failed with (an outcome)."""
+        assert self._loop is not None
+        left = None if deadline is None else deadline - self._loop.time()
+        try:
+            if left is not None and left <= 0:  # never post what nobody will wait for
+                raise AcquireTimeout("the call's time budget ran out before this part was sent")
+            return await self._execute(p, left, t0)
+        except KalosError as e:
+            if p.call is not None:
+                p.call.failed = True
+            return e
 
     async def _execute_all(self, preps: list[Prepared], timeout: Timeout, t0: int) -> list[Any]:
         if len(preps) == 1:
@@ -638,6 +719,9 @@ class RecallPool:
         loop = self._loop
         assert loop is not None and self._free is not None
         slot = await self._acquire(deadline)
+        if p.call is not None and p.call.failed:
+            self._free.put_nowait(slot)
+            raise _Halted  # another chunk of this write failed: this one is not sent
         conn = self._conn
         assert conn is not None
         if conn.quiet():  # the heartbeat is late: is the sidecar still there before we post?
@@ -654,6 +738,7 @@ class RecallPool:
             slot.set_free()
             self._free.put_nowait(slot)
             raise
+        p.posted = True
         fut: asyncio.Future[Any] = loop.create_future()
         # t0 == 0: a chunk of a bulk call, timed from its sending (see _execute_all).
         self._inflight[slot.index] = _Inflight(slot, p, fut, t0 or time.monotonic_ns())
@@ -942,6 +1027,8 @@ class RecallPool:
             result = read_slot(s.view, s.outcome(), e.prep)
         except KalosError as x:
             exc = x
+            if e.prep.call is not None:  # before the slot is handed to the call's next chunk
+                e.prep.call.failed = True
         latency = time.monotonic_ns() - e.t0
         self._rt_ewma_ns += 0.2 * (latency - self._rt_ewma_ns)
         op = latency_op(e.prep.op, e.prep.single)
@@ -1040,23 +1127,22 @@ class RecallPool:
             await asyncio.sleep(backoff_s(attempt, self._rng))
             attempt += 1
             try:
-                conn, slots = await self._attach_once()
-            except (UntrustedBroker, ProtocolError) as e:
+                conn, slots = await self._attach(None, True, "")
+            except SlotsExhausted:
+                continue  # others took the new sidecar's slots first: wait for some to free up
+            except KalosError as e:  # UntrustedBroker, ProtocolError, ConfigError
                 self._break(e)
                 return
-            except BrokerUnavailable:
-                continue
-            if (conn.layout.dim, conn.layout.max_k, conn.layout.max_queries,
-                    conn.layout.blob_bytes) != (self._layout.dim, self._layout.max_k,
-                                                self._layout.max_queries, self._layout.blob_bytes):
-                new = conn.layout
+            new, old = conn.layout, self._layout
+            if (new.dim, new.max_k, new.max_queries, new.blob_bytes) != (
+                    old.dim, old.max_k, old.max_queries, old.blob_bytes):
                 conn.give_back(slots, [])
                 conn.close()
                 self._break(ProtocolError(
                     f"broker {self.name!r} came back with another geometry (dim {new.dim}, max_k "
                     f"{new.max_k}, max_queries {new.max_queries}, blob {new.blob_bytes} bytes; was "
-                    f"dim {self._layout.dim}, max_k {self._layout.max_k}, max_queries "
-                    f"{self._layout.max_queries}, blob {self._layout.blob_bytes}): reopen the pool"))
+                    f"dim {old.dim}, max_k {old.max_k}, max_queries "
+                    f"{old.max_queries}, blob {old.blob_bytes}): reopen the pool"))
                 return
             if self._state not in ("open", "closing"):
                 conn.give_back(slots, [])

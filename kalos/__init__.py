@@ -8,8 +8,8 @@ the checkout's top-level folders of those names. The applications live beside it
 
 from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
-    KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
-    UsageError,
+    KalosTimeout, PartialWrite, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, SlotsExhausted,
+    UnknownNamespace, UsageError,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
 from kalos.clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool
@@ -18,6 +18,6 @@ __version__ = "0.1.0"
 __all__ = [
     "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records",
     "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
-    "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
-    "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
+    "KalosError", "KalosTimeout", "PartialWrite", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
+    "ServerError", "SlotsExhausted", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
 ]

@@ -14,7 +14,7 @@ import pytest
 
 from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
-    ResponseTimeout, UnknownNamespace,
+    ResponseTimeout, SlotsExhausted, UnknownNamespace,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
 from kalos.broker.names import shm_name
@@ -442,7 +442,7 @@ def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
 def test_pool_refuses_when_no_slots_left(sidecar):
     async def main() -> None:
         async with RecallPool(sidecar.name, size=32):
-            with pytest.raises(BrokerUnavailable, match="free slots"):
+            with pytest.raises(SlotsExhausted, match="32 slots: 32 leased"):
                 async with RecallPool(sidecar.name, size=2):
                     pass
     asyncio.run(main())

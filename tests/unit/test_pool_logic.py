@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from kalos.broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ProtocolError, ResponseTimeout,
+    AcquireTimeout, BrokerUnavailable, ClosedError, PartialWrite, PayloadTooLarge, ProtocolError,
+    ResponseTimeout, ServerError,
 )
 from kalos.broker.layout import Layout, SlotView, Status
 from kalos.clients import RecallPool
@@ -237,3 +238,229 @@ async def test_done_but_never_posted_then_dead_is_noticed_not_spun_on():
 async def test_every_async_test_runs_under_the_strict_loop_fixture():
     """conftest applies strict_loop to async tests without a marker: its handler is installed."""
     assert asyncio.get_running_loop().get_exception_handler() is not None
+
+
+# --------------------------------------------------------------------------- writes in chunks
+
+WLAY = Layout(n_slots=4, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
+LIMIT = 100  # the fake sidecar's --payload-limit (not in the header: the client cannot read it)
+
+
+class WriteSidecar:
+    """A fake sidecar's write path: refuses a chunk with a payload line over LIMIT
+    (PAYLOAD_TOO_LARGE) or whose ids are in ``refuse`` (with that status), else applies it.
+    ``applied`` holds what it wrote; ``seen`` every chunk's ids in the order served."""
+
+    def __init__(self, conn: FakeConnection, refuse: dict[int, Status] | None = None) -> None:
+        self.conn = conn
+        self.refuse = refuse or {}
+        self.applied: dict[int, np.ndarray] = {}
+        self.seen: list[list[int]] = []
+
+    def __call__(self, v: SlotView, op: int, k: int, nq: int):
+        ids = v.ids[:nq].tolist()
+        self.seen.append(ids)
+        for i in ids:
+            if i in self.refuse:
+                return self.refuse[i]
+        blob_len = int(self.conn.seg.slots["blob_len"][v.index])
+        lines = bytes(v.blob[:blob_len]).split(b"\n")
+        if any(len(line) > LIMIT for line in lines):
+            return Status.PAYLOAD_TOO_LARGE
+        for j, i in enumerate(ids):
+            self.applied[i] = v.queries[j].copy()
+        return nq
+
+
+def wrows(rng, n: int):
+    return np.arange(n, dtype=np.int64) * 10 + 1, rng.standard_normal((n, 8)).astype(np.float32)
+
+
+async def test_an_upsert_refused_for_one_payload_writes_nothing(rng):
+    """Issue 22 item 2 on the fake: the chunk holding the payload over the sidecar's limit goes
+    first and alone, so the refusal leaves nothing written (before: the other chunks, sent at
+    the same time, were applied)."""
+    conn = FakeConnection(WLAY)
+    pool = await open_pool(conn, size=4)
+    side = WriteSidecar(conn)
+    ids, vecs = wrows(rng, 8)
+    pls = [{"i": i} for i in range(8)]
+    pls[5] = {"t": "x" * 200}
+    server = asyncio.ensure_future(serve_soon(conn, side, 1))
+    with pytest.raises(PayloadTooLarge) as e:
+        await pool.upsert(ids, vecs, pls, timeout=2)
+    await server
+    assert not isinstance(e.value, PartialWrite)
+    assert side.seen == [ids[4:6].tolist()] and side.applied == {}
+    await asyncio.sleep(0.02)
+    assert conn.posted() == [] and pool.statistics().free == 4
+    pls[5] = {"t": "short"}  # fixed: the probe goes first, then the rest at once
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, pls, timeout=2))
+    await until(lambda: len(conn.posted()) == 1)
+    await asyncio.sleep(0.01)
+    assert len(conn.posted()) == 1  # the probe alone
+    conn.serve(side)
+    await until(lambda: len(conn.posted()) == 3)
+    conn.serve(side)
+    assert await task == 8
+    assert sorted(side.applied) == ids.tolist()
+    for i, v in zip(ids.tolist(), vecs):
+        np.testing.assert_array_equal(side.applied[i], v)
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, pls, timeout=2))
+    await until(lambda: len(conn.posted()) == 4)  # this sidecar took such payloads: no probe
+    conn.serve(side)
+    assert await task == 8
+    await pool.close()
+
+
+async def test_a_store_failure_midway_names_the_ids_by_fate(rng):
+    conn = FakeConnection(WLAY)
+    pool = await open_pool(conn, size=2)
+    ids, vecs = wrows(rng, 12)  # 6 chunks, 2 slots
+    side = WriteSidecar(conn, refuse={int(ids[2]): Status.STORE_ERROR})
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=5))
+    await until(lambda: len(conn.posted()) == 2)
+    while not task.done():
+        conn.serve(side)
+        await asyncio.sleep(0.001)
+    e = task.exception()
+    assert isinstance(e, PartialWrite) and isinstance(e, ServerError), e
+    assert "STORE_ERROR" in str(e)
+    assert sorted(e.written) == sorted(side.applied)  # exactly what the sidecar applied
+    assert set(ids[2:4].tolist()) <= set(e.unwritten) and e.in_doubt == ()
+    assert sorted(e.written + e.unwritten) == ids.tolist()
+    # Both posted chunks were answered together; the slot the good one freed went to the next
+    # chunk, which was not posted: the failure was known by then. The rest never got a slot.
+    assert len(side.seen) == 2, side.seen
+    await until(lambda: pool.statistics().free == 2)
+    await pool.close()
+
+
+async def test_an_outage_midway_leaves_the_chunks_in_flight_in_doubt(rng):
+    conn = FakeConnection(WLAY)
+    pool = await open_pool(conn, size=2)
+    ids, vecs = wrows(rng, 12)
+    side = WriteSidecar(conn)
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=5))
+    await until(lambda: len(conn.posted()) == 2)
+    first = conn.posted()[0]
+    conn.serve(side, slots=[first])
+    await until(lambda: len(conn.posted()) == 2)  # the next chunk took the freed slot
+    in_flight = sorted(int(i) for s in conn.posted() for i in conn.seg.slot[s].ids[:2])
+    conn.alive = False  # the sidecar dies with two chunks posted, unanswered
+    with pytest.raises(BrokerUnavailable) as e:
+        await asyncio.wait_for(task, 2)
+    err = e.value
+    assert isinstance(err, PartialWrite)
+    assert sorted(err.written) == sorted(side.applied) and len(err.written) == 2
+    assert sorted(err.in_doubt) == in_flight
+    assert sorted(err.unwritten) == sorted(set(ids.tolist()) - set(err.written) - set(in_flight))
+    pool.terminate()
+
+
+async def test_writes_and_the_vector_rule_in_the_blocking_client(rng):
+    """RecallClient: the same rule for vectors, chunks in turn with the probe first, nothing
+    sent after a failure, PartialWrite naming the ids."""
+    import threading
+
+    from kalos.broker.errors import InvalidRequest
+    from kalos.clients import RecallClient
+
+    conn = FakeConnection(WLAY)
+    side = WriteSidecar(conn)
+    stop = threading.Event()
+
+    def sidecar() -> None:
+        while not stop.is_set():
+            conn.serve(side)
+            stop.wait(0.0005)
+    t = threading.Thread(target=sidecar, daemon=True)
+    t.start()
+    try:
+        c = await asyncio.to_thread(RecallClient, "fake", connect=lambda name, uid: conn, timeout=2)
+        with pytest.raises(InvalidRequest, match=r"got \(1, 8\): use recall_many"):
+            c.recall(np.ones((1, 8)), k=2)
+        with pytest.raises(InvalidRequest, match=r"pass vec\[None\]"):
+            c.upsert([1], np.ones(8))
+        ids, vecs = wrows(rng, 8)
+        pls = [{"i": i} for i in range(8)]
+        pls[6] = {"t": "x" * 200}
+        with pytest.raises(PayloadTooLarge) as e:
+            await asyncio.to_thread(c.upsert, ids, vecs, pls)
+        assert not isinstance(e.value, PartialWrite)
+        assert side.seen == [ids[6:8].tolist()] and side.applied == {}
+        side.refuse = {int(ids[4]): Status.CAPACITY}
+        with pytest.raises(ServerError) as e:
+            await asyncio.to_thread(c.upsert, ids, vecs)
+        err = e.value
+        assert isinstance(err, PartialWrite)
+        assert err.written == tuple(ids[:4].tolist()) and err.unwritten == tuple(ids[4:].tolist())
+        assert side.seen[1:] == [ids[0:2].tolist(), ids[2:4].tolist(), ids[4:6].tolist()]
+        side.refuse = {}
+        assert await asyncio.to_thread(c.delete, np.concatenate([ids, ids[:3]])) == 8
+        c.close()
+    finally:
+        stop.set()
+        t.join()
+
+
+async def test_a_blocking_call_waiting_for_another_threads_call_keeps_its_budget():
+    """Calls of several threads share the client's one slot; waiting for it is part of a call's
+    budget: AcquireTimeout while the other call is still running, not after it."""
+    await asyncio.to_thread(two_threads_one_client)
+
+
+def two_threads_one_client() -> None:
+    import threading
+
+    from kalos.clients import RecallClient
+
+    conn = FakeConnection(WLAY)
+    c = RecallClient("fake", connect=lambda name, uid: conn)
+    first: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            c.recall(np.ones(8, np.float32), k=2, timeout=1.5)  # nobody answers
+        except BaseException as e:  # noqa: BLE001
+            first.append(e)
+    t = threading.Thread(target=slow)
+    t.start()
+    assert wait_posted(conn)
+    with pytest.raises(AcquireTimeout, match="another thread's call"):
+        c.recall(np.ones(8, np.float32), k=2, timeout=0.05)
+    assert t.is_alive() and not first  # the first call was still waiting for its answer
+    t.join()
+    assert isinstance(first[0], ResponseTimeout)
+    c.close()
+
+
+def wait_posted(conn: FakeConnection, timeout: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while not conn.posted():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+async def test_the_budget_running_out_between_chunks_is_a_partial_timeout(rng):
+    """One budget for the whole call: the chunk that was answered is written, the one posted and
+    never answered is in doubt, the one that never got a slot is not written."""
+    conn = FakeConnection(WLAY)
+    pool = await open_pool(conn, size=1)
+    ids, vecs = wrows(rng, 6)  # 3 chunks over 1 slot
+    side = WriteSidecar(conn)
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=0.3))
+    await until(lambda: len(conn.posted()) == 1)
+    conn.serve(side)  # the first chunk is answered; the second then waits for nobody
+    with pytest.raises(ResponseTimeout) as e:
+        await task
+    err = e.value
+    assert isinstance(err, PartialWrite) and isinstance(err, TimeoutError)
+    assert sorted(err.written) == sorted(side.applied) and len(err.written) == 2
+    assert len(err.in_doubt) == 2 and len(err.unwritten) == 2
+    assert sorted(err.written + err.in_doubt + err.unwritten) == ids.tolist()
+    pool.terminate()

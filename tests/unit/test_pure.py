@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kalos.broker.errors import InvalidRequest, PayloadTooLarge
+from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Layout, Metric, Op, Status
-from kalos.broker.validation import as_ids, as_queries, check_k, encode_payloads
+from kalos.broker.validation import VectorsFor, as_ids, as_vectors, check_k, payload_lines
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
 from kalos.sidecar_cuda.batching import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
@@ -24,26 +24,27 @@ def fields(**kw):
     return SlotFields(**base)
 
 
-def test_as_queries_accepts_and_refuses():
+def test_as_vectors_accepts_and_refuses():
     v = np.arange(8, dtype=np.float32)
-    assert as_queries(v, 8, 4, single=True).shape == (1, 8)
-    assert as_queries(v.astype(np.float64), 8, 4, single=True).dtype == np.float32
-    assert as_queries(list(range(8)), 8, 4, single=True).shape == (1, 8)
-    assert as_queries(np.ones((3, 8)), 8, 4, single=False).shape == (3, 8)
+    R, M = VectorsFor.RECALL, VectorsFor.RECALL_MANY
+    assert as_vectors(v, 8, R, 4).shape == (1, 8)
+    assert as_vectors(v.astype(np.float64), 8, R, 4).dtype == np.float32
+    assert as_vectors(list(range(8)), 8, R, 4).shape == (1, 8)
+    assert as_vectors(np.ones((3, 8)), 8, M, 4).shape == (3, 8)
     for top in (3e38, 2e19):  # x.x overflows (and at 3e38 the sum), the values are finite
         big = np.full(8, top, np.float32)
         with np.errstate(over="ignore"):
-            assert as_queries(big, 8, 4, single=True).shape == (1, 8)
-    for bad, single in [(np.ones(7), True), (np.ones((2, 8)), True), (np.ones((5, 8)), False),
-                        (np.ones((0, 8)), False), (np.array([True] * 8), True),
-                        (np.array(["x"] * 8), True), (np.ones((2, 2, 8)), False)]:
+            assert as_vectors(big, 8, R, 4).shape == (1, 8)
+    for bad, use in [(np.ones(7), R), (np.ones((2, 8)), R), (np.ones((5, 8)), M),
+                     (np.ones((0, 8)), M), (np.array([True] * 8), R),
+                     (np.array(["x"] * 8), R), (np.ones((2, 2, 8)), M)]:
         with pytest.raises(InvalidRequest):
-            as_queries(bad, 8, 4, single=single)
+            as_vectors(bad, 8, use, 4)
     for val in (np.nan, np.inf, -np.inf):
         v = np.ones(8, np.float32)
         v[3] = val
         with pytest.raises(InvalidRequest, match="NaN"):
-            as_queries(v, 8, 4, single=True)
+            as_vectors(v, 8, R, 4)
 
 
 def test_check_k_ids_payloads():
@@ -55,13 +56,13 @@ def test_check_k_ids_payloads():
     for ids, n in (([1, 2], 3), ([-1], 1), ([1.5], 1), ([], 0), ([2**64 - 1], 1)):
         with pytest.raises(InvalidRequest):
             as_ids(ids, n)
-    assert encode_payloads([{"a": 1}, None], 2, 100) == b'{"a":1}\nnull'
-    with pytest.raises(PayloadTooLarge):
-        encode_payloads([{"t": "x" * 200}], 1, 100)
-    with pytest.raises(InvalidRequest):
-        encode_payloads([object()], 1, 100)
-    with pytest.raises(InvalidRequest):
-        encode_payloads([float("nan")], 1, 100)
+    assert payload_lines([{"a": 1}, None], 2) == [b'{"a":1}', b"null"]
+    with pytest.raises(InvalidRequest, match="2 payloads for 3"):
+        payload_lines([{}, {}], 3)
+    with pytest.raises(InvalidRequest, match="row 1"):
+        payload_lines([{}, object()], 2)
+    with pytest.raises(InvalidRequest, match="row 0"):
+        payload_lines([float("nan")], 1)
 
 
 def test_posted_slots_and_parse():

@@ -1,0 +1,141 @@
+"""Writes of more rows than one slot carries, as pure decisions: how an upsert's rows are packed
+into chunks, which chunk is sent first, and what a failed call means for each chunk's ids.
+
+An upsert or delete is validated whole before its first chunk is sent (clients._requests), so
+the only failures left are the sidecar's: its ``--payload-limit`` (not in the header, so not
+checkable here), and outages or store failures between chunks. The first is made all or nothing
+by :func:`probe_first` (the chunk holding the largest payload goes alone, before the others: if
+the sidecar refuses it, nothing else is sent; if it takes it, it takes every smaller payload).
+For the others, :func:`failure` says which ids were written, which were not, and which are in
+doubt (:class:`kalos.broker.errors.PartialWrite`). The pool and the blocking client do the I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..broker.errors import KalosError, PayloadTooLarge, partial_write
+from ..broker.layout import Op, Status
+
+
+def last_wins(ids: np.ndarray) -> np.ndarray | None:
+    """Positions in ``ids`` keeping the last occurrence of each id, in call order, or None if
+    every id occurs once. Chunks of one call are served in any order, so "the last wins" across
+    chunks holds only if the client drops the earlier duplicates."""
+    if len(ids) < 2:
+        return None
+    rev = ids[::-1]
+    _, first_in_rev = np.unique(rev, return_index=True)
+    if len(first_in_rev) == len(ids):
+        return None
+    return np.sort(len(ids) - 1 - first_in_rev)
+
+
+def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int
+         ) -> list[tuple[int, int]]:
+    """Row ranges ``[lo, hi)`` of consecutive chunks: at most ``max_rows`` rows each and, with
+    payloads, at most ``blob_bytes`` bytes of payload lines (joined by newlines: the slot's blob
+    area). Raises PayloadTooLarge naming the row whose payload alone exceeds the blob area."""
+    if lines is None:
+        return [(lo, min(n, lo + max_rows)) for lo in range(0, n, max_rows)]
+    out: list[tuple[int, int]] = []
+    lo, used = 0, -1  # -1: the first line of a chunk has no newline before it
+    for row, line in enumerate(lines):
+        size = len(line)
+        if size > blob_bytes:
+            raise PayloadTooLarge(
+                f"the payload of row {row} takes {size} bytes; a request carries at most "
+                f"{blob_bytes} (the slot's blob area, the sidecar's --blob-bytes); the sidecar "
+                "also refuses any payload over its --payload-limit (16384 bytes by default)")
+        if row > lo and (row - lo == max_rows or used + 1 + size > blob_bytes):
+            out.append((lo, row))
+            lo, used = row, -1
+        used += 1 + size
+    if n > lo:
+        out.append((lo, n))
+    return out
+
+
+def probe_first(largest_lines: Sequence[int], accepted: int) -> int | None:
+    """The chunk to send alone, before the others, or None to send them all at once.
+
+    ``largest_lines``: each chunk's longest payload line in bytes (0: no payloads); ``accepted``:
+    the longest line the current sidecar has already taken (its limit is at least that). A
+    sidecar refuses a chunk with any payload over its ``--payload-limit``, and nothing in the
+    header says what that is; so the chunk with the longest line goes first: refused, the call
+    fails with nothing written; taken, every other payload of the call is within the limit."""
+    if len(largest_lines) < 2:
+        return None
+    i = int(np.argmax(largest_lines))
+    return i if largest_lines[i] > accepted else None
+
+
+class WriteCall:
+    """Shared by the chunks of one call that are sent at once: set ``failed`` as soon as one
+    fails (the pool sets it where the failure is first seen: the answer read, the outage found),
+    and no further chunk of the call is posted."""
+
+    __slots__ = ("failed",)
+
+    def __init__(self) -> None:
+        self.failed = False
+
+
+class Fate(enum.Enum):
+    """What became of one chunk of a call."""
+
+    APPLIED = "written"  # answered OK
+    NOT_APPLIED = "not written"  # never sent, or refused before the sidecar wrote anything
+    IN_DOUBT = "in doubt"  # sent and never answered, or failed after the sidecar's store took it
+
+
+#: Statuses a sidecar answers before it stores or applies anything of the request (the write
+#: path checks the slot, then capacity, then commits; a failed commit is rolled back).
+_REFUSED = frozenset({
+    Status.BAD_REQUEST, Status.DIM_MISMATCH, Status.K_OUT_OF_RANGE, Status.TOO_MANY_QUERIES,
+    Status.NOT_FINITE, Status.UNKNOWN_NAMESPACE, Status.PAYLOAD_TOO_LARGE, Status.UNKNOWN_OP,
+    Status.STORE_ERROR, Status.CAPACITY, Status.BAD_ID,
+})
+
+
+def fate(ok: bool, posted: bool, status: int | None) -> Fate:
+    """One chunk's fate: ``ok`` (answered OK), ``posted`` (it reached a slot and was posted),
+    ``status`` (the error status the sidecar answered, None if it never answered)."""
+    if ok:
+        return Fate.APPLIED
+    if not posted:
+        return Fate.NOT_APPLIED
+    if status is not None and status in _REFUSED:
+        return Fate.NOT_APPLIED
+    return Fate.IN_DOUBT  # lost in flight, or BACKEND_ERROR / SERVER_ERROR after the commit
+
+
+def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
+            fates: Sequence[Fate]) -> KalosError:
+    """The error a failed call raises: ``cause`` itself if the call was one request (the
+    sidecar applies a request whole or not at all) or no chunk was applied or is in doubt
+    (nothing happened: the call can be fixed or sent again as it is); else a PartialWrite that
+    is also a ``type(cause)``, listing the ids by fate. ``op``: UPSERT or DELETE."""
+    if len(fates) < 2 or all(f is Fate.NOT_APPLIED for f in fates):
+        return cause
+    by: dict[Fate, list[int]] = {f: [] for f in Fate}
+    for ids, f in zip(chunk_ids, fates):
+        by[f].extend(ids.tolist())
+    written, unwritten, doubt = (tuple(by[f]) for f in (Fate.APPLIED, Fate.NOT_APPLIED,
+                                                       Fate.IN_DOUBT))
+    total = len(written) + len(unwritten) + len(doubt)
+    what = op.name.lower()
+    verb = "written" if op is Op.UPSERT else "deleted"
+    return partial_write(
+        cause,
+        f"{what} of {total} ids in {len(fates)} requests stopped part way: {len(written)} "
+        f"{verb}, {len(unwritten)} not, {len(doubt)} in doubt (sent, no answer; {what} is "
+        f"idempotent: sending them again is safe); .written, .unwritten and .in_doubt list them. "
+        f"Stopped by {type(cause).__name__}: {cause}",
+        written=written, unwritten=unwritten, in_doubt=doubt)
+
+
+__all__ = ["Fate", "WriteCall", "failure", "fate", "last_wins", "pack", "probe_first"]
