@@ -280,6 +280,9 @@ HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
     # slot's req semaphore (a full fence) must post the doorbell; otherwise the sidecar is polling
     # and the post can be skipped. (Posting it anyway is always correct.)
     ("sidecar_sleeping", "<u4", 112),
+    # The sidecar's --payload-limit (bytes of one payload's JSON): clients check every payload of
+    # a write against it before sending any part of the call.
+    ("payload_limit", "<u4", 116),
 )
 
 # Slot header fields: (name, numpy type, offset within the slot).
@@ -485,7 +488,8 @@ class SegmentView:
         self.all_blobs = np.ndarray((L.n_slots, L.blob_bytes), np.uint8, buf,
                                     L.data_offset + L.blob_offset, (L.slot_bytes, 1))
 
-    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int) -> None:
+    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int,
+                    payload_limit: int) -> None:
         h = self.header
         L = self.layout
         h["version"] = PROTOCOL_VERSION
@@ -502,6 +506,7 @@ class SegmentView:
         h["start_epoch_ns"] = start_epoch_ns
         h["metric"] = metric
         h["backend"] = backend
+        h["payload_limit"] = payload_limit
         h["hist_buckets"] = HIST_BUCKETS
         h["ring_len"] = RING_LEN
         h["state"] = SidecarState.STARTING

@@ -55,7 +55,6 @@ class Prepared:
     blob: bytes = b""
     single: bool = False
     with_vectors: bool = True  # GET: copy the vectors out of the answer
-    max_line: int = 0  # UPSERT: bytes of its longest payload line (clients._writes.probe_first)
     # What became of it, for a write that fails (clients._writes.fate): posted to a slot, and
     # the error status the sidecar answered (None: none was read).
     posted: bool = False
@@ -107,7 +106,8 @@ def recall_group(preps: list[Prepared]) -> Prepared:
     return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob)
 
 
-def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str) -> list[Prepared]:
+def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str,
+           payload_limit: int) -> list[Prepared]:
     """One request per chunk of rows (sent concurrently by the pool): every row, id and payload
     is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
     payload bytes as a slot's blob area; duplicate ids keep their last row (the chunks of a call
@@ -123,11 +123,10 @@ def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str
         if lines is not None:
             lines = [lines[i] for i in keep.tolist()]
     out = []
-    for lo, hi in pack(lines, len(idarr), layout.max_queries, layout.blob_bytes):
+    for lo, hi in pack(lines, len(idarr), layout.max_queries, layout.blob_bytes, payload_limit):
         p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=v[lo:hi], ids=idarr[lo:hi])
         if lines is not None:
             p.blob = b"\n".join(lines[lo:hi])
-            p.max_line = max(map(len, lines[lo:hi]))
         out.append(p)
     return out
 

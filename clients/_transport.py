@@ -266,6 +266,7 @@ class Connection:
                 raise ProtocolError(f"broker {name!r}: latency layout differs from this client's")
             self.layout = Layout.from_header(hdr)
             self.metric = metric_name(int(hdr["metric"]))  # the sidecar's --metric
+            self.payload_limit = int(hdr["payload_limit"])  # the sidecar's --payload-limit
             del hdr
             if self.layout.total_bytes != self.shm.size:
                 raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")

@@ -1,13 +1,10 @@
 """Writes of more rows than one slot carries, as pure decisions: how an upsert's rows are packed
-into chunks, which chunk is sent first, and what a failed call means for each chunk's ids.
+into chunks and what a failed call means for each chunk's ids.
 
-An upsert or delete is validated whole before its first chunk is sent (clients._requests), so
-the only failures left are the sidecar's: its ``--payload-limit`` (not in the header, so not
-checkable here), and outages or store failures between chunks. The first is made all or nothing
-by :func:`probe_first` (the chunk holding the largest payload goes alone, before the others: if
-the sidecar refuses it, nothing else is sent; if it takes it, it takes every smaller payload).
-For the others, :func:`failure` says which ids were written, which were not, and which are in
-doubt (:class:`kalos.broker.errors.PartialWrite`). The pool and the blocking client do the I/O.
+An upsert or delete is validated whole before its first chunk is sent (clients._requests), each
+payload against the sidecar's ``--payload-limit`` too (the segment header carries it), so the only
+failures left part way are outages and store failures between chunks. For those, :func:`failure`
+says which ids were written, which were not, and which are in doubt (:class:`kalos.broker.errors.PartialWrite`). The pool and the blocking client do the I/O.
 """
 
 from __future__ import annotations
@@ -34,22 +31,28 @@ def last_wins(ids: np.ndarray) -> np.ndarray | None:
     return np.sort(len(ids) - 1 - first_in_rev)
 
 
-def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int
+def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int, payload_limit: int
          ) -> list[tuple[int, int]]:
     """Row ranges ``[lo, hi)`` of consecutive chunks: at most ``max_rows`` rows each and, with
     payloads, at most ``blob_bytes`` bytes of payload lines (joined by newlines: the slot's blob
-    area). Raises PayloadTooLarge naming the row whose payload alone exceeds the blob area."""
+    area). Raises PayloadTooLarge naming the first row whose payload exceeds the sidecar's
+    ``payload_limit`` (its ``--payload-limit``, read from the segment header) or, alone, the blob
+    area: the whole call is refused before any part of it is sent."""
     if lines is None:
         return [(lo, min(n, lo + max_rows)) for lo in range(0, n, max_rows)]
     out: list[tuple[int, int]] = []
     lo, used = 0, -1  # -1: the first line of a chunk has no newline before it
     for row, line in enumerate(lines):
         size = len(line)
+        if size > payload_limit:
+            raise PayloadTooLarge(
+                f"the payload of row {row} takes {size} bytes, over the sidecar's --payload-limit "
+                f"of {payload_limit}: nothing of this call was sent")
         if size > blob_bytes:
             raise PayloadTooLarge(
                 f"the payload of row {row} takes {size} bytes; a request carries at most "
-                f"{blob_bytes} (the slot's blob area, the sidecar's --blob-bytes); the sidecar "
-                "also refuses any payload over its --payload-limit (16384 bytes by default)")
+                f"{blob_bytes} (the slot's blob area, the sidecar's --blob-bytes): nothing of this "
+                "call was sent")
         if row > lo and (row - lo == max_rows or used + 1 + size > blob_bytes):
             out.append((lo, row))
             lo, used = row, -1
@@ -57,20 +60,6 @@ def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int
     if n > lo:
         out.append((lo, n))
     return out
-
-
-def probe_first(largest_lines: Sequence[int], accepted: int) -> int | None:
-    """The chunk to send alone, before the others, or None to send them all at once.
-
-    ``largest_lines``: each chunk's longest payload line in bytes (0: no payloads); ``accepted``:
-    the longest line the current sidecar has already taken (its limit is at least that). A
-    sidecar refuses a chunk with any payload over its ``--payload-limit``, and nothing in the
-    header says what that is; so the chunk with the longest line goes first: refused, the call
-    fails with nothing written; taken, every other payload of the call is within the limit."""
-    if len(largest_lines) < 2:
-        return None
-    i = int(np.argmax(largest_lines))
-    return i if largest_lines[i] > accepted else None
 
 
 class WriteCall:
@@ -138,4 +127,4 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
         written=written, unwritten=unwritten, in_doubt=doubt)
 
 
-__all__ = ["Fate", "WriteCall", "failure", "fate", "last_wins", "pack", "probe_first"]
+__all__ = ["Fate", "WriteCall", "failure", "fate", "last_wins", "pack"]

@@ -19,7 +19,7 @@ from ._requests import (
 )
 from ._attach import Attachment, Connect, attach
 from ._transport import ClientSlot, Connection
-from ._writes import failure, fate, probe_first
+from ._writes import failure, fate
 from .results import Hits, Records
 
 DEFAULT_SPIN_US = 250.0
@@ -78,7 +78,7 @@ class RecallClient:
         self._conn, self._slot = conn, slots[0]
         self._metric = conn.metric
         self._pending = False
-        self._payload_ok = 0
+        self._payload_limit = conn.payload_limit
 
     @property
     def layout(self) -> Layout:
@@ -132,9 +132,10 @@ class RecallClient:
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
-        """Insert or replace records; see RecallPool.upsert. Chunks go one after the other (the
-        one with the longest payload first); after a failure no further chunk is sent."""
-        return self._write(Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace), timeout)
+        """Insert or replace records; see RecallPool.upsert. Chunks go one after the other; after
+        a failure no further chunk is sent."""
+        return self._write(Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace,
+                                                    self._payload_limit), timeout)
 
     def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
                namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
@@ -145,13 +146,8 @@ class RecallClient:
         """The chunks of one upsert or delete, in turn, within one budget; the error of a call
         that fails part way names the ids by fate (clients._writes.failure)."""
         deadline = self._deadline(budget)
-        probe = probe_first([p.max_line for p in preps], self._payload_ok)
-        order = list(range(len(preps)))
-        if probe is not None:
-            order.remove(probe)
-            order.insert(0, probe)
         results: list[Any] = [None] * len(preps)
-        for i in order:
+        for i in range(len(preps)):
             try:
                 if deadline is not None and time.monotonic() >= deadline:  # never post what
                     raise AcquireTimeout(  # nobody will wait for
@@ -164,8 +160,6 @@ class RecallClient:
                 if err is e:
                     raise
                 raise err from e
-            if i == probe:
-                self._payload_ok = max(self._payload_ok, preps[i].max_line)
         return sum(results)
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,

@@ -73,13 +73,15 @@ class FakeSemaphore:
 class FakeConnection(Connection):
     """A transport over a bytearray: same interface as :class:`Connection`, no OS objects."""
 
-    def __init__(self, layout: Layout, name: str = "fake") -> None:  # noqa: super() not called
+    def __init__(self, layout: Layout, name: str = "fake", payload_limit: int = 16 * 1024) -> None:  # noqa: super() not called
         self.name = name
         self.layout = layout
         self.metric = "dot"
+        self.payload_limit = payload_limit
         self.mm = bytearray(layout.total_bytes)  # type: ignore[assignment]
         self.seg = SegmentView(memoryview(self.mm), layout)
-        self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns())
+        self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns(),
+                             payload_limit=payload_limit)
         self.seg.header["state"] = SidecarState.READY
         self.w32 = memoryview(self.mm).cast("I")
         self.w64 = memoryview(self.mm).cast("Q")

@@ -51,7 +51,7 @@ from ._requests import (
     DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, write as write_slot,
 )
 from ._attach import attach, backoff_s
-from ._writes import WriteCall, failure, fate, probe_first
+from ._writes import WriteCall, failure, fate
 from ._transport import ClientSlot, Connection, Waiter
 from .results import Hits, Records
 
@@ -285,7 +285,7 @@ class RecallPool:
         self._posted = 0
         self._coalesced = 0
         self._rng = random.Random()
-        self._payload_ok = 0  # the longest payload line the current sidecar has taken (bytes)
+        self._payload_limit = 0  # the sidecar's --payload-limit (bytes), set when attached
         self._attached: asyncio.Event | None = None  # set while attached to a serving sidecar
         self._reattacher: asyncio.Task[None] | None = None
         self._outages = 0
@@ -364,7 +364,7 @@ class RecallPool:
         self._current = frozenset(slots)
         for s in slots:
             self._free.put_nowait(s)
-        self._payload_ok = 0  # what this sidecar's --payload-limit is known to take
+        self._payload_limit = conn.payload_limit
         self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
         self._attached.set()
 
@@ -526,7 +526,7 @@ class RecallPool:
         written, not written and in doubt.
         """
         t0 = time.monotonic_ns()
-        preps = encode_upsert(self.layout, ids, vectors, payloads, namespace)
+        preps = encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit)
         return await self._write(Op.UPSERT, preps, timeout, t0)
 
     async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
@@ -595,8 +595,8 @@ class RecallPool:
             raise self._broken
 
     async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> int:
-        """Send the chunks of one upsert or delete within one budget: the probe chunk alone
-        first (clients._writes.probe_first), then the rest at once. After the first failure no
+        """Send the chunks of one upsert or delete within one budget, at once (every row and
+        payload was checked when they were built). After the first failure no
         further chunk is posted; the chunks in flight are awaited, and the error says what
         became of every id (clients._writes.failure)."""
         self._check_usable()
@@ -604,19 +604,10 @@ class RecallPool:
         assert loop is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
-        conn = self._conn
         if len(preps) > 1:
             t0 = 0  # each chunk timed from its own sending (_execute_once), not from the call
-        probe = probe_first([p.max_line for p in preps], self._payload_ok)
         results: list[Any] = [None] * len(preps)
         rest = list(range(len(preps)))
-        if probe is not None:
-            rest.remove(probe)
-            results[probe] = await self._chunk(preps[probe], deadline, t0)
-            if isinstance(results[probe], KalosError):
-                rest = []
-            elif self._conn is conn:
-                self._payload_ok = max(self._payload_ok, preps[probe].max_line)
         if len(rest) == 1:
             results[rest[0]] = await self._chunk(preps[rest[0]], deadline, t0)
         elif rest:

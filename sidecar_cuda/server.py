@@ -100,7 +100,7 @@ class Sidecar:
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
         self.seg.init_header(metric=self.metric, backend=self.backend.code, pid=os.getpid(),
-                             start_epoch_ns=time.time_ns())
+                             start_epoch_ns=time.time_ns(), payload_limit=cfg.payload_limit)
         self._beat()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat",
                                            daemon=True)

@@ -108,7 +108,7 @@ class Fuzzer:
             p = _requests.recall(L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(),
                             bool(rng.integers(2)), single=False)
         elif kind == 1:
-            p = _requests.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns)[0]
+            p = _requests.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns, 16384)[0]
         elif kind == 2:
             p = _requests.delete(L, ids, ns)[0]
         elif kind == 3:

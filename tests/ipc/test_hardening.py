@@ -231,7 +231,7 @@ def _squat(name: str, layout: Layout, uid: int, mode: int) -> None:
 
     mm = mmap.mmap(shm.fd, layout.total_bytes)
     seg = SegmentView(memoryview(mm), layout)
-    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns())
+    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns(), payload_limit=16384)
     seg.header["state"] = SidecarState.READY
     seg.header["heartbeat_ns"] = time.monotonic_ns()
     os.fchmod(shm.fd, mode)

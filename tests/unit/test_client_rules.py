@@ -18,7 +18,7 @@ from kalos.broker.validation import VectorsFor, as_vectors
 from kalos.clients import _requests
 from kalos.clients._attach import BACKOFF_MAX_S, attach, pause_within
 from kalos.clients._transport import Connection
-from kalos.clients._writes import Fate, failure, fate, last_wins, pack, probe_first
+from kalos.clients._writes import Fate, failure, fate, last_wins, pack
 from kalos.clients.fake import FakeConnection
 
 LAY = Layout(n_slots=4, dim=8, max_k=8, max_queries=4, blob_bytes=64)
@@ -82,8 +82,8 @@ def test_recall_and_upsert_requests_apply_the_rule():
     with pytest.raises(InvalidRequest, match="vec\\[None\\]"):
         _requests.recall(LAY, np.ones(8), 3, ns, False, False)
     with pytest.raises(InvalidRequest, match="vec\\[None\\]"):
-        _requests.upsert(LAY, [1], np.ones(8), None, "default")
-    (p,) = _requests.upsert(LAY, [1, 2], np.full((2, 8), 0.1), None, "default")
+        _requests.upsert(LAY, [1], np.ones(8), None, "default", 16384)
+    (p,) = _requests.upsert(LAY, [1, 2], np.full((2, 8), 0.1), None, "default", 16384)
     assert p.vectors is not None and p.vectors.dtype == np.float32
 
 
@@ -94,7 +94,7 @@ def test_pack_respects_rows_and_blob_bytes(rng):
         n = int(rng.integers(1, 40))
         lines = [b"x" * int(rng.integers(1, 30)) for _ in range(n)]
         max_rows, blob = int(rng.integers(1, 6)), int(rng.integers(30, 80))
-        chunks = pack(lines, n, max_rows, blob)
+        chunks = pack(lines, n, max_rows, blob, 1 << 20)
         assert chunks[0][0] == 0 and chunks[-1][1] == n
         assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))  # consecutive, no gaps
         for lo, hi in chunks:
@@ -102,9 +102,9 @@ def test_pack_respects_rows_and_blob_bytes(rng):
             assert len(b"\n".join(lines[lo:hi])) <= blob
             if hi < n:  # a chunk is cut only when the next row would not fit
                 assert hi - lo == max_rows or len(b"\n".join(lines[lo:hi + 1])) > blob
-    assert pack(None, 10, 4, 8) == [(0, 4), (4, 8), (8, 10)]
+    assert pack(None, 10, 4, 8, 16) == [(0, 4), (4, 8), (8, 10)]
     with pytest.raises(PayloadTooLarge, match="row 2 takes 9 bytes; a request carries at most 8"):
-        pack([b"1", b"2", b"x" * 9], 3, 4, 8)
+        pack([b"1", b"2", b"x" * 9], 3, 4, 8, 16)
 
 
 def test_upsert_is_validated_whole_before_any_chunk(rng):
@@ -118,7 +118,7 @@ def test_upsert_is_validated_whole_before_any_chunk(rng):
         v, p, ids = vecs.copy(), list(pls), list(range(10))
         mutate(v, p, ids)
         with pytest.raises(err, match="row 9|NaN|>= 0"):
-            _requests.upsert(LAY, ids, v, p, "default")
+            _requests.upsert(LAY, ids, v, p, "default", 16384)
 
 
 def test_duplicate_ids_keep_their_last_row_across_chunks(rng):
@@ -127,7 +127,7 @@ def test_duplicate_ids_keep_their_last_row_across_chunks(rng):
     assert keep is not None and ids[keep].tolist() == [2, 3, 1, 4, 6, 5]
     assert last_wins(np.array([1, 2, 3])) is None
     vecs = rng.standard_normal((9, 8)).astype(np.float32)
-    preps = _requests.upsert(LAY, ids, vecs, [{"row": r} for r in range(9)], "default")
+    preps = _requests.upsert(LAY, ids, vecs, [{"row": r} for r in range(9)], "default", 16384)
     got_ids = np.concatenate([p.ids for p in preps])
     got_vecs = np.concatenate([p.vectors for p in preps])
     assert got_ids.tolist() == [2, 3, 1, 4, 6, 5]
@@ -135,15 +135,14 @@ def test_duplicate_ids_keep_their_last_row_across_chunks(rng):
     assert b"\n".join(p.blob for p in preps).count(b'"row":8') == 1  # id 5's last row
 
 
-def test_probe_first_takes_the_longest_payload_unless_already_accepted():
-    assert probe_first([10, 300, 20], 0) == 1
-    assert probe_first([10, 300, 20], 300) is None  # this sidecar took 300 bytes already
-    assert probe_first([10, 300, 20], 299) == 1
-    assert probe_first([300], 0) is None  # one chunk: nothing to protect
-    assert probe_first([0, 0], 0) is None  # no payloads: the sidecar checks nothing more
-    preps = _requests.upsert(LAY, np.arange(9), np.ones((9, 8)),
-                             [None] * 6 + [{"t": "x" * 30}] + [None] * 2, "default")
-    assert [p.max_line for p in preps] == [4, 38, 4] and probe_first([p.max_line for p in preps], 0) == 1
+def test_pack_refuses_a_payload_over_the_sidecars_limit_before_anything_is_built():
+    lines = [b"1", b"x" * 300, b"2"]
+    assert pack(lines, 3, 4, 4096, 300) == [(0, 3)]
+    with pytest.raises(PayloadTooLarge, match="row 1 takes 301 bytes, over the sidecar's --payload-limit of 300"):
+        pack([b"1", b"x" * 301, b"2"], 3, 4, 4096, 300)
+    with pytest.raises(PayloadTooLarge, match="row 6 takes"):
+        _requests.upsert(LAY, np.arange(9), np.ones((9, 8)), [None] * 6 + [{"t": "x" * 30}] + [None] * 2,
+                         "default", payload_limit=20)
 
 
 def test_fate_of_a_chunk():

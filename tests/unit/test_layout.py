@@ -56,7 +56,7 @@ def test_views_land_where_the_offsets_say():
     lay = L.Layout(n_slots=3, dim=5, max_k=4, max_queries=2, blob_bytes=1024)
     buf = bytearray(lay.total_bytes)
     seg = L.SegmentView(memoryview(buf), lay)
-    seg.init_header(metric=1, backend=1, pid=1234, start_epoch_ns=5)
+    seg.init_header(metric=1, backend=1, pid=1234, start_epoch_ns=5, payload_limit=16384)
     assert buf[:8] == L.MAGIC
     seg.slot[2].queries[1, 4] = 1.5
     off = lay.data_base(2) + lay.query_offset + 4 * (1 * 5 + 4)

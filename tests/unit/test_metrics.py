@@ -327,7 +327,7 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
     layout = Layout(n_slots=n_slots, dim=8, max_k=4, max_queries=2, blob_bytes=1024)
     buf = bytearray(layout.total_bytes)
     seg = SegmentView(memoryview(buf), layout)
-    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns() - 5 * 10**9)
+    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns() - 5 * 10**9, payload_limit=16384)
     seg.header["state"] = SidecarState.READY
     return SimpleNamespace(
         layout=layout, seg=seg, stats=SidecarStats(n_slots), ready=True, _buf=buf,

@@ -243,7 +243,7 @@ async def test_every_async_test_runs_under_the_strict_loop_fixture():
 # --------------------------------------------------------------------------- writes in chunks
 
 WLAY = Layout(n_slots=4, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
-LIMIT = 100  # the fake sidecar's --payload-limit (not in the header: the client cannot read it)
+LIMIT = 100  # the fake sidecar's --payload-limit (in its header, as a real one writes it)
 
 
 class WriteSidecar:
@@ -277,39 +277,29 @@ def wrows(rng, n: int):
 
 
 async def test_an_upsert_refused_for_one_payload_writes_nothing(rng):
-    """Issue 22 item 2 on the fake: the chunk holding the payload over the sidecar's limit goes
-    first and alone, so the refusal leaves nothing written (before: the other chunks, sent at
-    the same time, were applied)."""
-    conn = FakeConnection(WLAY)
+    """Issue 22 item 2 on the fake: a payload over the sidecar's limit (read from the segment
+    header) fails the call before any chunk is posted (before: the other chunks, sent at the
+    same time, were applied); within the limit, every chunk goes at once."""
+    conn = FakeConnection(WLAY, payload_limit=LIMIT)
     pool = await open_pool(conn, size=4)
     side = WriteSidecar(conn)
     ids, vecs = wrows(rng, 8)
     pls = [{"i": i} for i in range(8)]
     pls[5] = {"t": "x" * 200}
-    server = asyncio.ensure_future(serve_soon(conn, side, 1))
-    with pytest.raises(PayloadTooLarge) as e:
+    with pytest.raises(PayloadTooLarge, match=f"row 5 takes .* over the sidecar's --payload-limit of {LIMIT}") as e:
         await pool.upsert(ids, vecs, pls, timeout=2)
-    await server
     assert not isinstance(e.value, PartialWrite)
-    assert side.seen == [ids[4:6].tolist()] and side.applied == {}
     await asyncio.sleep(0.02)
-    assert conn.posted() == [] and pool.statistics().free == 4
-    pls[5] = {"t": "short"}  # fixed: the probe goes first, then the rest at once
+    assert conn.posted() == [] and side.seen == [] and side.applied == {}
+    assert pool.statistics().free == 4
+    pls[5] = {"t": "short"}
     task = asyncio.ensure_future(pool.upsert(ids, vecs, pls, timeout=2))
-    await until(lambda: len(conn.posted()) == 1)
-    await asyncio.sleep(0.01)
-    assert len(conn.posted()) == 1  # the probe alone
-    conn.serve(side)
-    await until(lambda: len(conn.posted()) == 3)
+    await until(lambda: len(conn.posted()) == 4)  # every chunk at once
     conn.serve(side)
     assert await task == 8
     assert sorted(side.applied) == ids.tolist()
     for i, v in zip(ids.tolist(), vecs):
         np.testing.assert_array_equal(side.applied[i], v)
-    task = asyncio.ensure_future(pool.upsert(ids, vecs, pls, timeout=2))
-    await until(lambda: len(conn.posted()) == 4)  # this sidecar took such payloads: no probe
-    conn.serve(side)
-    assert await task == 8
     await pool.close()
 
 
@@ -359,14 +349,14 @@ async def test_an_outage_midway_leaves_the_chunks_in_flight_in_doubt(rng):
 
 
 async def test_writes_and_the_vector_rule_in_the_blocking_client(rng):
-    """RecallClient: the same rule for vectors, chunks in turn with the probe first, nothing
-    sent after a failure, PartialWrite naming the ids."""
+    """RecallClient: the same rule for vectors, the payload limit checked before anything is
+    sent, chunks in turn, nothing sent after a failure, PartialWrite naming the ids."""
     import threading
 
     from kalos.broker.errors import InvalidRequest
     from kalos.clients import RecallClient
 
-    conn = FakeConnection(WLAY)
+    conn = FakeConnection(WLAY, payload_limit=LIMIT)
     side = WriteSidecar(conn)
     stop = threading.Event()
 
@@ -388,14 +378,14 @@ async def test_writes_and_the_vector_rule_in_the_blocking_client(rng):
         with pytest.raises(PayloadTooLarge) as e:
             await asyncio.to_thread(c.upsert, ids, vecs, pls)
         assert not isinstance(e.value, PartialWrite)
-        assert side.seen == [ids[6:8].tolist()] and side.applied == {}
+        assert side.seen == [] and side.applied == {}
         side.refuse = {int(ids[4]): Status.CAPACITY}
         with pytest.raises(ServerError) as e:
             await asyncio.to_thread(c.upsert, ids, vecs)
         err = e.value
         assert isinstance(err, PartialWrite)
         assert err.written == tuple(ids[:4].tolist()) and err.unwritten == tuple(ids[4:].tolist())
-        assert side.seen[1:] == [ids[0:2].tolist(), ids[2:4].tolist(), ids[4:6].tolist()]
+        assert side.seen == [ids[0:2].tolist(), ids[2:4].tolist(), ids[4:6].tolist()]
         side.refuse = {}
         assert await asyncio.to_thread(c.delete, np.concatenate([ids, ids[:3]])) == 8
         c.close()
