@@ -95,7 +95,8 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
-    DELETE, DROP_NAMESPACE, GET, RECALL, Plan, Step, fetch_payloads, layout, upsert_rows,
+    DELETE, DROP_NAMESPACE, GET, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes,
+    upsert_rows,
 )
 
 __all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
@@ -330,9 +331,9 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         emb = self._embedding
         [vectors] = yield [Step(lambda _: emb.embed_documents(texts),
                                 lambda _: emb.aembed_documents(texts))]
-        held = yield from fetch_payloads(self.namespace, batch.kalos_ids)
-        at = claim({sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)},
-                   {i: stored_id(p) for i, p in held.items()})
+        probes = {sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)}
+        seen = yield from read_probes(self.namespace, probes, ByKey(stored_id))
+        at = claim(probes, seen.held)
         yield from upsert_rows(self.namespace, [at[sid] for sid in batch.doc_ids],
                                np.asarray(vectors, np.float32), batch.payloads)
         return batch.doc_ids

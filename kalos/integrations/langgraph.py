@@ -57,7 +57,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -72,7 +72,10 @@ from kalos.clients.pool import RecallPool
 from ._core import ConnectedStore, Connections
 from ._filters import RANGE_OPS, FieldOp, Where, all_of, any_of, condition
 from ._ids import IdCollision, IdScheme, Probing, claim, find
-from ._plans import DELETE, RECALL, Plan, Step, fetch_payloads, layout, scan, unit_rows, upsert_rows
+from ._plans import (
+    DELETE, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes, scan, unit_rows,
+    upsert_rows,
+)
 
 try:
     from langchain_core.embeddings import Embeddings
@@ -130,6 +133,12 @@ def _item_key(payload: Any) -> ItemKey | None:
             isinstance(payload.get("key"), str):
         return tuple(payload["ns"]), payload["key"]
     return None
+
+
+#: Items are found by their windows, not looked up by key: an item is named by its namespace's
+#: labels and its key, so a look-up filter would need conditions per namespace, and the rest of
+#: a window is one request for four items anyway.
+_ITEMS = ByKey(_item_key)
 
 
 # ----------------------------------------------------------------------------- filters (pure)
@@ -425,15 +434,16 @@ class KalosStore(ConnectedStore, BaseStore):
         payloads = yield from fetch_payloads(namespace, ids)
         return {i: _Stored(i, p) for i, p in payloads.items() if isinstance(p, dict)}
 
-    def _lookup(self, keys: list[ItemKey]
+    def _lookup(self, keys: list[ItemKey], place: Collection[ItemKey] = ()
                 ) -> Plan[tuple[dict[ItemKey, _Stored], dict[int, ItemKey | None]]]:
-        """The stored items of ``keys`` (absent ones left out), reading each probe window in
-        one request per slot-full; and who holds each id of those windows that has a record."""
+        """The stored items of ``keys`` (absent ones left out), and who holds the ids read, enough
+        for ``claim`` to place the keys ``place`` (``_plans.read_probes``: first ids, then the
+        rest of a window only where the first holds another record; whole windows when they
+        fit one request)."""
         probes = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
-        payloads = yield from fetch_payloads(self.items_namespace,
-                                             sorted({i for w in probes.values() for i in w}))
-        held = {i: _item_key(p) for i, p in payloads.items()}
-        return {k: _Stored(i, payloads[i]) for k, i in find(probes, held).items()}, held
+        seen = yield from read_probes(self.items_namespace, probes, _ITEMS, place)
+        found = find(probes, seen.held)
+        return {k: _Stored(i, seen.payloads[i]) for k, i in found.items()}, seen.held
 
     def _list_items(self, where: Where | None, filt: dict[str, Any] | None) -> Plan[list[_Stored]]:
         """Every item under ``where`` that matches ``filt``, in InMemoryStore's order."""
@@ -541,11 +551,11 @@ class KalosStore(ConnectedStore, BaseStore):
         return self._last_seq
 
     def _write(self, puts: list[PutOp], geo: Layout) -> Plan[None]:
-        existing, held = yield from self._lookup([(op.namespace, op.key) for op in puts])
+        placing = [(op.namespace, op.key) for op in puts if op.value is not None]
+        existing, held = yield from self._lookup([(op.namespace, op.key) for op in puts], placing)
         # An existing item keeps its id; a new one takes the first free id of its window, never
         # one holding another item: that is how a hash collision is survived.
-        ids = claim({(op.namespace, op.key): item_id_window(op.namespace, op.key)
-                     for op in puts if op.value is not None}, held)
+        ids = claim({k: item_id_window(*k) for k in placing}, held)
         # Namespace order of new items: that of the namespace's items, if it has any.
         ns_seq: dict[tuple[str, ...], int] = {}
         for s in existing.values():
