@@ -32,7 +32,7 @@ LangChain ids are strings; Kalos ids are non-negative int64. A string id maps to
 document by its string id. Documents added without an id get ``str(uuid4())``. The string id is
 also stored in the payload (``lc_id``), which makes a collision (two string ids, one int64)
 detectable: before writing, the store reads the records at the target ids (``get``, without
-vectors) and raises :class:`IdCollisionError` (``kalos.integrations._ids.IdCollision``, the one
+vectors; only one request when the namespace does not exist yet) and raises :class:`IdCollisionError` (``kalos.integrations._ids.IdCollision``, the one
 collision error of the integrations), writing nothing of the batch, if one of them holds another
 string id or is not a document of this store; two ids of one batch that collide are refused the
 same way. Reads check ``lc_id`` too (``get_by_ids`` never returns the other document),

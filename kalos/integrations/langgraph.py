@@ -17,13 +17,16 @@ LangGraph namespaces share one Kalos namespace and a prefix search is one filter
       payload: "ns.0".., "f.<field>"                                  norm (cosine = inner product)
 
 * **Ids.** The item id is a 48-bit BLAKE2b hash of ``(namespace tuple, key)``; a put probes the
-  window ``h .. h+7`` in one ``get`` and takes the record whose stored ``(ns, key)`` is its own, or
-  else the first free id (the integrations' one id scheme, ``kalos.integrations._ids``). A record
-  of another item is never overwritten by one writer (all eight taken: :class:`KeyCollision`, an
-  alias of ``IdCollision``); lookups read the whole window, so deletes need no tombstones. The check and the write are two requests, not a transaction: two processes putting
-  *different* keys whose windows overlap (a 48-bit hash within 8 of each other) in the same round
-  trip could both take the same free id; that needs a near-collision and the race. Vector
-  ids carry their item id, so a recall needs no payloads to find its items.
+  window ``h .. h+7`` and takes the record whose stored ``(ns, key)`` is its own, or else the
+  first free id (the integrations' one id scheme, ``kalos.integrations._ids``). A record of
+  another item is never overwritten by one writer (all eight taken: :class:`KeyCollision`, an
+  alias of ``IdCollision``). Lookups read every item's ``h`` (whole windows when they fit one
+  ``get``), then the rest of the window of each item not stored at ``h``, so an item is found
+  anywhere in its window and deletes need no tombstones. The check and the write are two
+  requests, not a transaction: two processes putting *different* keys whose windows overlap (a
+  48-bit hash within 8 of each other) in the same round trip could both take the same free id;
+  that needs a near-collision and the race. Vector ids carry their item id, so a recall needs no
+  payloads to find its items.
 * **Prefix search** is equality on the per-label fields ``ns.0 .. ns.<n-1>`` (Kalos filters have
   no string-prefix operator, and labels cannot contain ``.`` anyway).
 * **Filters.** The part of a LangGraph filter that Kalos can evaluate is sent as ``where=`` on

@@ -22,12 +22,14 @@ How LlamaIndex maps onto Kalos (one namespace per store):
   (``stores_text=True``).
 * **Ids.** The Kalos id of a node is the first 63 bits of ``blake2b(node id)``
   (:func:`kalos_id`); a node may also take ``kalos_id(node_id, 1)``, ``2``, ... (up to
-  :data:`MAX_PROBES` ids). Before writing, the store reads the records at all of them (the
-  integrations' one id scheme, ``kalos.integrations._ids``): a node already stored at one of them
-  is updated in place there, else it takes the first that holds no record; a record of another
-  node is never overwritten (all taken: :class:`IdCollision`, nothing written). The check and the
-  write are two requests: two writers adding *different* nodes whose ids collide at the same
-  moment could still overwrite one another (2^-63 per pair).
+  :data:`MAX_PROBES` ids; the integrations' one id scheme, ``kalos.integrations._ids``): a node
+  already stored at one of them is updated in place there, else it takes the first that holds no
+  record; a record of another node is never overwritten (all taken: :class:`IdCollision`,
+  nothing written). Before writing, the store reads each node's first id, looks the nodes whose
+  first id is free up by ``_node_id`` (wherever an earlier collision sent them), and reads the
+  other ids only of nodes whose first id holds another record. The check and the write are two
+  requests: two writers adding *different* nodes whose ids collide at the same moment could
+  still overwrite one another (2^-63 per pair).
 * **Scores.** LlamaIndex's ``SimpleVectorStore`` ranks by cosine similarity; Kalos ranks by
   inner product (``--metric dot``) or cosine (``--metric cosine``). Vectors and queries are
   normalised before they are sent, so on either metric the scores are cosine similarities and the
