@@ -6,16 +6,28 @@ at one of them; the record's payload names its key, so a store can tell its own 
 another key's (a hash collision) or from a record it did not write::
 
     key --IdScheme.ids--> [p0, p1, ... p(n-1)]        probe ids, the same in every process
-    read the records at every probe id                 held: id -> the key its payload names
+    read what next_reads asks, until it asks nothing   held: id -> the key its payload names
     claim(probes, held)                                each key: the probe holding its own
                                                        record, else the first one free
                                                        (IdCollision when none is)
 
-Reading every probe (not the first alone) finds a record wherever it went, so deleting an earlier
-probe's record needs no tombstone and a key is never written twice. :func:`claim` never hands out
-an id that holds a record of another key or that another key of the same write took, so one writer
-never overwrites anything it does not own. The read and the write are two requests, not one
-transaction (docs/integrations.md, "Limits and trade-offs").
+:func:`claim` is the one placement rule: as if every probe of every key had been read. What must
+be read for it to answer exactly that is decided by :func:`next_reads`, in rounds (pure; the
+plan around it, ``_plans.read_probes``, does the reading):
+
+1. every key's first probe (every probe at once when they all fit one request);
+2. a key whose first probe holds its own record is settled there. One whose first probe holds
+   nothing is *located*: the records naming it are looked up by key, wherever they are (one
+   filtered request for many keys), when the store can; else, and for a key whose first probe
+   holds something else (a collision, rare), its other probes are read;
+3. the claim is walked: a key that would take an id nobody has read yet (another key of the
+   write took its first probe) has its other probes read, and the walk runs again.
+
+So a record is found wherever it went (deleting an earlier probe's record needs no tombstone, a
+key is never written twice), while a write of new keys reads one id per key. :func:`claim` never
+hands out an id that holds a record of another key or that another key of the same write took,
+so one writer never overwrites anything it does not own. The read and the write are two requests,
+not one transaction (docs/integrations.md, "Limits and trade-offs").
 
 The stores differ only in their :class:`IdScheme` constants, which are pinned: the ids of records
 already stored are found by them. LangChain probes once (its ids are documented as one hash any
@@ -26,10 +38,10 @@ consecutive ids below 2**48, because each item's vectors are numbered ``item id 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 from kalos.broker.errors import KalosError
 
@@ -123,3 +135,83 @@ def _holder(key: object, stored: bool) -> str:
     if key is None:
         return "a record that is not this store's"
     return f"{key!r}" + ("" if stored else ", another key of this write")
+
+
+@dataclass
+class Reading(Generic[K]):
+    """What a placement has read so far (filled in by the plan that reads, ``_plans``)."""
+
+    #: The records read: id -> the key its payload names (None: a record that is not the store's).
+    held: dict[int, K | None] = field(default_factory=dict)
+    #: Ids whose content is known: read by id (with or without a record), or found by key.
+    read: set[int] = field(default_factory=set)
+    #: Keys looked up by key: every record naming them is in ``held``.
+    located: set[K] = field(default_factory=set)
+
+    def learn(self, asked: Iterable[int], records: Mapping[int, K | None],
+              located: Iterable[K] = ()) -> None:
+        """Ids ``asked`` were read (``records``: those of them holding a record, and the records
+        the look-up of keys ``located`` found, wherever they are)."""
+        self.read.update(asked)
+        self.read.update(records)
+        self.held.update(records)
+        self.located.update(located)
+
+
+@dataclass(frozen=True)
+class Reads(Generic[K]):
+    """What to read next: ``ids`` by id, and the records of keys ``locate`` by key."""
+
+    ids: list[int]
+    locate: list[K]
+
+    def __bool__(self) -> bool:
+        return bool(self.ids or self.locate)
+
+
+def next_reads(probes: Mapping[K, Sequence[int]], seen: Reading[K], *,
+               place: Collection[K] | None = None, can_locate: bool = False,
+               per_request: int = 0) -> Reads[K]:
+    """What to read next so that ``find(probes, seen.held)`` and ``claim`` over the keys
+    ``place`` (all with None) answer as they would with every probe read; nothing (a false
+    :class:`Reads`) once they do. ``can_locate``: the store can look keys up by key;
+    ``per_request``: ids one request reads (all the probes are read at once when they fit). Pure.
+    """
+    first = _unique(ids[0] for ids in probes.values() if ids[0] not in seen.read)
+    if first:
+        every = _unique(i for ids in probes.values() for i in ids if i not in seen.read)
+        return Reads(every if len(every) <= per_request else first, [])
+    # Where is each key's own record? Settled at its first probe, by a look-up, or by reading all.
+    ids: list[int] = []
+    locate: list[K] = []
+    for key, probe in probes.items():
+        if _holds(seen.held, probe[0], key) or key in seen.located or seen.read.issuperset(probe):
+            continue
+        if can_locate and probe[0] not in seen.held:
+            locate.append(key)
+        else:
+            ids += [i for i in probe if i not in seen.read]
+    if ids or locate:
+        return Reads(_unique(ids), locate)
+    # Every own record is known: walk the claim; an id it would take unread gets read first.
+    placing = probes if place is None else {k: v for k, v in probes.items() if k in place}
+    placed = find(placing, seen.held)
+    taken = set(seen.held) | set(placed.values())
+    for key, probe in placing.items():
+        if key in placed:
+            continue
+        free = next((i for i in probe if i not in taken), None)
+        if free is None:
+            continue  # claim raises IdCollision for it: every id it has is known to be taken
+        if free not in seen.read:
+            ids += [i for i in probe if i not in seen.read]
+        taken.add(free)
+    return Reads(_unique(ids), [])
+
+
+def _holds(held: Mapping[int, K | None], i: int, key: K) -> bool:
+    return i in held and held[i] == key
+
+
+def _unique(ids: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(ids))

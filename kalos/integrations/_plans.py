@@ -19,7 +19,7 @@ ends the plan and reaches the caller.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
@@ -31,6 +31,7 @@ from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 
 from ._filters import Where
+from ._ids import K, Reading, next_reads
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -116,27 +117,84 @@ def together(plans: Sequence[Plan[Any]]) -> Plan[list[Any]]:
 
 def fetch_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any]]:
     """The payloads of the records of ``ids`` that exist (id -> payload), read a slot-full of ids
-    per request, the requests together; a request whose payloads overflow the slot is halved
-    (PayloadTooLarge only for one record alone). A namespace that does not exist holds nothing."""
+    per request (:func:`read_payloads`). A namespace that does not exist holds nothing."""
+    found = yield from read_payloads(namespace, ids)
+    return {} if found is None else found
+
+
+def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | None]:
+    """The payloads of the records of ``ids`` that exist (id -> payload); None when the namespace
+    does not exist. A slot-full of ids per request, the requests together, but the first one
+    alone when there are more: if the namespace does not exist, it is the only one sent. A
+    request whose payloads overflow the slot is halved (PayloadTooLarge only for one record
+    alone)."""
     lay = yield from layout()
     out: dict[int, Any] = {}
     unique = list(dict.fromkeys(ids))
     chunks = [unique[i:i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
+    chunks, later = chunks[:1], chunks[1:]
     while chunks:
         answers = yield [GET(c, namespace=namespace, with_vectors=False)
                          .catching(UnknownNamespace, PayloadTooLarge) for c in chunks]
         retry: list[list[int]] = []
         for chunk, got in zip(chunks, answers):
             if isinstance(got, UnknownNamespace):
-                return {}
+                return None
             if isinstance(got, PayloadTooLarge):
                 if len(chunk) == 1:
                     raise got
                 retry += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
                 continue
             out.update(zip(got.ids.tolist(), got.payloads))
-        chunks = retry
+        chunks, later = retry + later, []
     return out
+
+
+@dataclass(frozen=True)
+class ByKey(Generic[K]):
+    """How a store knows its keys' records: ``key_of`` names the key a payload holds (None: a
+    record that is not the store's); ``wheres``, if the store has it, gives filters (one per
+    request) that together select every record naming one of ``keys``, wherever it is, for a
+    slot of ``blob_bytes`` (then a key whose first probe is free is looked up, not probed)."""
+
+    key_of: Callable[[Any], K | None]
+    wheres: Callable[[Sequence[K], int], list[Where]] | None = None
+
+
+@dataclass(frozen=True)
+class Probed(Generic[K]):
+    """What a placement read: the records (id -> the key its payload names) and their
+    payloads. ``find`` and ``claim`` over ``held`` answer as if every probe had been read."""
+
+    held: dict[int, K | None]
+    payloads: dict[int, Any]
+
+
+def read_probes(namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K],
+                place: Collection[K] | None = None) -> Plan[Probed[K]]:
+    """Read what ``_ids.next_reads`` asks (round after round: first probes, look-ups by key and
+    collided keys' other probes together, rarely a last round) until ``find(probes, held)`` and
+    ``claim`` over ``place`` (every key with None) are exact. A namespace that does not exist
+    holds nothing: only its first request is sent."""
+    lay = yield from layout()
+    seen: Reading[K] = Reading()
+    payloads: dict[int, Any] = {}
+    while reads := next_reads(probes, seen, place=place, can_locate=by.wheres is not None,
+                              per_request=lay.max_queries):
+        looked: list[Scan] = []
+        if not seen.read:  # the first round tells whether the namespace exists
+            found = yield from read_payloads(namespace, reads.ids)
+            if found is None:
+                return Probed({}, {})
+        else:
+            wheres = by.wheres(reads.locate, lay.blob_bytes) if by.wheres and reads.locate else []
+            found, *looked = yield from together([fetch_payloads(namespace, reads.ids),
+                                                  *(scan(namespace, w) for w in wheres)])
+        for sc in looked:
+            found.update(zip(sc.ids, sc.payloads))
+        payloads.update(found)
+        seen.learn(reads.ids, {i: by.key_of(p) for i, p in found.items()}, reads.locate)
+    return Probed(seen.held, payloads)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ LangChain ids are strings; Kalos ids are non-negative int64. A string id maps to
 document by its string id. Documents added without an id get ``str(uuid4())``. The string id is
 also stored in the payload (``lc_id``), which makes a collision (two string ids, one int64)
 detectable: before writing, the store reads the records at the target ids (``get``, without
-vectors) and raises :class:`IdCollisionError` (``kalos.integrations._ids.IdCollision``, the one
+vectors; only one request when the namespace does not exist yet) and raises :class:`IdCollisionError` (``kalos.integrations._ids.IdCollision``, the one
 collision error of the integrations), writing nothing of the batch, if one of them holds another
 string id or is not a document of this store; two ids of one batch that collide are refused the
 same way. Reads check ``lc_id`` too (``get_by_ids`` never returns the other document),
@@ -95,7 +95,8 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
-    DELETE, DROP_NAMESPACE, GET, RECALL, Plan, Step, fetch_payloads, layout, upsert_rows,
+    DELETE, DROP_NAMESPACE, GET, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes,
+    upsert_rows,
 )
 
 __all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
@@ -330,9 +331,9 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         emb = self._embedding
         [vectors] = yield [Step(lambda _: emb.embed_documents(texts),
                                 lambda _: emb.aembed_documents(texts))]
-        held = yield from fetch_payloads(self.namespace, batch.kalos_ids)
-        at = claim({sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)},
-                   {i: stored_id(p) for i, p in held.items()})
+        probes = {sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)}
+        seen = yield from read_probes(self.namespace, probes, ByKey(stored_id))
+        at = claim(probes, seen.held)
         yield from upsert_rows(self.namespace, [at[sid] for sid in batch.doc_ids],
                                np.asarray(vectors, np.float32), batch.payloads)
         return batch.doc_ids

@@ -17,13 +17,16 @@ LangGraph namespaces share one Kalos namespace and a prefix search is one filter
       payload: "ns.0".., "f.<field>"                                  norm (cosine = inner product)
 
 * **Ids.** The item id is a 48-bit BLAKE2b hash of ``(namespace tuple, key)``; a put probes the
-  window ``h .. h+7`` in one ``get`` and takes the record whose stored ``(ns, key)`` is its own, or
-  else the first free id (the integrations' one id scheme, ``kalos.integrations._ids``). A record
-  of another item is never overwritten by one writer (all eight taken: :class:`KeyCollision`, an
-  alias of ``IdCollision``); lookups read the whole window, so deletes need no tombstones. The check and the write are two requests, not a transaction: two processes putting
-  *different* keys whose windows overlap (a 48-bit hash within 8 of each other) in the same round
-  trip could both take the same free id; that needs a near-collision and the race. Vector
-  ids carry their item id, so a recall needs no payloads to find its items.
+  window ``h .. h+7`` and takes the record whose stored ``(ns, key)`` is its own, or else the
+  first free id (the integrations' one id scheme, ``kalos.integrations._ids``). A record of
+  another item is never overwritten by one writer (all eight taken: :class:`KeyCollision`, an
+  alias of ``IdCollision``). Lookups read every item's ``h`` (whole windows when they fit one
+  ``get``), then the rest of the window of each item not stored at ``h``, so an item is found
+  anywhere in its window and deletes need no tombstones. The check and the write are two
+  requests, not a transaction: two processes putting *different* keys whose windows overlap (a
+  48-bit hash within 8 of each other) in the same round trip could both take the same free id;
+  that needs a near-collision and the race. Vector ids carry their item id, so a recall needs no
+  payloads to find its items.
 * **Prefix search** is equality on the per-label fields ``ns.0 .. ns.<n-1>`` (Kalos filters have
   no string-prefix operator, and labels cannot contain ``.`` anyway).
 * **Filters.** The part of a LangGraph filter that Kalos can evaluate is sent as ``where=`` on
@@ -57,7 +60,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -72,7 +75,10 @@ from kalos.clients.pool import RecallPool
 from ._core import ConnectedStore, Connections
 from ._filters import RANGE_OPS, FieldOp, Where, all_of, any_of, condition
 from ._ids import IdCollision, IdScheme, Probing, claim, find
-from ._plans import DELETE, RECALL, Plan, Step, fetch_payloads, layout, scan, unit_rows, upsert_rows
+from ._plans import (
+    DELETE, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes, scan, unit_rows,
+    upsert_rows,
+)
 
 try:
     from langchain_core.embeddings import Embeddings
@@ -130,6 +136,12 @@ def _item_key(payload: Any) -> ItemKey | None:
             isinstance(payload.get("key"), str):
         return tuple(payload["ns"]), payload["key"]
     return None
+
+
+#: Items are found by their windows, not looked up by key: an item is named by its namespace's
+#: labels and its key, so a look-up filter would need conditions per namespace, and the rest of
+#: a window is one request for four items anyway.
+_ITEMS = ByKey(_item_key)
 
 
 # ----------------------------------------------------------------------------- filters (pure)
@@ -425,15 +437,16 @@ class KalosStore(ConnectedStore, BaseStore):
         payloads = yield from fetch_payloads(namespace, ids)
         return {i: _Stored(i, p) for i, p in payloads.items() if isinstance(p, dict)}
 
-    def _lookup(self, keys: list[ItemKey]
+    def _lookup(self, keys: list[ItemKey], place: Collection[ItemKey] = ()
                 ) -> Plan[tuple[dict[ItemKey, _Stored], dict[int, ItemKey | None]]]:
-        """The stored items of ``keys`` (absent ones left out), reading each probe window in
-        one request per slot-full; and who holds each id of those windows that has a record."""
+        """The stored items of ``keys`` (absent ones left out), and who holds the ids read, enough
+        for ``claim`` to place the keys ``place`` (``_plans.read_probes``: first ids, then the
+        rest of a window only where the first holds another record; whole windows when they
+        fit one request)."""
         probes = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
-        payloads = yield from fetch_payloads(self.items_namespace,
-                                             sorted({i for w in probes.values() for i in w}))
-        held = {i: _item_key(p) for i, p in payloads.items()}
-        return {k: _Stored(i, payloads[i]) for k, i in find(probes, held).items()}, held
+        seen = yield from read_probes(self.items_namespace, probes, _ITEMS, place)
+        found = find(probes, seen.held)
+        return {k: _Stored(i, seen.payloads[i]) for k, i in found.items()}, seen.held
 
     def _list_items(self, where: Where | None, filt: dict[str, Any] | None) -> Plan[list[_Stored]]:
         """Every item under ``where`` that matches ``filt``, in InMemoryStore's order."""
@@ -541,11 +554,11 @@ class KalosStore(ConnectedStore, BaseStore):
         return self._last_seq
 
     def _write(self, puts: list[PutOp], geo: Layout) -> Plan[None]:
-        existing, held = yield from self._lookup([(op.namespace, op.key) for op in puts])
+        placing = [(op.namespace, op.key) for op in puts if op.value is not None]
+        existing, held = yield from self._lookup([(op.namespace, op.key) for op in puts], placing)
         # An existing item keeps its id; a new one takes the first free id of its window, never
         # one holding another item: that is how a hash collision is survived.
-        ids = claim({(op.namespace, op.key): item_id_window(op.namespace, op.key)
-                     for op in puts if op.value is not None}, held)
+        ids = claim({k: item_id_window(*k) for k in placing}, held)
         # Namespace order of new items: that of the namespace's items, if it has any.
         ns_seq: dict[tuple[str, ...], int] = {}
         for s in existing.values():

@@ -22,12 +22,14 @@ How LlamaIndex maps onto Kalos (one namespace per store):
   (``stores_text=True``).
 * **Ids.** The Kalos id of a node is the first 63 bits of ``blake2b(node id)``
   (:func:`kalos_id`); a node may also take ``kalos_id(node_id, 1)``, ``2``, ... (up to
-  :data:`MAX_PROBES` ids). Before writing, the store reads the records at all of them (the
-  integrations' one id scheme, ``kalos.integrations._ids``): a node already stored at one of them
-  is updated in place there, else it takes the first that holds no record; a record of another
-  node is never overwritten (all taken: :class:`IdCollision`, nothing written). The check and the
-  write are two requests: two writers adding *different* nodes whose ids collide at the same
-  moment could still overwrite one another (2^-63 per pair).
+  :data:`MAX_PROBES` ids; the integrations' one id scheme, ``kalos.integrations._ids``): a node
+  already stored at one of them is updated in place there, else it takes the first that holds no
+  record; a record of another node is never overwritten (all taken: :class:`IdCollision`,
+  nothing written). Before writing, the store reads each node's first id, looks the nodes whose
+  first id is free up by ``_node_id`` (wherever an earlier collision sent them), and reads the
+  other ids only of nodes whose first id holds another record. The check and the write are two
+  requests: two writers adding *different* nodes whose ids collide at the same moment could
+  still overwrite one another (2^-63 per pair).
 * **Scores.** LlamaIndex's ``SimpleVectorStore`` ranks by cosine similarity; Kalos ranks by
   inner product (``--metric dot``) or cosine (``--metric cosine``). Vectors and queries are
   normalised before they are sent, so on either metric the scores are cosine similarities and the
@@ -81,8 +83,8 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, any_of, condition, in_chunks, one_of
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
-    DELETE, DROP_NAMESPACE, RECALL, Plan, fetch_payloads, layout, scan, together, unit_rows,
-    upsert_rows,
+    DELETE, DROP_NAMESPACE, RECALL, ByKey, Plan, fetch_payloads, layout, read_probes, scan,
+    together, unit_rows, upsert_rows,
 )
 
 __all__ = ["KalosLlamaVectorStore", "UnsupportedQuery", "IdCollision", "kalos_id", "to_where",
@@ -194,6 +196,15 @@ def _occupant(payload: Any) -> str | None:
     return None
 
 
+def _node_id_wheres(node_ids: Sequence[str], blob_bytes: int) -> list[Where]:
+    """Filters selecting the records of ``node_ids`` wherever they are, one per request."""
+    return [condition(NODE_ID_KEY, FieldOp.IN, c) for c in in_chunks(node_ids, blob_bytes)]
+
+
+#: A record names its node in ``_node_id``: a node is looked up by it, not probe by probe.
+_NODES = ByKey(_occupant, _node_id_wheres)
+
+
 def _result(hits: Hits) -> VectorStoreQueryResult:
     payloads = hits.payloads or []
     nodes = [metadata_dict_to_node(p) for p in payloads]
@@ -280,8 +291,8 @@ class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
         payloads = [_payload(n, self.flat_metadata) for n in last.values()]
         vectors = unit_rows([n.get_embedding() for n in last.values()])
         probes = {nid: [kalos_id(nid, a) for a in range(MAX_PROBES)] for nid in last}
-        held = yield from fetch_payloads(self.namespace, [i for ids in probes.values() for i in ids])
-        at = claim(probes, {i: _occupant(p) for i, p in held.items()})
+        seen = yield from read_probes(self.namespace, probes, _NODES)
+        at = claim(probes, seen.held)
         yield from upsert_rows(self.namespace, [at[nid] for nid in last], vectors, payloads)
         return [n.node_id for n in nodes]
 

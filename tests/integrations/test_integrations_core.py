@@ -9,20 +9,23 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
+import re
 import threading
+import urllib.request
 from typing import Any
 
 import numpy as np
 import pytest
 
-from conftest import slots_free, wait_until
+from conftest import free_port, slots_free, wait_until
 from kalos.broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNamespace
 from kalos.broker.validation import MAX_WHERE_VALUES, parse_where
 from kalos.integrations import IdCollision
 from kalos.integrations._filters import (
     FieldOp, all_of, any_of, condition, in_chunks, mongo_where, one_of,
 )
-from kalos.integrations._ids import IdScheme, Probing, claim, find
+from kalos.integrations._ids import IdScheme, Probing, Reading, Reads, claim, find, next_reads
 from kalos.integrations._loops import LoopPools
 from kalos.integrations._plans import Step, pack, together
 from kalos.sidecar_cuda.filters import PayloadIndex
@@ -137,6 +140,115 @@ def test_claim_names_what_holds_the_ids() -> None:
     with pytest.raises(IdCollision, match=r"'x' \(3 holds 'y', 4 holds a record that is not"):
         claim({"x": [3, 4]}, {3: "y", 4: None})
     assert claim({"x": [3, 4, 5]}, {3: None, 5: "x"}) == {"x": 5}  # its own record, not 4
+
+
+def reference_find(probes: dict[str, list[int]], held: dict[int, str | None]) -> dict[str, int]:
+    """Each key's first probe holding its own record, stated plainly."""
+    return {k: next(i for i in ids if held.get(i, "-") == k)
+            for k, ids in probes.items() if any(held.get(i, "-") == k for i in ids)}
+
+
+def read_in_rounds(probes: dict[str, list[int]], truth: dict[int, str | None], *,
+                   place: list[str] | None = None, can_locate: bool = False,
+                   per_request: int = 0) -> tuple[Reading[str], list[Reads[str]]]:
+    """Drive next_reads against a table known in full, as _plans.read_probes drives it against
+    a sidecar: ids are read by id, located keys yield every record naming them."""
+    seen: Reading[str] = Reading()
+    rounds: list[Reads[str]] = []
+    for _ in range(64):
+        reads = next_reads(probes, seen, place=place, can_locate=can_locate,
+                           per_request=per_request)
+        if not reads:
+            return seen, rounds
+        assert not seen.read & set(reads.ids), "an id read twice"
+        assert not seen.located & set(reads.locate), "a key looked up twice"
+        records = {i: truth[i] for i in reads.ids if i in truth}
+        records.update({i: k for i, k in truth.items() if k in reads.locate})
+        seen.learn(reads.ids, records, reads.locate)
+        rounds.append(reads)
+    raise AssertionError("next_reads never settled")
+
+
+def test_reading_in_rounds_places_as_if_every_probe_was_read(rng: np.random.Generator) -> None:
+    """Crowded random tables (ids 0..11, 1-6 probes a key, rehashed or a window; keys stored
+    anywhere, twice, or where an earlier probe has since freed up): what next_reads has read
+    gives find and claim (over all keys or a subset) the answers, and the same IdCollision
+    message, that they give with every id read, with or without look-ups by key."""
+    outcomes = {"placed": 0, "collision": 0, "located": 0, "walked": 0}
+    for _ in range(3000):
+        keys = [f"k{i}" for i in range(int(rng.integers(1, 7)))]
+        n = int(rng.integers(1, 7))
+        if rng.random() < 0.5:
+            probes = {k: rng.choice(12, n, replace=False).tolist() for k in keys}
+        else:
+            probes = {k: list(range(b, b + n)) for k, b in zip(keys, rng.integers(0, 12 - n + 1, len(keys)))}
+        truth: dict[int, str | None] = {}
+        for i in rng.choice(12, int(rng.integers(0, 10)), replace=False).tolist():
+            truth[i] = str(rng.choice(keys + ["other"])) if rng.random() < 0.85 else None
+        place = None if rng.random() < 0.5 else [k for k in keys if rng.random() < 0.7]
+        can_locate = bool(rng.random() < 0.6)
+        seen, rounds = read_in_rounds(probes, truth, place=place, can_locate=can_locate,
+                                      per_request=int(rng.choice([0, 0, 8, 32])))
+        assert seen.read <= {i for ids in probes.values() for i in ids} | set(truth)
+        assert all(seen.held[i] == truth[i] for i in seen.held)
+        assert find(probes, seen.held) == reference_find(probes, truth)
+        placing = {k: v for k, v in probes.items() if place is None or k in place}
+        want = reference_claim(placing, truth)
+        if want is None:
+            outcomes["collision"] += 1
+            with pytest.raises(IdCollision) as full:
+                claim(placing, truth)
+            with pytest.raises(IdCollision) as partial:
+                claim(placing, seen.held)
+            assert str(partial.value) == str(full.value)
+        else:
+            outcomes["placed"] += 1
+            assert claim(placing, seen.held) == want
+        outcomes["located"] += any(r.locate for r in rounds)
+        outcomes["walked"] += len(rounds) > 2
+    print(outcomes)
+    assert min(outcomes.values()) > 50, outcomes  # every path was exercised
+
+
+def test_new_keys_read_one_id_each_and_are_looked_up_by_key() -> None:
+    """The cost the rounds exist for: new keys (first probes free) read their first probe, then
+    one look-up names them all; without look-ups every probe is read; when every probe fits
+    one request, one round reads them all."""
+    probes = {f"k{i}": [100 * i + a for a in range(8)] for i in range(40)}
+    seen, rounds = read_in_rounds(probes, {}, can_locate=True, per_request=32)
+    assert [(r.ids, r.locate) for r in rounds] == [([100 * i for i in range(40)], []),
+                                                   ([], list(probes))]
+    assert seen.read == {100 * i for i in range(40)}
+    seen, rounds = read_in_rounds(probes, {}, can_locate=False, per_request=32)
+    assert len(rounds) == 2 and seen.read == {i for ids in probes.values() for i in ids}
+    few = {k: probes[k] for k in ["k0", "k1", "k2", "k3"]}
+    seen, rounds = read_in_rounds(few, {}, can_locate=True, per_request=32)
+    assert len(rounds) == 1 and len(seen.read) == 32
+    # stored at their first probe: settled there, nothing else read
+    truth: dict[int, str | None] = {100 * i: f"k{i}" for i in range(40)}
+    seen, rounds = read_in_rounds(probes, truth, can_locate=True, per_request=32)
+    assert len(rounds) == 1 and claim(probes, seen.held) == {f"k{i}": 100 * i for i in range(40)}
+
+
+def test_a_key_is_found_where_it_went_after_its_first_probe_freed_up() -> None:
+    """'b' went to its second probe while 'a' held the first; 'a' is gone: a look-up finds 'b'
+    at 2, so it is written there again, not copied to the free 1 (no tombstones)."""
+    probes = {"b": [1, 2, 3]}
+    for can_locate in (True, False):
+        seen, rounds = read_in_rounds(probes, {2: "b"}, can_locate=can_locate)
+        assert claim(probes, seen.held) == {"b": 2}
+        assert (rounds[1].locate == ["b"]) is can_locate
+
+
+def test_the_claim_walk_reads_an_id_it_would_take_unread() -> None:
+    """'c' collides at 1 and goes on to 5, the first probe of new 'u': 'u' must take its second
+    probe, 9, which only the third round reads (it holds another record: 'u' takes 10)."""
+    probes = {"c": [1, 5], "u": [5, 9, 10]}
+    truth: dict[int, str | None] = {1: "other", 9: "other"}
+    seen, rounds = read_in_rounds(probes, truth, can_locate=True)
+    assert [(r.ids, r.locate) for r in rounds] == [([1, 5], []), ([], ["u"]), ([9, 10], [])]
+    assert claim(probes, seen.held) == {"c": 5, "u": 10}
+    assert claim(probes, seen.held) == reference_claim(probes, truth)
 
 
 # --------------------------------------------------------------------------- filters
@@ -534,3 +646,145 @@ async def test_plan_errors_reach_the_caller_and_caught_ones_come_back(sidecar_fa
     assert set(await conns.arun(fetch_payloads("big", [2, 1]))) == {1, 2}
     await conns.aclose()
     assert not conns.opened
+
+
+# --------------------------------------------------------------------------- round trips of a write
+
+N_NEW = 320
+MAX_Q = 32
+
+
+def served(port: int) -> int:
+    """Requests the sidecar has served (every op, errors too), from its /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        m = re.search(r"^kalos_requests_total (\S+)$", r.read().decode(), re.MULTILINE)
+    assert m is not None, "no kalos_requests_total"
+    return int(float(m.group(1)))
+
+
+@pytest.fixture
+def counting_sidecar(sidecar_factory: Any) -> tuple[str, int]:
+    """A sidecar (slots of 32 queries) that counts what it serves: (name, metrics port)."""
+    for attempt in range(3):  # another process may take the free port before the sidecar binds it
+        port = free_port()
+        try:
+            h = sidecar_factory("trips", "--dim", str(DIM), "--max-queries", str(MAX_Q),
+                                "--metric", "cosine", "--metrics-port", str(port),
+                                "--backend", "numpy")
+            return h.name, port
+        except RuntimeError:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+class LlamaWrites:
+    """Adds of LlamaIndex nodes named by the keys (8 probes each, looked up by ``_node_id``)."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        pytest.importorskip("llama_index.core")
+        from kalos.integrations import llamaindex
+
+        self.mod = llamaindex
+        self.rng = rng
+
+    def store(self, name: str, pool: Any) -> Any:
+        return self.mod.KalosLlamaVectorStore(name, namespace="trips", timeout=30.0, pool=pool)
+
+    def nodes(self, keys: list[str]) -> list[Any]:
+        from llama_index.core.schema import TextNode
+
+        vectors = self.rng.standard_normal((len(keys), DIM)).tolist()
+        return [TextNode(text=k, id_=k, embedding=v) for k, v in zip(keys, vectors)]
+
+    def add(self, store: Any, keys: list[str]) -> None:
+        store.add(self.nodes(keys))
+
+    async def aadd(self, store: Any, keys: list[str]) -> None:
+        await store.async_add(self.nodes(keys))
+
+    def first_id(self, key: str) -> int:
+        return int(self.mod.kalos_id(key))
+
+    def key_of(self, payload: Any) -> Any:
+        return payload.get(self.mod.NODE_ID_KEY)
+
+
+class LangChainWrites:
+    """Adds of LangChain texts whose ids are the keys (one probe each)."""
+
+    def __init__(self, rng: np.random.Generator) -> None:
+        pytest.importorskip("langchain_core")
+        from kalos.integrations import langchain
+
+        self.mod = langchain
+
+    def store(self, name: str, pool: Any) -> Any:
+        from langchain_core.embeddings import DeterministicFakeEmbedding
+
+        return self.mod.KalosVectorStore(DeterministicFakeEmbedding(size=DIM), name=name,
+                                         namespace="trips", timeout=30.0, pool=pool)
+
+    def add(self, store: Any, keys: list[str]) -> None:
+        store.add_texts(keys, ids=keys)
+
+    async def aadd(self, store: Any, keys: list[str]) -> None:
+        await store.aadd_texts(keys, ids=keys)
+
+    def first_id(self, key: str) -> int:
+        return int(self.mod.kalos_id(key))
+
+    def key_of(self, payload: Any) -> Any:
+        return self.mod.stored_id(payload)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+@pytest.mark.parametrize("writes", [LlamaWrites, LangChainWrites], ids=["llamaindex", "langchain"])
+def test_adding_new_keys_reads_one_id_each(counting_sidecar: tuple[str, int], writes: Any,
+                                           driver: str, rng: np.random.Generator) -> None:
+    """Round trips of adds of N keys, counted by the sidecar (and by the pool): into a namespace
+    that does not exist yet, one read request and then the writes; new keys into a namespace
+    that exists, a read of their first ids per slot, one look-up by key and the writes; the
+    same keys again, reads and writes. Every key ends up once, at its first id. (Reading all 8
+    probes of every LlamaIndex node took 90 requests for the first add, and each read of a
+    namespace that did not exist was its own UnknownNamespace.)"""
+    name, port = counting_sidecar
+    w = writes(rng)
+    a, b = [f"a{i}" for i in range(N_NEW)], [f"b{i}" for i in range(N_NEW)]
+    phases = [("fresh", a), ("new", b), ("again", a)]
+    slots = math.ceil(N_NEW / MAX_Q)
+    trips: dict[str, int] = {}
+    if driver == "sync":
+        store = w.store(name, None)
+        try:
+            for label, keys in phases:
+                before = served(port)
+                w.add(store, keys)
+                assert wait_until(lambda t0=before: served(port) - t0 >= slots, timeout=30)
+                trips[label] = served(port) - before
+        finally:
+            store.close()
+    else:
+        from kalos.clients.pool import RecallPool
+
+        async def main() -> None:
+            async with RecallPool(name, size=4, timeout=30.0) as pool:
+                store = w.store(name, pool)
+                for label, keys in phases:
+                    before, posted = served(port), pool.statistics().posted
+                    await w.aadd(store, keys)
+                    trips[label] = pool.statistics().posted - posted
+                    # the sidecar saw as many (it counts a request just after answering it)
+                    n = trips[label]
+                    assert wait_until(lambda t0=before, n=n: served(port) - t0 == n, timeout=30)
+        asyncio.run(main())
+    print(f"{writes.__name__} {driver}: {trips} round trips for {N_NEW} keys, {slots} slots each")
+    assert slots <= trips["fresh"] <= slots + 1
+    assert slots <= trips["new"] <= 2 * slots + 2
+    assert slots <= trips["again"] <= 2 * slots
+    from kalos.clients.blocking import RecallClient
+
+    with RecallClient(name) as c:
+        assert c.count("trips") == 2 * N_NEW
+        got = c.get([w.first_id(k) for k in a + b], namespace="trips", with_vectors=False)
+        assert [w.key_of(p) for p in got.payloads] == a + b
