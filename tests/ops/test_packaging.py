@@ -37,8 +37,14 @@ def test_distribution_name_is_ours_and_docs_use_it() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    # Built from a copy of the tracked files, so the checkout gets no build/ folder.
+    src = tmp_path_factory.mktemp("src")
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-c", "--null", "-T", "-", "-f", "-"], cwd=ROOT, input=files, check=True,
+                   stdout=open(src / "src.tar", "wb"))
+    subprocess.run(["tar", "-x", "-f", "src.tar"], cwd=src, check=True)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(ROOT)], check=True, cwd=out)
+                    str(src)], check=True, cwd=out)
     (whl,) = out.glob("kalos_recall-*.whl")
     return whl
 
