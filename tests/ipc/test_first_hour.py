@@ -41,11 +41,13 @@ def issue_rows(rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, list[o
 async def test_an_upsert_with_one_payload_over_the_limit_writes_nothing(sidecar_factory, rng):
     """Issue 22 item 2, as reported: default --payload-limit (16384) and --max-queries (32), so
     the call is 4 chunks and the one holding row 80 used to be refused while the 68 rows of the
-    others were written. Now: the error, and 0 rows; the same through the blocking client."""
+    others were written. Now: the error before anything is sent (the client reads the limit from
+    the segment header), and 0 rows; the same through the blocking client; and a sidecar started
+    with a larger --payload-limit takes the same call."""
     h = sidecar_factory("atomic", "--dim", str(DIM), "--backend", "numpy")
     ids, vecs, pls = issue_rows(rng)
     async with RecallPool(h.name, size=4) as pool:
-        with pytest.raises(PayloadTooLarge, match="20008 bytes exceeds the limit of 16384") as e:
+        with pytest.raises(PayloadTooLarge, match="row 80 takes 20008 bytes, over the sidecar's --payload-limit of 16384") as e:
             await pool.upsert(ids, vecs, pls, namespace="n", timeout=10)
         assert not isinstance(e.value, PartialWrite)
         assert (await pool.namespaces()).get("n", 0) == 0
@@ -58,6 +60,11 @@ async def test_an_upsert_with_one_payload_over_the_limit_writes_nothing(sidecar_
         got = await pool.get(ids, namespace="n")
         assert got.ids.tolist() == ids.tolist() and got.payloads == pls
         np.testing.assert_array_equal(got.vectors, vecs)
+    big = sidecar_factory("atomic-big", "--dim", str(DIM), "--backend", "numpy", "--payload-limit", "32768")
+    pls[80] = {"t": "x" * 20000}
+    async with RecallPool(big.name, size=4) as pool:
+        assert await pool.upsert(ids, vecs, pls, namespace="n", timeout=10) == 100
+        assert (await pool.get([1080], namespace="n")).payloads == [pls[80]]
 
 
 @pytest.mark.asyncio
