@@ -8,16 +8,17 @@ the checkout's top-level folders of those names. The applications live beside it
 
 from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
-    KalosTimeout, PayloadTooLarge, ProtocolError, ResponseTimeout, ServerError, UnknownNamespace,
-    UsageError,
+    KalosTimeout, PayloadTooLarge, PositionTimeout, ProtocolError, ResponseTimeout, ServerError,
+    UnknownNamespace, UsageError,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
-from kalos.clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool
+from kalos.broker.positions import Position
+from kalos.clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool, Written
 
 __version__ = "0.1.0"
 __all__ = [
-    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records",
+    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records", "Written", "Position",
     "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
-    "KalosError", "KalosTimeout", "PayloadTooLarge", "ProtocolError", "ResponseTimeout",
+    "KalosError", "KalosTimeout", "PayloadTooLarge", "PositionTimeout", "ProtocolError", "ResponseTimeout",
     "ServerError", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
 ]

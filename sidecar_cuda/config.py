@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..broker.errors import ConfigError
@@ -44,6 +44,9 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no HTTP endpoint
     shm_mode: int = 0o600  # 0o660: shared with the sidecar user's group (a dedicated sidecar user)
+    # --store postgresql://...: a fleet's shared store (None: --data-dir or --ephemeral). Not in
+    # the repr: it may hold a password.
+    store: str | None = field(default=None, repr=False)
 
     def layout(self) -> Layout:
         lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
@@ -169,6 +172,10 @@ def add_serve_arguments(p: argparse.ArgumentParser,
              "places several on each (default: 0)")
     opt("--data-dir", help="durable store directory (SQLite, WAL); restarts keep acknowledged writes")
     opt("--ephemeral", default=False, switch=True, help="keep memories in memory only (env: 1/true/yes/on)")
+    opt("--store", help="a fleet's shared store, postgresql://USER@HOST:PORT/DB?sslmode=...: every "
+                        "sidecar on it keeps a replica that follows it (docs/deploy.md, \"Several "
+                        "nodes\"); give the password through PGPASSWORD or PGPASSFILE, or set the "
+                        "whole URI in the environment, so it is not in `ps`")
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
     opt("--spin-us", kind=float, default=250.0,
         help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
@@ -207,8 +214,16 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
 
     Raises ConfigError unless one of ``--data-dir`` and ``--ephemeral`` is given: where the
     memories live is never a default."""
-    if a.data_dir is None and not a.ephemeral:
-        raise ConfigError("give --data-dir DIR (durable) or --ephemeral (memory only)")
+    if a.store is not None:  # (its value is never echoed: it may hold a password)
+        if a.data_dir is not None or a.ephemeral:
+            raise ConfigError("--store keeps the memories in PostgreSQL: give it without "
+                              "--data-dir and --ephemeral")
+        if not str(a.store).startswith(("postgresql://", "postgres://")):
+            raise ConfigError("--store takes a postgresql:// URI (value not shown: it may hold "
+                              "a password)")
+    elif a.data_dir is None and not a.ephemeral:
+        raise ConfigError("give --data-dir DIR (durable), --store postgresql://... (a fleet's "
+                          "shared store) or --ephemeral (memory only)")
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
     if a.fused_kernel not in ("auto", "off"):
@@ -222,4 +237,5 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         pipeline=a.pipeline, host_search_work=a.host_search_work,
         fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8))
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8),
+        store=None if a.store is None else str(a.store))
