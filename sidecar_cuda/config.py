@@ -47,6 +47,7 @@ class ServeConfig:
     # --store postgresql://...: a fleet's shared store (None: --data-dir or --ephemeral). Not in
     # the repr: it may hold a password.
     store: str | None = field(default=None, repr=False)
+    store_retention_s: float = 600.0  # a follower silent this long is dropped; the log it pinned goes
 
     def layout(self) -> Layout:
         lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
@@ -176,6 +177,9 @@ def add_serve_arguments(p: argparse.ArgumentParser,
                         "sidecar on it keeps a replica that follows it (docs/deploy.md, \"Several "
                         "nodes\"); give the password through PGPASSWORD or PGPASSFILE, or set the "
                         "whole URI in the environment, so it is not in `ps`")
+    opt("--store-retention", kind=float, default=600.0,
+        help="--store: seconds a silent follower keeps the change log from being pruned; one "
+             "away longer reloads everything when it comes back (default: 600)")
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload (default: 16384)")
     opt("--spin-us", kind=float, default=250.0,
         help="after a batch, poll the slots this long before sleeping on the doorbell (default: 250)")
@@ -238,4 +242,4 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
         metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8),
-        store=None if a.store is None else str(a.store))
+        store=None if a.store is None else str(a.store), store_retention_s=a.store_retention)

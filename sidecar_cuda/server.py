@@ -143,13 +143,18 @@ class Sidecar:
         """The PostgreSQL store (psycopg is an optional dependency: imported only here)."""
         assert self.cfg.store is not None
         try:
-            from .fleet import FleetStore as Fleet
+            from .fleet import FleetOptions, FleetStore as Fleet
             from .pgstore import parse_target
         except ImportError as e:
             raise ConfigError(f"--store postgresql:// needs psycopg 3: pip install "
                               f"'kalos-recall[postgres]' ({e})") from None
+        retention = self.cfg.store_retention_s
+        if not retention > 0:
+            raise ConfigError(f"--store-retention must be > 0 seconds, got {retention}")
+        options = FleetOptions(retention_s=retention, prune_s=min(10.0, retention / 4),
+                               heartbeat_s=min(1.0, retention / 8))
         return Fleet(parse_target(self.cfg.store), name=self.cfg.name, dim=self.cfg.dim,
-                     metric=self.metric, backend=self.backend)
+                     metric=self.metric, backend=self.backend, options=options)
 
     def _fleet_pass(self) -> int:
         """One pass of a fleet replica: followed changes are applied between batches, with
