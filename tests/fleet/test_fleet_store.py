@@ -195,3 +195,15 @@ def test_follower_past_retention_reloads_and_converges(pg: PgServer, fleet_dsn: 
     assert "reloading in the background" in b.log()
     assert "replica reloaded" in b.log()
     print(json.dumps({"writes": i, "rows": want}))
+
+
+def test_without_a_fleet_store_writes_have_no_position_and_after_does_not_wait(sidecar):
+    with RecallClient(sidecar.name, timeout=5) as c:
+        w = c.upsert([5000], np.ones((1, 32), np.float32))
+        assert w == 1 and w.position is None
+        t0 = time.monotonic()
+        hits = c.recall(np.ones(32, np.float32), k=1, after=Position(10**12, 1), timeout=5)
+        assert c.count(after="kpos:99.1") == 2001
+        assert hits.ids.tolist() == [5000] and time.monotonic() - t0 < 4
+        with pytest.raises(Exception, match="not a position token"):
+            c.count(after="nonsense")
