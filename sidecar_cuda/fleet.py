@@ -54,6 +54,8 @@ log = logging.getLogger("kalos.sidecar")
 LAG_BOUNDS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 #: Changes applied per pass of the serving loop at most (recalls wait behind one pass).
 APPLY_PER_PASS = 256
+#: Fetched batches waiting for the serving thread at most (the follower pauses beyond).
+_QUEUED_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -370,8 +372,8 @@ class Follower(threading.Thread):
                 if n:
                     log.debug("pruned %d changes from the log", n)
                 next_prune = now + opt.prune_s
-            if self._reloading is not None:
-                self._halt.wait(0.05)
+            if self._reloading is not None or len(f.incoming) >= _QUEUED_MAX:
+                self._halt.wait(0.01)  # (a reload, or the serving thread is behind: no more memory)
                 continue
             cursor = max(self.fetched, f.applied)
             try:
