@@ -3,15 +3,16 @@ import them by name; a conftest.py here would shadow tests/conftest.py's module 
 
 The server is Debian's (``/usr/lib/postgresql/N/bin``), started once per session as an
 unprivileged user in a temporary directory (:mod:`kalos.testing.postgres`); each test gets its
-own database. Where the server is not installed the tests skip with the reason, unless
-``KALOS_REQUIRE_POSTGRES=1`` (``.ci/run`` sets it once it has installed the package): then a
-missing server fails them.
+own database. A missing server is installed (``apt-get``, as root); where it cannot be, the tests
+skip with the reason, unless ``KALOS_REQUIRE_POSTGRES=1`` (``.ci/run`` sets it once it has
+installed the package): then a missing server fails them.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,9 +34,20 @@ from kalos.testing.postgres import PgServer, find_bin  # noqa: E402
 _dbs = itertools.count()
 
 
+def _install_postgresql() -> None:
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"]
+    if subprocess.run(cmd, env=env, capture_output=True, timeout=600).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=300)
+        subprocess.run(cmd, env=env, capture_output=True, timeout=600)
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[PgServer]:
     bindir = find_bin()
+    if bindir is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        _install_postgresql()  # (as tests/ops/test_prometheus.py does for prometheus)
+        bindir = find_bin()
     if bindir is None:
         why = "PostgreSQL server binaries not installed (apt-get install postgresql)"
         if os.environ.get("KALOS_REQUIRE_POSTGRES") == "1":
