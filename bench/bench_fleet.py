@@ -143,7 +143,7 @@ async def lag_run(writer: str, followers: list[str], rate: float, seconds: float
             "late_writes": late, "ack_to_applied_on_follower": pct_ms(lags)}
 
 
-def load_rows(pg: PgServer, dsn: str, rows: int) -> float:
+def load_rows(pg: PgServer, dsn: str, rows: int, payloads: bool = True) -> float:
     import psycopg
 
     t0 = time.perf_counter()
@@ -156,22 +156,25 @@ def load_rows(pg: PgServer, dsn: str, rows: int) -> float:
                 hi = min(rows, lo + 20000)
                 block = rng.standard_normal((hi - lo, DIM), dtype=np.float32)
                 for j in range(hi - lo):
-                    cp.write_row(("default", lo + j, block[j].tobytes(), b'{"b":%d}' % ((lo + j) % 100)))
+                    cp.write_row(("default", lo + j, block[j].tobytes(),
+                                  b'{"b":%d}' % ((lo + j) % 100) if payloads else None))
         conn.execute("VACUUM ANALYZE kalos.records")
     return time.perf_counter() - t0
 
 
-def bootstrap(pg: PgServer, log_dir: str, rows: int) -> dict:
-    fl = Fleet(pg, f"boot{rows}", log_dir)
+def bootstrap(pg: PgServer, log_dir: str, rows: int, payloads: bool, attempts: int) -> dict:
+    tag = f"{rows}{'p' if payloads else 'n'}"
+    fl = Fleet(pg, f"boot{tag}", log_dir)
     try:
-        p, log = fl.node(f"bench-boot-init-{rows}")  # makes the schema
+        p, log = fl.node(f"bench-boot-init-{tag}")  # makes the schema
         stop_sidecar_process(p)
         fl.procs.clear()
-        load_s = load_rows(pg, fl.dsn, rows)
-        out: dict = {"rows": rows, "dim": DIM, "load_into_postgres_s": round(load_s, 1)}
-        for attempt in range(2):
+        load_s = load_rows(pg, fl.dsn, rows, payloads)
+        out: dict = {"rows": rows, "dim": DIM, "payloads": payloads,
+                     "load_into_postgres_s": round(load_s, 1)}
+        for attempt in range(attempts):
             t0 = time.perf_counter()
-            p, log = fl.node(f"bench-boot-{rows}-{attempt}")
+            p, log = fl.node(f"bench-boot-{tag}-{attempt}")
             ready = time.perf_counter() - t0
             with open(log) as f:
                 m = re.findall(r"loaded (\d+) rows .* in ([0-9.]+) s", f.read())
@@ -220,6 +223,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--bootstrap-rows", type=int, nargs="*", default=[100_000])
     ap.add_argument("--lag-rates", type=float, nargs="*", default=[500, 1000, 2000])
+    ap.add_argument("--bootstrap-payloads", choices=["with", "without", "both"], default="both")
+    ap.add_argument("--only-bootstrap", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     bindir = find_bin()
@@ -230,40 +235,15 @@ def main() -> None:
     res: dict = {"env": environment(), "postgres": os.path.basename(os.path.dirname(bindir)),
                  "fsync": True, "dim": DIM}
     try:
-        # 1. upserts/s: PostgreSQL beside SQLite, same run
-        fl = Fleet(pg, "upserts", log_dir)
-        try:
-            fl.node("bench-up-pg")
-            res["upserts_postgres"] = asyncio.run(upsert_rates("bench-up-pg", a.seconds))
-            fl.node("bench-up-sqlite", "--data-dir", os.path.join(log_dir, "sqlite"))
-            res["upserts_sqlite"] = asyncio.run(upsert_rates("bench-up-sqlite", a.seconds))
-        finally:
-            fl.close()
-        print(json.dumps({k: res[k] for k in ("upserts_postgres", "upserts_sqlite")}), flush=True)
-        # 2. replication lag, 3 followers (+ the writer's own node)
-        fl = Fleet(pg, "lag", log_dir)
-        try:
-            names = [f"bench-lag-{j}" for j in range(4)]
-            for n in names:
-                fl.node(n)
-            res["lag"] = []
-            for rate in a.lag_rates:
-                # 50 writes/s of rate/50 rows: one writer's acknowledged write takes ~5-10 ms here
-                r = asyncio.run(lag_run(names[0], names[1:], rate, a.seconds, batch=max(1, int(rate // 50))))
-                print(json.dumps(r), flush=True)
-                res["lag"].append(r)
-            # 4. a lone caller's recall on a follower, idle and while it follows the writer
-            res["recall_while_following"] = asyncio.run(
-                recall_while_following(names[1], names[0], a.seconds, rate=500))
-            print(json.dumps(res["recall_while_following"]), flush=True)
-        finally:
-            fl.close()
+        if not a.only_bootstrap:
+            run_serving(pg, log_dir, a, res)
         # 3. bootstrap
         res["bootstrap"] = []
         for rows in a.bootstrap_rows:
-            r = bootstrap(pg, log_dir, rows)
-            print(json.dumps(r), flush=True)
-            res["bootstrap"].append(r)
+            for payloads in {"with": [True], "without": [False], "both": [False, True]}[a.bootstrap_payloads]:
+                r = bootstrap(pg, log_dir, rows, payloads, attempts=2 if rows <= 200_000 else 1)
+                print(json.dumps(r), flush=True)
+                res["bootstrap"].append(r)
     finally:
         pg.close()
     out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
@@ -271,6 +251,38 @@ def main() -> None:
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", out)
+
+
+def run_serving(pg: PgServer, log_dir: str, a: argparse.Namespace, res: dict) -> None:
+    """1, 2 and 4 (the serving figures)."""
+    # 1. upserts/s: PostgreSQL beside SQLite, same run
+    fl = Fleet(pg, "upserts", log_dir)
+    try:
+        fl.node("bench-up-pg")
+        res["upserts_postgres"] = asyncio.run(upsert_rates("bench-up-pg", a.seconds))
+        fl.node("bench-up-sqlite", "--data-dir", os.path.join(log_dir, "sqlite"))
+        res["upserts_sqlite"] = asyncio.run(upsert_rates("bench-up-sqlite", a.seconds))
+    finally:
+        fl.close()
+    print(json.dumps({k: res[k] for k in ("upserts_postgres", "upserts_sqlite")}), flush=True)
+    # 2. replication lag, 3 followers (+ the writer's own node)
+    fl = Fleet(pg, "lag", log_dir)
+    try:
+        names = [f"bench-lag-{j}" for j in range(4)]
+        for n in names:
+            fl.node(n)
+        res["lag"] = []
+        for rate in a.lag_rates:
+            # 50 writes/s of rate/50 rows: one writer's acknowledged write takes ~5-10 ms here
+            r = asyncio.run(lag_run(names[0], names[1:], rate, a.seconds, batch=max(1, int(rate // 50))))
+            print(json.dumps(r), flush=True)
+            res["lag"].append(r)
+        # 4. a lone caller's recall on a follower, idle and while it follows the writer
+        res["recall_while_following"] = asyncio.run(
+            recall_while_following(names[1], names[0], a.seconds, rate=500))
+        print(json.dumps(res["recall_while_following"]), flush=True)
+    finally:
+        fl.close()
 
 
 if __name__ == "__main__":

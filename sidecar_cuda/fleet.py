@@ -104,6 +104,10 @@ class ReplicationStats:
         self.lag_sum += max(0.0, lag_s)
 
 
+class _NotStarted(Exception):
+    """A write transaction failed before it took the write lock."""
+
+
 class FleetStore:
     """The :class:`~kalos.sidecar_cuda.persist.Durable` of a fleet sidecar, and its replica state:
     ``applied`` is the position up to which this sidecar's memory holds the log."""
@@ -147,6 +151,7 @@ class FleetStore:
             finally:
                 conn.close()
         self.applied = cursor
+        self.stats.connected, self.stats.reason = True, ""
         return rows, time.perf_counter() - t0
 
     def start_following(self, wake: Callable[[], None]) -> None:
@@ -162,31 +167,53 @@ class FleetStore:
         each write's position (a write that changed nothing: the position before it). Raises
         StoreError (nothing of the batch is then applied here; it may have been committed if the
         connection broke during COMMIT, as with any database)."""
-        conn = self._writer_conn()
         try:
-            with conn.transaction():
-                xid = lock_for_write(conn)
-                while True:  # catch up: no writer runs now, so every change is readable
-                    changes = fetch_changes(conn, self.applied, 4096, self.dim, below_horizon=False)
-                    self._apply(changes, store, observe=False)
-                    if len(changes) < 4096:
-                        break
-                positions = []
-                last = self.applied
-                for w in writes:
-                    w.resolve(store)
-                    seq = write_change(conn, xid, w)
-                    if seq is not None:
-                        last = Position(xid, seq)
-                    positions.append(last)
-                notify(conn)
-        except psycopg.Error as e:
+            try:
+                positions = self._commit_once(self._writer_conn(), writes, store)
+            except _NotStarted:
+                # A connection broken while idle (the database restarted since the last write)
+                # fails at the first statement, before anything was written: connect once more.
+                self._drop_writer()
+                positions = self._commit_once(self._writer_conn(), writes, store)
+        except (psycopg.Error, _NotStarted) as e:
             self._writer_broken()
-            raise StoreError(scrub(f"PostgreSQL store {self.target.shown}: {str(e).strip()}",
-                                      self.target)) from None
+            cause = e.__cause__ if isinstance(e, _NotStarted) else e
+            raise StoreError(scrub(f"PostgreSQL store {self.target.shown}: {str(cause).strip()}",
+                                   self.target)) from None
         except ValueError as e:  # a change no sidecar wrote: apply nothing more from it
             raise StoreError(f"PostgreSQL store {self.target.shown}: {e}") from None
         self._writer_failures = 0
+        return positions
+
+    def _commit_once(self, conn: Conn, writes: list[Write], store: MemoryStore) -> list[Position]:
+        """One attempt of :meth:`commit`. Raises _NotStarted if the connection failed before the
+        transaction took the write lock (nothing was sent that could have been committed)."""
+        try:  # (the connection is not in autocommit mode: this statement begins the transaction)
+            xid = lock_for_write(conn)
+        except psycopg.OperationalError as e:
+            raise _NotStarted() from e
+        try:
+            while True:  # catch up: no writer runs now, so every change is readable
+                changes = fetch_changes(conn, self.applied, 4096, self.dim, below_horizon=False)
+                self._apply(changes, store, observe=False)
+                if len(changes) < 4096:
+                    break
+            positions = []
+            last = self.applied
+            for w in writes:
+                w.resolve(store)
+                seq = write_change(conn, xid, w)
+                if seq is not None:
+                    last = Position(xid, seq)
+                positions.append(last)
+            notify(conn)
+            conn.commit()
+        except BaseException:
+            try:
+                conn.rollback()
+            except psycopg.Error:
+                pass  # (a broken connection: the server rolls back on its own)
+            raise
         return positions
 
     def applied_through(self, position: Position | None) -> None:
@@ -211,13 +238,16 @@ class FleetStore:
             raise StoreError(str(e)) from None
         return self._writer
 
-    def _writer_broken(self) -> None:
+    def _drop_writer(self) -> None:
         if self._writer is not None:
             try:
                 self._writer.close()
             except psycopg.Error:
                 pass
             self._writer = None
+
+    def _writer_broken(self) -> None:
+        self._drop_writer()
         self._writer_failures += 1
         self._writer_retry_at = time.monotonic() + backoff_s(self._writer_failures,
                                                               self.options.backoff_max_s)
@@ -235,7 +265,8 @@ class FleetStore:
             self.swap = None
             store.namespaces = namespaces
             self.applied = cursor
-            self.incoming.clear()
+            # (what is queued stays: older changes are at or before the snapshot's cursor and
+            # are skipped, newer ones were fetched after it and are needed)
             log.info("replica reloaded from %s; following from %s", self.target.shown, cursor)
             return 0
         done = 0
@@ -299,6 +330,10 @@ def bootstrap(conn: Conn, member: str, store: MemoryStore,
         for item in snapshot(conn, dim):
             if isinstance(item, Position):
                 cursor = item
+                continue
+            if isinstance(item, dict):
+                for ns_name, count in item.items():
+                    store.get_or_create(ns_name, capacity=count)
                 continue
             ns_name, ids, vecs, pls = item
             store.get_or_create(ns_name).upsert(ids, vecs, pls)

@@ -35,7 +35,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from typing import Any
+from typing import Any, Union
 
 import numpy as np
 import psycopg
@@ -292,18 +292,23 @@ def notify(conn: Conn) -> None:
 
 # --------------------------------------------------------------------------- snapshots
 def snapshot(conn: Conn, dim: int, chunk: int = 65536
-             ) -> Iterator[Position | tuple[str, np.ndarray, np.ndarray, list[bytes | None]]]:
+             ) -> Iterator[Position | dict[str, int] | tuple[str, np.ndarray, np.ndarray, list[bytes | None]]]:
     """Read every record in one consistent snapshot (REPEATABLE READ, binary COPY). Yields the
     cursor to follow from first (every change of a transaction at or after the snapshot's xmin
-    may be missing from it; applying those again is idempotent), then (namespace, ids, vectors,
-    payloads) chunks. ``conn`` must be in autocommit mode. Raises psycopg.Error, ValueError."""
+    may be missing from it; applying those again is idempotent), then the rows of each namespace,
+    then (namespace, ids, vectors, payloads) chunks. ``conn`` must be in autocommit mode. Raises
+    psycopg.Error, ValueError."""
     with conn.transaction():
         conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY")
+        conn.execute("SET LOCAL statement_timeout = 0")  # (a snapshot of many rows takes long)
         row = conn.execute(f"SELECT {_XMIN}").fetchone()  # the snapshot is taken here
         assert row is not None
         xmin = int(row[0])
         yield Position(max(0, xmin - 1), _U63)
-        buf: dict[str, tuple[list[int], list[bytes], list[bytes | None]]] = {}
+        # Rows per namespace first (an index-only scan where the table is vacuumed): the store
+        # then allocates each namespace once instead of doubling it (a copy each time) as it fills.
+        yield dict(conn.execute("SELECT ns, count(*) FROM kalos.records GROUP BY ns").fetchall())
+        buf: dict[str, tuple[list[int], list[Buffer], list[bytes | None]]] = {}
         width = 4 * dim
         with conn.cursor().copy("COPY (SELECT ns, id, vec, payload FROM kalos.records) "
                                 "TO STDOUT (FORMAT BINARY)") as cp:
@@ -328,7 +333,10 @@ _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
 
-def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, bytes, bytes | None]]:
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, Buffer, bytes | None]]:
     """(ns, id, vector bytes, payload) of ``COPY (SELECT ns, id, vec, payload ...) TO STDOUT
     (FORMAT BINARY)``, parsed here from the raw stream: psycopg's row-by-row reading cost ~25 us
     a row (bootstrap time is this loop). Raises ValueError on a malformed stream or a vector
@@ -337,15 +345,18 @@ def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, bytes, bytes 
     # ~13 us of Python per message, more than parsing the row. The trailer is the last message:
     # psycopg's Copy then reads the end of the COPY and its result as usual.
     pgconn = cp.connection.pgconn
-    data = bytearray()
+    data: Buffer = bytearray()
     pos = 0
     header = False
     while True:
         nbytes, block = pgconn.get_copy_data(0)
         if nbytes < 0:
+            cp.read()  # the COPY's result: raises the server's error if it failed
             raise ValueError("COPY stream ended without its trailer")
-        data = data[pos:] + block if pos else data + block
-        pos = 0
+        if pos >= len(data) and header:
+            data, pos = block, 0  # (the usual case, a message of whole rows: parsed in place)
+        else:
+            data, pos = bytearray(data[pos:]) + block, 0
         if not header:
             if len(data) < 19:
                 continue
@@ -380,12 +391,13 @@ def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, bytes, bytes 
             (a, la), (b, lb), (c, lc), (d, ld) = fields
             if lb != 8 or lc != width or la < 0:
                 raise ValueError(f"record with a vector of {lc} bytes, not {width}")
-            yield (data[a:a + la].decode(), _I64.unpack_from(data, b)[0], bytes(data[c:c + lc]),
+            # (the vector as a view of the message: copied once, when its chunk is joined)
+            yield (bytes(data[a:a + la]).decode(), _I64.unpack_from(data, b)[0], data[c:c + lc],
                    None if ld < 0 else bytes(data[d:d + ld]))
             pos = p
 
 
-def _chunk(ns: str, b: tuple[list[int], list[bytes], list[bytes | None]], dim: int
+def _chunk(ns: str, b: tuple[list[int], list[Buffer], list[bytes | None]], dim: int
            ) -> tuple[str, np.ndarray, np.ndarray, list[bytes | None]]:
     ids = np.array(b[0], np.int64)
     vecs = np.frombuffer(b"".join(b[1]), np.float32).reshape(len(ids), dim)  # (read-only: copied in)
