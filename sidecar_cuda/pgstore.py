@@ -308,23 +308,48 @@ def snapshot(conn: Conn, dim: int, chunk: int = 65536
         # Rows per namespace first (an index-only scan where the table is vacuumed): the store
         # then allocates each namespace once instead of doubling it (a copy each time) as it fills.
         yield dict(conn.execute("SELECT ns, count(*) FROM kalos.records GROUP BY ns").fetchall())
-        buf: dict[str, tuple[list[int], list[Buffer], list[bytes | None]]] = {}
+        buf: dict[str, _Chunk] = {}
         width = 4 * dim
         with conn.cursor().copy("COPY (SELECT ns, id, vec, payload FROM kalos.records) "
                                 "TO STDOUT (FORMAT BINARY)") as cp:
             for ns, i, vec, payload in _copy_records(cp, width):
                 b = buf.get(ns)
                 if b is None:
-                    b = buf[ns] = ([], [], [])
-                b[0].append(i)
-                b[1].append(vec)
-                b[2].append(payload)
-                if len(b[0]) >= chunk:
-                    yield _chunk(ns, b, dim)
-                    buf[ns] = ([], [], [])
+                    b = buf[ns] = _Chunk(chunk, dim)
+                if b.add(i, vec, payload):
+                    yield b.take(ns)
         for ns, b in buf.items():
-            if b[0]:
-                yield _chunk(ns, b, dim)
+            if b.n:
+                yield b.take(ns)
+
+
+class _Chunk:
+    """Records of one namespace being read: vectors copied straight into one array."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        self.size, self.dim, self.width = size, dim, 4 * dim
+        self._fresh()
+
+    def _fresh(self) -> None:
+        self.vecs = np.empty((self.size, self.dim), np.float32)
+        self.raw = self.vecs.data.cast("B")
+        self.ids = np.empty(self.size, np.int64)
+        self.payloads: list[bytes | None] = []
+        self.n = 0
+
+    def add(self, i: int, vec: Buffer, payload: bytes | None) -> bool:
+        """Append a record; True when the chunk is full."""
+        n = self.n
+        self.raw[n * self.width:(n + 1) * self.width] = vec
+        self.ids[n] = i
+        self.payloads.append(payload)
+        self.n = n + 1
+        return self.n == self.size
+
+    def take(self, ns: str) -> tuple[str, np.ndarray, np.ndarray, list[bytes | None]]:
+        out = (ns, self.ids[: self.n], self.vecs[: self.n], self.payloads)
+        self._fresh()
+        return out
 
 
 _COPY_SIGNATURE = b"PGCOPY\n\xff\r\n\x00"
@@ -395,13 +420,6 @@ def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, Buffer, bytes
             yield (bytes(data[a:a + la]).decode(), _I64.unpack_from(data, b)[0], data[c:c + lc],
                    None if ld < 0 else bytes(data[d:d + ld]))
             pos = p
-
-
-def _chunk(ns: str, b: tuple[list[int], list[Buffer], list[bytes | None]], dim: int
-           ) -> tuple[str, np.ndarray, np.ndarray, list[bytes | None]]:
-    ids = np.array(b[0], np.int64)
-    vecs = np.frombuffer(b"".join(b[1]), np.float32).reshape(len(ids), dim)  # (read-only: copied in)
-    return ns, ids, vecs, b[2]
 
 
 # --------------------------------------------------------------------------- followers
