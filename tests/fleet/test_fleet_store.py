@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import free_port, run_py, slots_free
 from fleetkit import PgServer, fleet, fleet_dsn, pg, pg_server, run_serve, wait_for  # noqa: F401
 
 from kalos import Position, PositionTimeout, RecallClient, ServerError
@@ -207,3 +207,27 @@ def test_without_a_fleet_store_writes_have_no_position_and_after_does_not_wait(s
         assert hits.ids.tolist() == [5000] and time.monotonic() - t0 < 4
         with pytest.raises(Exception, match="not a position token"):
             c.count(after="nonsense")
+
+
+def test_a_held_read_of_a_client_that_dies_frees_its_slot(fleet):
+    """A read waiting for a position that never comes, with no time limit: its client is killed;
+    the sidecar answers the held read and the reaper frees the slot, as for any dead client."""
+    a = fleet("a")
+    code = ("import sys; from kalos import RecallClient, Position\n"
+            "c = RecallClient(sys.argv[1], timeout=None)\n"
+            "print('posting', flush=True)\n"
+            "c.count(after=Position(10**15, 1))\n")
+    p = run_py(code, a.name)
+    try:
+        assert p.stdout.readline().strip() == b"posting"
+        assert wait_for(lambda: not slots_free(a.name), 10)
+        time.sleep(0.3)  # the read is held (BUSY) by now
+        assert not slots_free(a.name)
+        p.kill()
+        p.wait()
+        assert wait_for(lambda: slots_free(a.name), 10), "the held read's slot was never freed"
+        with RecallClient(a.name, timeout=5) as c:  # and the sidecar serves on
+            assert c.count() == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
