@@ -196,7 +196,7 @@ async def recall_while_following(reader: str, writer: str, seconds: float, rate:
         for phase in ("idle", "following"):
             stop = asyncio.Event()
 
-            async def write() -> None:
+            async def write(stop: asyncio.Event = stop) -> None:
                 i = 0
                 while not stop.is_set():
                     await w.upsert(np.arange(i, i + 10) % 5000, vecs, namespace="other")

@@ -35,7 +35,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import psycopg
@@ -358,7 +358,7 @@ _I32 = struct.Struct(">i")
 _I64 = struct.Struct(">q")
 
 
-Buffer = Union[bytes, bytearray, memoryview]
+Buffer = bytes | bytearray | memoryview
 
 
 def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, Buffer, bytes | None]]:

@@ -25,7 +25,7 @@ def find_bin() -> str | None:
     found = [d for d in glob.glob("/usr/lib/postgresql/*/bin")
              if os.path.exists(os.path.join(d, "initdb")) and os.path.exists(os.path.join(d, "pg_ctl"))]
     if found:
-        return sorted(found, key=lambda d: int(d.split("/")[-2]) if d.split("/")[-2].isdigit() else 0)[-1]
+        return max(found, key=lambda d: int(d.split("/")[-2]) if d.split("/")[-2].isdigit() else 0)
     initdb = shutil.which("initdb")
     return os.path.dirname(initdb) if initdb else None
 

@@ -186,8 +186,6 @@ def test_follower_past_retention_reloads_and_converges(pg: PgServer, fleet_dsn: 
         want = ca.count()
         with RecallClient(b.name, timeout=30, connect_timeout=30) as cb:
             assert cb.count(after=w.position, timeout=30) == want
-            for c in (ca, cb):
-                ids, v, pls = c.export_page("default", -1)
             ea, eb = ca.export_page("default", -1), cb.export_page("default", -1)
             assert ea[0].tolist() == eb[0].tolist()
             np.testing.assert_array_equal(ea[1], eb[1])
