@@ -229,3 +229,36 @@ def test_a_held_read_of_a_client_that_dies_frees_its_slot(fleet):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn: str, fleet):
+    """Two writers without the fleet's lock (as any transaction could interleave): T1 takes its
+    xid and seq first but commits last. A cursor over plain seq would read T2's change, move past
+    it and never see T1's; reading in (xid, seq) order below the snapshot's xmin holds T2 back
+    until T1 has committed, then gives both, in order."""
+    import psycopg
+
+    from kalos.broker.positions import ORIGIN
+    from kalos.sidecar_cuda.pgstore import fetch_changes, write_change
+    from kalos.sidecar_cuda.writes import Write, WriteOp
+
+    fleet("schema").stop()  # creates the schema
+    vec = np.ones((1, 16), np.float32)
+
+    def xid(conn) -> int:
+        return int(conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0])
+
+    with psycopg.connect(fleet_dsn) as t1, psycopg.connect(fleet_dsn) as t2, \
+            psycopg.connect(fleet_dsn, autocommit=True) as reader:
+        x1 = xid(t1)
+        s1 = write_change(t1, x1, Write(WriteOp.UPSERT, "late", np.array([1]), vec, None))
+        x2 = xid(t2)
+        s2 = write_change(t2, x2, Write(WriteOp.UPSERT, "late", np.array([2]), vec, None))
+        assert x1 < x2 and s1 < s2
+        t2.commit()
+        seen = reader.execute("SELECT seq FROM kalos.changes WHERE ns = 'late'").fetchall()
+        assert seen == [(s2,)]  # what a plain `seq > cursor` follower would take, and move past
+        assert fetch_changes(reader, ORIGIN, 100, 16) == []  # held back: T1 still runs
+        t1.commit()
+        got = fetch_changes(reader, ORIGIN, 100, 16)
+        assert [(c.position.xid, c.position.seq) for c in got] == [(x1, s1), (x2, s2)]
