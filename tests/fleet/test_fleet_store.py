@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port, run_py, slots_free
 from fleetkit import PgServer, fleet, fleet_dsn, pg, pg_server, run_serve, wait_for  # noqa: F401
 
-from kalos import Position, PositionTimeout, RecallClient, ServerError
+from kalos import Position, PositionTimeout, RecallClient, ServerError, UnknownNamespace
 from kalos.testing.postgres import PASSWORD
 
 pytestmark = pytest.mark.timeout(180)
@@ -262,3 +262,22 @@ def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn
         t1.commit()
         got = fetch_changes(reader, ORIGIN, 100, 16)
         assert [(c.position.xid, c.position.seq) for c in got] == [(x1, s1), (x2, s2)]
+
+
+@pytest.mark.asyncio
+async def test_pool_writes_return_positions_that_reads_on_another_node_wait_for(fleet, rng):
+    from kalos import RecallPool
+
+    a, b = fleet("a"), fleet("b")
+    vecs = rng.standard_normal((40, 16)).astype(np.float32)
+    async with RecallPool(a.name, size=4, timeout=10) as pa, RecallPool(b.name, size=4, timeout=10) as pb:
+        w = await pa.upsert(np.arange(40), vecs, payloads=[{"i": i} for i in range(40)], namespace="p")
+        assert w == 40 and w.position is not None  # (two chunks of max_queries: the later position)
+        many = await pb.recall_many(vecs[:3], k=1, namespace="p", after=w.position)
+        best = np.argmax(vecs[:3].astype(np.float64) @ vecs.astype(np.float64).T, axis=1)
+        assert [h.ids.tolist() for h in many] == [[int(i)] for i in best]
+        assert (await pb.get([39], namespace="p", after=w.position)).ids.tolist() == [39]
+        d = await pb.drop_namespace("p")
+        assert d == 40 and d.position > w.position
+        with pytest.raises(UnknownNamespace):
+            await pa.count("p", after=d.position)

@@ -62,7 +62,8 @@ def test_sort_held_ready_expired_waiting() -> None:
 
 
 def test_backoff_doubles_to_the_cap_with_jitter() -> None:
-    from kalos.sidecar_cuda.fleet import backoff_s, lag_bucket, LAG_BOUNDS_S
+    pytest.importorskip("psycopg")
+    from kalos.sidecar_cuda.fleet import LAG_BOUNDS_S, backoff_s, lag_bucket
 
     assert [backoff_s(n, 5.0, rand=lambda: 1.0) for n in (1, 2, 3, 8, 30)] == [0.1, 0.2, 0.4, 5.0, 5.0]
     assert backoff_s(1, 5.0, rand=lambda: 0.0) == 0.05
