@@ -60,10 +60,15 @@ class HeldReads:
     def admit(self, taken: list[int], t_pick: int) -> list[int]:
         """Of the slots just taken, those to serve now: a read whose position is not applied yet
         is held (BUSY). Every taken slot's AFTER bit is cleared, so no route sees it."""
+        u32, flags = self._w.u32, self._w.flags
+        for i in taken:  # (the serving loop's hot path: a plain loop, no generator)
+            if u32[flags[i]] & _AFTER:
+                return self._admit(taken, t_pick)
+        return taken
+
+    def _admit(self, taken: list[int], t_pick: int) -> list[int]:
         W = self._w
         u32, u64 = W.u32, W.u64
-        if not any(u32[W.flags[i]] & _AFTER for i in taken):
-            return taken
         applied = self._applied()
         now: list[int] = []
         for i in taken:
