@@ -13,6 +13,7 @@
      +-- KalosTimeout          (also a TimeoutError)
      |    +-- AcquireTimeout   no free slot within the budget
      |    +-- ResponseTimeout  the sidecar did not answer within the budget
+     |         +-- PositionTimeout  after=: the sidecar had not applied that position in time
      +-- BrokerUnavailable     no sidecar, or it died / stopped
      |    +-- UntrustedBroker  the broker's objects belong to another user or are open to others
      +-- SlotsExhausted        the sidecar serves, but other processes hold the slots a pool needs
@@ -69,6 +70,11 @@ class AcquireTimeout(KalosTimeout):
 
 class ResponseTimeout(KalosTimeout):
     """The request was posted but not answered within the budget."""
+
+
+class PositionTimeout(ResponseTimeout):
+    """A read given ``after=`` a fleet position: the local sidecar had not applied the change log
+    up to it within the budget (it lags behind the store, or cannot reach it)."""
 
 
 class BrokerUnavailable(KalosError):

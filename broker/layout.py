@@ -78,7 +78,8 @@ from enum import IntEnum
 import numpy as np
 
 from .errors import (
-    ConfigError, InvalidRequest, KalosError, PayloadTooLarge, ProtocolError, ServerError, UnknownNamespace,
+    ConfigError, InvalidRequest, KalosError, PayloadTooLarge, PositionTimeout, ProtocolError,
+    ServerError, UnknownNamespace,
 )
 
 MAGIC = b"KALOSHM\x00"
@@ -87,7 +88,9 @@ MAGIC_U64 = int.from_bytes(MAGIC, "little")
 #: 3: leases and sidecar liveness held as locks on the lease file (broker.leases).
 #: 4: GET (records by id), COUNT, filters (Flag.WHERE).
 #: 5: client latency by kind of call (LatencyOp): per-op counters and histograms, u64 ring entries
-#: tagged with the op (STATS_BYTES 2560 -> 8192).
+#:    tagged with the op (STATS_BYTES 2560 -> 8192); the header's payload_limit; fleet positions:
+#:    Flag.AFTER with after_xid/after_seq/after_until_ns, a write's position in pos_xid/pos_seq,
+#:    Status.NOT_APPLIED.
 PROTOCOL_VERSION = 5
 
 HEADER_BYTES = 4096
@@ -202,6 +205,7 @@ class Status(IntEnum):
     CAPACITY = 11
     BAD_ID = 12
     SERVER_ERROR = 13  # the sidecar failed on this request unexpectedly (logged); it serves on
+    NOT_APPLIED = 14  # Flag.AFTER: the position was not applied here by after_until_ns
 
 
 _STATUS_ERRORS: dict[int, type[KalosError]] = {
@@ -218,6 +222,7 @@ _STATUS_ERRORS: dict[int, type[KalosError]] = {
     Status.CAPACITY: ServerError,
     Status.BAD_ID: InvalidRequest,
     Status.SERVER_ERROR: ServerError,
+    Status.NOT_APPLIED: PositionTimeout,
 }
 
 
@@ -234,6 +239,10 @@ def error_for_status(status: int, detail: str) -> KalosError:
 class Flag(IntEnum):
     WITH_PAYLOAD = 1
     WHERE = 2  # the request's blob holds a filter (compact JSON): RECALL, DELETE, EXPORT, COUNT
+    # RECALL, GET, COUNT: serve once the sidecar has applied its fleet's change log up to
+    # (after_xid, after_seq); answer NOT_APPLIED at after_until_ns (CLOCK_MONOTONIC; 0: no limit).
+    # The sidecar clears the bit before serving, so the routes never see it.
+    AFTER = 4
 
 
 class Dtype(IntEnum):
@@ -305,8 +314,14 @@ SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("batch_size", "<u4", 88),  # sidecar: requests in the batch that served this slot
     ("ns_len", "<u4", 92),
     ("namespace", f"S{NAMESPACE_BYTES}", 96),
+    # Fleet positions (broker.positions): a read's wait (with Flag.AFTER), a write's answer.
+    ("after_xid", "<u8", 160),
+    ("after_seq", "<u8", 168),
+    ("after_until_ns", "<u8", 176),
+    ("pos_xid", "<u8", 184),  # sidecar: position of a write's last change (0, 0: none)
+    ("pos_seq", "<u8", 192),
 )
-assert SLOT_FIELDS[-1][2] + NAMESPACE_BYTES <= CONTROL_BYTES
+assert SLOT_FIELDS[-1][2] + 8 <= CONTROL_BYTES
 
 # Client stats fields: (name, numpy type, offset within the slot's stats block). The per-op ones
 # are arrays indexed by LatencyOp.

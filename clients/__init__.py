@@ -2,6 +2,6 @@
 
 from .blocking import RecallClient
 from .pool import PoolStatistics, RecallPool
-from .results import Hit, Hits, Records
+from .results import Hit, Hits, Records, Written
 
-__all__ = ["RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records"]
+__all__ = ["RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records", "Written"]

@@ -16,12 +16,13 @@ import numpy as np
 
 from ..broker.errors import InvalidRequest, ProtocolError
 from ..broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
+from ..broker.positions import ORIGIN, Position, as_position
 from ..broker.names import validate_namespace
 from ..broker.validation import (
     VectorsFor, as_ids, as_vectors, check_k, encode_where, payload_lines,
 )
 from ._writes import WriteCall, last_wins, pack
-from .results import Hits, Records
+from .results import Hits, Records, Written
 
 
 class _Default(enum.Enum):
@@ -60,6 +61,31 @@ class Prepared:
     posted: bool = False
     status: int | None = None
     call: WriteCall | None = None  # a chunk sent with others: not posted once one has failed
+    after: Position | None = None  # Flag.AFTER: served once the sidecar has applied this
+    after_until_ns: int = 0  # ... or answered NOT_APPLIED at this CLOCK_MONOTONIC time (0: never)
+
+
+#: A read given after= asks the sidecar to give up this much before the caller's own deadline
+#: (at most this share of the budget), so the caller gets NOT_APPLIED, which names the positions,
+#: rather than a bare ResponseTimeout.
+_AFTER_MARGIN_S = 0.2
+_AFTER_MARGIN_SHARE = 0.2
+
+
+def wait_after(preps: list[Prepared], after: Any, t0_ns: int, budget_s: float | None) -> None:
+    """Make reads wait for a fleet position (``after=``: a Position, its string, or None) within
+    the call's budget (seconds from ``t0_ns``, CLOCK_MONOTONIC; None: no limit). Raises
+    InvalidRequest for anything else than a position."""
+    pos = as_position(after)
+    if pos is None or pos == ORIGIN:
+        return
+    until = 0
+    if budget_s is not None:
+        margin = min(_AFTER_MARGIN_S, _AFTER_MARGIN_SHARE * budget_s)
+        until = max(1, t0_ns + int((budget_s - margin) * 1e9))
+    for p in preps:
+        p.after, p.after_until_ns = pos, until
+        p.flags |= Flag.AFTER
 
 
 class NamespaceCache(dict[str, bytes]):
@@ -202,6 +228,10 @@ def write(v: SlotView, p: Prepared) -> int:
         v.ids[: len(p.ids)] = p.ids
     if p.blob:
         v.blob[: len(p.blob)] = np.frombuffer(p.blob, np.uint8)
+    if p.after is not None:  # (the slot's header: before post() writes POSTED)
+        v.ctl["after_xid"] = p.after.xid
+        v.ctl["after_seq"] = p.after.seq
+        v.ctl["after_until_ns"] = p.after_until_ns
     return len(p.blob)
 
 
@@ -234,7 +264,23 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
         return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
     if p.op == Op.GET:
         return _records(v, n, blob_len, p)
+    if p.op in _WRITES:
+        return Written(n, _position(v))
     return n
+
+
+_WRITES = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE})
+
+
+def _position(v: SlotView) -> Position | None:
+    """The position a write's answer carries (None: the sidecar has no change log)."""
+    xid, seq = int(v.ctl["pos_xid"]), int(v.ctl["pos_seq"])
+    if xid == 0 and seq == 0:
+        return None
+    try:
+        return Position(xid, seq)
+    except ValueError:
+        raise ProtocolError(f"slot {v.index}: write position ({xid}, {seq}) out of range") from None
 
 
 def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:

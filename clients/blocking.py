@@ -14,13 +14,14 @@ from ..broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError, ResponseTimeout,
 )
 from ..broker.layout import Layout, Op, latency_op
+from ..broker.positions import Position
 from ._requests import (
-    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, write as write_slot,
+    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, wait_after, write as write_slot,
 )
 from ._attach import Attachment, Connect, attach
 from ._transport import ClientSlot, Connection
 from ._writes import failure, fate
-from .results import Hits, Records
+from .results import Hits, Records, Written, written
 
 DEFAULT_SPIN_US = 250.0
 _READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
@@ -115,34 +116,39 @@ class RecallClient:
 
     def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
                timeout: Timeout = DEFAULT, with_payload: bool = False,
-               where: dict[str, Any] | None = None) -> Hits:
-        """Top-k of one vector; see RecallPool.recall for semantics and errors."""
+               where: dict[str, Any] | None = None, after: Position | str | None = None) -> Hits:
+        """Top-k of one vector; see RecallPool.recall for semantics (``after=`` too) and errors."""
         t0 = time.monotonic_ns()
         p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True,
                              where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, self._call(p, timeout, t0))
 
     def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
                     timeout: Timeout = DEFAULT, with_payload: bool = False,
-                    where: dict[str, Any] | None = None) -> list[Hits]:
+                    where: dict[str, Any] | None = None,
+                    after: Position | str | None = None) -> list[Hits]:
         t0 = time.monotonic_ns()
         p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False,
                              where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", self._call(p, timeout, t0))
 
     def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-               namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+               namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
         """Insert or replace records; see RecallPool.upsert. Chunks go one after the other; after
         a failure no further chunk is sent."""
         return self._write(Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace,
                                                     self._payload_limit), timeout)
 
     def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
-               namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+               namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
         """Delete by ids or by filter; see RecallPool.delete."""
         return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
 
-    def _write(self, op: Op, preps: list[Prepared], budget: Timeout) -> int:
+    def _write(self, op: Op, preps: list[Prepared], budget: Timeout) -> Written:
         """The chunks of one upsert or delete, in turn, within one budget; the error of a call
         that fails part way names the ids by fate (clients._writes.failure)."""
         deadline = self._deadline(budget)
@@ -160,17 +166,20 @@ class RecallClient:
                 if err is e:
                     raise
                 raise err from e
-        return sum(results)
+        return written(results)
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
-            timeout: Timeout = DEFAULT) -> Records:
+            timeout: Timeout = DEFAULT, after: Position | str | None = None) -> Records:
         """Records by id; see RecallPool.get for semantics and errors."""
+        t0 = time.monotonic_ns()
         preps = encode_get(self.layout, ids, namespace, with_vectors)
-        parts = [cast(Records, self._call(p, timeout, time.monotonic_ns())) for p in preps]
+        if after is not None:
+            wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
+        parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
         return merge_records(preps, parts, self.layout.dim)
 
-    def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
-        return cast(int, self._call(encode_drop(namespace), timeout, time.monotonic_ns()))
+    def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> Written:
+        return cast(Written, self._call(encode_drop(namespace), timeout, time.monotonic_ns()))
 
     def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
@@ -184,10 +193,13 @@ class RecallClient:
             encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
 
     def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
-              timeout: Timeout = DEFAULT) -> int:
+              timeout: Timeout = DEFAULT, after: Position | str | None = None) -> int:
         """Records in ``namespace`` (matching ``where`` if given); see RecallPool.count."""
-        return cast(int, self._call(encode_count(self.layout, namespace, where), timeout,
-                                    time.monotonic_ns()))
+        t0 = time.monotonic_ns()
+        p = encode_count(self.layout, namespace, where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
+        return cast(int, self._call(p, timeout, t0))
 
     def _deadline(self, budget: Timeout) -> float | None:
         timeout = resolve_timeout(budget, self._timeout)

@@ -46,14 +46,15 @@ from ..broker.errors import (
     PayloadTooLarge, ProtocolError, ResponseTimeout, SlotsExhausted,
 )
 from ..broker.layout import Layout, Op, latency_op
+from ..broker.positions import Position
 from ._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
 from ._requests import (
-    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, write as write_slot,
+    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, wait_after, write as write_slot,
 )
 from ._attach import attach, backoff_s
 from ._writes import WriteCall, failure, fate
 from ._transport import ClientSlot, Connection, Waiter
-from .results import Hits, Records
+from .results import Hits, Records, Written, written
 
 LIVENESS_S = 0.1
 #: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
@@ -481,11 +482,15 @@ class RecallPool:
     # ------------------------------------------------------------------ public operations
     async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
                      timeout: Timeout = DEFAULT, with_payload: bool = False,
-                     where: dict[str, Any] | None = None) -> Hits:
+                     where: dict[str, Any] | None = None, after: Position | str | None = None) -> Hits:
         """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first.
 
         ``where``: only records whose payload matches the filter (README, "Filters"); fewer than
         ``k`` hits when fewer match, none when nothing does.
+
+        ``after``: a write's ``Written.position`` (from any node of a fleet sharing one
+        PostgreSQL store): served once this sidecar has applied the change log up to it, within
+        ``timeout`` (then PositionTimeout, a ResponseTimeout). No wait without a fleet store.
 
         ``timeout`` (seconds, None = no limit; default: the pool's) covers waiting for a free slot
         and for the answer. Raises InvalidRequest (bad vector/k/namespace name, before anything is
@@ -496,30 +501,36 @@ class RecallPool:
             self._check_usable()
         p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
                              single=True, where=where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, await self._execute(p, timeout, t0))
 
     async def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
                           timeout: Timeout = DEFAULT, with_payload: bool = False,
-                          where: dict[str, Any] | None = None) -> list[Hits]:
+                          where: dict[str, Any] | None = None,
+                          after: Position | str | None = None) -> list[Hits]:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
-        slot and one round trip (``where``: one filter for every row). Same errors as :meth:`recall`."""
+        slot and one round trip (``where``: one filter for every row; ``after``: as in
+        :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
         p = encode_recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload,
                              single=False, where=where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", await self._execute(p, timeout, t0))
 
     async def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-                     namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
-        """Insert or replace records (vector and payload together); returns the rows written.
+                     namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
+        """Insert or replace records (vector and payload together); returns the rows written
+        (a :class:`Written`: an int with the fleet ``position`` of the write, for ``after=``).
 
         ``vectors``: shape (n, dim), one row per id (README, "Vectors"); duplicate ids: the last
         wins. Every row, id and payload is checked before anything is sent (InvalidRequest,
         PayloadTooLarge). Rows go in chunks (max_queries rows, a slot's blob area of payloads),
         concurrently over the pool's slots; each chunk is durable (with ``--data-dir``) before
-        it is acknowledged. The chunk with the longest payload goes first and alone when this
-        sidecar has not yet taken one as long, so a payload over its ``--payload-limit`` fails
-        the call with nothing written. ``timeout`` (seconds, None = no limit) is one budget for
+        it is acknowledged (with ``--data-dir`` or ``--store``); a payload over the sidecar's
+        ``--payload-limit`` (read from its header) fails the call before anything is sent. ``timeout`` (seconds, None = no limit) is one budget for
         the whole call. A failure after part of the call was applied (an outage, a store failure
         or the budget running out between chunks) raises PartialWrite, also an instance of the
         error that stopped it (BrokerUnavailable, ServerError, KalosTimeout ...), naming the ids
@@ -530,16 +541,16 @@ class RecallPool:
         return await self._write(Op.UPSERT, preps, timeout, t0)
 
     async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
-                     namespace: str = "default", timeout: Timeout = DEFAULT) -> int:
+                     namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
         """Delete records by id, or every record whose payload matches ``where`` (one of the two);
-        returns how many existed. Unknown ids/namespace: 0, no error. More ids than max_queries
+        returns how many existed (a :class:`Written`, as :meth:`upsert`). Unknown ids/namespace: 0, no error. More ids than max_queries
         go in chunks, as for :meth:`upsert` (PartialWrite if the call fails part way)."""
         t0 = time.monotonic_ns()
         preps = encode_delete(self.layout, ids, namespace, where)
         return await self._write(Op.DELETE, preps, timeout, t0)
 
     async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
-                  timeout: Timeout = DEFAULT) -> Records:
+                  timeout: Timeout = DEFAULT, after: Position | str | None = None) -> Records:
         """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload),
         and the ids that do not (``Records.missing``; not an error). More ids than max_queries are
         sent in chunks, concurrently. Raises InvalidRequest (bad ids, before anything is sent),
@@ -547,12 +558,15 @@ class RecallPool:
         and the errors of :meth:`recall`."""
         t0 = time.monotonic_ns()
         preps = encode_get(self.layout, ids, namespace, with_vectors)
+        if after is not None:  # (``after``: as in :meth:`recall`)
+            wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
         parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
         return merge_records(preps, parts, self.layout.dim)
 
-    async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> int:
-        """Remove a namespace and all its records; returns the rows it held (0 if unknown)."""
-        return cast(int, await self._execute(encode_drop(namespace), timeout, time.monotonic_ns()))
+    async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> Written:
+        """Remove a namespace and all its records; returns the rows it held (0 if unknown; a
+        :class:`Written`, as :meth:`upsert`)."""
+        return cast(Written, await self._execute(encode_drop(namespace), timeout, time.monotonic_ns()))
 
     async def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
@@ -569,10 +583,14 @@ class RecallPool:
             encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
 
     async def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
-                    timeout: Timeout = DEFAULT) -> int:
-        """Records in ``namespace`` (those matching ``where``, if given). Raises UnknownNamespace."""
-        return cast(int, await self._execute(encode_count(self.layout, namespace, where), timeout,
-                                             time.monotonic_ns()))
+                    timeout: Timeout = DEFAULT, after: Position | str | None = None) -> int:
+        """Records in ``namespace`` (those matching ``where``, if given; ``after``: as in
+        :meth:`recall`). Raises UnknownNamespace."""
+        t0 = time.monotonic_ns()
+        p = encode_count(self.layout, namespace, where)
+        if after is not None:
+            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
+        return cast(int, await self._execute(p, timeout, t0))
 
     # ------------------------------------------------------------------ machinery
     def _down_error(self) -> BrokerUnavailable:
@@ -594,7 +612,7 @@ class RecallPool:
         if self._broken is not None:
             raise self._broken
 
-    async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> int:
+    async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> Written:
         """Send the chunks of one upsert or delete within one budget, at once (every row and
         payload was checked when they were built). After the first failure no
         further chunk is posted; the chunks in flight are awaited, and the error says what
@@ -632,7 +650,7 @@ class RecallPool:
                     raise r  # a bug, not an outcome (_chunk returns Kalos errors)
                 results[i] = r
         if all(isinstance(r, int) for r in results):
-            return sum(results)
+            return written(results)
         cause = next(r for r in results if isinstance(r, KalosError))
         fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]
         err = failure(op, cause, [p.ids if p.ids is not None else _NO_IDS for p in preps], fates)
@@ -690,7 +708,7 @@ class RecallPool:
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             try:
-                if (self._coalesce and p.op is Op.RECALL
+                if (self._coalesce and p.op is Op.RECALL and p.after is None
                         and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
                         is Path.QUEUE):
                     return await self._execute_queued(p, timeout, deadline, t0)

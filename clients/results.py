@@ -8,6 +8,8 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
+from ..broker.positions import Position
+
 
 class Hit(NamedTuple):
     id: int
@@ -66,3 +68,27 @@ class Records:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+
+class Written(int):
+    """What a write returns: the rows written or removed (an ``int``, as before fleets) and
+    ``position``, the place of the write's last change in its fleet's change log (a
+    :class:`~kalos.broker.positions.Position`; None where the sidecar has no change log, i.e.
+    SQLite or ephemeral). Pass ``position`` as ``after=`` to a read on any node of the fleet to
+    read this write there."""
+
+    position: Position | None
+
+    def __new__(cls, rows: int, position: Position | None = None) -> Written:
+        self = super().__new__(cls, rows)
+        self.position = position
+        return self
+
+    def __repr__(self) -> str:
+        return f"Written({int(self)}, position={self.position})"
+
+
+def written(parts: Sequence[int]) -> Written:
+    """One :class:`Written` for a write sent in chunks: the rows summed, the last position."""
+    positions = [p.position for p in parts if isinstance(p, Written) and p.position is not None]
+    return Written(sum(int(p) for p in parts), max(positions) if positions else None)

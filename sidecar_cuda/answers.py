@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 
 from ..broker.layout import S_DONE, Layout, SegmentView, SlotWords, Status
+from ..broker.positions import Position
 
 _OK = int(Status.OK)
 
@@ -64,6 +65,13 @@ class AnswerWriter:
         payloads); the caller checked that it fits the slot."""
         self.seg.slot[slot].blob[: len(blob)] = np.frombuffer(blob, np.uint8)
         self._fields(slot, generation, Status.OK, n_results, len(blob))
+
+    def position(self, slot: int, position: Position) -> None:
+        """A write's place in its fleet's change log, ``ORIGIN`` for none (the status follows
+        with :meth:`answer`)."""
+        W = self._words
+        W.u64[W.pos_xid[slot]] = position.xid
+        W.u64[W.pos_seq[slot]] = position.seq
 
     def hits(self, slot: int, ids: np.ndarray, scores: np.ndarray) -> None:
         """Result ids and scores (nq, kr) of a recall (the status follows with :meth:`answer`)."""

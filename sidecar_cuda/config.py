@@ -11,7 +11,7 @@ import argparse
 import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..broker.errors import ConfigError
@@ -75,6 +75,10 @@ class ServeConfig:
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = None  # None: no HTTP endpoint
     shm_mode: int = 0o600  # 0o660: shared with the sidecar user's group (a dedicated sidecar user)
+    # --store postgresql://...: a fleet's shared store (None: --data-dir or --ephemeral). Not in
+    # the repr: it may hold a password.
+    store: str | None = field(default=None, repr=False)
+    store_retention_s: float = 600.0  # a follower silent this long is dropped; the log it pinned goes
 
     def __post_init__(self) -> None:
         # The one check of these options: the command line and direct construction (tests, the
@@ -219,11 +223,13 @@ def shown_default(default: object) -> str:
 def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
                    kind: type[str | int | float] = str, choices: Sequence[str] | None = None,
                    default: Any = None, shown: str | None = None, dest: str | None = None,
-                   switch: bool = False, environ: Mapping[str, str] | None = None) -> None:
+                   switch: bool = False, environ: Mapping[str, str] | None = None,
+                   secret: bool = False) -> None:
     """Add ``flag`` to ``p``, defaulting to ``$KALOS_FLAG`` when that variable is set and not empty
     (``environ``, default ``os.environ``); the command line wins. The help text gets the default
     (``shown`` if given) and the variable. A variable that does not convert fails
-    ``p.parse_args`` naming the variable, and only when the option is not on the command line."""
+    ``p.parse_args`` naming the variable, and only when the option is not on the command line.
+    ``secret``: the value may hold a password, so where it came from is recorded without it."""
     env = os.environ if environ is None else environ
     var = env_var(flag)
     raw = env.get(var, "")
@@ -243,7 +249,7 @@ def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
         action = p.add_argument(flag, action=_Store, type=_converter(kind, what, choices), **kw)
     if raw:
         from_env = dict(p.get_default(_FROM_ENV) or {})
-        from_env[action.dest] = f"{var}={raw!r}"
+        from_env[action.dest] = f"{var} (value not shown)" if secret else f"{var}={raw!r}"
         p.set_defaults(**{_FROM_ENV: from_env})
 
 
@@ -290,6 +296,14 @@ def add_serve_arguments(p: argparse.ArgumentParser,
              "this user); restarts keep acknowledged writes")
     opt("--ephemeral", default=False, switch=True,
         help="keep memories in memory only; conflicts with --data-dir (env: 1/true/yes/on)")
+    opt("--store", shown="none", secret=True,
+        help="a fleet's shared store, postgresql://USER@HOST:PORT/DB?sslmode=...: every "
+             "sidecar on it keeps a replica that follows it (docs/deploy.md, \"Several "
+             "nodes\"); give the password through PGPASSWORD or PGPASSFILE, or set the "
+             "whole URI in the environment (KALOS_STORE), so it is not in `ps`")
+    opt("--store-retention", kind=float, default=600.0,
+        help="--store: seconds a silent follower keeps the change log from being pruned; one "
+             "away longer reloads everything when it comes back")
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload")
     opt("--spin-us", kind=float, default=250.0,
         help="after a batch, poll the slots this long before sleeping on the doorbell")
@@ -326,14 +340,20 @@ def add_serve_arguments(p: argparse.ArgumentParser,
 def config_from_args(a: argparse.Namespace) -> ServeConfig:
     """The config of options parsed by a parser given :func:`add_serve_arguments`.
 
-    Raises ConfigError unless exactly one of ``--data-dir`` and ``--ephemeral`` is given, from
-    the command line or the environment: where the memories live is never a default, and a stray
-    ``KALOS_EPHEMERAL`` must not make a durable sidecar forget everything at its next restart."""
-    if a.data_dir is None and not a.ephemeral:
-        raise ConfigError("give --data-dir DIR (durable) or --ephemeral (memory only)")
-    if a.data_dir is not None and a.ephemeral:
-        raise ConfigError(f"--ephemeral (from {origin(a, 'ephemeral')}) conflicts with "
-                          f"--data-dir {a.data_dir} (from {origin(a, 'data_dir')}): give one of them")
+    Raises ConfigError unless exactly one of ``--data-dir``, ``--store`` and ``--ephemeral`` is
+    given, from the command line or the environment: where the memories live is never a default,
+    and a stray ``KALOS_EPHEMERAL`` must not make a durable sidecar forget everything at its next
+    restart. A ``--store`` value is never echoed: it may hold a password."""
+    given = [(name, f"{flag} (from {origin(a, name)})") for name, flag in
+             (("data_dir", f"--data-dir {a.data_dir}"), ("store", "--store"), ("ephemeral", "--ephemeral"))
+             if (getattr(a, name) if name == "ephemeral" else getattr(a, name) is not None)]
+    if not given:
+        raise ConfigError("give --data-dir DIR (durable), --store postgresql://... (a fleet's "
+                          "shared store) or --ephemeral (memory only)")
+    if len(given) > 1:
+        raise ConfigError(" conflicts with ".join(g for _, g in given) + ": give one of them")
+    if a.store is not None and not str(a.store).startswith(("postgresql://", "postgres://")):
+        raise ConfigError("--store takes a postgresql:// URI (value not shown: it may hold a password)")
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
     return ServeConfig(
@@ -345,4 +365,5 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         pipeline=a.pipeline, host_search_work=a.host_search_work,
         fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
         seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8))
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8),
+        store=None if a.store is None else str(a.store), store_retention_s=a.store_retention)

@@ -19,13 +19,15 @@ import numpy as np
 
 from ..broker.layout import Flag, Op, SegmentView, Status
 from ..broker.errors import InvalidRequest
+from ..broker.positions import ORIGIN
 from ..broker.validation import WhereNode, decode_where, payload_problem
 from .answers import AnswerWriter
 from .batching import (
     Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, write_segments,
 )
-from .persist import Persistence, StoreError, Write
+from .persist import Durable, StoreError
 from .store import MemoryStore, Namespace
+from .writes import Write, WriteOp, apply_write
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -37,7 +39,7 @@ class GeneralRoute:
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
     def __init__(self, seg: SegmentView, writer: AnswerWriter, store: MemoryStore,
-                 persist: Persistence | None, staging: np.ndarray, *, backend_max_k: int,
+                 persist: Durable | None, staging: np.ndarray, *, backend_max_k: int,
                  payload_limit: int, on_unexpected: Callable[[str, BaseException], None]) -> None:
         self.seg = seg
         self.layout = seg.layout
@@ -211,21 +213,21 @@ class GeneralRoute:
         """Read and check an upsert/delete/drop from its slot (a broken client may have written it)."""
         sv = self.seg.slot[r.slot]
         if r.op == Op.DROP_NAMESPACE:
-            return Write("drop", r.namespace)
+            return Write(WriteOp.DROP, r.namespace)
         if r.op == Op.DELETE and r.flags & Flag.WHERE:
             try:
                 node = self._where(r)
             except InvalidRequest as e:
                 return (Status.BAD_REQUEST, f"filter: {e}")
             assert node is not None
-            target = self.store.get(r.namespace)
-            matched = np.empty(0, np.int64) if target is None else target.matching_ids(node)
-            return Write("delete", r.namespace, ids=matched)
+            # Resolved to ids by the durable store, once the memory is the state it applies to
+            # (in a fleet: after the changes other nodes committed before it).
+            return Write(WriteOp.DELETE_WHERE, r.namespace, where=node)
         ids = sv.ids[: r.nq].copy()
         if (ids < 0).any():
             return (Status.BAD_ID, "ids must be >= 0")
         if r.op == Op.DELETE:
-            return Write("delete", r.namespace, ids=ids)
+            return Write(WriteOp.DELETE, r.namespace, ids=ids)
         vecs = sv.queries[: r.nq].copy()
         if not np.isfinite(vecs).all():
             return (Status.NOT_FINITE, "vectors contain NaN or infinity")
@@ -244,7 +246,7 @@ class GeneralRoute:
                 if problem is not None:
                     return (Status.BAD_REQUEST, problem)
                 payloads.append(None if line == b"null" else line)
-        return Write("upsert", r.namespace, ids=ids, vectors=vecs, payloads=payloads)
+        return Write(WriteOp.UPSERT, r.namespace, ids=ids, vectors=vecs, payloads=payloads)
 
     def _serve_writes(self, writes: list[Request]) -> None:
         accepted: list[tuple[Request, Write]] = []
@@ -259,7 +261,7 @@ class GeneralRoute:
         # Capacity first, so nothing can fail in memory once the writes are durable.
         need: dict[str, int] = {}
         for _r, w in accepted:
-            if w.op == "upsert":
+            if w.op is WriteOp.UPSERT:
                 assert w.ids is not None
                 need[w.namespace] = need.get(w.namespace, 0) + len(w.ids)
         try:
@@ -271,32 +273,34 @@ class GeneralRoute:
             for r, _w in accepted:
                 self._answer(r, Status.CAPACITY, f"{type(e).__name__}: {e}")
             return
+        positions = None
         if self.persist is not None:
             try:
-                self.persist.commit([w for _r, w in accepted])
+                positions = self.persist.commit([w for _r, w in accepted], self.store)
             except StoreError as e:
                 log.error("store commit failed: %s", e)
                 for r, _w in accepted:
                     self._answer(r, Status.STORE_ERROR, str(e))
                 return
-        for r, w in accepted:
+        else:
+            for _r, w in accepted:
+                w.resolve(self.store)
+        failed = False
+        for j, (r, w) in enumerate(accepted):
             try:
-                if w.op == "upsert":
-                    assert w.ids is not None and w.vectors is not None
-                    n = self.store.get_or_create(w.namespace).upsert(w.ids, w.vectors, w.payloads)
-                elif w.op == "delete":
-                    assert w.ids is not None
-                    target = self.store.get(w.namespace)
-                    n = 0 if target is None else target.delete(w.ids)
-                else:
-                    n = self.store.drop(w.namespace)
-                    if w.namespace == "default":
-                        self.store.get_or_create("default")
+                n = apply_write(self.store, w)
             except Exception as e:
                 log.exception("applying a write failed")
                 self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
+                failed = True
                 continue
+            # (before the status and state, like every part of an answer)
+            self.writer.position(r.slot, positions[j] if positions else ORIGIN)
             self._answer(r, Status.OK, n_results=n)
+        if self.persist is not None:
+            # A write that failed to apply here is applied again from the change log (where
+            # there is one): the store's cursor then stays before this batch.
+            self.persist.applied_through(None if failed or not positions else positions[-1])
 
     # ------------------------------------------------------------------ the rest
     def _serve_other(self, r: Request) -> None:

@@ -1,4 +1,7 @@
-"""Durable storage of memories: SQLite in WAL mode with synchronous=FULL under ``--data-dir``.
+"""Durable storage of memories: the seam every durable store implements (:class:`Durable`), the
+choice of store from the config (:func:`store_kind`, the one place it is made), and the embedded
+store: SQLite in WAL mode with synchronous=FULL under ``--data-dir``. The fleet store (PostgreSQL,
+``--store postgresql://...``) implements the same seam in :mod:`kalos.sidecar_cuda.fleet`.
 
 A batch's writes are committed in one transaction (group commit) *before* they are applied in memory
 and acknowledged, so every acknowledged write survives kill -9 and power loss (as far as fsync does).
@@ -9,6 +12,7 @@ sidecar with a clear message.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import pwd
@@ -16,10 +20,14 @@ import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from ..broker.errors import ConfigError
+from ..broker.positions import Position
+from .store import MemoryStore
+from .writes import Write, WriteOp
 
 log = logging.getLogger("kalos.sidecar")
 DB_FILE = "kalos.sqlite3"
@@ -32,13 +40,41 @@ class StoreError(Exception):
     """The durable store failed; the batch's writes were not acknowledged."""
 
 
-@dataclass
-class Write:
-    op: str  # "upsert" | "delete" | "drop"
-    namespace: str
-    ids: np.ndarray | None = None
-    vectors: np.ndarray | None = None
-    payloads: list[bytes | None] | None = None
+class StoreKind(enum.Enum):
+    EPHEMERAL = "ephemeral"  # memory only
+    SQLITE = "sqlite"  # --data-dir: one host
+    POSTGRES = "postgres"  # --store postgresql://...: a fleet of sidecars following one database
+
+
+def store_kind(data_dir: str | None, store: str | None) -> StoreKind:
+    """Where a sidecar's memories live, from its (validated) config: the one place it is chosen."""
+    if store is not None:
+        return StoreKind.POSTGRES
+    return StoreKind.EPHEMERAL if data_dir is None else StoreKind.SQLITE
+
+
+class Durable(Protocol):
+    """What the serving loop asks of a durable store (SQLite here, PostgreSQL in ``fleet``).
+
+    The serving thread is the only caller; ``commit`` runs before anything of the batch is applied
+    in memory, ``applied`` after."""
+
+    def load_into(self, store: MemoryStore) -> tuple[int, float]:
+        """Load every namespace into ``store``; returns (rows, seconds). Raises ConfigError."""
+        ...
+
+    def commit(self, writes: list[Write], store: MemoryStore) -> list[Position] | None:
+        """Resolve the deletes by filter against ``store`` (brought up to date first where other
+        writers exist) and make ``writes`` durable, all or nothing. Returns each write's position
+        in the change log (None where the store has none). Raises StoreError."""
+        ...
+
+    def applied_through(self, position: Position | None) -> None:
+        """The writes of the last commit are applied in memory up to ``position`` (the last of
+        what ``commit`` returned; None: not all of them, so the change log brings them again)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 #: Files SQLite keeps beside the database (it creates them with the database file's mode).
@@ -133,28 +169,36 @@ class Persistence:
     def _tx(self) -> _Tx:
         return _Tx(self.db)
 
-    def commit(self, writes: list[Write]) -> None:
-        """Make ``writes`` durable, all or nothing. Raises StoreError."""
+    def commit(self, writes: list[Write], store: MemoryStore | None = None) -> list[Position] | None:
+        """Make ``writes`` durable, all or nothing (deletes by filter resolved against ``store``,
+        the only writer's memory). Raises StoreError."""
         if not writes:
-            return
+            return None
+        for w in writes:
+            if store is not None:
+                w.resolve(store)
         try:
             with self._tx():
                 for w in writes:
-                    if w.op == "upsert":
+                    if w.op is WriteOp.UPSERT:
                         assert w.ids is not None and w.vectors is not None
                         pls = w.payloads or [None] * len(w.ids)
                         self.db.executemany(
                             "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?)",
                             [(w.namespace, int(i), v.tobytes(), p)
                              for i, v, p in zip(w.ids.tolist(), w.vectors, pls)])
-                    elif w.op == "delete":
+                    elif w.op in (WriteOp.DELETE, WriteOp.DELETE_WHERE):
                         assert w.ids is not None
                         self.db.executemany("DELETE FROM records WHERE ns = ? AND id = ?",
                                             [(w.namespace, int(i)) for i in w.ids.tolist()])
-                    elif w.op == "drop":
+                    elif w.op is WriteOp.DROP:
                         self.db.execute("DELETE FROM records WHERE ns = ?", (w.namespace,))
         except sqlite3.Error as e:
             raise StoreError(str(e)) from None
+        return None
+
+    def applied_through(self, position: Position | None) -> None:
+        """Nothing to do: one host, no change log."""
 
     def namespaces(self) -> list[tuple[str, int]]:
         return self.db.execute("SELECT ns, count(*) FROM records GROUP BY ns ORDER BY ns").fetchall()
@@ -173,7 +217,7 @@ class Persistence:
                 raise ConfigError(f"store {self.path}: vector of wrong length in namespace {namespace!r}")
             yield ids, vecs, [r[2] for r in rows]
 
-    def load_into(self, store, *, every_s: float = LOAD_REPORT_S,  # type: ignore[no-untyped-def]
+    def load_into(self, store: MemoryStore, *, every_s: float = LOAD_REPORT_S,
                   chunk: int = 65536, clock: Callable[[], float] = time.monotonic) -> tuple[int, float]:
         """Load every namespace into ``store`` (a MemoryStore); returns (rows, seconds). Logs the
         rows to load first, then how far it got every ``every_s`` seconds (a large store takes

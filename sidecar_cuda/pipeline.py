@@ -38,6 +38,7 @@ from .batching import (
 from .general import GeneralRoute
 from .stats import BatchRecord, SidecarStats
 from .store import MemoryStore, Namespace
+from .waits import HeldReads
 
 log = logging.getLogger("kalos.sidecar")
 _RECALL = int(Op.RECALL)
@@ -82,7 +83,7 @@ class Pipeline:
                  req: Sequence[Acquirable], writer: AnswerWriter, general: GeneralRoute,
                  store: MemoryStore, stats: SidecarStats, stagings: list[np.ndarray],
                  limits: Limits, *, gather_ns: int, batches_word: int,
-                 on_unexpected: Callable[[str, BaseException], None]) -> None:
+                 on_unexpected: Callable[[str, BaseException], None], hold: HeldReads) -> None:
         self.seg = seg
         self._words = words
         self._req = req
@@ -95,6 +96,7 @@ class Pipeline:
         self._gather_ns = gather_ns
         self._batches_word = batches_word
         self._on_unexpected = on_unexpected
+        self.hold = hold  # reads waiting for a fleet position (after=)
         self._states = seg.slots["state"]
         self._ns_names: dict[tuple[bytes, int], str] = {}
         self._lookup = self._namespace  # (bound once: the SINGLE route runs per request)
@@ -121,9 +123,18 @@ class Pipeline:
         if len(inflight) >= PIPELINE_DEPTH:
             return served
         idx = posted_slots(self._states)
-        if len(idx) == 0:
+        ready: list[int] = []
+        if self.hold.held:
+            ready, expired = self.hold.release()
+            served += expired
+        if len(idx) == 0 and not ready:
             return served
-        taken, t_pick = self._take(idx)
+        taken, t_pick = self._take(idx) if len(idx) else ([], 0)
+        if taken:
+            taken = self.hold.admit(taken, t_pick)
+        if ready:  # held reads whose position is applied now join this batch
+            taken = ready + taken
+            t_pick = t_pick or time.monotonic_ns()
         if not taken:
             return served
         plan: Plan[Namespace] | None = None
@@ -309,7 +320,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ errors
     def inflight_slots(self) -> set[int]:
-        return {i for b in self.inflight for i in b.taken}
+        return {i for b in self.inflight for i in b.taken} | self.hold.slots()
 
     def answer_stranded(self, e: BaseException) -> int:
         """Answer SERVER_ERROR to every slot taken into a batch (BUSY) that no batch in flight

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import posix_ipc
@@ -39,10 +39,15 @@ from .config import Pipelining, ServeConfig  # (ServeConfig is still importable 
 from .general import GeneralRoute
 from .leases import REAP_S, reap_dead_owners
 from .notify import sd_notify
-from .persist import Persistence
+from ..broker.positions import BEYOND, Position
+from .persist import Durable, Persistence, StoreKind, store_kind
 from .pipeline import PIPELINE_DEPTH, Pipeline
 from .stats import SidecarStats
 from .store import MemoryStore
+from .waits import HeldReads
+
+if TYPE_CHECKING:
+    from .fleet import FleetStore
 
 log = logging.getLogger("kalos.sidecar")
 _POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
@@ -54,7 +59,7 @@ class Sidecar:
         self.cfg = cfg
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
-        if cfg.data_dir is not None and (cfg.random_rows or cfg.load_npy):
+        if (cfg.data_dir is not None or cfg.store is not None) and (cfg.random_rows or cfg.load_npy):
             raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
                               "use `kalos import` for a durable one")
         self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
@@ -65,7 +70,8 @@ class Sidecar:
             raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
                               f"limit of {self.backend.max_k}")
         self.store = MemoryStore(self.backend, cfg.dim, self.metric)
-        self.persist: Persistence | None = None
+        self.persist: Durable | None = None
+        self.fleet: FleetStore | None = None  # --store postgresql://: this sidecar is a replica
         self.stats = SidecarStats(self.layout.n_slots)
         self._stop = threading.Event()
         self._objs: Objects | None = None
@@ -87,14 +93,18 @@ class Sidecar:
         # The data dir and the store first: one that cannot be used is a ConfigError before any
         # shared object exists, so no client attaches to a sidecar that is about to fail and
         # nothing has to be unlinked.
-        if cfg.data_dir is not None:
+        kind = store_kind(cfg.data_dir, cfg.store)
+        if kind is StoreKind.SQLITE:
+            assert cfg.data_dir is not None
             self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
+        elif kind is StoreKind.POSTGRES:
+            self.persist = self.fleet = self._open_fleet()
         try:
             self._objs = create_objects(cfg.name, self.layout, mode=cfg.shm_mode)
         except BaseException:
             if self.persist is not None:
                 self.persist.close()
-                self.persist = None
+                self.persist = self.fleet = None
             raise
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
@@ -110,10 +120,13 @@ class Sidecar:
             if self.persist is not None:
                 rows, secs = self.persist.load_into(self.store)
                 log.info("loaded %d rows in %d namespaces from %s in %.2f s", rows,
-                         len(self.store.namespaces), cfg.data_dir, secs)
+                         len(self.store.namespaces),
+                         self.fleet.target.shown if self.fleet is not None else cfg.data_dir, secs)
             self._fill_initial()
             self.pipeline = self._build_pipeline()
-            self._pass = self.pipeline.serve_pending
+            self._pass = self.pipeline.serve_pending if self.fleet is None else self._fleet_pass
+            if self.fleet is not None:
+                self.fleet.start_following(self._wake)
         except BaseException:
             self.seg.header["state"] = SidecarState.FAILED
             self.close()
@@ -127,8 +140,53 @@ class Sidecar:
         sd_notify(f"READY=1\nSTATUS=serving broker {cfg.name!r}")
         log.info("kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
                  cfg.name, self.backend.description, cfg.dim, cfg.slots, cfg.max_k,
-                 self.metric.name.lower(), "ephemeral" if cfg.data_dir is None
-                 else f"data in {cfg.data_dir}")
+                 self.metric.name.lower(),
+                 f"replica of {self.fleet.target.shown}" if self.fleet is not None
+                 else "ephemeral" if cfg.data_dir is None else f"data in {cfg.data_dir}")
+
+    def _open_fleet(self) -> FleetStore:
+        """The PostgreSQL store (psycopg is an optional dependency: imported only here)."""
+        assert self.cfg.store is not None
+        try:
+            from .fleet import FleetOptions, FleetStore as Fleet
+            from .pgstore import parse_target
+        except ImportError as e:
+            raise ConfigError(f"--store postgresql:// needs psycopg 3: pip install "
+                              f"'kalos-recall[postgres]' ({e})") from None
+        retention = self.cfg.store_retention_s
+        if not retention > 0:
+            raise ConfigError(f"--store-retention must be > 0 seconds, got {retention}")
+        options = FleetOptions(retention_s=retention, prune_s=min(10.0, retention / 4),
+                               heartbeat_s=min(1.0, retention / 8))
+        return Fleet(parse_target(self.cfg.store), name=self.cfg.name, dim=self.cfg.dim,
+                     metric=self.metric, backend=self.backend, options=options)
+
+    def _fleet_pass(self) -> int:
+        """One pass of a fleet replica: followed changes are applied between batches, with
+        nothing in flight on the backend, by this thread (the only writer of the store)."""
+        assert self.fleet is not None and self.pipeline is not None
+        served = 0
+        if self.fleet.has_work():
+            served += self.pipeline.finish_inflight()
+            self.fleet.apply_pending(self.store)
+        return served + self.pipeline.serve_pending()
+
+    def _wake(self) -> None:
+        """Wake the serving loop (from the follower thread): something waits to be applied."""
+        objs = self._objs
+        if objs is not None:
+            try:
+                objs.bell.release()
+            except posix_ipc.Error:
+                pass
+
+    def applied_position(self) -> Position:
+        """How far this sidecar has applied its fleet's change log (no fleet: past everything)."""
+        return BEYOND if self.fleet is None else self.fleet.applied
+
+    def degraded(self) -> str | None:
+        """Why the sidecar serves but may be stale (None: it is not)."""
+        return None if self.fleet is None else self.fleet.degraded()
 
     def _build_pipeline(self) -> Pipeline:
         assert self._objs is not None and self.seg is not None
@@ -144,7 +202,8 @@ class Sidecar:
                         self.store, self.stats, self._stagings, limits,
                         gather_ns=int(cfg.gather_us * 1000),
                         batches_word=header_field_offset("batches") // 8,
-                        on_unexpected=self._log_unexpected)
+                        on_unexpected=self._log_unexpected,
+                        hold=HeldReads(self._words, writer, self.applied_position))
 
     def _fill_initial(self) -> None:
         cfg = self.cfg
@@ -250,7 +309,7 @@ class Sidecar:
                 self._drain(bell)  # the try-wait is also the fence before the re-scan
                 if not self.serve_guarded() and not inflight:
                     try:
-                        bell.acquire(REAP_S)
+                        bell.acquire(self._sleep_s())
                     except (posix_ipc.BusyError, posix_ipc.SignalError):
                         pass
                 u32[sleeping] = 0
@@ -260,6 +319,13 @@ class Sidecar:
             self.serve_remaining()
         finally:
             self.close()
+
+    def _sleep_s(self) -> float:
+        """How long the idle loop may sleep on the doorbell: until the reaper is due, or the
+        earliest limit of a read held for a fleet position."""
+        assert self.pipeline is not None
+        due = self.pipeline.hold.next_deadline_s()
+        return REAP_S if due is None else min(REAP_S, due)
 
     def serve_pending(self) -> int:
         """One pass of the loop, unguarded (:meth:`Pipeline.serve_pending`)."""
@@ -321,6 +387,7 @@ class Sidecar:
         batch in flight are left alone until it is answered."""
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
         fd = self._objs.leases_fd
+        self.pipeline.hold.drop(lambda i: leases.is_locked(fd, i))
         freed = reap_dead_owners(self.seg.slots, self._objs.shm.fd, self._objs.req,
                                  self._objs.resp, self.pipeline.inflight_slots(),
                                  held=lambda i: leases.is_locked(fd, i))
@@ -342,10 +409,15 @@ def run(cfg: ServeConfig) -> int:
         from .metrics import MetricsServer
 
         # Before loading: /healthz answers and /readyz says 503 until the memory is loaded.
-        exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port)
+        exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port,
+                                 degraded=sidecar.degraded)
         exporter.start()
     try:
         sidecar.start()
+        if exporter is not None and sidecar.fleet is not None:
+            from .fleet import FleetCollector
+
+            exporter.registry.register(FleetCollector(sidecar.fleet))
         sidecar.serve_forever()
     finally:
         if exporter is not None:

@@ -8,6 +8,7 @@ import logging
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -85,8 +86,12 @@ class MetricsServer:
 
     def __init__(self, sidecar: SidecarView, host: str = "127.0.0.1", port: int = 9464,
                  registry: CollectorRegistry | None = None, *, harvest_interval_s: float = 0.1,
-                 window_s: float = 60.0, window_samples: int = 20_000, namespace_labels: int = 10) -> None:
+                 window_s: float = 60.0, window_samples: int = 20_000, namespace_labels: int = 10,
+                 degraded: Callable[[], str | None] | None = None) -> None:
         self.sidecar = sidecar
+        #: Why a ready sidecar may serve stale data (a fleet replica cut off from its store):
+        #: /readyz then still answers 200 (recalls are served) with this reason.
+        self.degraded = degraded
         self.host = host
         self._port = port
         self.harvest_interval_s = harvest_interval_s
@@ -120,7 +125,8 @@ class MetricsServer:
         state = SidecarState(int(seg.header["state"]))
         if state != SidecarState.READY:
             return False, f"not ready: {state.name.lower()}"
-        return True, "ready"
+        why = self.degraded() if self.degraded is not None else None
+        return True, "ready" if why is None else why
 
     def start(self) -> None:
         if self._httpd is not None:

@@ -448,7 +448,7 @@ def test_containerfile_has_the_required_instructions() -> None:
     # CPU and CUDA from one file: VARIANT picks the cuda12 extra; the package itself is installed.
     assert any(w == "ARG" and a.startswith("VARIANT=cpu") for w, a in ins)
     run = " ".join(a for w, a in ins if w == "RUN")
-    assert "cuda12) extra=\"[cuda12]\"" in run and "pip install \"/src${extra}\"" in run
+    assert "cuda12) extra=\"[cuda12,postgres]\"" in run and "pip install \"/src${extra}\"" in run
     copied = " ".join(a for w, a in ins if w == "COPY")
     for pkg in ("broker", "clients", "sidecar_cuda", "kalos", "pyproject.toml"):
         assert re.search(rf"(^|\s){pkg}(\s|$)", copied), pkg
