@@ -345,7 +345,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
     and a stray ``KALOS_EPHEMERAL`` must not make a durable sidecar forget everything at its next
     restart. A ``--store`` value is never echoed: it may hold a password."""
     given = [(name, f"{flag} (from {origin(a, name)})") for name, flag in
-             (("data_dir", f"--data-dir {a.data_dir}"), ("store", "--store"), ("ephemeral", "--ephemeral"))
+             (("ephemeral", "--ephemeral"), ("data_dir", f"--data-dir {a.data_dir}"), ("store", "--store"))
              if (getattr(a, name) if name == "ephemeral" else getattr(a, name) is not None)]
     if not given:
         raise ConfigError("give --data-dir DIR (durable), --store postgresql://... (a fleet's "

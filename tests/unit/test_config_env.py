@@ -183,6 +183,23 @@ def test_ephemeral_and_a_data_dir_conflict_from_any_source(ephemeral_from_env: b
     assert f"--ephemeral (from {eph}) conflicts with --data-dir ./kd3 (from {dd})" in msg, msg
 
 
+@pytest.mark.parametrize("other", [["--ephemeral"], ["--data-dir", "./kd3"]])
+def test_a_store_beside_another_home_is_refused_without_echoing_it(other: list[str]) -> None:
+    """--store is the third place memories can live: with either of the others it is the same
+    error, and a KALOS_STORE value (which may hold a password) is never in the message."""
+    secret = "postgresql://kalos:s3cr3t-pw@db.example:5432/kalos"
+    with pytest.raises(ConfigError, match="conflicts with") as exc:
+        _config({"KALOS_STORE": secret}, other)
+    assert "KALOS_STORE (value not shown)" in str(exc.value)
+    assert "s3cr3t" not in str(exc.value) and "db.example" not in str(exc.value)
+    with pytest.raises(ConfigError, match="conflicts with") as exc:
+        _config({}, [*other, "--store", secret])
+    assert "s3cr3t" not in str(exc.value)
+    with pytest.raises(ConfigError, match="value not shown") as exc:
+        _config({"KALOS_STORE": "mysql://u:s3cr3t@h/db"}, [])
+    assert "s3cr3t" not in str(exc.value)
+
+
 def test_the_command_line_does_not_lift_the_conflict() -> None:
     # A data dir on the command line "winning" over KALOS_DATA_DIR is still a data dir: the
     # conflict is with --ephemeral, wherever either came from.

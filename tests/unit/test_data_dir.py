@@ -13,7 +13,8 @@ import pytest
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.select import choose_backend
-from kalos.sidecar_cuda.persist import Persistence, Write, prepare_data_dir
+from kalos.sidecar_cuda.persist import Persistence, prepare_data_dir
+from kalos.sidecar_cuda.writes import Write, WriteOp
 from kalos.sidecar_cuda.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
@@ -57,8 +58,8 @@ def test_start_up_load_reports_progress(tmp_path, rng: np.random.Generator,
                                         caplog: pytest.LogCaptureFixture) -> None:
     p = Persistence(str(tmp_path), 8, "dot")
     vecs = rng.standard_normal((250, 8), dtype=np.float32)
-    p.commit([Write("upsert", "a", np.arange(250, dtype=np.int64), vecs, None),
-              Write("upsert", "b", np.arange(50, dtype=np.int64), vecs[:50], None)])
+    p.commit([Write(WriteOp.UPSERT, "a", np.arange(250, dtype=np.int64), vecs, None),
+              Write(WriteOp.UPSERT, "b", np.arange(50, dtype=np.int64), vecs[:50], None)])
     p.close()
     p = Persistence(str(tmp_path), 8, "dot")
     store = MemoryStore(choose_backend("numpy"), 8, Metric.DOT)
