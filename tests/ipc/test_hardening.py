@@ -109,7 +109,7 @@ def test_lease_with_an_impossible_owner_pid_is_reclaimed(sidecar, pid):
     seg_owner = Connection(sidecar.name)  # a second view to watch with
     c.close()  # the holder goes away: its lease lock is dropped by the kernel
     try:
-        assert wait_until(lambda: int(seg_owner.seg.slots[i]["owner_pid"]) == 0, 3), \
+        assert wait_until(lambda: int(seg_owner.seg.slots[i]["owner_pid"]) == 0, 30), \
             "the reaper did not reclaim the slot"
         assert int(seg_owner.seg.slots[i]["state"]) == S_FREE
         assert sidecar.proc.poll() is None
@@ -520,7 +520,7 @@ async def main():
         print(json.dumps({"ready": True}), flush=True)
         end = time.monotonic() + seconds
         async def task():
-            while time.monotonic() < end:
+            while time.monotonic() < end or out["recalls"] <= 20:  # (however slow the machine)
                 k = int(rng.integers(1, 17))
                 q = rng.standard_normal((int(rng.integers(1, 5)), 16)).astype(np.float32)
                 try:
@@ -570,7 +570,7 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
     c = Connection(h.name)
     try:
         assert wait_until(lambda: not c.seg.slots["owner_pid"].any()
-                          and (c.seg.slots["state"] == S_FREE).all(), timeout=3), \
+                          and (c.seg.slots["state"] == S_FREE).all(), timeout=30), \
             (c.seg.slots["owner_pid"], c.seg.slots["state"])
     finally:
         c.close()
