@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -12,10 +13,13 @@ import sys
 import time
 
 import numpy as np
+import posix_ipc
 import pytest
 
 from kalos.broker.errors import BrokerUnavailable, ForkedPoolError, ProtocolError
+from kalos.broker.names import shm_name
 from kalos.clients import RecallClient, RecallPool
+from kalos.clients._transport import Connection
 from conftest import assert_topk, run_py, unique_name, wait_until
 from kalos.testing import start_sidecar_process
 from kalos.sidecar_cuda.objects import cleanup
@@ -209,6 +213,30 @@ asyncio.run(main())
     finally:
         proc.terminate()
         proc.wait()
+
+
+def test_a_segment_a_sidecar_is_still_writing_is_unavailable_not_an_error():
+    """A sidecar creates its segment, sizes it, and writes the magic last. A client attaching in
+    between (on a loaded machine that can last long) must see a broker still starting, which it
+    waits for, not a protocol error that breaks a pool for good; a wrong magic is an error."""
+    name = unique_name("starting")
+    shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=0o600, size=0)
+    try:
+        with pytest.raises(BrokerUnavailable, match="still starting"):
+            Connection(name)  # created, not yet sized
+        os.ftruncate(shm.fd, 8192)
+        with pytest.raises(BrokerUnavailable, match="still starting"):
+            Connection(name)  # sized, header not yet written
+        with pytest.raises(BrokerUnavailable, match="still starting"):
+            RecallClient(name, connect_timeout=0.3)  # waited for it, then said so
+        mm = mmap.mmap(shm.fd, 8192)
+        mm[:8] = b"NOTKALOS"
+        mm.close()
+        with pytest.raises(ProtocolError, match="bad magic"):
+            Connection(name)
+    finally:
+        shm.close_fd()
+        shm.unlink()
 
 
 @pytest.mark.asyncio
