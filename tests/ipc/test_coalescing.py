@@ -136,7 +136,11 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
         served = 0
         for i, (q, k, h) in enumerate(zip(qs, ks, out)):
             if i in cancelled:
-                assert isinstance(h, asyncio.CancelledError)
+                # CancelledError, or the caller's own answer when it arrived just as the caller
+                # was cancelled (Python 3.11's wait_for then returns it): never another's
+                if not isinstance(h, asyncio.CancelledError):
+                    assert isinstance(h, Hits), h
+                    assert_topk(q, sidecar.matrix, h.ids, h.scores, k)
             elif i % 7 == 3:
                 assert isinstance(h, KalosTimeout) or isinstance(h, Hits), h  # its own budget
                 if isinstance(h, Hits):
@@ -146,11 +150,13 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
                 assert_topk(q, sidecar.matrix, h.ids, h.scores, k)
                 served += 1
         assert served == sum(1 for i in range(150) if i not in cancelled and i % 7 != 3)
+        assert sum(isinstance(out[i], asyncio.CancelledError) for i in cancelled) >= len(cancelled) // 2
         t0 = time.monotonic()
         while pool.statistics().in_flight and time.monotonic() - t0 < 60:
             await asyncio.sleep(0.01)  # orphans drain as the sidecar answers them
         st = pool.statistics()
-        print(f"\n[coalescing] {len(cancelled)} cancelled; orphans drained "
+        print(f"\n[coalescing] {len(cancelled)} cancelled "
+              f"({sum(isinstance(out[i], Hits) for i in cancelled)} answered as they were); orphans drained "
               f"{(time.monotonic() - t0) * 1000:.0f} ms after the last answer")
         assert (st.free, st.in_flight, st.queued) == (2, 0, 0), st
         assert st.coalesced > 0
