@@ -324,9 +324,9 @@ class Sidecar:
         if reap.outcome is ReapOutcome.LOCK_HELD:
             self._reaps_waiting += 1
             if self._reaps_waiting % _REAP_WAIT_WARN_PASSES == 0:
-                log.warning("slots of dead or departed clients have waited %.0f s to be reclaimed: a "
-                            "client holds the segment's claim lock (flock) meanwhile, perhaps stopped "
-                            "or frozen; serving goes on", self._reaps_waiting * REAP_S)
+                log.warning("slots of dead or departed clients have waited %.0f s or more to be "
+                            "reclaimed: a client holds the segment's claim lock (flock), perhaps "
+                            "stopped or frozen; serving goes on", self._reaps_waiting * REAP_S)
         else:
             self._reaps_waiting = 0
         if reap.freed:

@@ -12,7 +12,14 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from kalos.broker.layout import OWNER_ABANDONED, S_BUSY, S_DONE, S_FREE, S_POSTED, slot_dtype
+from kalos.broker.layout import (
+    OWNER_ABANDONED,
+    S_BUSY,
+    S_DONE,
+    S_FREE,
+    S_POSTED,
+    slot_dtype,
+)
 from kalos.sidecar_cuda.leases import Reap, ReapOutcome, needs_reaping, reap_dead_owners
 
 
