@@ -12,6 +12,10 @@ their holder dies, whatever PID namespace or container it runs in, as long as it
 holder shares them until both have exited or given them up. So a lease is alive exactly while its
 byte is locked; the pid in the slot is kept for diagnostics only. Testing a byte never takes it
 (``F_OFD_GETLK``).
+
+A second lock, the *claim lock*, is an ``flock`` of the segment itself: clients hold it while they
+claim or give back slots, and the reaper while it frees them, so a slot's lease fields never
+change under either. The sidecar only ever tries it (:func:`try_claim_lock`).
 """
 
 from __future__ import annotations
@@ -57,4 +61,21 @@ def locked_bytes(fd: int, n: int) -> list[bool]:
     return [is_locked(fd, i) for i in range(n)]
 
 
-__all__ = ["is_locked", "locked_bytes", "sidecar_byte", "try_lock", "unlock"]
+def try_claim_lock(fd: int) -> bool:
+    """Take the segment's claim lock (``flock(LOCK_EX)`` on a descriptor of the segment, the lock
+    clients lease slots under) without waiting; False if another open file description holds it.
+    The sidecar never waits for it: a client stopped or frozen while holding it must not stop the
+    serving loop. Raises OSError for anything else."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:  # EWOULDBLOCK: held elsewhere
+        return False
+
+
+def release_claim_lock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+__all__ = ["is_locked", "locked_bytes", "release_claim_lock", "sidecar_byte", "try_claim_lock",
+           "try_lock", "unlock"]

@@ -198,14 +198,15 @@ def payload_lines(payloads: Sequence[Any], n: int) -> list[bytes]:
 # --------------------------------------------------------------------------- filters (where=)
 
 #: A parsed filter: ("and"|"or", (node, ...)), ("eq"|"ne", field, scalar), ("in"|"nin", field,
-#: (scalar, ...)), ("gt"|"gte"|"lt"|"lte", field, number), ("exists", field, bool).
+#: (scalar, ...)), ("gt"|"gte"|"lt"|"lte", field, number), ("exists", field, bool). ``{"f": v}``
+#: and ``{"f": {"$eq": v}}`` parse to the same node.
 WhereNode = tuple[Any, ...]
 #: Bounds of one filter: ``$or``/``$and`` nesting, conditions in all, values of one ``$in``.
 MAX_WHERE_DEPTH = 8
 MAX_WHERE_TERMS = 256
 MAX_WHERE_VALUES = 1024
 _RANGE_OPS = {"$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
-_FIELD_OPS = frozenset({"$in", "$nin", "$ne", "$exists", *_RANGE_OPS})
+_FIELD_OPS = frozenset({"$eq", "$in", "$nin", "$ne", "$exists", *_RANGE_OPS})
 
 
 def is_scalar(v: Any) -> bool:
@@ -265,10 +266,10 @@ def _field_condition(field: str, op: Any, arg: Any) -> WhereNode:
             raise InvalidRequest(f"field {field!r}: {op} takes a list of at most {MAX_WHERE_VALUES} "
                                  "scalars (str, int, float, bool, None)")
         return (op[1:], field, tuple(arg))
-    if op == "$ne":
+    if op in ("$eq", "$ne"):
         if not is_scalar(arg):
-            raise InvalidRequest(f"field {field!r}: $ne takes a scalar (str, int, float, bool, None)")
-        return ("ne", field, arg)
+            raise InvalidRequest(f"field {field!r}: {op} takes a scalar (str, int, float, bool, None)")
+        return (op[1:], field, arg)
     if op == "$exists":
         if not isinstance(arg, bool):
             raise InvalidRequest(f"field {field!r}: $exists takes true or false")

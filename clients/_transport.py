@@ -244,18 +244,20 @@ class Connection:
             raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         try:
             self._check_owner(shm_name(name), os.fstat(self.shm.fd), "shared memory")
-            # A sidecar creates the segment, sizes it, and writes the magic last: an empty
-            # segment or a zero magic is one still starting. BrokerUnavailable, so that callers
-            # try again within their own budget (clients._attach), never a sleep here.
+            # A sidecar creates the segment, sizes it, and writes the magic last: an empty segment
+            # or a zero magic is one still starting (however long a loaded machine takes), which
+            # callers wait for within their connect budget; anything else is not ours.
+            starting = BrokerUnavailable(f"broker {name!r}: the sidecar is still starting (or died "
+                                         f"while starting: `kalos cleanup {name}`)")
             if self.shm.size == 0:
-                raise BrokerUnavailable(f"broker {name!r}: a sidecar is creating its segment")
+                raise starting
             if self.shm.size < HEADER_BYTES:
                 raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
                                     "Kalos segment")
             self.mm = mmap.mmap(self.shm.fd, self.shm.size)
             hdr = peek_header(memoryview(self.mm))
             if int(hdr["magic"]) == 0:
-                raise BrokerUnavailable(f"broker {name!r}: a sidecar is still writing its header")
+                raise starting
             if int(hdr["magic"]) != MAGIC_U64:
                 raise ProtocolError(f"broker {name!r}: bad magic; not a Kalos segment")
             if int(hdr["version"]) != PROTOCOL_VERSION:

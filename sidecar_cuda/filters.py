@@ -9,10 +9,12 @@ value if it is a number (NaN otherwise: booleans are not numbers here), for rang
 Columns follow the rows: written on upsert, moved with the rows on compaction, grown with the
 matrix; a load (``Namespace.upsert`` of every record) rebuilds them.
 
-Semantics (docs/protocol.md, "Filters"): equality and ``$in`` compare scalars by type and value
-(``1`` equals ``1.0``, ``true`` equals neither); ``$ne``/``$nin`` also match rows without the
-field; range operators match numbers only; ``{"f": null}`` matches an explicit null, not a missing
-field (``{"$exists": false}`` does).
+Semantics (docs/protocol.md, "Filters"): equality (``{"f": v}`` or ``$eq``) and ``$in`` compare
+scalars by type and value (``1`` equals ``1.0``, ``true`` equals neither); ``$ne``/``$nin`` also
+match rows without the field; range operators match numbers only; ``{"f": null}`` matches an
+explicit null, not a missing field (``{"$exists": false}`` does). A payload that is not an object
+(none, null, a list, a string, a number, a bool) has no fields: MISSING in every column, so it
+matches exactly what an object lacking the field matches.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from .backends.select import choose_backend
 from .batching import PIPELINE_MIN_WORK, Limits
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
 from .general import GeneralRoute
-from .leases import REAP_S, reap_dead_owners
+from .leases import REAP_S, ReapOutcome, reap_dead_owners
 from .notify import sd_notify
 from ..broker.positions import BEYOND, Position
 from .persist import Durable, Persistence, StoreKind, store_kind
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kalos.sidecar")
 _POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
+_REAP_WAIT_WARN_PASSES = 40  # reaper passes held off by the claim lock (10 s) between two warnings
 
 
 class Sidecar:
@@ -84,6 +85,7 @@ class Sidecar:
         self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
         self._last_error_log = 0.0
+        self._reaps_waiting = 0  # reaper passes in a row that found the claim lock held
         self.ready = False
 
     # ------------------------------------------------------------------ lifecycle
@@ -384,17 +386,26 @@ class Sidecar:
     def reap_dead_owners(self) -> int:
         """Free the slots of clients that died (or gave them up) while holding them, and slots
         left in a state other than FREE without an owner (:mod:`kalos.sidecar_cuda.leases`). Slots of a
-        batch in flight are left alone until it is answered."""
+        batch in flight are left alone until it is answered. Never waits for the claim lock: while
+        a client holds it, the slots wait for a later pass (every REAP_S)."""
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
         fd = self._objs.leases_fd
         self.pipeline.hold.drop(lambda i: leases.is_locked(fd, i))
-        freed = reap_dead_owners(self.seg.slots, self._objs.shm.fd, self._objs.req,
-                                 self._objs.resp, self.pipeline.inflight_slots(),
-                                 held=lambda i: leases.is_locked(fd, i))
-        if freed:
-            log.info("reclaimed %d slots of dead or departed clients", freed)
-            self.stats.slots_reclaimed += freed
-        return freed
+        reap = reap_dead_owners(self.seg.slots, self._objs.shm.fd, self._objs.req,
+                                self._objs.resp, self.pipeline.inflight_slots(),
+                                held=lambda i: leases.is_locked(fd, i))
+        if reap.outcome is ReapOutcome.LOCK_HELD:
+            self._reaps_waiting += 1
+            if self._reaps_waiting % _REAP_WAIT_WARN_PASSES == 0:
+                log.warning("slots of dead or departed clients have waited %.0f s or more to be "
+                            "reclaimed: a client holds the segment's claim lock (flock), perhaps "
+                            "stopped or frozen; serving goes on", self._reaps_waiting * REAP_S)
+        else:
+            self._reaps_waiting = 0
+        if reap.freed:
+            log.info("reclaimed %d slots of dead or departed clients", reap.freed)
+            self.stats.slots_reclaimed += reap.freed
+        return reap.freed
 
 
 def run(cfg: ServeConfig) -> int:

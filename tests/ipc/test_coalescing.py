@@ -6,6 +6,7 @@ tests/unit/test_coalesce.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -127,14 +128,19 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
                  for i, (q, k) in enumerate(zip(qs, ks))]
         await asyncio.sleep(0)  # every call is validated and queued (or sent)
         await asyncio.sleep(0)
-        for i, t in enumerate(tasks):
-            if i % 5 == 1:
-                t.cancel()
+        # (a caller answered before its cancel, on a slow machine, is not cancelled: cancel()
+        # says which were)
+        cancelled = {i for i, t in enumerate(tasks) if i % 5 == 1 and t.cancel()}
+        assert len(cancelled) >= 20, cancelled  # of 30: at most the first slots are answered yet
         out = await asyncio.gather(*tasks, return_exceptions=True)
         served = 0
         for i, (q, k, h) in enumerate(zip(qs, ks, out)):
-            if i % 5 == 1:
-                assert isinstance(h, asyncio.CancelledError)
+            if i in cancelled:
+                # CancelledError, or the caller's own answer when it arrived just as the caller
+                # was cancelled (Python 3.11's wait_for then returns it): never another's
+                if not isinstance(h, asyncio.CancelledError):
+                    assert isinstance(h, Hits), h
+                    assert_topk(q, sidecar.matrix, h.ids, h.scores, k)
             elif i % 7 == 3:
                 assert isinstance(h, KalosTimeout) or isinstance(h, Hits), h  # its own budget
                 if isinstance(h, Hits):
@@ -143,12 +149,15 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
                 assert isinstance(h, Hits), h
                 assert_topk(q, sidecar.matrix, h.ids, h.scores, k)
                 served += 1
-        assert served == sum(1 for i in range(150) if i % 5 != 1 and i % 7 != 3)
-        for _ in range(200):  # orphans drain as the sidecar answers them
-            st = pool.statistics()
-            if st.in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        assert served == sum(1 for i in range(150) if i not in cancelled and i % 7 != 3)
+        assert sum(isinstance(out[i], asyncio.CancelledError) for i in cancelled) >= len(cancelled) // 2
+        t0 = time.monotonic()
+        while pool.statistics().in_flight and time.monotonic() - t0 < 60:
+            await asyncio.sleep(0.01)  # orphans drain as the sidecar answers them
+        st = pool.statistics()
+        print(f"\n[coalescing] {len(cancelled)} cancelled "
+              f"({sum(isinstance(out[i], Hits) for i in cancelled)} answered as they were); orphans drained "
+              f"{(time.monotonic() - t0) * 1000:.0f} ms after the last answer")
         assert (st.free, st.in_flight, st.queued) == (2, 0, 0), st
         assert st.coalesced > 0
         # and the pool serves on, correctly

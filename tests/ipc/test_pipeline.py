@@ -56,15 +56,32 @@ def test_callers_posting_as_the_sidecar_sleeps_are_not_stalled(seed):
                 hook.pop()()
                 u32[self._sleep_word] = 1
 
+    class WatchedBell:
+        """The doorbell, noting every blocking wait that starts while a posted request is still
+        unanswered: nobody would ring for those (the stall), whatever the machine's speed."""
+
+        def __init__(self, bell) -> None:
+            self._bell = bell
+            self.stalls = 0
+
+        def acquire(self, timeout=None):
+            if timeout != 0 and posted_at and not all(s.is_done() for s in slots):
+                self.stalls += 1
+            return self._bell.acquire(timeout)
+
+        def __getattr__(self, name):
+            return getattr(self._bell, name)
+
     sc = Racing(cfg)
     sc.start()
+    bell = sc._objs.bell = WatchedBell(sc._objs.bell)
     th = threading.Thread(target=sc.serve_forever, daemon=True)
     th.start()
     conn = Connection(cfg.name)
+    posted_at: list[float] = []
     try:
         slots = conn.lease(2)
         qs = [rng.standard_normal(8).astype(np.float32) for _ in slots]
-        posted_at: list[float] = []
 
         def post_both() -> None:
             posted_at.append(time.perf_counter())
@@ -74,12 +91,13 @@ def test_callers_posting_as_the_sidecar_sleeps_are_not_stalled(seed):
         hook.append(post_both)
         t0 = time.perf_counter()
         while not all(s.is_done() for s in slots):
-            assert time.perf_counter() - t0 < 5
+            assert time.perf_counter() - t0 < 30, "never answered"
             time.sleep(0.0001)
         waited = time.perf_counter() - posted_at[0]
         for s, q in zip(slots, qs):
             check_answer(sc, s, q, 5, matrix)
-        assert waited < 0.1, f"answered after {waited * 1e3:.0f} ms"
+        print(f"\n[pipeline] answered {waited * 1e3:.1f} ms after the posts")
+        assert bell.stalls == 0, "the sidecar blocked on the doorbell with requests unanswered"
     finally:
         sc.request_stop()
         th.join(10)

@@ -37,7 +37,7 @@ from kalos.sidecar_cuda.metrics import (
 )
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
-from conftest import free_port
+from conftest import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -235,26 +235,33 @@ def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
     from kalos.cli import main
 
     h = metrics_sidecar
-    stop = threading.Event()
+    stop, opened = threading.Event(), threading.Event()
+    done = [0]
 
     def load() -> None:
         async def go() -> None:
             async with RecallPool(h.name, size=2) as pool:
+                opened.set()
                 q = np.ones(32, np.float32)
                 while not stop.is_set():
                     await pool.recall(q, k=4)
+                    done[0] += 1
         asyncio.run(go())
 
     t = threading.Thread(target=load, daemon=True)
     t.start()
     try:
-        time.sleep(0.3)
+        assert opened.wait(60) and wait_until(lambda: done[0] >= 10, 60)
         url = h.url + "/metrics"
         a = fetch(url)
-        time.sleep(0.4)
+        # at least 20 recalls between the two scrapes (2 more: in flight at the first one),
+        # however long a loaded machine takes for them
+        since = done[0]
+        assert wait_until(lambda: done[0] >= since + 22, 60)
         v = compute_view(fetch(url), a)
-        assert v.completed_per_s is not None and v.completed_per_s > 10
-        assert v.served_per_s is not None and v.served_per_s > 10
+        assert v.interval_s is not None and v.interval_s > 0
+        assert v.completed_per_s is not None and v.completed_per_s * v.interval_s >= 20
+        assert v.served_per_s is not None and v.served_per_s * v.interval_s >= 20
         assert v.leased == 2 and v.slots == 16 and v.ready is True
         assert v.batch_mean is not None and 1.0 <= v.batch_mean <= 2.0
         assert v.e2e_q["recall"]["0.99"] > 0

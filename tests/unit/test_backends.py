@@ -192,7 +192,7 @@ def test_the_blas_count_is_not_lowered_while_a_worker_may_be_inside_blas(rng):
         assert ctl.current == ctl.default and _library_threads(ctl) == ctl.default
         release.set()
         job.result(timeout=10)
-        for _ in range(100):  # (the done callback runs on the worker thread, just after)
+        for _ in range(3000):  # (the done callback runs on the worker thread, just after)
             if ctl.busy == 0:
                 break
             threading.Event().wait(0.01)

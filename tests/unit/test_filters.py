@@ -4,9 +4,11 @@ the numpy backend's filtered search, and the routes filtered requests take."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
+from filter_reference import matches, random_filter, random_payload
 
 from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Flag, Metric, Op
@@ -62,6 +64,56 @@ def test_index_follows_replacements_deletes_and_growth():
     assert ids_of(ns, {"k": 0}) == [3, 6] and ids_of(ns, {"v": {"$exists": False}}) == [9]
     ns.upsert(np.array([9]), np.ones((1, 4), np.float32), None)
     assert ids_of(ns, {"other": 1}) == []
+
+
+def test_eq_operator_is_bare_equality():
+    assert parse_where({"tag": {"$eq": "a"}}) == parse_where({"tag": "a"})
+    assert parse_where({"n": {"$eq": 1, "$lt": 3}}) == ("and", (("eq", "n", 1), ("lt", "n", 3.0)))
+    assert decode_where(encode_where({"t": {"$eq": None}}, 64)) == parse_where({"t": None})
+    for bad in ([1], {"x": 1}, float("nan")):
+        with pytest.raises(InvalidRequest, match=r"\$eq takes a scalar"):
+            parse_where({"tag": {"$eq": bad}})
+    with pytest.raises(InvalidRequest, match=r"known: \$eq, \$exists"):
+        parse_where({"tag": {"$equals": "a"}})
+    ns = ns_with([{"tag": "a"}, {"tag": "b"}, {"tag": ["a"]}, {}, "a"])
+    assert ids_of(ns, {"tag": {"$eq": "a"}}) == ids_of(ns, {"tag": "a"}) == [0]
+
+
+@pytest.mark.parametrize("where,want", [
+    ({"a": 1}, [7]), ({"a": {"$eq": 1}}, [7]), ({"a": None}, []), ({"a": {"$in": [1, None, "a"]}}, [7]),
+    ({"a": {"$gte": 0}}, [7]), ({"a": {"$lt": 5}}, [7]), ({"a": {"$exists": True}}, [7]),
+    # a payload that is not an object has no fields: it matches what an object lacking the field matches
+    ({"a": {"$ne": 1}}, [0, 1, 2, 3, 4, 5, 6]), ({"a": {"$ne": None}}, [0, 1, 2, 3, 4, 5, 6, 7]),
+    ({"a": {"$nin": [1, "a"]}}, [0, 1, 2, 3, 4, 5, 6]), ({"a": {"$exists": False}}, [0, 1, 2, 3, 4, 5, 6]),
+    ({"$or": [{"a": 1}, {"b": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 7]),
+    ({"$and": [{"a": {"$ne": 2}}, {"a": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 6]),
+])
+def test_payloads_that_are_not_objects_have_no_fields(where, want):
+    """Ids 0..5: no payload, JSON null, a list, a string, a number, a bool; 6: an object without
+    the field; 7: an object with it."""
+    ns = Namespace("t", NumpyBackend(), 4, Metric.DOT, capacity=2)
+    lines = [None, b"null", b'[1,"a"]', b'"a"', b"1", b"true", b'{"b":2}', b'{"a":1,"b":1}']
+    ns.upsert(np.arange(8, dtype=np.int64), np.ones((8, 4), np.float32), lines)
+    decoded = [None if p is None else json.loads(p) for p in lines]
+    assert ids_of(ns, where) == want == [i for i, d in enumerate(decoded) if matches(d, where)]
+
+
+def test_random_filters_on_payloads_of_every_kind_match_the_reference(seed):
+    r = random.Random(seed)
+    docs = [random_payload(r) for _ in range(400)]
+    ns = Namespace("t", NumpyBackend(), 4, Metric.DOT, capacity=2)
+    ns.upsert(np.arange(len(docs), dtype=np.int64), np.ones((len(docs), 4), np.float32),
+              [None if d is None else json.dumps(d).encode() for d in docs])
+    ns.delete(np.arange(0, len(docs), 7))  # compaction moves rows (and their columns)
+    live = [i for i in range(len(docs)) if i % 7]
+    sizes = []
+    for _ in range(300):
+        where = random_filter(r)
+        want = [i for i in live if matches(docs[i], where)]
+        got = sorted(ns.filtered_bytes(encode_where(where, 1 << 16)).rows.tolist())
+        assert sorted(ns.row_ids[got].tolist()) == want, where
+        sizes.append(len(want))
+    assert 0 < np.median(sizes) < len(live), sizes  # the filters select, neither all nor nothing
 
 
 @pytest.mark.parametrize("frac", [0.001, 0.05, 0.3, 1.0])
