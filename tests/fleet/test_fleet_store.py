@@ -47,7 +47,7 @@ def test_bad_store_values_are_refused_without_echoing_them():
         assert secret not in text
         assert expect in text
     out = run_serve(_serve_args("--store", "postgresql://x@/db", "--ephemeral"), {})
-    assert out.returncode == 2 and "without --data-dir and --ephemeral" in out.stderr
+    assert out.returncode == 2 and "--ephemeral (from the command line) conflicts with --store" in out.stderr
 
 
 def test_wrong_password_missing_database_other_schema_are_clear(pg: PgServer, fleet_dsn: str, fleet):
