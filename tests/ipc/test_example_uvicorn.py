@@ -89,7 +89,17 @@ def test_uvicorn_with_4_workers_serves_recalls_across_a_sidecar_restart(seed):
                 pass
             assert time.monotonic() < deadline, server.stderr.read1().decode() if server.stderr else ""
             time.sleep(0.2)
-        before, _ = check(80)
+        def spread(rounds: int = 20) -> set[int]:
+            """Workers that answered rounds of 80 requests, until two or more have (the others
+            may still be opening their pools on a loaded machine: wait for it, do not time it)."""
+            seen: set[int] = set()
+            for _ in range(rounds):
+                seen |= check(80)[0]
+                if len(seen) >= 2:
+                    break
+            return seen
+
+        before = spread()
         assert len(before) >= 2, f"answers came from {len(before)} worker(s)"
         # Kill the sidecar; requests made during the outage wait (then 503 within the budget)...
         sidecar.kill()
@@ -100,7 +110,7 @@ def test_uvicorn_with_4_workers_serves_recalls_across_a_sidecar_restart(seed):
         time.sleep(0.5)
         sidecar = start_sidecar_process(args, name, stderr=subprocess.DEVNULL)  # ... and it is back
         t.join()
-        after, _ = check(80)
+        after = spread()
         print(f"\n[uvicorn] workers answering: before {len(before)}, after {len(after)}; during the "
               f"restart {24 - during[0][1]} answered, {during[0][1]} got 503 (slowest "
               f"{slowest_503[0]:.2f} s; budget {TIMEOUT} s)")

@@ -72,15 +72,17 @@ def test_callers_posting_as_the_sidecar_sleeps_are_not_stalled(seed):
         def __getattr__(self, name):
             return getattr(self._bell, name)
 
+    # Bound before the serving thread starts: WatchedBell reads them from its first wait.
+    posted_at: list[float] = []
+    slots: list = []
     sc = Racing(cfg)
     sc.start()
     bell = sc._objs.bell = WatchedBell(sc._objs.bell)
     th = threading.Thread(target=sc.serve_forever, daemon=True)
     th.start()
     conn = Connection(cfg.name)
-    posted_at: list[float] = []
     try:
-        slots = conn.lease(2)
+        slots[:] = conn.lease(2)
         qs = [rng.standard_normal(8).astype(np.float32) for _ in slots]
 
         def post_both() -> None:
