@@ -14,7 +14,7 @@ import random
 from collections.abc import Callable, Generator
 
 from ..broker.errors import BrokerUnavailable, ConfigError, SlotsExhausted
-from ._transport import ClientSlot, Connection, SlotCensus
+from ._transport import ClientSlot, Connection, LockBusy, SlotCensus
 
 #: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
 BACKOFF_MIN_S = 0.01
@@ -81,6 +81,8 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
                 e = r.error
                 if isinstance(e, SlotsExhausted):
                     raise SlotsExhausted(f"{e} (waited {within} for them to be reclaimed)") from None
+                if isinstance(e, LockBusy):
+                    raise LockBusy(f"{e} (tried {within})") from None
                 raise BrokerUnavailable(f"{e} (no sidecar served it {within})") from None
         yield pause
         attempt += 1
@@ -119,6 +121,8 @@ def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
             if len(slots) < min_size:
                 conn.give_back(slots, [])
                 census = conn.census()
+        except LockBusy as e:  # a live sidecar; another process holds the claim lock: try again
+            raise _Retry(e) from None
         except BrokerUnavailable as e:  # its objects went away under us
             raise _absent(e, wait_for_sidecar) from None
         if len(slots) < min_size:

@@ -415,16 +415,22 @@ class Connection:
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         """End leases: idle slots become free now; busy ones (request in flight) are marked
-        abandoned and freed by the sidecar's reaper once it is done with them."""
+        abandoned and freed by the sidecar's reaper once it is done with them. With the claim
+        lock held elsewhere (LockBusy), the lease locks alone are dropped: the reaper then frees
+        those slots as it frees a dead client's."""
         slots = self.seg.slots
-        with self._locked():
-            for s in idle:
-                if int(slots[s.index]["owner_pid"]) == self.pid:
-                    slots[s.index]["owner_start"] = 0
-                    slots[s.index]["owner_pid"] = 0
-            for s in busy:
-                if int(slots[s.index]["owner_pid"]) == self.pid:
-                    slots[s.index]["owner_pid"] = OWNER_ABANDONED
+        try:
+            with self._locked():
+                for s in idle:
+                    if int(slots[s.index]["owner_pid"]) == self.pid:
+                        slots[s.index]["owner_start"] = 0
+                        slots[s.index]["owner_pid"] = 0
+                for s in busy:
+                    if int(slots[s.index]["owner_pid"]) == self.pid:
+                        slots[s.index]["owner_pid"] = OWNER_ABANDONED
+                for s in idle + busy:
+                    self._unlock(s.index)
+        except LockBusy:
             for s in idle + busy:
                 self._unlock(s.index)
         for s in idle + busy:
@@ -460,18 +466,43 @@ class Connection:
             pass  # a view is still referenced somewhere; the mapping goes with it
 
 
+#: How long a client tries for the segment's claim lock (``flock``) before it gives up this
+#: attempt: every holder keeps it for microseconds, so a longer hold is a stopped or frozen
+#: process, and no client may block (its event loop, its thread) behind another one.
+FLOCK_WAIT_S = 0.05
+
+
+class LockBusy(BrokerUnavailable):
+    """The claim lock stayed held by another process for :data:`FLOCK_WAIT_S`; callers try again
+    within their own budget (an attach is retried like any other BrokerUnavailable)."""
+
+
 class _Flock:
-    """``with`` the segment's lease lock (``flock``); OS errors become BrokerUnavailable."""
+    """``with`` the segment's lease lock (``flock``), never waited for without a bound: tried
+    without blocking, with short pauses, for :data:`FLOCK_WAIT_S`, then LockBusy; OS errors
+    become BrokerUnavailable."""
 
     def __init__(self, fd: int, name: str) -> None:
         self._fd = fd
         self._name = name
 
     def __enter__(self) -> None:
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
-        except OSError as e:
-            raise BrokerUnavailable(f"broker {self._name!r}: lease lock: {e}") from None
+        deadline = time.monotonic() + FLOCK_WAIT_S
+        pause = 0.0001
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise LockBusy(
+                        f"broker {self._name!r}: the slots' claim lock has been held by another "
+                        f"process for over {FLOCK_WAIT_S * 1e3:.0f} ms (a stopped or frozen "
+                        "client?)") from None
+                time.sleep(pause)
+                pause = min(2 * pause, 0.005)
+            except OSError as e:
+                raise BrokerUnavailable(f"broker {self._name!r}: lease lock: {e}") from None
 
     def __exit__(self, *exc: object) -> None:
         try:

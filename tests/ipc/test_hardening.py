@@ -3,6 +3,7 @@ break /metrics, keep dead clients' slots, or trick a client into trusting anothe
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from kalos.broker.errors import InvalidRequest, UntrustedBroker
+from kalos.broker.errors import BrokerUnavailable, InvalidRequest, UntrustedBroker
 from kalos.broker.layout import (
     S_FREE, Layout, SegmentView, SidecarState, Status,
 )
@@ -320,6 +321,54 @@ async def test_a_frozen_client_holding_every_lock_cannot_pause_serving(sidecar, 
     finally:
         kill_all()
     assert sidecar.proc.poll() is None
+
+
+@pytest.mark.asyncio
+async def test_a_frozen_holder_of_the_claim_lock_cannot_block_another_clients_loop(sidecar, rng):
+    """The same frozen client, seen from another client: opening a pool while it holds the claim
+    lock fails within the pool's connect budget (LockBusy, a BrokerUnavailable) instead of
+    blocking the event loop in flock(2) until the holder wakes; a pool closes at once (its leases
+    are dropped, the reaper frees them); once the holder is gone a pool opens as usual."""
+    from kalos.clients._transport import LockBusy
+
+    name, n_slots = sidecar.name, 32
+    frozen = _freeze(name, n_slots)
+    gaps: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:  # the loop's own heartbeat: a blocking flock would stop it
+        last = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(0.01)
+            now = time.monotonic()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(BrokerUnavailable) as e:
+            async with RecallPool(name, size=2, connect_timeout=1.0):
+                pass
+        took = time.monotonic() - t0
+        assert isinstance(e.value, LockBusy) and "claim lock" in str(e.value), e.value
+        assert _stopped(frozen.pid), "the holder was resumed before the open gave up"
+        worst = max(gaps, default=0.0)
+        print(f"\n[claim lock] open gave up after {took:.2f} s (budget 1.0 s); the loop's longest "
+              f"pause {worst * 1e3:.0f} ms")
+        # Generous: one attempt blocks FLOCK_WAIT_S (50 ms); a blocking flock would pause the loop
+        # until the holder is killed below (never, here: the assertion comes first).
+        assert worst < 2.0, worst
+    finally:
+        frozen.kill()
+        frozen.wait()
+        stop.set()
+        await tick
+    async with RecallPool(name, size=2, connect_timeout=30) as pool:
+        q = rng.standard_normal(32).astype(np.float32)
+        h = await pool.recall(q, k=5, timeout=30)
+        assert_topk(q, sidecar.matrix, h.ids, h.scores, 5)
+    assert wait_until(lambda: slots_free(name), 30)
 
 
 # --------------------------------------------------------------------------- 4. stats fields
