@@ -13,21 +13,15 @@ import pytest
 from kalos.broker.errors import (
     BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout,
 )
-from kalos.broker.layout import L_RECALL, Layout, SlotView
+from kalos.broker.layout import L_RECALL, Layout
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients.fake import FakeConnection
 from kalos.clients.pool import PoolState, refusal
 from conftest import assert_topk
+from fake_sidecar import topk
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 
-
-def topk(matrix: np.ndarray):
-    def answer(v: SlotView, op: int, k: int, nq: int):
-        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
-        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
-    return answer
 
 
 def test_refusal_says_what_a_call_on_each_state_raises():

@@ -13,7 +13,7 @@ from kalos.broker.errors import (
     AcquireTimeout, BrokerUnavailable, KalosError, PartialWrite, PayloadTooLarge, ServerError,
 )
 from kalos.broker.layout import (
-    L_RECALL, L_RECALL_MANY, L_UPSERT, S_FREE, S_POSTED, Flag, Layout, Op, SlotView, Status,
+    L_RECALL, L_RECALL_MANY, L_UPSERT, S_FREE, S_POSTED, Flag, Layout, Op, Status,
 )
 from kalos.clients import _requests
 from kalos.clients._coalesce import Share
@@ -22,16 +22,10 @@ from kalos.clients._writes import Fate, WriteCall, out_of_budget, settle
 from kalos.clients.fake import FakeConnection
 from kalos.clients.results import Hits
 from conftest import assert_topk
+from fake_sidecar import topk
 
 LAY = Layout(n_slots=2, dim=8, max_k=8, max_queries=4, blob_bytes=1024)
 
-
-def topk(matrix: np.ndarray):
-    def answer(v: SlotView, op: int, k: int, nq: int):
-        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
-        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
-    return answer
 
 
 def recall(x: np.ndarray, k: int, single: bool = True, where: dict | None = None):

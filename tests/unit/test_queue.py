@@ -12,24 +12,18 @@ import numpy as np
 import pytest
 
 from kalos.broker.errors import BrokerUnavailable, ClosedError, KalosError, ResponseTimeout
-from kalos.broker.layout import Layout, SlotView
+from kalos.broker.layout import Layout
 from kalos.clients import _requests
 from kalos.clients._exchange import Completion, Exchange
 from kalos.clients._queue import CoalescingQueue, Member, NotSent
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
 from conftest import assert_topk
+from fake_sidecar import topk
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 pytestmark = pytest.mark.asyncio
 
-
-def topk(matrix: np.ndarray):
-    def answer(v: SlotView, op: int, k: int, nq: int):
-        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
-        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
-    return answer
 
 
 class Pool:
