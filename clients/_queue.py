@@ -18,7 +18,7 @@ from typing import Any
 
 from ..broker.errors import KalosError, ResponseTimeout
 from ._coalesce import Key, Share, coalesce_key, pick_group
-from ._exchange import Exchange, Part
+from ._exchange import Exchange
 from ._requests import Prepared, recall_group
 from ._transport import ClientSlot
 
@@ -261,7 +261,7 @@ class CoalescingQueue:
             members = None
         else:
             ex = Exchange(slot, recall_group([m.prep for m in group]), group[-1].t0,
-                          [Part(Share(m.prep.nq, m.prep.k, m.prep.single), m.t0) for m in group])
+                          [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group])
             members = group
         try:
             self._post(ex, group[0].future, members)

@@ -73,6 +73,9 @@ class PoolState(enum.Enum):
 
 #: Requests in flight and queued still go on (the poller, the dispatcher, the re-attacher run).
 _SERVING = frozenset({PoolState.OPEN, PoolState.CLOSING})
+# Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
+# CPython 3.11.
+_OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
 
 
 def refusal(state: PoolState, broken: KalosError | None, opened_in: int,
@@ -492,7 +495,7 @@ class RecallPool:
         sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable, ClosedError.
         """
         t0 = time.monotonic_ns()
-        if self._state is not PoolState.OPEN:
+        if self._state is not _OPEN:
             self._check_usable()
         p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
                              single=True, where=where)
@@ -685,14 +688,14 @@ class RecallPool:
                         raise self._down_error() from None
                     raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
                                          "slots, all in flight)") from None
-            if self._state is not PoolState.OPEN:
+            if self._state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
             if slot in self._current:  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: Prepared, budget: Timeout, t0: int) -> Any:
-        if self._state is not PoolState.OPEN:
+        if self._state is not _OPEN:
             self._check_usable()
         loop = self._loop
         assert loop is not None and self._free is not None and self._queue is not None
@@ -834,7 +837,7 @@ class RecallPool:
         spinning = self._policy.spinning
         try:
             last = clock()
-            while self._state is not PoolState.CLOSED and self._conn is not None:
+            while self._state is not _CLOSED and self._conn is not None:
                 if self._inflight:
                     if self._reap():
                         last = clock()

@@ -17,7 +17,7 @@ from kalos.broker.layout import (
 )
 from kalos.clients import _requests
 from kalos.clients._coalesce import Share
-from kalos.clients._exchange import Completion, Exchange, Part, resend_after_outage
+from kalos.clients._exchange import Completion, Exchange, resend_after_outage
 from kalos.clients._writes import Fate, WriteCall, out_of_budget, settle
 from kalos.clients.fake import FakeConnection
 from kalos.clients.results import Hits
@@ -136,7 +136,7 @@ def shared(rng, conn: FakeConnection):
     qb = rng.standard_normal((2, 8)).astype(np.float32)
     qc = rng.standard_normal(8).astype(np.float32)
     preps = [recall(qa, 3), recall(qb, 5, single=False), recall(qc, 1)]
-    parts = [Part(Share(p.nq, p.k, p.single), t0) for p, t0 in zip(preps, (1, 2, 3))]
+    parts = [Share(p.nq, p.k, p.single, t0) for p, t0 in zip(preps, (1, 2, 3))]
     ex = Exchange(slot, _requests.recall_group(preps), 3, parts)
     ex.send()
     return slot, ex, (qa, qb, qc)
