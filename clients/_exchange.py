@@ -2,12 +2,12 @@
 it (read the answer into an :class:`Outcome`).
 
 No event loop, no thread, no waiting: a driver (the asyncio pool, the blocking client) decides
-when to send, finds the answer in (:meth:`Exchange.answered`, or a blocking wait on the response
+when to send, finds the answer in (``ClientSlot.answered``, or a blocking wait on the response
 semaphore: either consumes the response post, the fence before reading), and acts on the outcome.
 A slot may carry the recalls of several callers (the pool's coalescing): their rows in order, the
 answer split among them (``clients._coalesce.split``), each caller's latency recorded as its own.
 
-    FREE --send()--> POSTED --(sidecar)--> DONE --answered()--> complete(gone) --> FREE, Outcome
+    FREE --send()--> POSTED --(sidecar)--> DONE --(consumed)--> complete(gone) --> FREE, Outcome
                                                              \\-> discard() -----> FREE
 
 Recording belongs here too: the slot's stats block (read by the sidecar's metrics) gets each
@@ -74,11 +74,6 @@ class Exchange:
         p.posted = True
         if not self.t0:
             self.t0 = time.monotonic_ns()
-
-    def answered(self) -> bool:
-        """Is the answer in? Consumes the response post if so (the fence before reading)."""
-        slot = self.slot
-        return slot.is_done() and slot.try_consume()
 
     def complete(self, gone: Sequence[bool]) -> Outcome:
         """Read the answer (its response post consumed) and free the slot. ``gone``: per caller,

@@ -267,11 +267,11 @@ class RecallClient:
         clock = time.perf_counter_ns
         t0 = clock()
         spinning = self._policy.spinning
+        slot = ex.slot
         while spinning(clock() - t0):
-            if ex.answered():
+            if slot.answered():
                 self._policy.observe(clock() - t0)
                 return
-        slot = ex.slot
         while True:
             budget = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
             if budget <= 0:

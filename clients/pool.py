@@ -133,13 +133,15 @@ if hasattr(os, "register_at_fork"):
 
 class _InFlight:
     """A posted exchange and who waits for it: ``future`` (a shared slot: its first caller's;
-    each member has its own), ``members`` (the callers of a shared slot; None: one)."""
+    each member has its own), ``members`` (the callers of a shared slot; None: one). ``slot``:
+    the exchange's, which the poller looks at on every pass."""
 
-    __slots__ = ("exchange", "future", "members")
+    __slots__ = ("exchange", "slot", "future", "members")
 
     def __init__(self, exchange: Exchange, future: asyncio.Future[Any],
                  members: list[Member] | None) -> None:
         self.exchange = exchange
+        self.slot = exchange.slot
         self.future = future
         self.members = members
 
@@ -438,7 +440,7 @@ class RecallPool:
             self._waiter = None
         busy = []
         for e in self._inflight.values():
-            busy.append(e.exchange.slot)
+            busy.append(e.slot)
             call = e.exchange.prep.call
             if call is not None:
                 call.failed = True  # its call's other chunks are not posted (_write)
@@ -822,7 +824,7 @@ class RecallPool:
         """Complete every in-flight request whose answer is in. Returns True if any was."""
         progressed = False
         for idx, e in list(self._inflight.items()):
-            if not e.exchange.answered():
+            if not e.slot.answered():
                 continue
             del self._inflight[idx]
             self._complete(e)
@@ -862,12 +864,12 @@ class RecallPool:
 
     async def _block(self) -> None:
         assert self._wake is not None and self._waiter is not None and self._conn is not None
-        oldest = next(iter(self._inflight.values())).exchange.slot
+        oldest = next(iter(self._inflight.values())).slot
         self._wake.clear()
         self._blocking = True
         self._waiter.arm(oldest)
         try:
-            if any(e.exchange.slot.is_done() for e in self._inflight.values()):
+            if any(e.slot.is_done() for e in self._inflight.values()):
                 # Answered while arming, or DONE with its response not posted yet (the sidecar
                 # may have died in between): look again shortly, checking liveness on schedule.
                 await asyncio.sleep(0.0002)

@@ -65,7 +65,7 @@ class Pool:
         done = []
         for entry in list(self.posted):
             ex, fut, members = entry
-            if not ex.answered():
+            if not ex.slot.answered():
                 continue
             self.posted.remove(entry)
             futs = [fut] if members is None else [m.future for m in members]
