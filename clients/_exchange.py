@@ -1,5 +1,5 @@
 """One request in one slot, written once for both clients: send it (write, then post) and complete
-it (read the answer into an :class:`Outcome`).
+it (read the answer into an :data:`Outcome`).
 
 No event loop, no thread, no waiting: a driver (the asyncio pool, the blocking client) decides
 when to send, finds the answer in (``ClientSlot.answered``, or a blocking wait on the response
@@ -20,7 +20,7 @@ import enum
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..broker.errors import KalosError, PayloadTooLarge
 from ..broker.layout import latency_op
@@ -32,17 +32,17 @@ from ._transport import ClientSlot
 class Completion(enum.Enum):
     """What became of a request whose answer was read."""
 
-    ANSWERED = "answered"  # Outcome.value: the answer (a list, one per caller, when shared)
-    FAILED = "failed"  # Outcome.error: what every caller gets
+    ANSWERED = "answered"  # the value: the answer (a list, one per caller, when shared)
+    FAILED = "failed"  # the error: what every caller gets
     RESEND_ALONE = "resend alone"  # a shared answer overflowed the slot: send each caller alone
 
 
-@dataclass(slots=True)
-class Outcome:
-    completion: Completion
-    value: Any  # ANSWERED
-    error: KalosError | None  # FAILED
-    round_trip_ns: int  # from the request's t0 to its answer read (what the spin policy follows)
+#: What :meth:`Exchange.complete` returns: ``(completion, value, error, round_trip_ns)``; the
+#: value when ANSWERED, the error when FAILED (and the cause of a RESEND_ALONE), and the time from
+#: the request's t0 to its answer read (what the spin policy follows). A plain tuple: one is made
+#: for every answer.
+Outcome = tuple[Completion, Any, KalosError | None, int]
+W = TypeVar("W")
 
 
 # Bound once: reading an enum member off its class costs ~50 ns on CPython 3.11, and every
@@ -51,13 +51,16 @@ _ANSWERED, _FAILED, _RESEND_ALONE = Completion.ANSWERED, Completion.FAILED, Comp
 
 
 @dataclass(slots=True, eq=False)
-class Exchange:
-    """``prep`` in ``slot``: ``t0`` is when the call began (monotonic ns; 0: timed from its
-    sending, as the chunks of a bulk call are); ``parts``: the callers sharing the slot, in row
-    order (``clients._coalesce.Share``: rows, k, recall or recall_many, t0; None: one caller)."""
+class Exchange(Generic[W]):
+    """``prep`` in ``slot``. ``waiter``: the driver's own record of who waits for the answer
+    (the pool: its caller's future, or a shared slot's callers; the blocking client: None);
+    ``t0``: when the call began (monotonic ns; 0: timed from its sending, as the chunks of a
+    bulk call are); ``parts``: the callers sharing the slot, in row order
+    (``clients._coalesce.Share``: rows, k, recall or recall_many, t0; None: one caller)."""
 
     slot: ClientSlot
     prep: Prepared
+    waiter: W
     t0: int = 0
     parts: list[Share] | None = None
 
@@ -99,15 +102,15 @@ class Exchange:
                 slot.record(now - self.t0, ok=error is None, op=op)
             slot.set_free()
             if error is None:
-                return Outcome(_ANSWERED, value, None, now - self.t0)
-            return Outcome(_FAILED, None, error, now - self.t0)
+                return _ANSWERED, value, None, now - self.t0
+            return _FAILED, None, error, now - self.t0
         if error is None:
             value = split(value, parts)
         slot.set_free()
         if isinstance(error, PayloadTooLarge):
             # Together their payloads overflowed the slot; each alone may fit, as it would have
             # without coalescing. Nothing is recorded: each caller's request is not over.
-            return Outcome(_RESEND_ALONE, None, error, now - self.t0)
+            return _RESEND_ALONE, None, error, now - self.t0
         for part, left in zip(parts, gone):
             op = latency_op(p.op, part.single)
             if left:
@@ -115,8 +118,8 @@ class Exchange:
             else:
                 slot.record(now - part.t0, ok=error is None, op=op)
         if error is None:
-            return Outcome(_ANSWERED, value, None, now - self.t0)
-        return Outcome(_FAILED, None, error, now - self.t0)
+            return _ANSWERED, value, None, now - self.t0
+        return _FAILED, None, error, now - self.t0
 
     def discard(self) -> None:
         """Free the slot of an answered request whose caller was told already (the blocking

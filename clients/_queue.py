@@ -14,7 +14,7 @@ import asyncio
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 from ..broker.errors import KalosError, ResponseTimeout
 from ._coalesce import Key, Share, coalesce_key, pick_group
@@ -22,10 +22,12 @@ from ._exchange import Exchange
 from ._requests import Prepared, recall_group
 from ._transport import ClientSlot
 
-#: ``post(exchange, future, members)``: send the exchange and count it in flight (the future of
-#: its first caller; ``members``: every caller of a shared slot, None for one), or raise with the
-#: slot back among the free ones.
-Post = Callable[[Exchange, "asyncio.Future[Any]", "list[Member] | None"], None]
+#: Who waits for a posted exchange (``Exchange.waiter``): its one caller's future, or the
+#: callers sharing its slot.
+Waiting = Union["asyncio.Future[Any]", "list[Member]"]
+#: ``post(exchange)``: send it and count it in flight, or raise with the slot back among the
+#: free ones.
+Post = Callable[["Exchange[Waiting]"], None]
 
 _KEY_CACHE = 4096  # unfiltered coalescing keys kept (one per namespace, flags and k seen)
 
@@ -255,16 +257,15 @@ class CoalescingQueue:
 
     def _send(self, slot: ClientSlot, group: list[Member]) -> None:
         """Write a group (one recall, or several sharing the slot) and post it."""
-        if len(group) == 1:
+        ex: Exchange[Waiting]
+        if len(group) == 1:  # completes as a call of its own
             m = group[0]
-            ex = Exchange(slot, m.prep, m.t0)
-            members = None
+            ex = Exchange(slot, m.prep, m.future, m.t0)
         else:
-            ex = Exchange(slot, recall_group([m.prep for m in group]), group[-1].t0,
+            ex = Exchange(slot, recall_group([m.prep for m in group]), group, group[-1].t0,
                           [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group])
-            members = group
         try:
-            self._post(ex, group[0].future, members)
+            self._post(ex)
         except BaseException as e:
             _fail(group, e)  # reads: each caller sends again after a re-attach
             if not isinstance(e, Exception):
@@ -280,4 +281,4 @@ def _fail(members: Sequence[Member], exc: BaseException) -> None:
             m.future.set_exception(copy.copy(exc))
 
 
-__all__ = ["CoalescingQueue", "Member", "NotSent", "Post"]
+__all__ = ["CoalescingQueue", "Member", "NotSent", "Post", "Waiting"]

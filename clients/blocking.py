@@ -59,7 +59,7 @@ class RecallClient:
         self._timeout = timeout
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._lock = threading.Lock()
-        self._pending: Exchange | None = None  # a timed-out request still in the slot
+        self._pending: Exchange[None] | None = None  # a timed-out request still in the slot
         self._closed = False
         self._ns = NamespaceCache()
         self._conn: Connection | None = None
@@ -250,17 +250,17 @@ class RecallClient:
             self._wait(pending, deadline, op)
             pending.discard()
             self._pending = None
-        ex = Exchange(self._slot, p, t0)
+        ex = Exchange(self._slot, p, None, t0)
         ex.send()
         self._pending = ex
         self._wait(ex, deadline, op)
         self._pending = None
-        out = ex.complete(_WAITING)
-        if out.error is not None:
-            raise out.error
-        return out.value
+        _, value, error, _ = ex.complete(_WAITING)
+        if error is not None:
+            raise error
+        return value
 
-    def _wait(self, ex: Exchange, deadline: float | None, op: int) -> None:
+    def _wait(self, ex: Exchange[None], deadline: float | None, op: int) -> None:
         """Poll the slot for the policy's window, then block on its response semaphore in
         slices, checking the sidecar's liveness between slices. On ResponseTimeout the
         request stays in the slot (``_pending``) and the timeout is recorded now."""

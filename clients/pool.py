@@ -40,7 +40,7 @@ from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
 from ._exchange import Completion, Exchange, resend_after_outage
-from ._queue import CoalescingQueue, Member, NotSent
+from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT, NamespaceCache, Prepared, Timeout, count as encode_count, delete as encode_delete,
     drop as encode_drop, export_page as encode_export_page, get as encode_get,
@@ -131,28 +131,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class _InFlight:
-    """A posted exchange and who waits for it: ``future`` (a shared slot: its first caller's;
-    each member has its own), ``members`` (the callers of a shared slot; None: one). ``slot``:
-    the exchange's, which the poller looks at on every pass."""
+def _futures(w: Waiting) -> list[asyncio.Future[Any]]:
+    """The futures of the callers waiting for one posted exchange."""
+    return [m.future for m in w] if isinstance(w, list) else [w]
 
-    __slots__ = ("exchange", "slot", "future", "members")
 
-    def __init__(self, exchange: Exchange, future: asyncio.Future[Any],
-                 members: list[Member] | None) -> None:
-        self.exchange = exchange
-        self.slot = exchange.slot
-        self.future = future
-        self.members = members
-
-    def futures(self) -> list[asyncio.Future[Any]]:
-        return [self.future] if self.members is None else [m.future for m in self.members]
-
-    def orphaned(self) -> bool:
-        """Every caller of this request went away (cancelled or timed out)."""
-        if self.members is None:
-            return self.future.done()
-        return all(m.future.done() for m in self.members)
+def _orphaned(w: Waiting) -> bool:
+    """Every caller of a posted exchange went away (cancelled or timed out)."""
+    return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
 
 
 class _FreeSlots:
@@ -306,7 +292,7 @@ class RecallPool:
         self._current: frozenset[ClientSlot] = frozenset()
         self._free: _FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
-        self._inflight: dict[int, _InFlight] = {}  # by slot index
+        self._inflight: dict[int, Exchange[Waiting]] = {}  # posted, by slot index
         self._queue: CoalescingQueue | None = None
         self._poller: asyncio.Task[None] | None = None
         self._waiter: Waiter | None = None
@@ -404,7 +390,8 @@ class RecallPool:
         try:
             while ((self._inflight or queue.live()) and self._state is PoolState.CLOSING
                    and self._conn is not None):
-                futs = [f for e in self._inflight.values() for f in e.futures() if not f.done()]
+                futs = [f for e in self._inflight.values() for f in _futures(e.waiter)
+                        if not f.done()]
                 futs += queue.futures()
                 if futs:
                     await asyncio.wait(futs, timeout=LIVENESS_S)
@@ -441,10 +428,10 @@ class RecallPool:
         busy = []
         for e in self._inflight.values():
             busy.append(e.slot)
-            call = e.exchange.prep.call
+            call = e.prep.call
             if call is not None:
                 call.failed = True  # its call's other chunks are not posted (_write)
-            for f in e.futures():
+            for f in _futures(e.waiter):
                 if not f.done():
                     f.set_exception(copy.copy(exc))
         self._inflight.clear()
@@ -470,7 +457,7 @@ class RecallPool:
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
             size=len(self._slots), free=self._free_count(), in_flight=len(self._inflight),
-            orphaned=sum(1 for e in self._inflight.values() if e.orphaned()),
+            orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
             requests=self._requests, errors=self._errors, outages=self._outages,
             reattaches=self._reattaches,
             unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since
@@ -708,7 +695,10 @@ class RecallPool:
                 if (self._coalesce and p.op is Op.RECALL
                         and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
                         is Path.QUEUE):
-                    return await self._execute_queued(p, timeout, deadline, t0)
+                    try:  # queued to be sent with others (the class docstring)
+                        return await self._queue.submit(p, t0, timeout, deadline)
+                    except NotSent as e:
+                        raise self._not_sent(e, timeout) from None
                 return await self._execute_once(p, timeout, deadline, t0)
             except BrokerUnavailable:
                 # Lost to a sidecar that went away (in flight, or posted just before the pool
@@ -726,7 +716,7 @@ class RecallPool:
             self._free.put_nowait(slot)
             raise _Halted  # another chunk of this write failed: this one is not sent
         fut: asyncio.Future[Any] = loop.create_future()
-        self._post(Exchange(slot, p, t0), fut, None)
+        self._post(Exchange(slot, p, fut, t0))
         if deadline is None:
             return await fut
         try:
@@ -735,26 +725,20 @@ class RecallPool:
             raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight until the "
                                   "sidecar finishes it; the slot is then reused)") from None
 
-    async def _execute_queued(self, p: Prepared, timeout: float | None,
-                              deadline: float | None, t0: int) -> Any:
-        """Queue a recall to be sent with others (the class docstring) and await its share."""
-        assert self._queue is not None
-        try:
-            return await self._queue.submit(p, t0, timeout, deadline)
-        except NotSent as e:
-            self._check_usable()
-            if self._conn is None:
-                raise self._down_error() from None
-            if e.resent:
-                raise ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
-                                      "payloads overflowed it, then queued again alone)") from None
-            raise AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
-                                 f"{len(self._slots)} slots, {self._free_count()} free)") from None
+    def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
+        """The error of a recall whose budget ran out in the coalescing queue."""
+        self._check_usable()
+        if self._conn is None:
+            return self._down_error()
+        if e.resent:
+            return ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
+                                   "payloads overflowed it, then queued again alone)")
+        return AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
+                              f"{len(self._slots)} slots, {self._free_count()} free)")
 
-    def _post(self, ex: Exchange, fut: asyncio.Future[Any], members: list[Member] | None) -> None:
-        """Send ``ex`` in its slot and count it in flight, resolved through ``fut`` (or each of
-        ``members``' futures). On failure the slot goes back on the free stack and the error is
-        raised (a sidecar found dead is an outage as well)."""
+    def _post(self, ex: Exchange[Waiting]) -> None:
+        """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
+        free stack and the error is raised (a sidecar found dead is an outage as well)."""
         slot = ex.slot
         conn = self._conn
         assert conn is not None and self._free is not None
@@ -770,46 +754,47 @@ class RecallPool:
         except BaseException:
             self._free.put_nowait(slot)
             raise
-        self._inflight[slot.index] = _InFlight(ex, fut, members)
+        self._inflight[slot.index] = ex
         self._posted += 1
-        self._kick()
+        poller = self._poller
+        if poller is None or self._blocking or poller.done():  # else its next pass finds it
+            self._kick()
 
-    def _complete(self, e: _InFlight) -> None:
+    def _complete(self, ex: Exchange[Waiting]) -> None:
         """An answer is in: the exchange's outcome goes to its callers (those still waiting);
         the slot is free again, and only now (the sidecar is done with it)."""
-        ex, members = e.exchange, e.members
         assert self._free is not None
-        if members is None:
-            fut = e.future
-            out = ex.complete((fut.done(),))
-            self._policy.observe(out.round_trip_ns)
+        waiting = ex.waiter
+        if not isinstance(waiting, list):  # one caller
+            completion, value, error, round_trip = ex.complete((waiting.done(),))
+            self._policy.observe(round_trip)
             self._free.put_nowait(ex.slot)
             self._requests += 1
-            if out.error is not None:
+            if error is not None:
                 self._errors += 1
-            if not fut.done():
-                if out.error is None:
-                    fut.set_result(out.value)
+            if not waiting.done():
+                if error is None:
+                    waiting.set_result(value)
                 else:
-                    fut.set_exception(out.error)
+                    waiting.set_exception(error)
             return
-        out = ex.complete([m.future.done() for m in members])
-        self._policy.observe(out.round_trip_ns)
+        completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
+        self._policy.observe(round_trip)
         self._free.put_nowait(ex.slot)
-        if out.completion is Completion.RESEND_ALONE:
+        if completion is Completion.RESEND_ALONE:
             assert self._queue is not None
-            self._queue.again(members)
+            self._queue.again(waiting)
             return
-        self._requests += len(members)
-        self._coalesced += len(members)
-        if out.error is not None:
-            self._errors += len(members)
-        for i, m in enumerate(members):
+        self._requests += len(waiting)
+        self._coalesced += len(waiting)
+        if error is not None:
+            self._errors += len(waiting)
+        for i, m in enumerate(waiting):
             if not m.future.done():
-                if out.error is None:
-                    m.future.set_result(out.value[i])
+                if error is None:
+                    m.future.set_result(value[i])
                 else:
-                    m.future.set_exception(copy.copy(out.error))
+                    m.future.set_exception(copy.copy(error))
 
     # ------------------------------------------------------------------ the poller
     def _kick(self) -> None:

@@ -46,7 +46,7 @@ def test_send_writes_the_request_then_posts_it(rng):
     q = rng.standard_normal((3, 8)).astype(np.float32)
     p = recall(q, 5, single=False, where={"tag": "a"})
     gen = slot.generation
-    ex = Exchange(slot, p)
+    ex = Exchange(slot, p, None)
     ex.send()
     rec = conn.seg.slots[slot.index]
     assert int(rec["state"]) == S_POSTED and int(rec["generation"]) == gen + 1
@@ -63,7 +63,7 @@ def test_a_failed_write_or_post_leaves_the_slot_free_and_raises():
     slot = conn.lease(1)[0]
     bad = _requests.Prepared(Op.RECALL, b"ns", k=2, nq=1, vectors=np.ones((1, 3), np.float32))
     with pytest.raises(ValueError):  # rows of another dim: the copy into the slot fails
-        Exchange(slot, bad).send()
+        Exchange(slot, bad, None).send()
     assert int(conn.seg.slots[slot.index]["state"]) == S_FREE and not bad.posted
     assert conn.req[slot.index].value == 0
 
@@ -73,7 +73,7 @@ def test_a_failed_write_or_post_leaves_the_slot_free_and_raises():
     slot.req = Broken()  # type: ignore[assignment]
     p = recall(np.ones(8, np.float32), 2)
     with pytest.raises(BrokerUnavailable, match="vanished"):
-        Exchange(slot, p).send()
+        Exchange(slot, p, None).send()
     assert int(conn.seg.slots[slot.index]["state"]) == S_FREE and not p.posted
 
 
@@ -82,18 +82,18 @@ def test_complete_reads_the_answer_records_it_and_frees_the_slot(rng):
     conn = FakeConnection(LAY)
     slot = conn.lease(1)[0]
     q = rng.standard_normal(8).astype(np.float32)
-    ex = Exchange(slot, recall(q, 6), t0=1)
+    ex = Exchange(slot, recall(q, 6), None, t0=1)
     ex.send()
     conn.resp[slot.index].release()  # a stray post (an earlier owner's): not DONE, not taken
     assert not ex.slot.answered() and conn.resp[slot.index].value == 1
     conn.resp[slot.index].value = 0
     assert conn.serve(topk(matrix)) == 1
     assert ex.slot.answered() and not ex.slot.answered()  # the response post is consumed once
-    out = ex.complete((False,))
-    assert out.completion is Completion.ANSWERED and out.error is None
-    assert isinstance(out.value, Hits)
-    assert_topk(q, matrix, out.value.ids, out.value.scores, 6)
-    assert out.round_trip_ns > 0
+    completion, value, error, round_trip = ex.complete((False,))
+    assert completion is Completion.ANSWERED and error is None
+    assert isinstance(value, Hits)
+    assert_topk(q, matrix, value.ids, value.scores, 6)
+    assert round_trip > 0
     assert int(conn.seg.slots[slot.index]["state"]) == S_FREE
     assert oks(conn, slot.index, L_RECALL) == 1
     assert counter(conn, slot.index, "timeout_count", L_RECALL) == 0
@@ -105,13 +105,13 @@ def test_an_error_answer_fails_the_caller_and_stops_its_write_call(rng):
     ids = np.arange(4, dtype=np.int64)
     [p] = _requests.upsert(LAY, ids, rng.standard_normal((4, 8)), None, "ns", 1024)
     p.call = WriteCall()
-    ex = Exchange(slot, p)
+    ex = Exchange(slot, p, None)
     ex.send()
     conn.serve(lambda v, op, k, nq: Status.STORE_ERROR)
     assert ex.slot.answered()
-    out = ex.complete((False,))
-    assert out.completion is Completion.FAILED and isinstance(out.error, ServerError)
-    assert "STORE_ERROR" in str(out.error) and out.value is None
+    completion, value, error, _ = ex.complete((False,))
+    assert completion is Completion.FAILED and isinstance(error, ServerError)
+    assert "STORE_ERROR" in str(error) and value is None
     assert p.call.failed and p.status == Status.STORE_ERROR  # the fate's inputs
     assert counter(conn, slot.index, "err_count", L_UPSERT) == 1
     assert int(conn.seg.slots[slot.index]["state"]) == S_FREE
@@ -121,12 +121,12 @@ def test_a_caller_that_went_away_is_recorded_as_a_timeout(rng):
     matrix = rng.standard_normal((10, 8)).astype(np.float32)
     conn = FakeConnection(LAY)
     slot = conn.lease(1)[0]
-    ex = Exchange(slot, recall(np.ones(8, np.float32), 2), t0=1)
+    ex = Exchange(slot, recall(np.ones(8, np.float32), 2), None, t0=1)
     ex.send()
     conn.serve(topk(matrix))
     assert ex.slot.answered()
-    out = ex.complete((True,))
-    assert out.completion is Completion.ANSWERED  # the driver drops it: nobody waits
+    completion, _, _, _ = ex.complete((True,))
+    assert completion is Completion.ANSWERED  # the driver drops it: nobody waits
     assert counter(conn, slot.index, "timeout_count", L_RECALL) == 1
     assert oks(conn, slot.index, L_RECALL) == 0
 
@@ -139,7 +139,7 @@ def shared(rng, conn: FakeConnection):
     qc = rng.standard_normal(8).astype(np.float32)
     preps = [recall(qa, 3), recall(qb, 5, single=False), recall(qc, 1)]
     parts = [Share(p.nq, p.k, p.single, t0) for p, t0 in zip(preps, (1, 2, 3))]
-    ex = Exchange(slot, _requests.recall_group(preps), 3, parts)
+    ex = Exchange(slot, _requests.recall_group(preps), None, 3, parts)
     ex.send()
     return slot, ex, (qa, qb, qc)
 
@@ -151,9 +151,9 @@ def test_a_shared_slot_is_split_per_caller_each_to_its_own_k(rng):
     assert int(conn.seg.slots[slot.index]["k"]) == 5 and int(conn.seg.slots[slot.index]["nq"]) == 4
     conn.serve(topk(matrix))
     assert ex.slot.answered()
-    out = ex.complete([False, True, False])  # the recall_many caller went away
-    assert out.completion is Completion.ANSWERED
-    a, b, c = out.value
+    completion, value, _, _ = ex.complete([False, True, False])  # recall_many's caller left
+    assert completion is Completion.ANSWERED
+    a, b, c = value
     assert_topk(qa, matrix, a.ids, a.scores, 3)
     assert isinstance(b, list) and len(b) == 2
     for q, h in zip(qb, b):
@@ -168,24 +168,24 @@ def test_a_shared_answer_that_overflows_is_resend_alone_and_records_nothing(rng)
     slot, ex, _ = shared(rng, conn)
     conn.serve(lambda v, op, k, nq: Status.PAYLOAD_TOO_LARGE)
     assert ex.slot.answered()
-    out = ex.complete([False, False, False])
-    assert out.completion is Completion.RESEND_ALONE and isinstance(out.error, PayloadTooLarge)
+    completion, _, error, _ = ex.complete([False, False, False])
+    assert completion is Completion.RESEND_ALONE and isinstance(error, PayloadTooLarge)
     assert int(conn.seg.slots[slot.index]["state"]) == S_FREE
     for field in ("lat_count", "err_count", "timeout_count"):
         assert int(np.asarray(conn.seg.stats[slot.index][field]).sum()) == 0, field
     # one caller's answer that overflows is that caller's error, not a re-send
-    single = Exchange(slot, recall(np.ones(8, np.float32), 2), 1)
+    single = Exchange(slot, recall(np.ones(8, np.float32), 2), None, 1)
     single.send()
     conn.serve(lambda v, op, k, nq: Status.PAYLOAD_TOO_LARGE)
     assert single.slot.answered()
-    out = single.complete((False,))
-    assert out.completion is Completion.FAILED and isinstance(out.error, PayloadTooLarge)
+    completion, _, error, _ = single.complete((False,))
+    assert completion is Completion.FAILED and isinstance(error, PayloadTooLarge)
 
 
 def test_discard_frees_the_slot_without_reading_or_recording(rng):
     conn = FakeConnection(LAY)
     slot = conn.lease(1)[0]
-    ex = Exchange(slot, recall(np.ones(8, np.float32), 2), 1)
+    ex = Exchange(slot, recall(np.ones(8, np.float32), 2), None, 1)
     ex.send()
     conn.serve(lambda v, op, k, nq: Status.BACKEND_ERROR)
     assert ex.slot.answered()

@@ -15,7 +15,7 @@ from kalos.broker.errors import BrokerUnavailable, ClosedError, KalosError, Resp
 from kalos.broker.layout import Layout
 from kalos.clients import _requests
 from kalos.clients._exchange import Completion, Exchange
-from kalos.clients._queue import CoalescingQueue, Member, NotSent
+from kalos.clients._queue import CoalescingQueue, NotSent, Waiting
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
 from conftest import assert_topk
@@ -34,7 +34,7 @@ class Pool:
         self.slots = conn.lease(LAY.n_slots)
         self.free: list[ClientSlot] = self.slots[:free]
         self.line: list[asyncio.Future[ClientSlot]] = []
-        self.posted: list[tuple[Exchange, asyncio.Future[Any], list[Member] | None]] = []
+        self.posted: list[Exchange[Waiting]] = []
         self.refuse: KalosError | None = None
         self.post_error: BaseException | None = None
         self.bugs: list[Exception] = []
@@ -52,37 +52,37 @@ class Pool:
             self.free.append(fut.result())
         fut.cancel()
 
-    def post(self, ex: Exchange, fut: asyncio.Future[Any], members: list[Member] | None) -> None:
+    def post(self, ex: Exchange[Waiting]) -> None:
         if self.post_error is not None:
             self.free.append(ex.slot)
             raise self.post_error
         ex.send()
-        self.posted.append((ex, fut, members))
+        self.posted.append(ex)
 
     def complete(self) -> list[Completion]:
         """Play the pool's poller: every posted exchange that is answered, completed, its
         callers resolved, its slot freed."""
         done = []
-        for entry in list(self.posted):
-            ex, fut, members = entry
+        for ex in list(self.posted):
             if not ex.slot.answered():
                 continue
-            self.posted.remove(entry)
-            futs = [fut] if members is None else [m.future for m in members]
-            out = ex.complete([f.done() for f in futs])
+            self.posted.remove(ex)
+            members = ex.waiter if isinstance(ex.waiter, list) else None
+            futs = [ex.waiter] if members is None else [m.future for m in members]
+            completion, value, error, _ = ex.complete([f.done() for f in futs])
             self.free.append(ex.slot)
-            done.append(out.completion)
-            if out.completion is Completion.RESEND_ALONE:
+            done.append(completion)
+            if completion is Completion.RESEND_ALONE:
                 assert members is not None
                 self.queue.again(members)
                 continue
-            values = [out.value] if members is None else out.value
+            values = [value] if members is None else value
             for f, v in zip(futs, values):
                 if not f.done():
-                    if out.error is None:
+                    if error is None:
                         f.set_result(v)
                     else:
-                        f.set_exception(out.error)
+                        f.set_exception(error)
         return done
 
 
@@ -109,7 +109,7 @@ async def test_queued_recalls_go_out_at_the_end_of_the_turn_packed_by_key(rng):
     await turn()
     # Two slots: the oldest (k class 4) with the three later of its class (4 rows, full), then
     # the oldest left (k class 16) alone: nothing else shares its class.
-    sent = [(int(ex.prep.nq), int(ex.prep.k), members is not None) for ex, _, members in pool.posted]
+    sent = [(int(ex.prep.nq), int(ex.prep.k), isinstance(ex.waiter, list)) for ex in pool.posted]
     assert sent == [(4, 4, True), (1, 9, False)], sent
     assert pool.queue.live() == 2 and pool.line  # k class 2 and the recall_many wait in line
     pool.conn.serve(topk(matrix))
@@ -157,8 +157,9 @@ async def test_callers_of_an_overflowing_slot_go_again_alone_first_in_line(rng):
     qs = rng.standard_normal((3, 8)).astype(np.float32)
     calls = [asyncio.ensure_future(pool.queue.submit(recall(q, 3), 1, None, None)) for q in qs]
     await turn()
-    [(ex, _, members)] = pool.posted
-    assert members is not None and len(members) == 3
+    [ex] = pool.posted
+    members = ex.waiter
+    assert isinstance(members, list) and len(members) == 3
     calls[1].cancel()
     await asyncio.sleep(0)
     from kalos.broker.layout import Status
@@ -166,7 +167,7 @@ async def test_callers_of_an_overflowing_slot_go_again_alone_first_in_line(rng):
     assert pool.complete() == [Completion.RESEND_ALONE]
     assert [m.resent and m.key is None for m in members] == [True, False, True]
     await turn()
-    alone = [(int(ex.prep.nq), members) for ex, _, members in pool.posted]
+    alone = [(int(ex.prep.nq), ex.parts) for ex in pool.posted]
     assert alone == [(1, None)], alone  # one slot: the first again, alone
     while not (calls[0].done() and calls[2].done()):
         pool.conn.serve(topk(matrix))
