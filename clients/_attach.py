@@ -1,19 +1,26 @@
-"""Attaching to a broker, written once for both clients: open the objects, wait for a loading
-sidecar to be READY, lease slots; retry with jittered backoff while no sidecar serves the name.
+"""Attachment, written once for both clients: open the broker's objects, wait for a loading
+sidecar to be READY, lease slots, retry with jittered backoff while no sidecar serves the name;
+after an outage, re-attach and refuse a sidecar of another geometry; detach (leases given back,
+or left to the reaper).
 
-:func:`attach` is a generator that yields the seconds to pause and returns the attachment; the
-blocking client drives it with ``time.sleep``, the pool with ``asyncio.sleep``. Every pause is
-clipped to what is left of the deadline (:func:`pause_within`), so a caller's budget is never
-overrun by a backoff; a test drives it with a fake clock. Closing the generator while it pauses
-(a cancelled ``open()``) closes the half-made attachment.
+:func:`attach` (and :class:`Attacher`, which holds one client's fixed arguments) are generators
+that yield the seconds to pause and return the :class:`Attachment`; the blocking client drives
+them with :func:`drive` (``time.sleep``), the pool with :func:`drive_async` (``asyncio.sleep``).
+Every pause is clipped to what is left of the deadline (:func:`pause_within`), so a caller's
+budget is never overrun by a backoff; a test drives them with a fake clock. Closing a generator
+while it pauses (a cancelled ``open()``) closes the half-made attachment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable, Collection, Generator
+from typing import NamedTuple, TypeVar
 
-from ..broker.errors import BrokerUnavailable, ConfigError, SlotsExhausted
+from ..broker.errors import BrokerUnavailable, ConfigError, ProtocolError, SlotsExhausted
+from ..broker.layout import Layout
 from ._transport import ClientSlot, Connection, LockBusy, SlotCensus
 
 #: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
@@ -23,7 +30,41 @@ BACKOFF_MAX_S = 0.2
 READY_POLL_S = 0.005
 
 Connect = Callable[[str, "int | None"], Connection]
-Attachment = tuple[Connection, list[ClientSlot]]
+T = TypeVar("T")
+
+
+class Attachment(NamedTuple):
+    """A connection to a serving sidecar and the slots leased through it."""
+
+    conn: Connection
+    slots: list[ClientSlot]
+
+    def end(self, busy: Collection[ClientSlot] = (), *, give_back: bool = True) -> None:
+        """Detach. ``give_back``: idle slots are free for others at once, ``busy`` ones (a
+        request in flight) are marked abandoned for the sidecar's reaper, which frees them once
+        answered; without it (the sidecar is gone) the leases end with the connection. A sidecar
+        that went away meanwhile took the leases with it: not an error."""
+        try:
+            if give_back:
+                taken = {s.index for s in busy}
+                self.conn.give_back([s for s in self.slots if s.index not in taken], list(busy))
+        except BrokerUnavailable:
+            pass
+        finally:
+            self.conn.close()
+
+
+def geometry_error(name: str, old: Layout, new: Layout, reopen: str) -> ProtocolError | None:
+    """The error for a sidecar that came back with another geometry (what every request is
+    encoded against: dim, max_k, max_queries, blob size), None for the same one. ``reopen``:
+    what the caller must reopen ("the pool", "the client"). Pure."""
+    if (new.dim, new.max_k, new.max_queries, new.blob_bytes) == (
+            old.dim, old.max_k, old.max_queries, old.blob_bytes):
+        return None
+    return ProtocolError(
+        f"broker {name!r} came back with another geometry (dim {new.dim}, max_k {new.max_k}, "
+        f"max_queries {new.max_queries}, blob {new.blob_bytes} bytes; was dim {old.dim}, max_k "
+        f"{old.max_k}, max_queries {old.max_queries}, blob {old.blob_bytes}): reopen {reopen}")
 
 
 def backoff_s(attempt: int, rng: random.Random) -> float:
@@ -133,7 +174,7 @@ def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
     except BaseException:
         conn.close()
         raise
-    return conn, slots
+    return Attachment(conn, slots)
 
 
 def _absent(e: BrokerUnavailable, wait: bool) -> Exception:
@@ -158,4 +199,84 @@ def _exhausted(name: str, c: SlotCensus, size: int, min_size: int, for_pool: boo
                    "more --slots")
 
 
-__all__ = ["Attachment", "Connect", "attach", "backoff_s", "pause_within"]
+class Attacher:
+    """One client's attachment arguments, fixed when it is made: the broker, the sidecar's user,
+    how many slots (``size``, at least ``min_size``), whose (``for_pool``: a pool's, else a
+    RecallClient's), and the backoff's random source. ``reopen`` names what a caller reopens
+    when the geometry changed."""
+
+    def __init__(self, connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
+                 min_size: int, for_pool: bool, rng: random.Random,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self._connect = connect
+        self._uid = sidecar_uid
+        self._size = size
+        self._min_size = min_size
+        self._for_pool = for_pool
+        self._rng = rng
+        self._clock = clock
+        self.reopen = "the pool" if for_pool else "the client"
+
+    def attach(self, deadline: float | None, wait_for_sidecar: bool,
+               within: str) -> Generator[float, None, Attachment]:
+        """:func:`attach` with this client's arguments."""
+        return attach(self._connect, self.name, self._uid, size=self._size,
+                      min_size=self._min_size, deadline=deadline,
+                      wait_for_sidecar=wait_for_sidecar, within=within, clock=self._clock,
+                      rng=self._rng, for_pool=self._for_pool)
+
+    def reattach(self, old: Layout) -> Generator[float, None, Attachment]:
+        """A pool's re-attach after an outage, in the background and without a deadline: a
+        jittered backoff before every attempt (the workers of a host do not stampede a starting
+        sidecar), slots held by others (SlotsExhausted) waited for, and the new sidecar's
+        geometry checked against ``old`` (:meth:`check_geometry`). Raises UntrustedBroker,
+        ProtocolError, ConfigError."""
+        attempt = 0
+        while True:
+            yield backoff_s(attempt, self._rng)
+            attempt += 1
+            try:
+                att = yield from self.attach(None, True, "")
+            except SlotsExhausted:
+                continue
+            return self.check_geometry(att, old)
+
+    def check_geometry(self, att: Attachment, old: Layout) -> Attachment:
+        """``att``, if its sidecar has the geometry of ``old`` (what the caller's requests are
+        encoded against); else ``att`` is ended (its leases given back) and ProtocolError
+        raised."""
+        err = geometry_error(self.name, old, att.conn.layout, self.reopen)
+        if err is not None:
+            att.end()
+            raise err
+        return att
+
+
+def drive(steps: Generator[float, None, T]) -> T:
+    """Run an attach generator in this thread, sleeping its pauses."""
+    try:
+        while True:
+            time.sleep(next(steps))
+    except StopIteration as done:
+        value: T = done.value
+        return value
+    finally:
+        steps.close()
+
+
+async def drive_async(steps: Generator[float, None, T]) -> T:
+    """Run an attach generator on the running loop, its pauses awaited (cancellable: a half-made
+    attachment is closed)."""
+    try:
+        while True:
+            await asyncio.sleep(next(steps))
+    except StopIteration as done:
+        value: T = done.value
+        return value
+    finally:
+        steps.close()
+
+
+__all__ = ["Attacher", "Attachment", "Connect", "attach", "backoff_s", "drive", "drive_async",
+           "geometry_error", "pause_within"]

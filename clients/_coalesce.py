@@ -116,12 +116,14 @@ def pick_group(queue: Sequence[Queued], max_rows: int) -> list[int]:
 
 
 class Share(NamedTuple):
-    """One member's part of a shared slot: its rows, its own k, and whether it was ``recall``
-    (one Hits) or ``recall_many`` (a list)."""
+    """One member's part of a shared slot: its rows, its own k, whether it was ``recall`` (one
+    Hits) or ``recall_many`` (a list), and when its call began (monotonic ns: the latency the
+    pool records for it is its own; :func:`split` does not read it)."""
 
     rows: int
     k: int
     single: bool
+    t0: int = 0
 
 
 Answer = Union[Hits, "list[Hits]"]

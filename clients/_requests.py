@@ -44,6 +44,11 @@ def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
     return default if isinstance(timeout, _Default) else timeout
 
 
+#: Operations that only read: sent again to the next sidecar when the one they were posted to
+#: went away before answering (a write may have been applied: the caller decides).
+READS: Final = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
+
+
 @dataclass(slots=True)
 class Prepared:
     op: Op

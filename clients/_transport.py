@@ -166,6 +166,12 @@ class ClientSlot:
         """Consume the response post of a DONE slot (the fence before reading results)."""
         return self.resp.try_acquire()
 
+    def answered(self) -> bool:
+        """Is the answer in? DONE, and its response post consumed (the fence before reading);
+        no system call while it is not DONE. The pool's poller asks this of every request in
+        flight on every look, so it is one call."""
+        return self._w32[self._state] == S_DONE and self.resp.try_acquire()
+
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for the response post and consume it. False if none
         came (or a signal interrupted the wait); BrokerUnavailable if the semaphore broke."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 
-from ..broker.errors import KalosError, PayloadTooLarge, partial_write
+from ..broker.errors import AcquireTimeout, KalosError, PayloadTooLarge, partial_write
 from ..broker.layout import Op, Status
+from .results import Written, written
 
 
 def last_wins(ids: np.ndarray) -> np.ndarray | None:
@@ -102,6 +104,46 @@ def fate(ok: bool, posted: bool, status: int | None) -> Fate:
     return Fate.IN_DOUBT  # lost in flight, or BACKEND_ERROR / SERVER_ERROR after the commit
 
 
+class Chunk(Protocol):
+    """What :func:`settle` reads of one chunk (``clients._requests.Prepared`` has it)."""
+
+    @property
+    def ids(self) -> np.ndarray | None: ...  # None: a delete by filter
+
+    @property
+    def posted(self) -> bool: ...
+
+    @property
+    def status(self) -> int | None: ...
+
+
+_NO_IDS = np.empty(0, np.int64)
+
+
+def out_of_budget(deadline: float | None, now: float) -> AcquireTimeout | None:
+    """The error of a chunk whose call has no budget left before the chunk is sent (seconds on
+    one monotonic clock; None: no limit): it is not posted, since nobody would wait for it."""
+    if deadline is not None and now >= deadline:
+        return AcquireTimeout("the call's time budget ran out before this part was sent")
+    return None
+
+
+def settle(op: Op, chunks: Sequence[Chunk], results: Sequence[object]) -> Written:
+    """The rows a call wrote when every chunk was answered (``results`` all ints, each a Written
+    with the fleet position of its chunk: the call's is the last); else raise the
+    call's error (:func:`failure`): ``results`` holds each chunk's count, the KalosError it
+    failed with, or None (not sent); the first error is the cause."""
+    counts = [r for r in results if isinstance(r, int)]
+    if len(counts) == len(results):
+        return written(counts)
+    cause = next(r for r in results if isinstance(r, KalosError))
+    fates = [fate(isinstance(r, int), c.posted, c.status) for c, r in zip(chunks, results)]
+    err = failure(op, cause, [_NO_IDS if c.ids is None else c.ids for c in chunks], fates)
+    if err is cause:
+        raise cause
+    raise err from cause
+
+
 def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
             fates: Sequence[Fate]) -> KalosError:
     """The error a failed call raises: ``cause`` itself if the call was one request (the
@@ -127,4 +169,5 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
         written=written, unwritten=unwritten, in_doubt=doubt)
 
 
-__all__ = ["Fate", "WriteCall", "failure", "fate", "last_wins", "pack"]
+__all__ = ["Chunk", "Fate", "WriteCall", "failure", "fate", "last_wins", "out_of_budget",
+           "pack", "settle"]

@@ -1,4 +1,11 @@
-"""A small blocking client for code without an event loop, on the same contract as the pool."""
+"""The blocking driver of the client core: :class:`RecallClient`, one leased slot for code
+without an event loop, on the same contract as the pool.
+
+It drives the same pieces as the pool (``clients._attach``, ``clients._exchange``,
+``clients._writes``, ``broker.waiting``) in the calling thread: attaching and re-attaching sleep
+their pauses, and waiting for an answer polls the slot for the spin-then-block policy's window,
+then blocks on the response semaphore in slices, checking the sidecar's liveness between them.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +15,27 @@ import threading
 import time
 from typing import Any, cast
 
-import numpy as np
-
 from ..broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError, ResponseTimeout,
+    AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError,
+    ResponseTimeout,
 )
 from ..broker.layout import Layout, Op, latency_op
 from ..broker.positions import Position
+from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
+from ._attach import Attacher, Attachment, Connect, drive
+from ._exchange import Exchange, resend_after_outage
 from ._requests import (
-    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, upsert as encode_upsert, wait_after, write as write_slot,
+    DEFAULT, NamespaceCache, Prepared, Timeout, count as encode_count, delete as encode_delete,
+    drop as encode_drop, export_page as encode_export_page, get as encode_get,
+    list_namespaces as encode_list_namespaces, merge_records, recall as encode_recall,
+    resolve_timeout, upsert as encode_upsert, wait_after,
 )
-from ._attach import Attachment, Connect, attach
 from ._transport import ClientSlot, Connection
-from ._writes import failure, fate
-from .results import Hits, Records, Written, written
+from ._writes import out_of_budget, settle
+from .results import Hits, Records, Written
 
-DEFAULT_SPIN_US = 250.0
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
-_SLICE_S = 0.05
-_NO_IDS = np.empty(0, np.int64)  # a delete by filter names no ids
+_SLICE_S = 0.05  # a blocked wait looks at the sidecar's liveness this often (seconds)
+_WAITING = (False,)  # complete(): the one caller still waits for its answer
 
 
 class RecallClient:
@@ -39,47 +48,33 @@ class RecallClient:
     """
 
     def __init__(self, name: str = "default", *, timeout: float | None = None,
-                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = 2000.0,
+                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
                  connect_timeout: float = 10.0, sidecar_uid: int | None = None,
                  reconnect: bool = True, connect: Connect | None = None) -> None:
         self.name = name
-        self._connect: Connect = connect or _connect
-        self._sidecar_uid = sidecar_uid
+        self._attacher = Attacher(connect or _connect, name, sidecar_uid, size=1, min_size=1,
+                                  for_pool=False, rng=random.Random())
         self._reconnect = reconnect
-        self._rng = random.Random()
         self._pid = os.getpid()
         self._broken: Exception | None = None
-        self._conn: Connection | None = None
-        self._slot: ClientSlot
         self._timeout = timeout
-        self._spin_s = spin_us * 1e-6
-        self._max_spin_s = max(self._spin_s, max_spin_us * 1e-6)
-        self._rt_ewma_s = 0.0  # typical post -> answer time; the spin window follows it
+        self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._lock = threading.Lock()
-        self._pending = False  # a timed-out request is still in the slot
+        self._pending: Exchange[None] | None = None  # a timed-out request still in the slot
         self._closed = False
         self._ns = NamespaceCache()
-        self._attach(time.monotonic() + connect_timeout, reconnect, f"within {connect_timeout} s")
+        self._conn: Connection | None = None
+        self._slot: ClientSlot
+        self._install(drive(self._attacher.attach(time.monotonic() + connect_timeout, reconnect,
+                                                  f"within {connect_timeout} s")))
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
 
-    def _attach(self, deadline: float | None, wait_for_sidecar: bool, within: str) -> None:
-        """Attach and lease one slot (:func:`clients._attach.attach`, its pauses slept here:
-        each one clipped to ``deadline``)."""
-        steps = attach(self._connect, self.name, self._sidecar_uid, size=1, min_size=1,
-                       deadline=deadline, wait_for_sidecar=wait_for_sidecar, within=within,
-                       clock=time.monotonic, rng=self._rng)
-        try:
-            while True:
-                time.sleep(next(steps))
-        except StopIteration as done:
-            conn, slots = cast(Attachment, done.value)
-        finally:
-            steps.close()
-        self._conn, self._slot = conn, slots[0]
-        self._metric = conn.metric
-        self._pending = False
-        self._payload_limit = conn.payload_limit
+    def _install(self, att: Attachment) -> None:
+        self._conn, self._slot = att.conn, att.slots[0]
+        self._metric = att.conn.metric
+        self._payload_limit = att.conn.payload_limit
+        self._pending = None
 
     @property
     def layout(self) -> Layout:
@@ -97,22 +92,16 @@ class RecallClient:
         self.close()
 
     def close(self) -> None:
-        """Give the slot back. Closing twice is fine."""
+        """Give the slot back (to the sidecar's reaper if a request is still in it). Closing
+        twice is fine."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             if os.getpid() != self._pid or self._conn is None:
                 return  # a forked copy (the parent's lease) or no sidecar: nothing to give back
-            try:
-                if self._pending:
-                    self._conn.give_back([], [self._slot])
-                else:
-                    self._conn.give_back([self._slot], [])
-            except BrokerUnavailable:
-                pass
-            finally:
-                self._conn.close()
+            busy = [self._slot] if self._pending is not None else []
+            Attachment(self._conn, [self._slot]).end(busy)
 
     def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
                timeout: Timeout = DEFAULT, with_payload: bool = False,
@@ -149,24 +138,21 @@ class RecallClient:
         return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
 
     def _write(self, op: Op, preps: list[Prepared], budget: Timeout) -> Written:
-        """The chunks of one upsert or delete, in turn, within one budget; the error of a call
-        that fails part way names the ids by fate (clients._writes.failure)."""
+        """The chunks of one upsert or delete, in turn, within one budget; after a failure no
+        further chunk is sent, and the error names the ids by fate (clients._writes.settle)."""
         deadline = self._deadline(budget)
-        results: list[Any] = [None] * len(preps)
-        for i in range(len(preps)):
+        results: list[object] = [None] * len(preps)
+        for i, p in enumerate(preps):
             try:
-                if deadline is not None and time.monotonic() >= deadline:  # never post what
-                    raise AcquireTimeout(  # nobody will wait for
-                        "the call's time budget ran out before this part was sent")
+                spent = out_of_budget(deadline, time.monotonic())
+                if spent is not None:
+                    raise spent
                 # Each chunk is timed from its own start (its latency), the budget is the call's.
-                results[i] = self._call_until(preps[i], deadline, time.monotonic_ns())
+                results[i] = self._call_until(p, deadline, time.monotonic_ns())
             except KalosError as e:
-                fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]
-                err = failure(op, e, [p.ids if p.ids is not None else _NO_IDS for p in preps], fates)
-                if err is e:
-                    raise
-                raise err from e
-        return written(results)
+                results[i] = e
+                break
+        return settle(op, preps, results)
 
     def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
             timeout: Timeout = DEFAULT, after: Position | str | None = None) -> Records:
@@ -231,15 +217,14 @@ class RecallClient:
         while True:
             if self._conn is None or self._conn.quiet():
                 self._ensure_attached(deadline)
-            assert self._conn is not None
             try:
-                return self._roundtrip(self._slot, p, deadline, t0)
+                return self._roundtrip(p, deadline, t0)
             except BrokerUnavailable as e:
                 if not self._reconnect:
                     self._broken = e
                     raise
                 self._drop()  # the answer can no longer come from this sidecar
-                if p.op in _READS and (deadline is None or time.monotonic() < deadline):
+                if resend_after_outage(p, deadline, time.monotonic()):
                     continue  # a read: send it again to the next sidecar, same budget
                 raise BrokerUnavailable(f"{e} (the request was in flight; the client "
                                         "re-attaches on its next call)") from None
@@ -256,69 +241,56 @@ class RecallClient:
                     self._broken = e
                     raise
                 self._drop()
-        self._attach(deadline, True, "within the call's time budget")
-        assert self._conn is not None
-        new = self._conn.layout
-        old = self._layout
-        if (new.dim, new.max_k, new.max_queries, new.blob_bytes) != \
-                (old.dim, old.max_k, old.max_queries, old.blob_bytes):
-            self._drop(give_back=True)
-            self._broken = ProtocolError(
-                f"broker {self.name!r} came back with another geometry (dim {new.dim}, was "
-                f"{old.dim}; max_k {new.max_k}, was {old.max_k}): reopen the client")
-            raise self._broken
+        att = drive(self._attacher.attach(deadline, True, "within the call's time budget"))
+        try:
+            self._install(self._attacher.check_geometry(att, self._layout))
+        except ProtocolError as e:
+            self._broken = e  # every later call too: the client's requests no longer fit
+            raise
 
-    def _drop(self, give_back: bool = False) -> None:
+    def _drop(self) -> None:
+        """Forget an attachment whose sidecar is gone (its leases end with the connection)."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            try:
-                if give_back:
-                    conn.give_back([self._slot], [])
-            except BrokerUnavailable:
-                pass
-            finally:
-                conn.close()
-        self._pending = False
+            Attachment(conn, [self._slot]).end(give_back=False)
+        self._pending = None
 
-    def _roundtrip(self, s: ClientSlot, p: Prepared, deadline: float | None,
-                   t0: int) -> Any:
+    def _roundtrip(self, p: Prepared, deadline: float | None, t0: int) -> Any:
         op = latency_op(p.op, p.single)
-        if self._pending:  # finish the abandoned request first
-            self._wait(s, deadline, op)
-            s.set_free()
-            self._pending = False
-        blob_len = write_slot(s.view, p)
-        s.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
-        p.posted = True
-        self._pending = True
-        self._wait(s, deadline, op)
-        self._pending = False
-        try:
-            result = read_slot(s.view, s.outcome(), p)
-        except Exception:
-            s.record(time.monotonic_ns() - t0, ok=False, op=op)
-            s.set_free()
-            raise
-        s.record(time.monotonic_ns() - t0, ok=True, op=op)
-        s.set_free()
-        return result
+        pending = self._pending
+        if pending is not None:  # finish the abandoned request first
+            self._wait(pending, deadline, op)
+            pending.discard()
+            self._pending = None
+        ex = Exchange(self._slot, p, None, t0)
+        ex.send()
+        self._pending = ex
+        self._wait(ex, deadline, op)
+        self._pending = None
+        _, value, error, _ = ex.complete(_WAITING)
+        if error is not None:
+            raise error
+        return value
 
-    def _wait(self, s: ClientSlot, deadline: float | None, op: int) -> None:
-        """Spin briefly on the slot state, then block on its response semaphore in slices,
-        checking the sidecar's liveness between slices."""
-        t0 = time.perf_counter()
-        end = t0 + (min(self._max_spin_s, max(self._spin_s, 2.0 * self._rt_ewma_s)) if self._spin_s else 0.0)
-        while time.perf_counter() < end:
-            if s.is_done() and s.try_consume():
-                self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
+    def _wait(self, ex: Exchange[None], deadline: float | None, op: int) -> None:
+        """Poll the slot for the policy's window, then block on its response semaphore in
+        slices, checking the sidecar's liveness between slices. On ResponseTimeout the
+        request stays in the slot (``_pending``) and the timeout is recorded now."""
+        clock = time.perf_counter_ns
+        t0 = clock()
+        spinning = self._policy.spinning
+        slot = ex.slot
+        while spinning(clock() - t0):
+            if slot.answered():
+                self._policy.observe(clock() - t0)
                 return
         while True:
             budget = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
             if budget <= 0:
-                s.record(0, ok=False, timed_out=True, op=op)
+                slot.record(0, ok=False, timed_out=True, op=op)
                 raise ResponseTimeout("no answer within the time budget")
-            if s.wait(budget):
-                self._rt_ewma_s += 0.2 * (time.perf_counter() - t0 - self._rt_ewma_s)
+            if slot.wait(budget):
+                self._policy.observe(clock() - t0)
                 return
             assert self._conn is not None
             self._conn.check_alive()

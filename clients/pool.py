@@ -1,35 +1,27 @@
-"""The asyncio client pool.
+"""The asyncio driver of the client core: :class:`RecallPool`.
 
-Slots are leased up front (like asyncpg's pool creates its connections) and sit on an
-``asyncio.LifoQueue``. A request claims a slot, writes the query in place, posts, and awaits a future.
-One poller task per pool resolves the futures:
+Slots are leased up front (like asyncpg's pool creates its connections) and sit on a free stack.
+A call takes a slot, sends its request in it (``clients._exchange``: write, then post) and awaits
+a future; one poller task per pool finds answers in and resolves the futures from each exchange's
+outcome. The poller checks the slot states between event-loop turns while answers keep coming,
+for the window of the spin-then-block policy (``broker.waiting``), then a waiter thread blocks on
+the oldest request's response semaphore (the sidecar batches every posted slot, so the oldest
+finishes first) and wakes the loop with ``call_soon_threadsafe``; the loop also checks the
+sidecar's liveness every ``LIVENESS_S``. An idle pool costs no CPU.
 
-* **spin phase**: it checks the states of in-flight slots in shared memory between event-loop turns
-  (``await asyncio.sleep(0)``) for a bounded window after the last completion: ``spin_us``, widened
-  to twice the pool's typical round trip (so a 0.5 ms GPU recall is still caught by polling) but
-  never beyond ``max_spin_us``. No threads, no wake-ups: this is what makes a round trip cost only
-  a little more than the sidecar's own work.
-* **blocking phase**: after the window, a waiter thread blocks on the response semaphore of the
-  oldest in-flight slot (the sidecar batches every posted slot, so the oldest finishes first) and
-  wakes the loop with ``call_soon_threadsafe``; the loop also checks the sidecar's liveness every
-  ``LIVENESS_S``. Idle pools cost no CPU.
+Cancellation and timeouts never leak a slot: a slot whose caller went away stays in flight until
+the sidecar answers; the poller then drops the answer and only then frees the slot.
 
-Cancellation and timeouts never leak a slot: a slot whose caller went away stays in flight until the
-sidecar answers; the poller then discards the answer (its generation no longer has a caller) and only
-then puts the slot back on the queue.
-
-**Coalescing** (``coalesce=True``): a recall that would wait anyway (no free slot, other recalls
-queued, or requests of this pool already in flight) joins a queue instead of taking a slot of its
-own; at the end of the event-loop turn, or when a slot frees up, the queue goes out as few
-multi-query slots as its coalescing keys allow, and each slot's answer is split among its callers.
-The decisions (which path, which key, which group, how the answer scatters) are the pure
-functions of ``clients._coalesce``; this module does the I/O around them.
+What the pool drives, each written once: ``clients._attach`` (attach, re-attach after an outage,
+detach), ``clients._exchange`` (one request in one slot), ``clients._queue`` (the coalescing
+queue), ``clients._writes`` (a write of several chunks), ``broker.waiting`` (spin, then block).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import enum
 import os
 import random
 import time
@@ -39,34 +31,71 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
-
 from ..broker.errors import (
     AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
-    PayloadTooLarge, ProtocolError, ResponseTimeout, SlotsExhausted,
+    ResponseTimeout,
 )
-from ..broker.layout import Layout, Op, latency_op
+from ..broker.layout import Layout, Op
 from ..broker.positions import Position
-from ._coalesce import Key, Path, Share, coalesce_key, pick_group, route, split
+from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
+from ._attach import Attacher, Attachment, drive_async
+from ._coalesce import Path, route
+from ._exchange import Completion, Exchange, resend_after_outage
+from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
-    DEFAULT, Timeout, resolve_timeout, NamespaceCache, Prepared, count as encode_count, delete as encode_delete, drop as encode_drop, export_page as encode_export_page, get as encode_get, list_namespaces as encode_list_namespaces, merge_records, read as read_slot, recall as encode_recall, recall_group as encode_recall_group, upsert as encode_upsert, wait_after, write as write_slot,
+    DEFAULT, NamespaceCache, Prepared, Timeout, count as encode_count, delete as encode_delete,
+    drop as encode_drop, export_page as encode_export_page, get as encode_get,
+    list_namespaces as encode_list_namespaces, merge_records, recall as encode_recall,
+    resolve_timeout, upsert as encode_upsert, wait_after,
 )
-from ._attach import attach, backoff_s
-from ._writes import WriteCall, failure, fate
+from ._writes import WriteCall, out_of_budget, settle
 from ._transport import ClientSlot, Connection, Waiter
 from .results import Hits, Records, Written, written
 
 LIVENESS_S = 0.1
-#: Operations that only read: re-sent after a re-attach if the sidecar went away under them.
-_READS = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
-DEFAULT_SPIN_US = 250.0
-MAX_SPIN_US = 2000.0
-_NO_IDS = np.empty(0, np.int64)  # a delete by filter names no ids
 
 
 class _Halted(Exception):
     """A write chunk not posted because another chunk of its call failed (not an error)."""
 
+
+class PoolState(enum.Enum):
+    """A pool's life: NEW -> OPEN -> CLOSING -> CLOSED; BROKEN from OPEN or CLOSING when it can
+    serve no more (an outage with ``reconnect=False``, a sidecar of another geometry, a bug);
+    FORKED: the copy of an open pool in a forked child."""
+
+    NEW = "new"
+    OPEN = "open"
+    CLOSING = "closing"  # close() waits for what is in flight or queued; no new calls
+    CLOSED = "closed"
+    BROKEN = "broken"
+    FORKED = "forked"
+
+
+#: Requests in flight and queued still go on (the poller, the dispatcher, the re-attacher run).
+_SERVING = frozenset({PoolState.OPEN, PoolState.CLOSING})
+# Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
+# CPython 3.11.
+_OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
+
+
+def refusal(state: PoolState, broken: KalosError | None, opened_in: int,
+            pid: int) -> KalosError | None:
+    """What a call on a pool in ``state`` raises; None when it may go ahead (OPEN). ``broken``:
+    the cause of a BROKEN pool; ``opened_in`` / ``pid``: the process that opened it, this one.
+    Pure."""
+    if state is PoolState.OPEN:
+        return None
+    if state is PoolState.BROKEN and broken is not None:
+        return broken
+    if state is PoolState.FORKED:
+        return ForkedPoolError(
+            f"this pool was opened in process {opened_in} and cannot be used in process {pid} "
+            "(a fork): open a RecallPool in each worker after forking (e.g. in the FastAPI "
+            "lifespan or gunicorn's post_fork)")
+    if state is PoolState.NEW:
+        return ClosedError("pool is not open (use `async with RecallPool(...)` or await open())")
+    return ClosedError(f"pool is {state.value}")
 
 
 @dataclass(frozen=True)
@@ -103,36 +132,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-@dataclass(slots=True, eq=False)
-class _Member:
-    """A recall queued to be coalesced (then riding in a shared slot): its own request, future,
-    start time and coalescing key (None: it goes alone)."""
-
-    prep: Prepared
-    future: asyncio.Future[Any]
-    t0: int
-    key: Key | None
-    rows: int  # prep.nq (what clients._coalesce.pick_group reads)
-    sent: bool = False
-    resent: bool = False  # sent once in a shared slot whose payloads overflowed; queued again alone
+def _futures(w: Waiting) -> list[asyncio.Future[Any]]:
+    """The futures of the callers waiting for one posted exchange."""
+    return [m.future for m in w] if isinstance(w, list) else [w]
 
 
-@dataclass(slots=True)
-class _Inflight:
-    slot: ClientSlot
-    prep: Prepared
-    future: asyncio.Future[Any]  # a shared slot: its first member's (each member has its own)
-    t0: int
-    members: list[_Member] | None = None  # the recalls sharing this slot (None: one caller)
-
-    def futures(self) -> list[asyncio.Future[Any]]:
-        return [self.future] if self.members is None else [m.future for m in self.members]
-
-    def orphaned(self) -> bool:
-        """Every caller of this request went away (cancelled or timed out)."""
-        if self.members is None:
-            return self.future.done()
-        return all(m.future.done() for m in self.members)
+def _orphaned(w: Waiting) -> bool:
+    """Every caller of a posted exchange went away (cancelled or timed out)."""
+    return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
 
 
 class _FreeSlots:
@@ -221,11 +228,9 @@ class RecallPool:
     ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
     to it and be closed to other users; raises UntrustedBroker otherwise).
 
-    **Coalescing** (``coalesce=True``; off by default: measured on a 2-vCPU host it raised 64
-    tasks in one process by a quarter but 64 tasks in four processes by nothing beyond noise, and
-    on an H200 at 1M rows it was slower, there measured before multi-row slots took the sidecar's
-    uniform route; bench/results/README.md). A lone recall (a free slot, nothing queued,
-    nothing of this pool in flight) is sent at once, in a slot of its own, as without coalescing.
+    **Coalescing** (``coalesce=True``; off by default: it pays when one process has many
+    concurrent callers, README "API"). A lone recall (a free slot, nothing queued, nothing of
+    this pool in flight) is sent at once, in a slot of its own, as without coalescing.
     A recall that would wait anyway, because no slot is free, other recalls are already queued,
     or this pool already has requests in flight (the sidecar is busy with them), is queued
     instead; the queue is sent at the end of the current event-loop turn, or as soon as a slot
@@ -247,9 +252,9 @@ class RecallPool:
     finds the sidecar dead or stopped, requests in flight fail with BrokerUnavailable (their
     answers can no longer come), and the pool re-attaches to the next sidecar that serves the name
     (jittered backoff, off the event loop's critical path). Calls made meanwhile wait for it
-    within their own timeout (then BrokerUnavailable). Reads (recall, recall_many, namespaces,
-    export_page) lost with the old sidecar are sent again to the new one within their timeout;
-    writes in flight fail with BrokerUnavailable. A sidecar that comes back with another
+    within their own timeout (then BrokerUnavailable). Reads (recall, recall_many, get, count,
+    namespaces, export_page) lost with the old sidecar are sent again to the new one within their
+    timeout; writes in flight fail with BrokerUnavailable. A sidecar that comes back with another
     geometry (dim, max_k, max_queries, blob size) is a ProtocolError, not a silent re-attach,
     and one with fewer slots than ``size`` a ConfigError. ``reconnect=False``: the first outage
     breaks the pool for good (BrokerUnavailable), and :meth:`open` does not wait for a sidecar
@@ -271,46 +276,39 @@ class RecallPool:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
         self.name = name
-        self._size = size
-        self._min_size = min_size
         self._timeout = timeout
         self._connect_timeout = connect_timeout
-        self._sidecar_uid = sidecar_uid
-        self._connect = connect or _connect
         self._reconnect = reconnect
         self._coalesce = coalesce
-        self._queue: list[_Member] = []  # recalls waiting to be coalesced, oldest first
-        self._keys: dict[tuple[bytes, int, int], Key] = {}  # coalescing keys of unfiltered recalls
-        self._dispatch_soon = False  # a dispatch of the queue is scheduled for this turn
-        self._slot_waiter: asyncio.Future[ClientSlot] | None = None  # the queue's place in line
+        self._attacher = Attacher(connect or _connect, name, sidecar_uid, size=size,
+                                  min_size=min_size, for_pool=True, rng=random.Random())
+        self._policy = SpinThenBlock(spin_us, max_spin_us)
+        self._state = PoolState.NEW
+        self._broken: KalosError | None = None  # why a BROKEN pool serves no more
+        self._pid = os.getpid()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # The live attachment (none during an outage): its connection, its slots, the free ones.
+        self._conn: Connection | None = None
+        self._slots: list[ClientSlot] = []
+        self._current: frozenset[ClientSlot] = frozenset()
+        self._free: _FreeSlots | None = None
+        self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
+        self._inflight: dict[int, Exchange[Waiting]] = {}  # posted, by slot index
+        self._queue: CoalescingQueue | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._waiter: Waiter | None = None
+        self._wake: asyncio.Event | None = None
+        self._blocking = False  # the poller waits for the waiter thread (a post must wake it)
+        self._last_check_ns = 0  # last liveness check while answers were DONE but not posted
+        self._reattacher: asyncio.Task[None] | None = None
+        self._requests = 0
+        self._errors = 0
         self._posted = 0
         self._coalesced = 0
-        self._rng = random.Random()
-        self._payload_limit = 0  # the sidecar's --payload-limit (bytes), set when attached
-        self._attached: asyncio.Event | None = None  # set while attached to a serving sidecar
-        self._reattacher: asyncio.Task[None] | None = None
         self._outages = 0
         self._reattaches = 0
         self._unavailable_ns = 0
         self._down_since = 0  # monotonic ns when the current outage began (0: none)
-        self._pid = os.getpid()
-        self._last_check_ns = 0  # last liveness check while answers were DONE but not posted
-        self._spin_ns = int(spin_us * 1000)
-        self._max_spin_ns = max(self._spin_ns, int(max_spin_us * 1000))
-        self._rt_ewma_ns = 0.0  # typical post -> answer time of this pool
-        self._conn: Connection | None = None
-        self._slots: list[ClientSlot] = []
-        self._free: _FreeSlots | None = None
-        self._inflight: dict[int, _Inflight] = {}
-        self._poller: asyncio.Task[None] | None = None
-        self._waiter: Waiter | None = None
-        self._wake: asyncio.Event | None = None
-        self._blocking = False
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._state = "new"  # new -> open -> closing -> closed; "forked" in a child process
-        self._broken: KalosError | None = None
-        self._requests = 0
-        self._errors = 0
         self._ns = NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
         self._metric = "unknown"  # set by open()
@@ -326,40 +324,30 @@ class RecallPool:
         SlotsExhausted (other processes hold the slots: fewer than ``min_size`` are free),
         ConfigError (``size`` is above the sidecar's slot count), UntrustedBroker, ProtocolError.
         """
-        if self._state != "new":
-            raise ClosedError(f"pool is {self._state}: a pool is opened once")
-        self._loop = asyncio.get_running_loop()
-        self._free = _FreeSlots(self._loop)
+        if self._state is not PoolState.NEW:
+            raise ClosedError(f"pool is {self._state.value}: a pool is opened once")
+        loop = self._loop = asyncio.get_running_loop()
+        free = self._free = _FreeSlots(loop)
         self._wake = asyncio.Event()
-        self._attached = asyncio.Event()
-        conn, slots = await self._attach(time.monotonic() + self._connect_timeout,
-                                         self._reconnect, f"within {self._connect_timeout} s")
-        self._layout = conn.layout
-        self._metric = conn.metric
-        self._install(conn, slots)
-        self._state = "open"
+        att = await drive_async(self._attacher.attach(
+            time.monotonic() + self._connect_timeout, self._reconnect,
+            f"within {self._connect_timeout} s"))
+        self._layout = att.conn.layout
+        self._metric = att.conn.metric
+        self._queue = CoalescingQueue(
+            loop, max_rows=self._layout.max_queries, max_k=self._layout.max_k,
+            take_slot=self._take_slot, release=free.put_nowait, wait_for_slot=free.add_waiter,
+            withdraw=free.remove_waiter, usable=self._usable,
+            post=self._post, refusal=self._queue_refusal, on_bug=self._dispatcher_failed)
+        self._install(att)
+        self._state = PoolState.OPEN
         _POOLS.add(self)
         return self
 
-    async def _attach(self, deadline: float | None, wait_for_sidecar: bool,
-                      within: str) -> tuple[Connection, list[ClientSlot]]:
-        """Drive :func:`clients._attach.attach` on the loop (its pauses are asyncio sleeps)."""
-        steps = attach(self._connect, self.name, self._sidecar_uid, size=self._size,
-                       min_size=self._min_size, deadline=deadline,
-                       wait_for_sidecar=wait_for_sidecar, within=within, clock=time.monotonic,
-                       rng=self._rng, for_pool=True)
-        try:
-            while True:
-                await asyncio.sleep(next(steps))
-        except StopIteration as done:
-            return cast("tuple[Connection, list[ClientSlot]]", done.value)
-        finally:
-            steps.close()  # cancelled while pausing: the half-made attachment is closed
-
-    def _install(self, conn: Connection, slots: list[ClientSlot]) -> None:
+    def _install(self, att: Attachment) -> None:
         """Make an attachment current: its slots free, its waiter thread started."""
         assert self._loop is not None and self._free is not None and self._wake is not None
-        assert self._attached is not None
+        conn, slots = att
         self._conn = conn
         self._slots = slots
         self._current = frozenset(slots)
@@ -367,7 +355,6 @@ class RecallPool:
             self._free.put_nowait(s)
         self._payload_limit = conn.payload_limit
         self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
-        self._attached.set()
 
     async def __aenter__(self) -> RecallPool:
         return await self.open()
@@ -387,19 +374,26 @@ class RecallPool:
         return self._metric
 
     async def close(self) -> None:
-        """Wait for in-flight requests, then give the slots back. Closing twice is fine. If the
-        wait is cancelled or fails, falls back to :meth:`terminate`."""
-        if self._state in ("closed", "new"):
-            self._state = "closed"
+        """Wait for in-flight and queued requests, then give the slots back. Closing twice is
+        fine. If the wait is cancelled or fails, falls back to :meth:`terminate`."""
+        state = self._state
+        if state is PoolState.NEW or state is PoolState.CLOSED:
+            self._state = PoolState.CLOSED
             return
-        if self._state == "forked":
+        if state is PoolState.FORKED:
             return
-        self._state = "closing"
+        if state is PoolState.BROKEN:
+            self.terminate()
+            return
+        self._state = PoolState.CLOSING
+        queue = self._queue
+        assert queue is not None
         try:
-            while ((self._inflight or self._live_queue()) and self._broken is None
+            while ((self._inflight or queue.live()) and self._state is PoolState.CLOSING
                    and self._conn is not None):
-                futs = [f for e in self._inflight.values() for f in e.futures() if not f.done()]
-                futs += [m.future for m in self._queue if not m.future.done()]
+                futs = [f for e in self._inflight.values() for f in _futures(e.waiter)
+                        if not f.done()]
+                futs += queue.futures()
                 if futs:
                     await asyncio.wait(futs, timeout=LIVENESS_S)
                 else:
@@ -414,16 +408,17 @@ class RecallPool:
     def terminate(self) -> None:
         """Close now: pending callers get ClosedError; slots still in flight are handed to the
         sidecar's reaper (freed once it has answered them)."""
-        if self._state in ("closed", "forked"):
-            self._state = "closed"
+        if self._state is PoolState.CLOSED or self._state is PoolState.FORKED:
+            self._state = PoolState.CLOSED
             return
-        self._state = "closed"
+        self._state = PoolState.CLOSED
         _POOLS.discard(self)
         for task in (self._poller, self._reattacher):
             if task is not None and not task.done():
                 task.cancel()
         self._detach(ClosedError("pool terminated"), give_back=True)
-        self._fail_queue(ClosedError("pool terminated"))
+        if self._queue is not None:
+            self._queue.fail(ClosedError("pool terminated"))
 
     def _detach(self, exc: KalosError, *, give_back: bool) -> None:
         """Drop the current attachment: callers in flight get ``exc``; the leases go back (idle
@@ -431,53 +426,50 @@ class RecallPool:
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None
-        busy = [e.slot for e in self._inflight.values()]
+        busy = []
         for e in self._inflight.values():
-            if e.prep.call is not None:
-                e.prep.call.failed = True  # its call's other chunks are not posted (_write)
-            for f in e.futures():
+            busy.append(e.slot)
+            call = e.prep.call
+            if call is not None:
+                call.failed = True  # its call's other chunks are not posted (_write)
+            for f in _futures(e.waiter):
                 if not f.done():
                     f.set_exception(copy.copy(exc))
         self._inflight.clear()
         if self._free is not None:
             self._free.drain()
-        if self._attached is not None:
-            self._attached.clear()
-        conn, self._conn, slots, self._slots = self._conn, None, self._slots, []
-        self._current = frozenset()
+        conn, slots = self._conn, self._slots
+        self._conn, self._slots, self._current = None, [], frozenset()
         if conn is not None:
-            busy_idx = {s.index for s in busy}
-            try:
-                if give_back:
-                    conn.give_back([s for s in slots if s.index not in busy_idx], busy)
-            except BrokerUnavailable:
-                pass  # the sidecar's objects are gone: so are the leases
-            finally:
-                conn.close()
+            Attachment(conn, slots).end(busy, give_back=give_back)
 
     def _forked(self) -> None:
         """In a child after fork: the parent's slots, threads and loop are not ours. Forget them
         without touching shared memory (the parent still uses them)."""
-        self._state = "forked"
+        self._state = PoolState.FORKED
         self._conn = None
         self._slots = []
         self._inflight = {}
-        self._queue = []
-        self._slot_waiter = None
+        if self._queue is not None:
+            self._queue.forget()
         self._waiter = None
         self._poller = self._reattacher = None
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
-            size=len(self._slots), free=self._free.qsize() if self._free else 0,
-            in_flight=len(self._inflight),
-            orphaned=sum(1 for e in self._inflight.values() if e.orphaned()),
+            size=len(self._slots), free=self._free_count(), in_flight=len(self._inflight),
+            orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
             requests=self._requests, errors=self._errors, outages=self._outages,
             reattaches=self._reattaches,
             unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since
                                                    if self._down_since else 0)) / 1e9,
-            attached=self._conn is not None, queued=self._live_queue(), posted=self._posted,
+            attached=self._conn is not None,
+            queued=self._queue.live() if self._queue is not None else 0, posted=self._posted,
             coalesced=self._coalesced)
+
+    def spin_window_ns(self) -> int:
+        """How long the poller polls after the last completion (``broker.waiting``)."""
+        return self._policy.window_ns()
 
     # ------------------------------------------------------------------ public operations
     async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
@@ -497,7 +489,7 @@ class RecallPool:
         sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable, ClosedError.
         """
         t0 = time.monotonic_ns()
-        if self._state != "open" or self._broken is not None:
+        if self._state is not _OPEN:
             self._check_usable()
         p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
                              single=True, where=where)
@@ -526,15 +518,15 @@ class RecallPool:
         (a :class:`Written`: an int with the fleet ``position`` of the write, for ``after=``).
 
         ``vectors``: shape (n, dim), one row per id (README, "Vectors"); duplicate ids: the last
-        wins. Every row, id and payload is checked before anything is sent (InvalidRequest,
-        PayloadTooLarge). Rows go in chunks (max_queries rows, a slot's blob area of payloads),
-        concurrently over the pool's slots; each chunk is durable (with ``--data-dir``) before
-        it is acknowledged (with ``--data-dir`` or ``--store``); a payload over the sidecar's
-        ``--payload-limit`` (read from its header) fails the call before anything is sent. ``timeout`` (seconds, None = no limit) is one budget for
-        the whole call. A failure after part of the call was applied (an outage, a store failure
-        or the budget running out between chunks) raises PartialWrite, also an instance of the
-        error that stopped it (BrokerUnavailable, ServerError, KalosTimeout ...), naming the ids
-        written, not written and in doubt.
+        wins. Every row, id and payload is checked before anything is sent (InvalidRequest;
+        PayloadTooLarge for a payload over the sidecar's ``--payload-limit`` or a slot's blob
+        area: the call writes nothing). Rows go in chunks (max_queries rows, a slot's blob area
+        of payloads), concurrently over the pool's slots; each chunk is durable (with
+        ``--data-dir`` or ``--store``) before it is acknowledged. ``timeout`` (seconds, None = no limit) is one
+        budget for the whole call. A failure after part of the call was applied (an outage, a
+        store failure or the budget running out between chunks) raises PartialWrite, also an
+        instance of the error that stopped it (BrokerUnavailable, ServerError, KalosTimeout ...),
+        naming the ids written, not written and in doubt.
         """
         t0 = time.monotonic_ns()
         preps = encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit)
@@ -593,6 +585,11 @@ class RecallPool:
         return cast(int, await self._execute(p, timeout, t0))
 
     # ------------------------------------------------------------------ machinery
+    def _check_usable(self) -> None:
+        err = refusal(self._state, self._broken, self._pid, os.getpid())
+        if err is not None:
+            raise err
+
     def _down_error(self) -> BrokerUnavailable:
         """What a caller whose budget ran out during an outage gets."""
         return BrokerUnavailable(
@@ -600,72 +597,77 @@ class RecallPool:
             f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
             "re-attaches as soon as one serves the name)")
 
-    def _check_usable(self) -> None:
-        if self._state != "open":
-            if self._state == "forked":
-                raise ForkedPoolError(
-                    f"this pool was opened in process {self._pid} and cannot be used in process "
-                    f"{os.getpid()} (a fork): open a RecallPool in each worker after forking "
-                    "(e.g. in the FastAPI lifespan or gunicorn's post_fork)")
-            raise ClosedError(f"pool is {self._state}" if self._state != "new" else
-                              "pool is not open (use `async with RecallPool(...)` or await open())")
-        if self._broken is not None:
-            raise self._broken
+    def _usable(self, slot: ClientSlot) -> bool:
+        """A slot of the live attachment (not one of an attachment lost to an outage)."""
+        return slot in self._current
+
+    def _free_count(self) -> int:
+        return self._free.qsize() if self._free is not None else 0
+
+    def _take_slot(self) -> ClientSlot | None:
+        """A free slot of the live attachment now, or None."""
+        assert self._free is not None
+        while (slot := self._free.get_nowait()) is not None:
+            if slot in self._current:
+                return slot
+        return None
+
+    def _queue_refusal(self) -> KalosError | None:
+        """None while queued recalls may still be sent (OPEN or CLOSING), else their error."""
+        if self._state in _SERVING:
+            return None
+        return refusal(self._state, self._broken, self._pid, os.getpid())
+
+    def _dispatcher_failed(self, e: Exception) -> None:
+        """A bug: fail the callers rather than hang them (as the poller does)."""
+        self._break(BrokerUnavailable(f"pool dispatcher failed: {type(e).__name__}: {e}"))
 
     async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> Written:
         """Send the chunks of one upsert or delete within one budget, at once (every row and
         payload was checked when they were built). After the first failure no
         further chunk is posted; the chunks in flight are awaited, and the error says what
-        became of every id (clients._writes.failure)."""
+        became of every id (clients._writes.settle)."""
         self._check_usable()
         loop = self._loop
         assert loop is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
-        if len(preps) > 1:
-            t0 = 0  # each chunk timed from its own sending (_execute_once), not from the call
-        results: list[Any] = [None] * len(preps)
-        rest = list(range(len(preps)))
-        if len(rest) == 1:
-            results[rest[0]] = await self._chunk(preps[rest[0]], deadline, t0)
-        elif rest:
+        results: list[object] = [None] * len(preps)
+        if len(preps) == 1:
+            results[0] = await self._chunk(preps[0], deadline, t0)
+        elif preps:
+            # Each chunk timed from its own sending (t0=0), not from the call.
             call = WriteCall()
-            for i in rest:
-                preps[i].call = call
-            tasks = [loop.create_task(self._chunk(preps[i], deadline, t0)) for i in rest]
+            for p in preps:
+                p.call = call
+            tasks = [loop.create_task(self._chunk(p, deadline, 0)) for p in preps]
 
             def stop_unposted(_done: asyncio.Task[Any]) -> None:
                 if call.failed:  # chunks still waiting for a slot (or a sidecar) give up now
-                    for t, i in zip(tasks, rest):
-                        if not t.done() and not preps[i].posted:
+                    for t, p in zip(tasks, preps):
+                        if not t.done() and not p.posted:
                             t.cancel()
 
             for t in tasks:
                 t.add_done_callback(stop_unposted)
             settled = await asyncio.gather(*tasks, return_exceptions=True)
-            for i, r in zip(rest, settled):
+            for i, r in enumerate(settled):
                 if isinstance(r, (asyncio.CancelledError, _Halted)):
                     continue  # stopped before it was posted: not sent
                 if isinstance(r, BaseException) and not isinstance(r, KalosError):
                     raise r  # a bug, not an outcome (_chunk returns Kalos errors)
                 results[i] = r
-        if all(isinstance(r, int) for r in results):
-            return written(results)
-        cause = next(r for r in results if isinstance(r, KalosError))
-        fates = [fate(isinstance(r, int), p.posted, p.status) for p, r in zip(preps, results)]
-        err = failure(op, cause, [p.ids if p.ids is not None else _NO_IDS for p in preps], fates)
-        if err is cause:
-            raise cause
-        raise err from cause
+        return settle(op, preps, results)
 
     async def _chunk(self, p: Prepared, deadline: float | None, t0: int) -> Any:
         """One chunk of a write: its count, or the KalosError it failed with (an outcome)."""
         assert self._loop is not None
-        left = None if deadline is None else deadline - self._loop.time()
+        now = self._loop.time()
         try:
-            if left is not None and left <= 0:  # never post what nobody will wait for
-                raise AcquireTimeout("the call's time budget ran out before this part was sent")
-            return await self._execute(p, left, t0)
+            spent = out_of_budget(deadline, now)
+            if spent is not None:
+                raise spent
+            return await self._execute(p, None if deadline is None else deadline - now, t0)
         except KalosError as e:
             if p.call is not None:
                 p.call.failed = True
@@ -694,16 +696,17 @@ class RecallPool:
                         raise self._down_error() from None
                     raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
                                          "slots, all in flight)") from None
-            if self._state != "open" or self._broken is not None:
+            if self._state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
-            if self._conn is not None and slot in self._current:  # not a slot of a dead attachment
+            if slot in self._current:  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: Prepared, budget: Timeout, t0: int) -> Any:
-        self._check_usable()
+        if self._state is not _OPEN:
+            self._check_usable()
         loop = self._loop
-        assert loop is not None and self._free is not None
+        assert loop is not None and self._free is not None and self._queue is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -711,16 +714,16 @@ class RecallPool:
                 if (self._coalesce and p.op is Op.RECALL and p.after is None
                         and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
                         is Path.QUEUE):
-                    return await self._execute_queued(p, timeout, deadline, t0)
+                    try:  # queued to be sent with others (the class docstring)
+                        return await self._queue.submit(p, t0, timeout, deadline)
+                    except NotSent as e:
+                        raise self._not_sent(e, timeout) from None
                 return await self._execute_once(p, timeout, deadline, t0)
             except BrokerUnavailable:
-                # A read lost to a sidecar that went away (in flight, or posted just before the
-                # pool noticed) is sent again once the pool has re-attached, within the same
-                # budget: reads are idempotent. Writes are not retried (they may have been
-                # applied; retrying them is the caller's call, and safe).
-                if not (self._reconnect and p.op in _READS and self._broken is None
-                        and self._state == "open"
-                        and (deadline is None or loop.time() < deadline)):
+                # Lost to a sidecar that went away (in flight, or posted just before the pool
+                # noticed): a read is sent again once the pool has re-attached.
+                if not (self._reconnect and self._state is PoolState.OPEN
+                        and resend_after_outage(p, deadline, loop.time())):
                     raise
 
     async def _execute_once(self, p: Prepared, timeout: float | None,
@@ -731,28 +734,8 @@ class RecallPool:
         if p.call is not None and p.call.failed:
             self._free.put_nowait(slot)
             raise _Halted  # another chunk of this write failed: this one is not sent
-        conn = self._conn
-        assert conn is not None
-        if conn.quiet():  # the heartbeat is late: is the sidecar still there before we post?
-            try:
-                conn.check_alive()
-            except BrokerUnavailable as e:
-                self._free.put_nowait(slot)
-                self._unavailable(e)
-                raise
-        try:
-            blob_len = write_slot(slot.view, p)
-            slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, t0)
-        except BaseException:
-            slot.set_free()
-            self._free.put_nowait(slot)
-            raise
-        p.posted = True
         fut: asyncio.Future[Any] = loop.create_future()
-        # t0 == 0: a chunk of a bulk call, timed from its sending (see _execute_all).
-        self._inflight[slot.index] = _Inflight(slot, p, fut, t0 or time.monotonic_ns())
-        self._posted += 1
-        self._kick()
+        self._post(Exchange(slot, p, fut, t0))
         if deadline is None:
             return await fut
         try:
@@ -761,242 +744,78 @@ class RecallPool:
             raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight until the "
                                   "sidecar finishes it; the slot is then reused)") from None
 
-    # ------------------------------------------------------------------ coalescing
-    async def _execute_queued(self, p: Prepared, timeout: float | None,
-                              deadline: float | None, t0: int) -> Any:
-        """Queue a recall to be sent with others (see the class docstring) and await its share."""
-        loop = self._loop
-        assert loop is not None
-        fut: asyncio.Future[Any] = loop.create_future()
-        m = _Member(p, fut, t0, self._key_of(p), p.nq)
-        self._queue.append(m)
-        self._schedule_dispatch()
-        try:
-            if deadline is None:
-                return await fut
-            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError as e:
-            if isinstance(e, KalosError):  # the caller's own error, not the budget running out
-                raise
-            if m.sent:
-                raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight until "
-                                      "the sidecar finishes it; the slot is then reused)") from None
-            self._unqueue(m)
-            self._check_usable()
-            if self._conn is None:
-                raise self._down_error() from None
-            if m.resent:
-                raise ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
-                                      "payloads overflowed it, then queued again alone)") from None
-            raise AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
-                                 f"{len(self._slots)} slots, {self._free_count()} free)") from None
-        except BaseException:
-            if not m.sent:
-                self._unqueue(m)
-            raise
+    def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
+        """The error of a recall whose budget ran out in the coalescing queue."""
+        self._check_usable()
+        if self._conn is None:
+            return self._down_error()
+        if e.resent:
+            return ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
+                                   "payloads overflowed it, then queued again alone)")
+        return AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
+                              f"{len(self._slots)} slots, {self._free_count()} free)")
 
-    def _key_of(self, p: Prepared) -> Key:
-        """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
-        ones (cached: most recalls of a pool share a few), computed for filtered ones."""
-        if p.blob:
-            return coalesce_key(p.ns, p.flags, p.blob, p.k, self._layout.max_k)
-        ck = (p.ns, p.flags, p.k)
-        key = self._keys.get(ck)
-        if key is None:
-            key = coalesce_key(p.ns, p.flags, b"", p.k, self._layout.max_k)
-            if len(self._keys) < 4096:
-                self._keys[ck] = key
-        return key
-
-    def _free_count(self) -> int:
-        return self._free.qsize() if self._free is not None else 0
-
-    def _unqueue(self, m: _Member) -> None:
-        """Take a caller that went away out of the queue; with no caller left, the queue leaves
-        the line for a slot (so the free count is restored at once, as for a plain caller)."""
-        try:
-            self._queue.remove(m)
-        except ValueError:
-            pass
-        w = self._slot_waiter
-        if w is not None and not self._live_queue() and self._free is not None:
-            self._slot_waiter = None
-            self._free.remove_waiter(w)
-
-    def _live_queue(self) -> int:
-        return sum(1 for m in self._queue if not m.future.done())
-
-    def _fail_queue(self, exc: BaseException) -> None:
-        queue, self._queue = self._queue, []
-        w, self._slot_waiter = self._slot_waiter, None
-        if w is not None and self._free is not None:
-            self._free.remove_waiter(w)
-        for m in queue:
-            if not m.future.done():
-                m.future.set_exception(copy.copy(exc))
-
-    def _schedule_dispatch(self) -> None:
-        """Send the queue at the end of this event-loop turn (once, however many join it)."""
-        if not self._dispatch_soon:
-            self._dispatch_soon = True
-            assert self._loop is not None
-            self._loop.call_soon(self._dispatch_now)
-
-    def _dispatch_now(self) -> None:
-        self._dispatch_soon = False
-        self._dispatch_guarded(None)
-
-    def _on_slot(self, fut: asyncio.Future[ClientSlot]) -> None:
-        """The queue's turn in line for a slot came (or the pool broke while it waited)."""
-        if self._slot_waiter is not fut:
-            return  # withdrawn (its slot, if it got one, was passed on then)
-        self._slot_waiter = None
-        if fut.cancelled():
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self._fail_queue(exc)
-            return
-        self._dispatch_guarded(fut.result())
-
-    def _dispatch_guarded(self, slot: ClientSlot | None) -> None:
-        try:
-            self._dispatch(slot)
-        except Exception as e:  # a bug: fail the callers rather than hang them (as the poller)
-            self._break(BrokerUnavailable(f"pool dispatcher failed: {type(e).__name__}: {e}"))
-            raise
-
-    def _dispatch(self, slot: ClientSlot | None) -> None:
-        """Send the queue, one group per slot, while there are slots (``slot``: one handed to the
-        queue); then wait in line for the next one. Callers that went away are dropped first."""
-        assert self._free is not None and self._loop is not None
-        free = self._free
-        while True:
-            if self._queue and any(m.future.done() for m in self._queue):
-                self._queue = [m for m in self._queue if not m.future.done()]
-            if not self._queue:
-                break
-            if self._state not in ("open", "closing") or self._broken is not None:
-                try:
-                    self._check_usable()
-                except KalosError as e:
-                    self._fail_queue(e)
-                break
-            if slot is None:
-                slot = free.get_nowait()
-                if slot is None:
-                    if self._slot_waiter is None:
-                        w: asyncio.Future[ClientSlot] = self._loop.create_future()
-                        w.add_done_callback(self._on_slot)
-                        free.add_waiter(w)
-                        self._slot_waiter = w
-                    return
-            if self._conn is None or slot not in self._current:
-                slot = None  # a slot of an attachment that is gone (as in _acquire)
-                continue
-            self._send(slot, self._take_group())
-            slot = None
-        if slot is not None:
-            free.put_nowait(slot)
-
-    def _take_group(self) -> list[_Member]:
-        """Remove and return the next group of the queue (``clients._coalesce.pick_group``)."""
-        queue = self._queue
-        if len(queue) == 1:
-            self._queue = []
-            return queue
-        picked = pick_group(queue, self._layout.max_queries)
-        if len(picked) == len(queue):
-            self._queue = []
-            return queue
-        chosen = set(picked)
-        self._queue = [m for i, m in enumerate(queue) if i not in chosen]
-        return [queue[i] for i in picked]
-
-    def _send(self, slot: ClientSlot, group: list[_Member]) -> None:
-        """Write a group (one recall, or several sharing the slot) and post it."""
+    def _post(self, ex: Exchange[Waiting]) -> None:
+        """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
+        free stack and the error is raised (a sidecar found dead is an outage as well)."""
+        slot = ex.slot
         conn = self._conn
         assert conn is not None and self._free is not None
-        if conn.quiet():  # as in _execute_once: is the sidecar still there before we post?
+        if conn.quiet():  # the heartbeat is late: is the sidecar still there before we post?
             try:
                 conn.check_alive()
             except BrokerUnavailable as e:
                 self._free.put_nowait(slot)
-                self._fail_members(group, e)  # reads: each caller sends again after the re-attach
                 self._unavailable(e)
-                return
-        p = group[0].prep if len(group) == 1 else encode_recall_group([m.prep for m in group])
-        try:
-            blob_len = write_slot(slot.view, p)
-            slot.post(p.op, p.ns, p.k, p.nq, p.flags, blob_len, group[-1].t0)
-        except BaseException as e:
-            slot.set_free()
-            self._free.put_nowait(slot)
-            self._fail_members(group, e)
-            if not isinstance(e, Exception):
                 raise
-            return
-        for m in group:
-            m.sent = True
-        if len(group) == 1:  # completes as a call of its own
-            self._inflight[slot.index] = _Inflight(slot, p, group[0].future, group[0].t0)
-        else:
-            self._inflight[slot.index] = _Inflight(slot, p, group[0].future, group[-1].t0, group)
-        self._posted += 1
-        self._kick()
-
-    @staticmethod
-    def _fail_members(group: list[_Member], exc: BaseException) -> None:
-        for m in group:
-            if not m.future.done():
-                m.future.set_exception(copy.copy(exc))
-
-    def _complete_group(self, e: _Inflight) -> None:
-        """A shared slot was answered: each caller still waiting gets its own share (or the
-        error). Payloads that overflowed the blob area together are asked again one by one."""
-        s = e.slot
-        members = e.members
-        assert members is not None and self._free is not None
-        answers: list[Any] = []
-        exc: KalosError | None = None
         try:
-            hits = read_slot(s.view, s.outcome(), e.prep)
-            answers = split(hits, [Share(m.prep.nq, m.prep.k, m.prep.single) for m in members])
-        except KalosError as x:
-            exc = x
-        now = time.monotonic_ns()
-        self._rt_ewma_ns += 0.2 * ((now - e.t0) - self._rt_ewma_ns)
-        s.set_free()
-        self._free.put_nowait(s)  # only now: the sidecar is done with the slot
-        if isinstance(exc, PayloadTooLarge):
-            # Together their payloads overflowed the slot; each alone may fit (as it would have
-            # without coalescing): ask again for each caller still waiting, alone.
-            again = [m for m in members if not m.future.done()]
-            for m in again:
-                m.key = None
-                m.sent = False
-                m.resent = True
-            self._queue[:0] = again
-            if again:
-                self._schedule_dispatch()
-            return
-        for i, m in enumerate(members):
-            fut = m.future
-            latency = now - m.t0
-            op = latency_op(m.prep.op, m.prep.single)
-            if fut.done():  # this caller was cancelled or timed out: drop its share
-                s.record(latency, ok=False, timed_out=True, op=op)
-            else:
-                s.record(latency, ok=exc is None, op=op)
-                if exc is None:
-                    fut.set_result(answers[i])
-                else:
-                    fut.set_exception(copy.copy(exc))
-        self._requests += len(members)
-        self._coalesced += len(members)
-        if exc is not None:
-            self._errors += len(members)
+            ex.send()
+        except BaseException:
+            self._free.put_nowait(slot)
+            raise
+        self._inflight[slot.index] = ex
+        self._posted += 1
+        poller = self._poller
+        if poller is None or self._blocking or poller.done():  # else its next pass finds it
+            self._kick()
 
+    def _complete(self, ex: Exchange[Waiting]) -> None:
+        """An answer is in: the exchange's outcome goes to its callers (those still waiting);
+        the slot is free again, and only now (the sidecar is done with it)."""
+        assert self._free is not None
+        waiting = ex.waiter
+        if not isinstance(waiting, list):  # one caller
+            completion, value, error, round_trip = ex.complete((waiting.done(),))
+            self._policy.observe(round_trip)
+            self._free.put_nowait(ex.slot)
+            self._requests += 1
+            if error is not None:
+                self._errors += 1
+            if not waiting.done():
+                if error is None:
+                    waiting.set_result(value)
+                else:
+                    waiting.set_exception(error)
+            return
+        completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
+        self._policy.observe(round_trip)
+        self._free.put_nowait(ex.slot)
+        if completion is Completion.RESEND_ALONE:
+            assert self._queue is not None
+            self._queue.again(waiting)
+            return
+        self._requests += len(waiting)
+        self._coalesced += len(waiting)
+        if error is not None:
+            self._errors += len(waiting)
+        for i, m in enumerate(waiting):
+            if not m.future.done():
+                if error is None:
+                    m.future.set_result(value[i])
+                else:
+                    m.future.set_exception(copy.copy(error))
+
+    # ------------------------------------------------------------------ the poller
     def _kick(self) -> None:
         if self._poller is None or self._poller.done():
             assert self._loop is not None
@@ -1005,71 +824,30 @@ class RecallPool:
             assert self._wake is not None
             self._wake.set()
 
-    def spin_window_ns(self) -> int:
-        """How long to poll after the last completion: ``spin_us``, or twice the typical round
-        trip if longer, capped at ``max_spin_us``; ``spin_us=0`` turns polling off. Pure."""
-        if not self._spin_ns:
-            return 0
-        return int(min(self._max_spin_ns, max(self._spin_ns, 2.0 * self._rt_ewma_ns)))
-
     def _reap(self) -> bool:
         """Complete every in-flight request whose answer is in. Returns True if any was."""
         progressed = False
         for idx, e in list(self._inflight.items()):
-            s = e.slot
-            if not s.is_done() or not s.try_consume():
+            if not e.slot.answered():
                 continue
             del self._inflight[idx]
             self._complete(e)
             progressed = True
         return progressed
 
-    def _complete(self, e: _Inflight) -> None:
-        if e.members is not None:
-            self._complete_group(e)
-            return
-        s = e.slot
-        fut = e.future
-        result: Any = None
-        exc: BaseException | None = None
-        try:
-            result = read_slot(s.view, s.outcome(), e.prep)
-        except KalosError as x:
-            exc = x
-            if e.prep.call is not None:  # before the slot is handed to the call's next chunk
-                e.prep.call.failed = True
-        latency = time.monotonic_ns() - e.t0
-        self._rt_ewma_ns += 0.2 * (latency - self._rt_ewma_ns)
-        op = latency_op(e.prep.op, e.prep.single)
-        if fut.done():  # the caller was cancelled or timed out: drop the answer
-            s.record(latency, ok=False, timed_out=True, op=op)
-        else:
-            s.record(latency, ok=exc is None, op=op)
-        s.set_free()
-        assert self._free is not None
-        self._free.put_nowait(s)  # only now: the sidecar is done with the slot
-        self._requests += 1
-        if exc is not None:
-            self._errors += 1
-        if not fut.done():
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
-
     async def _poll_loop(self) -> None:
-        """Resolve in-flight requests. Spins between loop turns while answers keep coming (and for
-        ``spin_us`` after the last one, so back-to-back requests never pay a wake-up), then blocks
-        (waiter thread) or, with nothing in flight, exits."""
+        """Resolve in-flight requests. Spins between loop turns while answers keep coming (and
+        for the policy's window after the last one, so back-to-back requests never pay a
+        wake-up), then blocks (waiter thread) or, with nothing in flight, exits."""
         clock = time.monotonic_ns
+        spinning = self._policy.spinning
         try:
             last = clock()
-            while self._state != "closed" and self._conn is not None:
-                spin = self.spin_window_ns()
+            while self._state is not _CLOSED and self._conn is not None:
                 if self._inflight:
                     if self._reap():
                         last = clock()
-                    elif clock() - last > spin:
+                    elif not spinning(clock() - last):
                         await self._block()
                         last = clock()
                         continue
@@ -1077,7 +855,7 @@ class RecallPool:
                         # Nothing arrived: let another process on this core (the sidecar, other
                         # workers) run before the next look; a no-op when the core is ours.
                         os.sched_yield()
-                elif clock() - last > spin:
+                elif not spinning(clock() - last):
                     return
                 await asyncio.sleep(0)
         except BrokerUnavailable as e:
@@ -1113,10 +891,11 @@ class RecallPool:
             if self._waiter is not None:
                 self._waiter.disarm()
 
+    # ------------------------------------------------------------------ outages
     def _unavailable(self, exc: BrokerUnavailable) -> None:
         """The sidecar is dead or stopped (or its objects broke). Fail what was in flight, and
         re-attach in the background (or break for good without ``reconnect``)."""
-        if self._state not in ("open", "closing") or self._conn is None:
+        if self._state not in _SERVING or self._conn is None:
             return
         if not self._reconnect:
             self._break(exc)
@@ -1128,52 +907,36 @@ class RecallPool:
         self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"),
                      give_back=False)
         assert self._loop is not None
-        self._reattacher = self._loop.create_task(self._reattach(exc))
+        self._reattacher = self._loop.create_task(self._reattach())
 
-    async def _reattach(self, cause: BrokerUnavailable) -> None:
-        attempt = 0
-        while self._state in ("open", "closing"):
-            await asyncio.sleep(backoff_s(attempt, self._rng))
-            attempt += 1
-            try:
-                conn, slots = await self._attach(None, True, "")
-            except SlotsExhausted:
-                continue  # others took the new sidecar's slots first: wait for some to free up
-            except KalosError as e:  # UntrustedBroker, ProtocolError, ConfigError
-                self._break(e)
-                return
-            new, old = conn.layout, self._layout
-            if (new.dim, new.max_k, new.max_queries, new.blob_bytes) != (
-                    old.dim, old.max_k, old.max_queries, old.blob_bytes):
-                conn.give_back(slots, [])
-                conn.close()
-                self._break(ProtocolError(
-                    f"broker {self.name!r} came back with another geometry (dim {new.dim}, max_k "
-                    f"{new.max_k}, max_queries {new.max_queries}, blob {new.blob_bytes} bytes; was "
-                    f"dim {old.dim}, max_k {old.max_k}, max_queries "
-                    f"{old.max_queries}, blob {old.blob_bytes}): reopen the pool"))
-                return
-            if self._state not in ("open", "closing"):
-                conn.give_back(slots, [])
-                conn.close()
-                return
-            self._unavailable_ns += time.monotonic_ns() - self._down_since
-            self._down_since = 0
-            self._reattaches += 1
-            self._install(conn, slots)
+    async def _reattach(self) -> None:
+        try:
+            att = await drive_async(self._attacher.reattach(self._layout))
+        except KalosError as e:  # UntrustedBroker, ProtocolError (another geometry), ConfigError
+            self._break(e)
             return
+        if self._state not in _SERVING:
+            att.end()
+            return
+        self._unavailable_ns += time.monotonic_ns() - self._down_since
+        self._down_since = 0
+        self._reattaches += 1
+        self._install(att)
 
     def _break(self, exc: KalosError) -> None:
         """No more service from this pool: fail every caller now; later calls raise ``exc``."""
         self._broken = exc
+        if self._state in _SERVING:
+            self._state = PoolState.BROKEN
         self._detach(exc, give_back=True)
         if self._free is not None:
             self._free.wake_all(exc)
-        self._fail_queue(exc)
+        if self._queue is not None:
+            self._queue.fail(exc)
 
 
 def _connect(name: str, sidecar_uid: int | None) -> Connection:
     return Connection(name, sidecar_uid=sidecar_uid)
 
 
-__all__ = ["RecallPool", "PoolStatistics"]
+__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "PoolState", "PoolStatistics", "RecallPool"]

@@ -30,6 +30,7 @@ from ..broker.errors import ConfigError
 from ..broker import leases
 from ..broker.layout import HEARTBEAT_S, SegmentView, SidecarState, SlotWords, header_field_offset
 from ..broker.names import validate_broker_name
+from ..broker.waiting import SpinThenBlock
 from .objects import Objects, create as create_objects, unlink as unlink_objects
 from .answers import AnswerWriter
 from .backends.base import Backend
@@ -277,14 +278,15 @@ class Sidecar:
     # ------------------------------------------------------------------ main loop
     def serve_forever(self) -> None:
         """Serve until stopped. While requests keep coming the loop polls the slot states (clients
-        then skip the doorbell); after ``spin_us`` without work it announces that it sleeps and
-        blocks on the doorbell, so an idle sidecar costs no CPU."""
+        then skip the doorbell); after ``spin_us`` without work (``broker.waiting``, the clients'
+        spin-then-block policy with a fixed window) it announces that it sleeps and blocks on the
+        doorbell, so an idle sidecar costs no CPU."""
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
         bell = self._objs.bell
         inflight = self.pipeline.inflight
         u32 = self._words.u32
         sleeping = self._sleep_word
-        spin_ns = int(self.cfg.spin_us * 1000)
+        spinning = SpinThenBlock(self.cfg.spin_us).spinning  # a fixed window: --spin-us
         clock = time.monotonic_ns
         reap_ns = int(REAP_S * 1e9)
         next_reap = clock() + reap_ns
@@ -304,7 +306,7 @@ class Sidecar:
                             last_work - inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
                         time.sleep(0.00005)  # a long batch on the device: poll gently
                     continue
-                if now - last_work < spin_ns:
+                if spinning(now - last_work):
                     os.sched_yield()  # polite polling: a client on this core gets to run
                     continue
                 u32[sleeping] = 1

@@ -18,6 +18,7 @@ from kalos.clients._coalesce import (
 from kalos.clients.fake import FakeConnection
 from kalos.clients.results import Hits
 from conftest import assert_topk
+from fake_sidecar import topk
 
 # --------------------------------------------------------------------------- pure decisions
 
@@ -105,16 +106,6 @@ def test_split_refuses_a_row_count_that_does_not_add_up():
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=8, blob_bytes=4096)
 
-
-def topk(matrix: np.ndarray, log: list[tuple[int, int]] | None = None):
-    """The fake sidecar's answer (float64 top-k); ``log`` gets (nq, k) of every request served."""
-    def answer(v: SlotView, op: int, k: int, nq: int):
-        if log is not None:
-            log.append((nq, k))
-        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
-        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
-    return answer
 
 
 async def serve_forever(conn: FakeConnection, answer) -> None:

@@ -18,17 +18,11 @@ from kalos.broker.layout import Layout, SlotView, Status
 from kalos.clients import RecallPool
 from kalos.clients.fake import FakeConnection
 from conftest import assert_topk
+from fake_sidecar import topk as topk_answer
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 pytestmark = pytest.mark.asyncio
 
-
-def topk_answer(matrix: np.ndarray):
-    def answer(v: SlotView, op: int, k: int, nq: int):
-        s = v.queries[:nq].astype(np.float64) @ matrix.T.astype(np.float64)
-        ids = np.argsort(-s, axis=1, kind="stable")[:, :k]
-        return ids.astype(np.int64), np.take_along_axis(s, ids, 1).astype(np.float32)
-    return answer
 
 
 async def open_pool(conn: FakeConnection, size: int = 3, **kw) -> RecallPool:

@@ -1,0 +1,137 @@
+"""One request in one slot, written once for both clients: send it (write, then post) and complete
+it (read the answer into an :data:`Outcome`).
+
+No event loop, no thread, no waiting: a driver (the asyncio pool, the blocking client) decides
+when to send, finds the answer in (``ClientSlot.answered``, or a blocking wait on the response
+semaphore: either consumes the response post, the fence before reading), and acts on the outcome.
+A slot may carry the recalls of several callers (the pool's coalescing): their rows in order, the
+answer split among them (``clients._coalesce.split``), each caller's latency recorded as its own.
+
+    FREE --send()--> POSTED --(sidecar)--> DONE --(consumed)--> complete(gone) --> FREE, Outcome
+                                                             \\-> discard() -----> FREE
+
+Recording belongs here too: the slot's stats block (read by the sidecar's metrics) gets each
+caller's latency when its answer is read, or a timeout for a caller that had gone by then.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from ..broker.errors import KalosError, PayloadTooLarge
+from ..broker.layout import latency_op
+from ._coalesce import Share, split
+from ._requests import READS, Prepared, read, write
+from ._transport import ClientSlot
+
+
+class Completion(enum.Enum):
+    """What became of a request whose answer was read."""
+
+    ANSWERED = "answered"  # the value: the answer (a list, one per caller, when shared)
+    FAILED = "failed"  # the error: what every caller gets
+    RESEND_ALONE = "resend alone"  # a shared answer overflowed the slot: send each caller alone
+
+
+#: What :meth:`Exchange.complete` returns: ``(completion, value, error, round_trip_ns)``; the
+#: value when ANSWERED, the error when FAILED (and the cause of a RESEND_ALONE), and the time from
+#: the request's t0 to its answer read (what the spin policy follows). A plain tuple: one is made
+#: for every answer.
+Outcome = tuple[Completion, Any, KalosError | None, int]
+W = TypeVar("W")
+
+
+# Bound once: reading an enum member off its class costs ~50 ns on CPython 3.11, and every
+# answer is completed here.
+_ANSWERED, _FAILED, _RESEND_ALONE = Completion.ANSWERED, Completion.FAILED, Completion.RESEND_ALONE
+
+
+@dataclass(slots=True, eq=False)
+class Exchange(Generic[W]):
+    """``prep`` in ``slot``. ``waiter``: the driver's own record of who waits for the answer
+    (the pool: its caller's future, or a shared slot's callers; the blocking client: None);
+    ``t0``: when the call began (monotonic ns; 0: timed from its sending, as the chunks of a
+    bulk call are); ``parts``: the callers sharing the slot, in row order
+    (``clients._coalesce.Share``: rows, k, recall or recall_many, t0; None: one caller)."""
+
+    slot: ClientSlot
+    prep: Prepared
+    waiter: W
+    t0: int = 0
+    parts: list[Share] | None = None
+
+    def send(self) -> None:
+        """Write the request into the slot's data areas, then post it (header fields, POSTED, the
+        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``). If either
+        step fails the slot is FREE again and the error is raised; the driver keeps the slot."""
+        slot, p = self.slot, self.prep
+        try:
+            slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
+        except BaseException:
+            slot.set_free()
+            raise
+        p.posted = True
+        if not self.t0:
+            self.t0 = time.monotonic_ns()
+
+    def complete(self, gone: Sequence[bool]) -> Outcome:
+        """Read the answer (its response post consumed) and free the slot. ``gone``: per caller,
+        whether it went away (cancelled, timed out): its latency is recorded as a timeout and
+        its share of the answer is the driver's to drop. A failed chunk of a write marks its
+        call failed before the slot is free to carry the call's next chunk."""
+        slot, p = self.slot, self.prep
+        error: KalosError | None = None
+        value: Any = None
+        try:
+            value = read(slot.view, slot.outcome(), p)
+        except KalosError as e:
+            error = e
+            if p.call is not None:
+                p.call.failed = True
+        now = time.monotonic_ns()
+        parts = self.parts
+        if parts is None:
+            op = latency_op(p.op, p.single)
+            if gone[0]:
+                slot.record(now - self.t0, ok=False, timed_out=True, op=op)
+            else:
+                slot.record(now - self.t0, ok=error is None, op=op)
+            slot.set_free()
+            if error is None:
+                return _ANSWERED, value, None, now - self.t0
+            return _FAILED, None, error, now - self.t0
+        if error is None:
+            value = split(value, parts)
+        slot.set_free()
+        if isinstance(error, PayloadTooLarge):
+            # Together their payloads overflowed the slot; each alone may fit, as it would have
+            # without coalescing. Nothing is recorded: each caller's request is not over.
+            return _RESEND_ALONE, None, error, now - self.t0
+        for part, left in zip(parts, gone):
+            op = latency_op(p.op, part.single)
+            if left:
+                slot.record(now - part.t0, ok=False, timed_out=True, op=op)
+            else:
+                slot.record(now - part.t0, ok=error is None, op=op)
+        if error is None:
+            return _ANSWERED, value, None, now - self.t0
+        return _FAILED, None, error, now - self.t0
+
+    def discard(self) -> None:
+        """Free the slot of an answered request whose caller was told already (the blocking
+        client's timed-out request, finished before its next one): nothing read or recorded."""
+        self.slot.set_free()
+
+
+def resend_after_outage(p: Prepared, deadline: float | None, now: float) -> bool:
+    """Send ``p`` again to the next sidecar after the one it was posted to went away? Reads
+    only (idempotent; a write may have been applied: its caller decides), and only within the
+    call's budget (``deadline``, ``now``: seconds on one monotonic clock; None: no limit)."""
+    return p.op in READS and (deadline is None or now < deadline)
+
+
+__all__ = ["Completion", "Exchange", "Outcome", "resend_after_outage"]

@@ -1,0 +1,287 @@
+"""The pool's coalescing queue (``RecallPool(coalesce=True)``): a recall that would wait anyway
+waits here instead of for a slot of its own, and the queue goes out as few shared slots as the
+recalls' coalescing keys allow, at the end of the event-loop turn or when a slot frees up.
+
+The decisions are the pure functions of ``clients._coalesce`` (what may share a slot, the next
+group); sending a group is an ``clients._exchange.Exchange``. What the queue needs of its pool
+(its free slots, posting, whether it still serves) comes as callables given to the constructor:
+the queue holds no reference to the pool, and a test can drive it with plain functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ..broker.errors import KalosError, ResponseTimeout
+from ._coalesce import Key, Share, coalesce_key, pick_group
+from ._exchange import Exchange
+from ._requests import Prepared, recall_group
+from ._transport import ClientSlot
+
+#: Who waits for a posted exchange (``Exchange.waiter``): its one caller's future, or the
+#: callers sharing its slot.
+Waiting = Union["asyncio.Future[Any]", "list[Member]"]
+#: ``post(exchange)``: send it and count it in flight, or raise with the slot back among the
+#: free ones.
+Post = Callable[["Exchange[Waiting]"], None]
+
+_KEY_CACHE = 4096  # unfiltered coalescing keys kept (one per namespace, flags and k seen)
+
+
+@dataclass(slots=True, eq=False)
+class Member:
+    """A queued recall (then riding in a shared slot): its request, its caller's future, when
+    its call began, and its coalescing key (None: it goes alone)."""
+
+    prep: Prepared
+    future: asyncio.Future[Any]
+    t0: int
+    key: Key | None
+    rows: int  # prep.nq (what clients._coalesce.pick_group reads)
+    sent: bool = False
+    resent: bool = False  # sent once in a shared slot that overflowed; queued again alone
+
+
+class NotSent(Exception):
+    """A queued recall's budget ran out before it was sent (the pool says why, in its terms).
+    ``resent``: it had been sent in a shared slot that overflowed, and was waiting to go again."""
+
+    def __init__(self, resent: bool) -> None:
+        self.resent = resent
+
+
+class CoalescingQueue:
+    """Recalls waiting to share slots, oldest first.
+
+    ``max_rows`` / ``max_k``: the broker's max_queries and max_k. The pool's side:
+    ``take_slot()`` a free slot of the live attachment, or None; ``release(slot)`` puts one back;
+    ``wait_for_slot(fut)`` / ``withdraw(fut)`` put the queue in line for the next free slot and
+    take it out again; ``usable(slot)``: is it a slot of the live attachment; ``post``
+    (:data:`Post`);
+    ``refusal()`` None while the pool serves, else the error for queued callers; ``on_bug(e)``
+    when dispatching failed unexpectedly (the pool breaks: callers fail rather than hang).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, max_rows: int, max_k: int,
+                 take_slot: Callable[[], ClientSlot | None],
+                 release: Callable[[ClientSlot], None],
+                 wait_for_slot: Callable[[asyncio.Future[ClientSlot]], None],
+                 withdraw: Callable[[asyncio.Future[ClientSlot]], None],
+                 usable: Callable[[ClientSlot], bool], post: Post,
+                 refusal: Callable[[], KalosError | None],
+                 on_bug: Callable[[Exception], None]) -> None:
+        self._loop = loop
+        self._max_rows = max_rows
+        self._max_k = max_k
+        self._take_slot = take_slot
+        self._release = release
+        self._wait_for_slot = wait_for_slot
+        self._withdraw = withdraw
+        self._usable = usable
+        self._post = post
+        self._refusal = refusal
+        self._on_bug = on_bug
+        self._queue: list[Member] = []
+        self._keys: dict[tuple[bytes, int, int], Key] = {}
+        self._dispatch_soon = False  # a dispatch is scheduled for the end of this turn
+        self._slot_waiter: asyncio.Future[ClientSlot] | None = None  # the queue's place in line
+
+    def __len__(self) -> int:
+        """Entries, those of callers that went away included (what ``_coalesce.route`` reads)."""
+        return len(self._queue)
+
+    def live(self) -> int:
+        """Callers still waiting in the queue."""
+        return sum(1 for m in self._queue if not m.future.done())
+
+    def futures(self) -> list[asyncio.Future[Any]]:
+        """The futures of the callers still waiting in the queue."""
+        return [m.future for m in self._queue if not m.future.done()]
+
+    async def submit(self, p: Prepared, t0: int, timeout: float | None,
+                     deadline: float | None) -> Any:
+        """Queue the recall ``p`` (its call began at ``t0``, monotonic ns) and await its share of
+        a slot's answer until ``deadline`` (the loop's clock, ``timeout`` seconds from the call's
+        start; None: no limit). Raises its own error, ResponseTimeout (sent, not answered in
+        time), NotSent (still queued when the budget ran out)."""
+        loop = self._loop
+        fut: asyncio.Future[Any] = loop.create_future()
+        m = Member(p, fut, t0, self._key_of(p), p.nq)
+        self._queue.append(m)
+        self._schedule()
+        try:
+            if deadline is None:
+                return await fut
+            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError as e:
+            if isinstance(e, KalosError):  # the caller's own error, not the budget running out
+                raise
+            if m.sent:
+                raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight "
+                                      "until the sidecar finishes it; the slot is then reused)"
+                                      ) from None
+            self._unqueue(m)
+            raise NotSent(m.resent) from None
+        except BaseException:
+            if not m.sent:
+                self._unqueue(m)
+            raise
+
+    def again(self, members: Sequence[Member]) -> None:
+        """A shared slot overflowed (Completion.RESEND_ALONE): its callers still waiting go to the
+        front of the queue, each to be sent alone."""
+        again = [m for m in members if not m.future.done()]
+        for m in again:
+            m.key = None
+            m.sent = False
+            m.resent = True
+        self._queue[:0] = again
+        if again:
+            self._schedule()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail every queued caller with (a copy of) ``exc``, and leave the line for a slot."""
+        queue, self._queue = self._queue, []
+        w, self._slot_waiter = self._slot_waiter, None
+        if w is not None:
+            self._withdraw(w)
+        _fail(queue, exc)
+
+    def forget(self) -> None:
+        """In a forked child: drop everything without touching a slot or a future."""
+        self._queue = []
+        self._slot_waiter = None
+
+    # ------------------------------------------------------------------ dispatch
+    def _key_of(self, p: Prepared) -> Key | None:
+        """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
+        ones (cached: most recalls of a pool share a few), computed for filtered ones. A recall
+        that waits for a fleet position (``after=``) goes alone: a shared slot has one position."""
+        if p.after is not None:
+            return None
+        if p.blob:
+            return coalesce_key(p.ns, p.flags, p.blob, p.k, self._max_k)
+        ck = (p.ns, p.flags, p.k)
+        key = self._keys.get(ck)
+        if key is None:
+            key = coalesce_key(p.ns, p.flags, b"", p.k, self._max_k)
+            if len(self._keys) < _KEY_CACHE:
+                self._keys[ck] = key
+        return key
+
+    def _unqueue(self, m: Member) -> None:
+        """Take a caller that went away out of the queue; with no caller left, the queue leaves
+        the line for a slot (so the pool's free count is restored at once)."""
+        try:
+            self._queue.remove(m)
+        except ValueError:
+            pass
+        w = self._slot_waiter
+        if w is not None and not self.live():
+            self._slot_waiter = None
+            self._withdraw(w)
+
+    def _schedule(self) -> None:
+        """Send the queue at the end of this event-loop turn (once, however many join it)."""
+        if not self._dispatch_soon:
+            self._dispatch_soon = True
+            self._loop.call_soon(self._dispatch_now)
+
+    def _dispatch_now(self) -> None:
+        self._dispatch_soon = False
+        self._dispatch_guarded(None)
+
+    def _on_slot(self, fut: asyncio.Future[ClientSlot]) -> None:
+        """The queue's turn in line for a slot came (or the pool broke while it waited)."""
+        if self._slot_waiter is not fut:
+            return  # withdrawn (its slot, if it got one, was passed on then)
+        self._slot_waiter = None
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            self.fail(exc)
+            return
+        self._dispatch_guarded(fut.result())
+
+    def _dispatch_guarded(self, slot: ClientSlot | None) -> None:
+        try:
+            self._dispatch(slot)
+        except Exception as e:
+            self._on_bug(e)
+            raise
+
+    def _dispatch(self, slot: ClientSlot | None) -> None:
+        """Send the queue, one group per slot, while there are slots (``slot``: one handed to the
+        queue); then wait in line for the next one. Callers that went away are dropped first."""
+        while True:
+            if self._queue and any(m.future.done() for m in self._queue):
+                self._queue = [m for m in self._queue if not m.future.done()]
+            if not self._queue:
+                break
+            refusal = self._refusal()
+            if refusal is not None:
+                self.fail(refusal)
+                break
+            if slot is None:
+                slot = self._take_slot()
+                if slot is None:
+                    if self._slot_waiter is None:
+                        w: asyncio.Future[ClientSlot] = self._loop.create_future()
+                        w.add_done_callback(self._on_slot)
+                        self._wait_for_slot(w)
+                        self._slot_waiter = w
+                    return
+            elif not self._usable(slot):
+                slot = None  # a slot of an attachment that is gone
+                continue
+            self._send(slot, self._take_group())
+            slot = None
+        if slot is not None:
+            self._release(slot)  # handed to the queue with nothing left to send
+
+    def _take_group(self) -> list[Member]:
+        """Remove and return the next group of the queue (``clients._coalesce.pick_group``)."""
+        queue = self._queue
+        if len(queue) == 1:
+            self._queue = []
+            return queue
+        picked = pick_group(queue, self._max_rows)
+        if len(picked) == len(queue):
+            self._queue = []
+            return queue
+        chosen = set(picked)
+        self._queue = [m for i, m in enumerate(queue) if i not in chosen]
+        return [queue[i] for i in picked]
+
+    def _send(self, slot: ClientSlot, group: list[Member]) -> None:
+        """Write a group (one recall, or several sharing the slot) and post it."""
+        ex: Exchange[Waiting]
+        if len(group) == 1:  # completes as a call of its own
+            m = group[0]
+            ex = Exchange(slot, m.prep, m.future, m.t0)
+        else:
+            ex = Exchange(slot, recall_group([m.prep for m in group]), group, group[-1].t0,
+                          [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group])
+        try:
+            self._post(ex)
+        except BaseException as e:
+            _fail(group, e)  # reads: each caller sends again after a re-attach
+            if not isinstance(e, Exception):
+                raise
+            return
+        for m in group:
+            m.sent = True
+
+
+def _fail(members: Sequence[Member], exc: BaseException) -> None:
+    for m in members:
+        if not m.future.done():
+            m.future.set_exception(copy.copy(exc))
+
+
+__all__ = ["CoalescingQueue", "Member", "NotSent", "Post", "Waiting"]
