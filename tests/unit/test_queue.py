@@ -242,3 +242,21 @@ async def test_fail_and_forget():
     assert len(pool.queue) == 0 and not t.done()
     t.cancel()
     await asyncio.gather(t, return_exceptions=True)
+
+
+async def test_recalls_waiting_for_a_fleet_position_are_never_packed_together(rng):
+    """A shared slot carries one ``after=`` position: recalls given one go alone, each with its
+    own position and deadline, even when they would share a key otherwise."""
+    from kalos.broker.positions import Position
+
+    pool = Pool(FakeConnection(LAY), free=2)
+    qs = rng.standard_normal((3, 8)).astype(np.float32)
+    preps = [recall(q, 4) for q in qs]
+    for i, p in enumerate(preps[:2]):
+        _requests.wait_after([p], Position(100 + i, 7), 0, None)
+    calls = [asyncio.ensure_future(pool.queue.submit(p, 1, None, None)) for p in preps]
+    await turn()
+    sent = [(ex.prep.after, isinstance(ex.waiter, list)) for ex in pool.posted]
+    assert sent == [(Position(100, 7), False), (Position(101, 7), False)], sent
+    for c in calls:
+        c.cancel()
