@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-gpu bench typecheck protocol-header clean
+.PHONY: demo test test-gpu bench typecheck lint format protocol-header clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -16,6 +16,8 @@ demo: $(STAMP)
 	$(BIN)/kalos demo
 
 test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
@@ -27,6 +29,14 @@ bench: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 protocol-header: $(STAMP)
 	$(BIN)/python -c "from kalos.broker.layout import c_header; print(c_header(), end='')" > docs/kalos_protocol.h

@@ -28,12 +28,19 @@ from typing import Any
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 
-from kalos.testing.loadgen import environment  # noqa: E402
+from kalos.testing.loadgen import environment
 
 BLAS1 = {v: "1" for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-FIELDS = ("p50_us", "p99_us", "recalls_per_s", "inproc_numpy_1q_p50_us",
-          "inproc_numpy_b64_recalls_per_s", "overhead_p50_us", "throughput_vs_b64",
-          "client_cpu_us_per_recall")
+FIELDS = (
+    "p50_us",
+    "p99_us",
+    "recalls_per_s",
+    "inproc_numpy_1q_p50_us",
+    "inproc_numpy_b64_recalls_per_s",
+    "overhead_p50_us",
+    "throughput_vs_b64",
+    "client_cpu_us_per_recall",
+)
 
 
 def one_run(tree: str, args: list[str], env_extra: dict[str, str]) -> dict[str, Any]:
@@ -85,7 +92,8 @@ def main() -> int:
     result: dict[str, Any] = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "bench_command": f"python bench/bench_broker.py {a.bench_args}",
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "env": environment(),
         "method": f"sides {[s for s, _t, _m in sides]} alternately, {a.runs} runs each, in that order; medians per row",
         "cases": {},
     }
@@ -97,8 +105,7 @@ def main() -> int:
                 runs[side].append(one_run(tree, args + more, extra))
         result["cases"][label] = {
             "env_extra": extra,
-            **{side: {"median": medians(rs), "runs": [r["rows"] for r in rs]}
-               for side, rs in runs.items()},
+            **{side: {"median": medians(rs), "runs": [r["rows"] for r in rs]} for side, rs in runs.items()},
         }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
@@ -107,10 +114,12 @@ def main() -> int:
         for side, _t, _m in sides:
             for m in case[side]["median"]:
                 cpu = m.get("client_cpu_us_per_recall")
-                print(f"{label:8} {side:7} tasks={m['tasks']:<3} procs={m['procs']}  p50 {m['p50_us']:8.1f} us"
-                      f"  {m['recalls_per_s']:9,.0f}/s  x{m['throughput_vs_b64']:.3f} of b64 "
-                      f"({m['inproc_numpy_b64_recalls_per_s']:,.0f}/s)  overhead {m['overhead_p50_us']:+.1f} us"
-                      + ("" if cpu is None else f"  client CPU {cpu:.1f} us/recall"))
+                print(
+                    f"{label:8} {side:7} tasks={m['tasks']:<3} procs={m['procs']}  p50 {m['p50_us']:8.1f} us"
+                    f"  {m['recalls_per_s']:9,.0f}/s  x{m['throughput_vs_b64']:.3f} of b64 "
+                    f"({m['inproc_numpy_b64_recalls_per_s']:,.0f}/s)  overhead {m['overhead_p50_us']:+.1f} us"
+                    + ("" if cpu is None else f"  client CPU {cpu:.1f} us/recall")
+                )
     print(f"# wrote {a.out}")
     return 0
 

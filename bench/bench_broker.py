@@ -20,9 +20,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.demo import inproc_numpy  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.demo import inproc_numpy
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
 def parse_size(s: str) -> tuple[int, int]:
@@ -53,50 +53,101 @@ def main() -> int:
         name = f"bench-{os.getpid()}-{n}x{d}"
         t0 = time.perf_counter()
         max_tasks = max(int(t) for t in a.tasks.split(","))
-        proc = start_sidecar_process(["--ephemeral", "--dim", str(d), "--backend", a.backend,
-                                      "--dtype", a.dtype, "--random-rows", str(n), "--seed", str(seed),
-                                      "--slots", str(max(64, max_tasks))], name, timeout=600)
+        proc = start_sidecar_process(
+            [
+                "--ephemeral",
+                "--dim",
+                str(d),
+                "--backend",
+                a.backend,
+                "--dtype",
+                a.dtype,
+                "--random-rows",
+                str(n),
+                "--seed",
+                str(seed),
+                "--slots",
+                str(max(64, max_tasks)),
+            ],
+            name,
+            timeout=600,
+        )
         print(f"# {n}x{d}: sidecar ready in {time.perf_counter() - t0:.1f} s", flush=True)
         matrix = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)
-        base1, base1_tput = inproc_numpy(matrix, a.k, seconds=max(1.0, a.seconds / 2), batch=1)
-        base64, base64_tput = inproc_numpy(matrix, a.k, seconds=max(1.0, a.seconds / 2), batch=64)
+        base1, _base1_tput = inproc_numpy(matrix, a.k, seconds=max(1.0, a.seconds / 2), batch=1)
+        _base64, base64_tput = inproc_numpy(matrix, a.k, seconds=max(1.0, a.seconds / 2), batch=64)
         try:
             for loop in a.loops.split(","):
                 for tasks in (int(t) for t in a.tasks.split(",")):
                     for procs in (int(p) for p in a.procs.split(",")):
                         if procs > tasks:
                             continue
-                        res = run_load(LoadSpec(name=name, dim=d, procs=procs, tasks=tasks,
-                                                duration_s=a.seconds, warmup_s=0.5, k=a.k, seed=seed,
-                                                loop=loop, keep=50, coalesce=a.coalesce))
+                        res = run_load(
+                            LoadSpec(
+                                name=name,
+                                dim=d,
+                                procs=procs,
+                                tasks=tasks,
+                                duration_s=a.seconds,
+                                warmup_s=0.5,
+                                k=a.k,
+                                seed=seed,
+                                loop=loop,
+                                keep=50,
+                                coalesce=a.coalesce,
+                            )
+                        )
                         checked, wrong = check_samples(res.samples, matrix, a.k)
                         p = res.percentiles_us()
-                        row = {"n": n, "dim": d, "k": a.k, "loop": loop, "tasks": tasks, "procs": procs,
-                               **{kk: round(v, 1) for kk, v in p.items()},
-                               "recalls_per_s": round(res.throughput), "count": res.count,
-                               "errors": res.errors, "checked": checked, "wrong": wrong,
-                               "inproc_numpy_1q_p50_us": round(base1["p50_us"], 1),
-                               "inproc_numpy_b64_recalls_per_s": round(base64_tput),
-                               "overhead_p50_us": round(p["p50_us"] - base1["p50_us"], 1),
-                               # CPU of the client processes per recall (measured window)
-                               "client_cpu_us_per_recall": round(res.client_cpu_s / max(1, res.count) * 1e6, 1),
-                               "throughput_vs_b64": round(res.throughput / base64_tput, 3)}
+                        row = {
+                            "n": n,
+                            "dim": d,
+                            "k": a.k,
+                            "loop": loop,
+                            "tasks": tasks,
+                            "procs": procs,
+                            **{kk: round(v, 1) for kk, v in p.items()},
+                            "recalls_per_s": round(res.throughput),
+                            "count": res.count,
+                            "errors": res.errors,
+                            "checked": checked,
+                            "wrong": wrong,
+                            "inproc_numpy_1q_p50_us": round(base1["p50_us"], 1),
+                            "inproc_numpy_b64_recalls_per_s": round(base64_tput),
+                            "overhead_p50_us": round(p["p50_us"] - base1["p50_us"], 1),
+                            # CPU of the client processes per recall (measured window)
+                            "client_cpu_us_per_recall": round(res.client_cpu_s / max(1, res.count) * 1e6, 1),
+                            "throughput_vs_b64": round(res.throughput / base64_tput, 3),
+                        }
                         rows.append(row)
-                        print(f"{n:>8}x{d:<4} {loop:7} tasks={tasks:<3} procs={procs}  p50={p['p50_us']:8.1f}us "
-                              f"p95={p['p95_us']:8.1f} p99={p['p99_us']:8.1f}  {res.throughput:10,.0f}/s  "
-                              f"| numpy 1q p50 {base1['p50_us']:.1f}us, b64 {base64_tput:,.0f}/s  "
-                              f"| overhead {row['overhead_p50_us']:+.1f}us, tput x{row['throughput_vs_b64']:.2f}"
-                              f"  client CPU {row['client_cpu_us_per_recall']:.1f} us/recall  wrong {wrong}/{checked}",
-                              flush=True)
+                        print(
+                            f"{n:>8}x{d:<4} {loop:7} tasks={tasks:<3} procs={procs}  p50={p['p50_us']:8.1f}us "
+                            f"p95={p['p95_us']:8.1f} p99={p['p99_us']:8.1f}  {res.throughput:10,.0f}/s  "
+                            f"| numpy 1q p50 {base1['p50_us']:.1f}us, b64 {base64_tput:,.0f}/s  "
+                            f"| overhead {row['overhead_p50_us']:+.1f}us, tput x{row['throughput_vs_b64']:.2f}"
+                            f"  client CPU {row['client_cpu_us_per_recall']:.1f} us/recall  wrong {wrong}/{checked}",
+                            flush=True,
+                        )
         finally:
             stop_sidecar_process(proc)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"{a.backend}-{os.uname().nodename}-{dt.date.today()}.json")
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)),
+        "results",
+        f"{a.backend}-{os.uname().nodename}-{dt.date.today()}.json",
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                   "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
-                   "backend": a.backend, "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "env": environment(),
+                "backend": a.backend,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"# wrote {out}")
     return 1 if any(r["wrong"] or r["errors"] for r in rows) else 0
 

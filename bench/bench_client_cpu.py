@@ -33,8 +33,7 @@ async def _measure(tasks: int, coalesce: bool, seconds: float, dim: int) -> dict
     from kalos.clients.fake import FakeConnection
     from kalos.clients.pool import RecallPool
 
-    conn = FakeConnection(Layout(n_slots=max(64, tasks), dim=dim, max_k=128, max_queries=64,
-                                 blob_bytes=4096))
+    conn = FakeConnection(Layout(n_slots=max(64, tasks), dim=dim, max_k=128, max_queries=64, blob_bytes=4096))
     ids = np.arange(64 * 10, dtype=np.int64).reshape(64, 10)
     scores = np.ones((64, 10), np.float32)
     pool = RecallPool("fake", size=tasks, min_size=1, connect=lambda n, u: conn, coalesce=coalesce)
@@ -71,12 +70,13 @@ async def _measure(tasks: int, coalesce: bool, seconds: float, dim: int) -> dict
 
 def _one(tree: str, tasks: int, coalesce: bool, seconds: float, dim: int) -> dict[str, Any]:
     """One measurement in a fresh process importing ``tree``'s clients."""
-    code = (f"import sys, json, uvloop; sys.path.insert(0, {tree!r}); sys.path.insert(0, {HERE!r} + '/bench');"
-            f"import bench_client_cpu as b;"
-            f"print(json.dumps(uvloop.run(b._measure({tasks}, {coalesce}, {seconds}, {dim}))))")
+    code = (
+        f"import sys, json, uvloop; sys.path.insert(0, {tree!r}); sys.path.insert(0, {HERE!r} + '/bench');"
+        f"import bench_client_cpu as b;"
+        f"print(json.dumps(uvloop.run(b._measure({tasks}, {coalesce}, {seconds}, {dim}))))"
+    )
     env = {**os.environ, "PYTHONPATH": tree}
-    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tree, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -99,22 +99,37 @@ def main() -> int:
             for coalesce in (False, True):
                 key = f"{tree} coalesce={coalesce}"
                 runs.setdefault(key, []).append(_one(tree, a.tasks, coalesce, a.seconds, a.dim))
-    summary = {key: {"median_us_per_recall": round(statistics.median(r["us_per_recall"] for r in rs), 2),
-                     "min_us_per_recall": round(min(r["us_per_recall"] for r in rs), 2),
-                     "recalls_per_slot": round(statistics.median(r["recalls"] / max(1, r["posted"])
-                                                                 for r in rs), 1)}
-               for key, rs in runs.items()}
+    summary = {
+        key: {
+            "median_us_per_recall": round(statistics.median(r["us_per_recall"] for r in rs), 2),
+            "min_us_per_recall": round(min(r["us_per_recall"] for r in rs), 2),
+            "recalls_per_slot": round(statistics.median(r["recalls"] / max(1, r["posted"]) for r in rs), 1),
+        }
+        for key, rs in runs.items()
+    }
     for key, s in summary.items():
-        print(f"{key}: {s['median_us_per_recall']:.2f} us of client CPU per recall (median of "
-              f"{a.runs}; min {s['min_us_per_recall']:.2f}), {s['recalls_per_slot']} recalls per slot")
+        print(
+            f"{key}: {s['median_us_per_recall']:.2f} us of client CPU per recall (median of "
+            f"{a.runs}; min {s['min_us_per_recall']:.2f}), {s['recalls_per_slot']} recalls per slot"
+        )
     if a.out:
         from kalos.testing.loadgen import environment
 
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                       "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
-                       "tasks": a.tasks, "dim": a.dim, "seconds": a.seconds, "summary": summary,
-                       "runs": runs}, f, indent=1)
+            json.dump(
+                {
+                    "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                    "date": dt.datetime.now().isoformat(timespec="seconds"),
+                    "env": environment(),
+                    "tasks": a.tasks,
+                    "dim": a.dim,
+                    "seconds": a.seconds,
+                    "summary": summary,
+                    "runs": runs,
+                },
+                f,
+                indent=1,
+            )
         print(f"# wrote {a.out}")
     return 0
 

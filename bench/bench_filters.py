@@ -26,20 +26,22 @@ import os
 import sys
 import time
 from collections.abc import Callable
-
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.broker.layout import Metric  # noqa: E402
-from kalos.broker.validation import encode_where, parse_where  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from kalos.sidecar_cuda.backends.select import choose_backend  # noqa: E402
-from kalos.broker.validation import WhereNode  # noqa: E402
-from kalos.sidecar_cuda.store import Filtered, Namespace  # noqa: E402
+from kalos.broker.layout import Metric
+from kalos.broker.validation import (
+    WhereNode,
+    encode_where,
+    parse_where,
+)
+from kalos.sidecar_cuda.backends.select import choose_backend
+from kalos.sidecar_cuda.store import Filtered, Namespace
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 SELECTIVITIES = (0.001, 0.01, 0.1, 0.5)
 RTOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}
@@ -90,7 +92,7 @@ def in_store(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.ndarray) 
         pls: list[bytes | None] = [b'{"bucket":%d}' % b for b in buckets.tolist()]
         t0 = time.perf_counter()
         for lo in range(0, n, 65536):
-            ns.upsert(np.arange(lo, min(n, lo + 65536), dtype=np.int64), x[lo:lo + 65536], pls[lo:lo + 65536])
+            ns.upsert(np.arange(lo, min(n, lo + 65536), dtype=np.int64), x[lo : lo + 65536], pls[lo : lo + 65536])
         log(f"# in-store load of {n} rows with payloads: {time.perf_counter() - t0:.1f} s")
         rng = np.random.default_rng(a.seed + 7)
         reps = a.reps if n < 500_000 else max(30, a.reps // 5)
@@ -109,19 +111,26 @@ def in_store(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.ndarray) 
                 cold = timed(lambda: ns.search_where(q, a.k, evaluated(ns, node, blob)), max(5, reps // 4))
                 ids, _ = ns.search_where(q, a.k, f)
                 assert (buckets[ids] < s * 1000).all(), "a row outside the filter"
-                fr = {"selectivity": s, "matches": len(f.rows), "filter_eval": ev,
-                      "eval_and_candidates": cand, "search_cached_filter": cached,
-                      "search_with_eval": cold,
-                      "cached_vs_unfiltered": round(cached["p50_us"] / un["p50_us"], 2),
-                      "with_eval_vs_unfiltered": round(cold["p50_us"] / un["p50_us"], 2)}
+                fr = {
+                    "selectivity": s,
+                    "matches": len(f.rows),
+                    "filter_eval": ev,
+                    "eval_and_candidates": cand,
+                    "search_cached_filter": cached,
+                    "search_with_eval": cold,
+                    "cached_vs_unfiltered": round(cached["p50_us"] / un["p50_us"], 2),
+                    "with_eval_vs_unfiltered": round(cold["p50_us"] / un["p50_us"], 2),
+                }
                 stats = getattr(ns.matrix, "filter_stats", None)
                 if stats is not None:
                     fr["cuda_paths_so_far"] = dict(stats)
                 row["filtered"].append(fr)
-                log(f"store n={n} b={b} s={s:<6} matches={len(f.rows):>7} eval {ev['p50_us']:>8.1f}us "
+                log(
+                    f"store n={n} b={b} s={s:<6} matches={len(f.rows):>7} eval {ev['p50_us']:>8.1f}us "
                     f"cached {cached['p50_us']:>8.1f}us with-eval {cold['p50_us']:>8.1f}us "
                     f"unfiltered {un['p50_us']:>8.1f}us -> x{fr['cached_vs_unfiltered']} / "
-                    f"x{fr['with_eval_vs_unfiltered']}")
+                    f"x{fr['with_eval_vs_unfiltered']}"
+                )
             rows.append(row)
         return rows
     finally:
@@ -133,10 +142,29 @@ def through_broker(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.nda
     tasks_list = [int(t) for t in a.tasks.split(",") if t]
     t0 = time.perf_counter()
     proc = start_sidecar_process(
-        ["--ephemeral", "--backend", a.backend, "--dtype", a.dtype, "--dim", str(a.dim),
-         "--random-rows", str(n), "--random-payloads", "--seed", str(a.seed),
-         "--slots", str(max(64, max(tasks_list) + 16)), "--max-k", "64", "--max-queries", "4"],
-        name, timeout=1800)
+        [
+            "--ephemeral",
+            "--backend",
+            a.backend,
+            "--dtype",
+            a.dtype,
+            "--dim",
+            str(a.dim),
+            "--random-rows",
+            str(n),
+            "--random-payloads",
+            "--seed",
+            str(a.seed),
+            "--slots",
+            str(max(64, max(tasks_list) + 16)),
+            "--max-k",
+            "64",
+            "--max-queries",
+            "4",
+        ],
+        name,
+        timeout=1800,
+    )
     log(f"# sidecar with {n} rows and payloads ready in {time.perf_counter() - t0:.1f} s")
     rows = []
     try:
@@ -145,16 +173,37 @@ def through_broker(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.nda
             base: dict[str, Any] | None = None
             for s in (None, *SELECTIVITIES):
                 w = None if s is None else where_for(s)
-                res = run_load(LoadSpec(name=name, dim=a.dim, procs=procs, tasks=tasks,
-                                        duration_s=a.seconds, warmup_s=0.5, k=a.k, seed=a.seed + 1,
-                                        loop=a.loop, keep=max(1, 100 // procs), where=w))
+                res = run_load(
+                    LoadSpec(
+                        name=name,
+                        dim=a.dim,
+                        procs=procs,
+                        tasks=tasks,
+                        duration_s=a.seconds,
+                        warmup_s=0.5,
+                        k=a.k,
+                        seed=a.seed + 1,
+                        loop=a.loop,
+                        keep=max(1, 100 // procs),
+                        where=w,
+                    )
+                )
                 allowed = None if s is None else buckets < s * 1000
                 checked, wrong = check_samples(res.samples, x, a.k, rtol=RTOL[a.dtype], allowed=allowed)
                 p = res.percentiles_us()
-                row: dict[str, Any] = {"part": "broker", "n": n, "tasks": tasks, "procs": procs,
-                       "selectivity": s, **{kk: round(v, 1) for kk, v in p.items()},
-                       "recalls_per_s": round(res.throughput), "count": res.count,
-                       "errors": res.errors, "checked": checked, "wrong": wrong}
+                row: dict[str, Any] = {
+                    "part": "broker",
+                    "n": n,
+                    "tasks": tasks,
+                    "procs": procs,
+                    "selectivity": s,
+                    **{kk: round(v, 1) for kk, v in p.items()},
+                    "recalls_per_s": round(res.throughput),
+                    "count": res.count,
+                    "errors": res.errors,
+                    "checked": checked,
+                    "wrong": wrong,
+                }
                 if s is None:
                     base = row
                 else:
@@ -162,9 +211,11 @@ def through_broker(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.nda
                     row["p50_vs_unfiltered"] = round(row["p50_us"] / base["p50_us"], 2)
                     row["throughput_vs_unfiltered"] = round(row["recalls_per_s"] / max(1, base["recalls_per_s"]), 2)
                 rows.append(row)
-                log(f"broker n={n} tasks={tasks:<3} s={str(s):<6} p50={p['p50_us']:9.1f}us "
+                log(
+                    f"broker n={n} tasks={tasks:<3} s={s!s:<6} p50={p['p50_us']:9.1f}us "
                     f"p95={p['p95_us']:9.1f} p99={p['p99_us']:9.1f} {res.throughput:10,.0f}/s "
-                    f"x{row.get('p50_vs_unfiltered', 1.0)} wrong {wrong}/{checked} errors {res.errors}")
+                    f"x{row.get('p50_vs_unfiltered', 1.0)} wrong {wrong}/{checked} errors {res.errors}"
+                )
     finally:
         stop_sidecar_process(proc)
     return rows
@@ -191,8 +242,12 @@ def main() -> int:
         import cupy as cp
 
         props = cp.cuda.runtime.getDeviceProperties(0)
-        env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                    "cupy": cp.__version__})
+        env.update(
+            {
+                "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+                "cupy": cp.__version__,
+            }
+        )
     results: list[dict[str, Any]] = []
     for n in a.n:
         x = sidecar_matrix(n, a.dim, a.seed)
@@ -200,12 +255,21 @@ def main() -> int:
         results += in_store(a, n, x, buckets)
         if a.tasks:
             results += through_broker(a, n, x, buckets)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"filters-{a.backend}-{dt.date.today().isoformat()}.json")
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"filters-{a.backend}-{dt.date.today().isoformat()}.json"
+    )
     with open(out, "w") as f:
-        json.dump({"command": " ".join(["python3", *sys.argv]),
-                   "date": dt.datetime.now().isoformat(timespec="seconds"), "env": env,
-                   "args": vars(a), "rows": results}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(["python3", *sys.argv]),
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "env": env,
+                "args": vars(a),
+                "rows": results,
+            },
+            f,
+            indent=1,
+        )
     log("# wrote", out)
     bad = [r for r in results if r.get("wrong") or r.get("errors")]
     return 1 if bad else 0

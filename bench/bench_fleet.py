@@ -32,11 +32,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.broker.positions import Position  # noqa: E402
-from kalos.clients import RecallPool  # noqa: E402
-from kalos.testing.loadgen import environment  # noqa: E402
-from kalos.testing.postgres import PgServer, find_bin  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.broker.positions import Position
+from kalos.clients import RecallPool
+from kalos.testing.loadgen import environment
+from kalos.testing.postgres import PgServer, find_bin
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 DIM = 768
 
@@ -62,9 +62,21 @@ class Fleet:
     def node(self, name: str, *args: str, store: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
         log = os.path.join(self.log_dir, name + ".log")
         with open(log, "ab") as f:
-            proc = start_sidecar_process(["--dim", str(DIM), "--backend", "numpy", "--slots", "32",
-                                          *(["--store", store or self.dsn] if "--data-dir" not in args else []),
-                                          *args], name, timeout=900, stderr=f)
+            proc = start_sidecar_process(
+                [
+                    "--dim",
+                    str(DIM),
+                    "--backend",
+                    "numpy",
+                    "--slots",
+                    "32",
+                    *(["--store", store or self.dsn] if "--data-dir" not in args else []),
+                    *args,
+                ],
+                name,
+                timeout=900,
+                stderr=f,
+            )
         self.procs.append(proc)
         return proc, log
 
@@ -94,8 +106,12 @@ async def upsert_rates(name: str, seconds: float) -> dict[str, Any]:
             base = 10_000_000 * (j + 1)
             while time.perf_counter() < t_end:
                 ids = np.arange(base, base + 32)
-                await pool.upsert(ids, vecs[(base % 4000):(base % 4000) + 32],
-                                  payloads=[{"n": int(i), "text": "a memory"} for i in ids], namespace="w32")
+                await pool.upsert(
+                    ids,
+                    vecs[(base % 4000) : (base % 4000) + 32],
+                    payloads=[{"n": int(i), "text": "a memory"} for i in ids],
+                    namespace="w32",
+                )
                 base += 32
                 done += 32
 
@@ -112,9 +128,12 @@ async def lag_run(writer: str, followers: list[str], rate: float, seconds: float
     vecs = rng.standard_normal((batch, DIM)).astype(np.float32)
     lags: list[float] = []
     late = 0
-    async with RecallPool(writer, size=8) as w, \
-            RecallPool(followers[0], size=8) as f0, RecallPool(followers[1], size=8) as f1, \
-            RecallPool(followers[2], size=8) as f2:
+    async with (
+        RecallPool(writer, size=8) as w,
+        RecallPool(followers[0], size=8) as f0,
+        RecallPool(followers[1], size=8) as f1,
+        RecallPool(followers[2], size=8) as f2,
+    ):
         pools = [f0, f1, f2]
         interval = batch / rate
         t_next = time.perf_counter()
@@ -141,8 +160,13 @@ async def lag_run(writer: str, followers: list[str], rate: float, seconds: float
             i += batch
         await asyncio.gather(*pending)
         achieved = i / seconds
-    return {"target_rows_per_s": rate, "achieved_rows_per_s": round(achieved), "rows_per_write": batch,
-            "late_writes": late, "ack_to_applied_on_follower": pct_ms(lags)}
+    return {
+        "target_rows_per_s": rate,
+        "achieved_rows_per_s": round(achieved),
+        "rows_per_write": batch,
+        "late_writes": late,
+        "ack_to_applied_on_follower": pct_ms(lags),
+    }
 
 
 def load_rows(pg: PgServer, dsn: str, rows: int, payloads: bool = True) -> float:
@@ -158,8 +182,9 @@ def load_rows(pg: PgServer, dsn: str, rows: int, payloads: bool = True) -> float
                 hi = min(rows, lo + 20000)
                 block = rng.standard_normal((hi - lo, DIM), dtype=np.float32)
                 for j in range(hi - lo):
-                    cp.write_row(("default", lo + j, block[j].tobytes(),
-                                  b'{"b":%d}' % ((lo + j) % 100) if payloads else None))
+                    cp.write_row(
+                        ("default", lo + j, block[j].tobytes(), b'{"b":%d}' % ((lo + j) % 100) if payloads else None)
+                    )
         conn.execute("VACUUM ANALYZE kalos.records")
     return time.perf_counter() - t0
 
@@ -172,8 +197,7 @@ def bootstrap(pg: PgServer, log_dir: str, rows: int, payloads: bool, attempts: i
         stop_sidecar_process(p)
         fl.procs.clear()
         load_s = load_rows(pg, fl.dsn, rows, payloads)
-        out: dict[str, Any] = {"rows": rows, "dim": DIM, "payloads": payloads,
-                     "load_into_postgres_s": round(load_s, 1)}
+        out: dict[str, Any] = {"rows": rows, "dim": DIM, "payloads": payloads, "load_into_postgres_s": round(load_s, 1)}
         for attempt in range(attempts):
             t0 = time.perf_counter()
             p, log = fl.node(f"bench-boot-{tag}-{attempt}")
@@ -234,8 +258,12 @@ def main() -> None:
         sys.exit("PostgreSQL server binaries not found (apt-get install postgresql)")
     pg = PgServer(bindir, fsync=True)  # durable like SQLite's synchronous=FULL
     log_dir = tempfile.mkdtemp(prefix="kalos-bench-fleet-")
-    res: dict[str, Any] = {"env": environment(), "postgres": os.path.basename(os.path.dirname(bindir)),
-                 "fsync": True, "dim": DIM}
+    res: dict[str, Any] = {
+        "env": environment(),
+        "postgres": os.path.basename(os.path.dirname(bindir)),
+        "fsync": True,
+        "dim": DIM,
+    }
     try:
         if not a.only_bootstrap:
             run_serving(pg, log_dir, a, res)
@@ -248,8 +276,9 @@ def main() -> None:
                 res["bootstrap"].append(r)
     finally:
         pg.close()
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"fleet-vm-{dt.date.today().isoformat()}.json")
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"fleet-vm-{dt.date.today().isoformat()}.json"
+    )
     with open(out, "w") as f:
         json.dump(res, f, indent=1)
     print("wrote", out)
@@ -280,8 +309,7 @@ def run_serving(pg: PgServer, log_dir: str, a: argparse.Namespace, res: dict[str
             print(json.dumps(r), flush=True)
             res["lag"].append(r)
         # 4. a lone caller's recall on a follower, idle and while it follows the writer
-        res["recall_while_following"] = asyncio.run(
-            recall_while_following(names[1], names[0], a.seconds, rate=500))
+        res["recall_while_following"] = asyncio.run(recall_while_following(names[1], names[0], a.seconds, rate=500))
         print(json.dumps(res["recall_while_following"]), flush=True)
     finally:
         fl.close()

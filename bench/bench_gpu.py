@@ -23,7 +23,6 @@ import socket
 import sys
 import time
 import urllib.request
-
 from collections.abc import Callable
 from typing import Any
 
@@ -31,9 +30,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.broker.layout import Metric  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.broker.layout import Metric
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 RTOL = {"float32": 1e-4, "float16": 3e-3, "bfloat16": 2e-2}  # check_samples: x (max |score| + 1)
 
@@ -63,8 +62,7 @@ def sidecar_matrix(n: int, d: int, seed: int) -> np.ndarray:
 def pct(lat_ns: list[int] | np.ndarray) -> dict[str, float]:
     a = np.asarray(lat_ns, np.float64) / 1e3
     p = np.percentile(a, [50, 95, 99])
-    return {"p50_us": round(float(p[0]), 2), "p95_us": round(float(p[1]), 2),
-            "p99_us": round(float(p[2]), 2)}
+    return {"p50_us": round(float(p[0]), 2), "p95_us": round(float(p[1]), 2), "p99_us": round(float(p[2]), 2)}
 
 
 def latency_sample(lat_ns: list[int] | np.ndarray, n: int = 2000) -> list[float]:
@@ -93,10 +91,15 @@ def gpu_environment(cp: Any) -> dict[str, Any]:
     torch (where installed)."""
     props = cp.cuda.runtime.getDeviceProperties(0)
     env = environment()
-    env.update({"gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
-                "gpu_memory_bytes": int(props["totalGlobalMem"]), "cupy": cp.__version__,
-                "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
-                "cuda_driver": cp.cuda.runtime.driverGetVersion()})
+    env.update(
+        {
+            "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+            "gpu_memory_bytes": int(props["totalGlobalMem"]),
+            "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver": cp.cuda.runtime.driverGetVersion(),
+        }
+    )
     try:
         import torch
 
@@ -132,8 +135,11 @@ def scrape(port: int) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(kalos_(?:batch_compute_seconds|batch_size|service_seconds|queue_wait_seconds)"
-                     r"_(?:sum|count))(?:\{[^}]*\})? ([0-9.eE+-]+)$", line)
+        m = re.match(
+            r"^(kalos_(?:batch_compute_seconds|batch_size|service_seconds|queue_wait_seconds)"
+            r"_(?:sum|count))(?:\{[^}]*\})? ([0-9.eE+-]+)$",
+            line,
+        )
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
@@ -157,9 +163,9 @@ def torch_baselines(matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, re
     i = [0]
 
     def one() -> None:
-        q = qh[i[0] % len(bank)].to("cuda", non_blocking=True).to(M.dtype)
+        q = qh[i[0] % len(bank)].to("cuda", non_blocking=True).to(M.dtype)  # noqa: F821 (M is deleted after the closures have run)
         i[0] += 1
-        v, ix = torch.topk((M @ q).float(), min(k, n))
+        v, ix = torch.topk((M @ q).float(), min(k, n))  # noqa: F821 (M is deleted after the closures have run)
         ix.cpu(), v.cpu()
 
     out.append({"what": "torch_single", **timed(one, reps)})
@@ -186,9 +192,10 @@ def torch_baselines(matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray, re
 
     out.append({"what": "torch_graph_single", **timed(graph_one, reps)})
     for b in (64, 256):
+
         def batch() -> None:
-            q = qh[:b].to("cuda", non_blocking=True).to(M.dtype)
-            v, ix = torch.topk((q @ M.T).float(), min(k, n), dim=1)
+            q = qh[:b].to("cuda", non_blocking=True).to(M.dtype)  # noqa: F821 (M is deleted after the closures have run)
+            v, ix = torch.topk((q @ M.T).float(), min(k, n), dim=1)  # noqa: F821 (M is deleted after the closures have run)
             ix.cpu(), v.cpu()
 
         r = timed(batch, max(20, reps // 10), warm=5)
@@ -206,9 +213,9 @@ def cupy_naive(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarray
 
     def one() -> None:
         with s:
-            q = cp.asarray(bank[i[0] % len(bank)]).astype(M.dtype)
+            q = cp.asarray(bank[i[0] % len(bank)]).astype(M.dtype)  # noqa: F821 (M is deleted after the closures have run)
             i[0] += 1
-            sc = (M @ q).astype(cp.float32)
+            sc = (M @ q).astype(cp.float32)  # noqa: F821 (M is deleted after the closures have run)
             idx = cp.argpartition(-sc, k)[:k] if n > k else cp.arange(n)
             top = idx[cp.argsort(-sc[idx])]
             cp.asnumpy(top, stream=s), cp.asnumpy(sc[top], stream=s)
@@ -231,7 +238,7 @@ def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarr
     try:
         m = be.new_matrix(d, n, Metric.DOT)
         for lo in range(0, n, 65536):
-            m.write_rows(np.arange(lo, min(n, lo + 65536)), matrix[lo:lo + 65536])
+            m.write_rows(np.arange(lo, min(n, lo + 65536)), matrix[lo : lo + 65536])
         i = [0]
         for graphs in (True, False):
             be.device.graphs.enabled = graphs
@@ -245,8 +252,14 @@ def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarr
         for b in (8, 64, 256):
             qb = bank[:b]
             r = timed(lambda: m.search(qb, n, k), max(20, reps // 10), warm=5)
-            out.append({"what": f"kalos_batch{b}", **r, "recalls_per_s": round(b / r["p50_us"] * 1e6),
-                        "path": m.plan(b, n, k).path.value})
+            out.append(
+                {
+                    "what": f"kalos_batch{b}",
+                    **r,
+                    "recalls_per_s": round(b / r["p50_us"] * 1e6),
+                    "path": m.plan(b, n, k).path.value,
+                }
+            )
         ids, scores = m.search(bank[:64], n, k)
         samples = [(bank[j], ids[j], scores[j]) for j in range(64)]
         checked, wrong = check_samples(samples, matrix, k, rtol=RTOL[dtype])
@@ -272,8 +285,14 @@ def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarr
                     pending.result()
                     if rep >= 5:
                         ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3)
-                out.append({"what": "kalos_gpu_time", "path": path.value, "batch": b,
-                            "gpu_us_median": round(float(np.median(ts)), 2)})
+                out.append(
+                    {
+                        "what": "kalos_gpu_time",
+                        "path": path.value,
+                        "batch": b,
+                        "gpu_us_median": round(float(np.median(ts)), 2),
+                    }
+                )
     finally:
         be.close()
         cp.get_default_memory_pool().free_all_blocks()
@@ -315,8 +334,10 @@ def main() -> int:
         t0 = time.perf_counter()
         matrix = sidecar_matrix(n, d, seed)
         bank = np.random.default_rng(seed + 1).standard_normal((1024, d), dtype=np.float32)
-        log(f"# {n}x{d} {dtype}: matrix regenerated in {time.perf_counter() - t0:.1f} s; "
-            f"floor (one read at {bw:.2f} TB/s) {floor_us:.1f} us")
+        log(
+            f"# {n}x{d} {dtype}: matrix regenerated in {time.perf_counter() - t0:.1f} s; "
+            f"floor (one read at {bw:.2f} TB/s) {floor_us:.1f} us"
+        )
         reps = a.reps if n < 500_000 else max(100, a.reps // 3)
         if not a.skip_inproc:
             for fn in (torch_baselines, lambda *x: cupy_naive(cp, *x), lambda *x: kalos_inproc(cp, *x)):
@@ -337,38 +358,83 @@ def main() -> int:
         port = free_port()
         t0 = time.perf_counter()
         proc = start_sidecar_process(
-            ["--ephemeral", "--backend", "cuda", "--dtype", dtype, "--dim", str(d), "--random-rows", str(n),
-             "--seed", str(seed), "--slots", str(max(64, max(tasks_list) + 16)), "--max-k", "64",
-             "--max-queries", "4", "--metrics-port", str(port), *a.sidecar_args.split()], name, timeout=900)
+            [
+                "--ephemeral",
+                "--backend",
+                "cuda",
+                "--dtype",
+                dtype,
+                "--dim",
+                str(d),
+                "--random-rows",
+                str(n),
+                "--seed",
+                str(seed),
+                "--slots",
+                str(max(64, max(tasks_list) + 16)),
+                "--max-k",
+                "64",
+                "--max-queries",
+                "4",
+                "--metrics-port",
+                str(port),
+                *a.sidecar_args.split(),
+            ],
+            name,
+            timeout=900,
+        )
         log(f"# sidecar ready in {time.perf_counter() - t0:.1f} s")
         try:
             for tasks in tasks_list:
                 procs = 1 if tasks == 1 else min(a.procs, tasks)
                 before = scrape(port)
-                res = run_load(LoadSpec(name=name, dim=d, procs=procs, tasks=tasks, duration_s=a.seconds,
-                                        warmup_s=0.5, k=a.k, seed=seed, loop=a.loop, keep=40,
-                                        coalesce=a.coalesce))
+                res = run_load(
+                    LoadSpec(
+                        name=name,
+                        dim=d,
+                        procs=procs,
+                        tasks=tasks,
+                        duration_s=a.seconds,
+                        warmup_s=0.5,
+                        k=a.k,
+                        seed=seed,
+                        loop=a.loop,
+                        keep=40,
+                        coalesce=a.coalesce,
+                    )
+                )
                 after = scrape(port)
                 checked, wrong = check_samples(res.samples, matrix, a.k, rtol=RTOL[dtype])
                 p = res.percentiles_us()
-                row = {**base, "what": "broker", "tasks": tasks, "procs": procs,
-                       **{kk: round(v, 1) for kk, v in p.items()},
-                       "p50_over_floor": round(p["p50_us"] / floor_us, 2),
-                       "recalls_per_s": round(res.throughput), "count": res.count, "errors": res.errors,
-                       "checked": checked, "wrong": wrong, "lat_sample_us": latency_sample(res.latencies_ns)}
+                row = {
+                    **base,
+                    "what": "broker",
+                    "tasks": tasks,
+                    "procs": procs,
+                    **{kk: round(v, 1) for kk, v in p.items()},
+                    "p50_over_floor": round(p["p50_us"] / floor_us, 2),
+                    "recalls_per_s": round(res.throughput),
+                    "count": res.count,
+                    "errors": res.errors,
+                    "checked": checked,
+                    "wrong": wrong,
+                    "lat_sample_us": latency_sample(res.latencies_ns),
+                }
                 delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
                 nb = delta.get("kalos_batch_compute_seconds_count", 0.0)
                 if nb:
                     row["sidecar_batches"] = int(nb)
-                    row["mean_batch_size"] = round(delta.get("kalos_batch_size_sum", 0.0) /
-                                                   max(1.0, delta.get("kalos_batch_size_count", nb)), 1)
-                    row["sidecar_compute_us_per_batch"] = round(
-                        delta["kalos_batch_compute_seconds_sum"] / nb * 1e6, 1)
+                    row["mean_batch_size"] = round(
+                        delta.get("kalos_batch_size_sum", 0.0) / max(1.0, delta.get("kalos_batch_size_count", nb)), 1
+                    )
+                    row["sidecar_compute_us_per_batch"] = round(delta["kalos_batch_compute_seconds_sum"] / nb * 1e6, 1)
                 results.append(row)
-                log(f"{n:>8}x{d:<4} {dtype:8} tasks={tasks:<3} procs={procs} p50={p['p50_us']:8.1f}us "
+                log(
+                    f"{n:>8}x{d:<4} {dtype:8} tasks={tasks:<3} procs={procs} p50={p['p50_us']:8.1f}us "
                     f"p95={p['p95_us']:8.1f} p99={p['p99_us']:8.1f} {res.throughput:11,.0f}/s "
                     f"floor {floor_us:.1f}us x{row['p50_over_floor']} batch~{row.get('mean_batch_size')} "
-                    f"sidecar {row.get('sidecar_compute_us_per_batch')}us/batch wrong {wrong}/{checked}")
+                    f"sidecar {row.get('sidecar_compute_us_per_batch')}us/batch wrong {wrong}/{checked}"
+                )
         finally:
             stop_sidecar_process(proc)
         del matrix
@@ -376,8 +442,18 @@ def main() -> int:
     os.makedirs(a.out_dir, exist_ok=True)
     path = os.path.join(a.out_dir, a.out_name or f"gpu-h200-{date}.json")
     with open(path, "w") as f:
-        json.dump({"command": " ".join(["python3", *sys.argv]), "date": dt.datetime.now().isoformat(timespec="seconds"),
-                   "seed": seed, "env": env, "copy_TBps": round(bw, 3), "rows": results}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(["python3", *sys.argv]),
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "seed": seed,
+                "env": env,
+                "copy_TBps": round(bw, 3),
+                "rows": results,
+            },
+            f,
+            indent=1,
+        )
     log(f"# wrote {path}")
     bad = [r for r in results if r.get("wrong") or r.get("errors")]
     return 1 if bad else 0

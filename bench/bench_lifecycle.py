@@ -21,16 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
-
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.clients import RecallPool  # noqa: E402
-from kalos.testing.loadgen import environment  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.clients import RecallPool
+from kalos.testing.loadgen import environment
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
 def pct(a: list[int]) -> dict[str, float]:
@@ -66,8 +65,7 @@ async def upsert_rates(name: str, dim: int, seconds: float, batch: int) -> dict[
 
         t0 = time.perf_counter()
         await asyncio.gather(*(writer(j) for j in range(16)))
-        out["batched"] = {"batch": batch, "callers": 16,
-                          "upserts_per_s": round(done / (time.perf_counter() - t0))}
+        out["batched"] = {"batch": batch, "callers": 16, "upserts_per_s": round(done / (time.perf_counter() - t0))}
     return out
 
 
@@ -111,8 +109,8 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[s
     from kalos.broker.layout import Metric
     from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
     from kalos.sidecar_cuda.persist import Persistence
-    from kalos.sidecar_cuda.writes import Write, WriteOp
     from kalos.sidecar_cuda.store import MemoryStore
+    from kalos.sidecar_cuda.writes import Write, WriteOp
 
     rng = np.random.default_rng(4)
     vecs = rng.standard_normal((4096, dim)).astype(np.float32)
@@ -126,7 +124,7 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[s
             t0 = time.perf_counter()
             while time.perf_counter() < t_end:
                 ids = np.arange(n, n + size, dtype=np.int64)
-                v = vecs[n % 4096:n % 4096 + size] if n % 4096 + size <= 4096 else vecs[:size]
+                v = vecs[n % 4096 : n % 4096 + size] if n % 4096 + size <= 4096 else vecs[:size]
                 pls: list[bytes | None] = [b'{"n":1}'] * size
                 if persist is not None:
                     persist.commit([Write(WriteOp.UPSERT, "w", ids=ids, vectors=v, payloads=pls)])
@@ -146,25 +144,27 @@ def load_time(rows: int, dim: int, workdir: str) -> dict[str, Any]:
     src = os.path.join(workdir, "load-src")
     os.makedirs(src, exist_ok=True)
     rng = np.random.default_rng(3)
-    vec = np.lib.format.open_memmap(os.path.join(src, "vectors.npy"), mode="w+", dtype=np.float32,
-                                    shape=(rows, dim))
+    vec = np.lib.format.open_memmap(os.path.join(src, "vectors.npy"), mode="w+", dtype=np.float32, shape=(rows, dim))
     for lo in range(0, rows, 65536):
-        vec[lo:lo + 65536] = rng.standard_normal((min(65536, rows - lo), dim), dtype=np.float32)
+        vec[lo : lo + 65536] = rng.standard_normal((min(65536, rows - lo), dim), dtype=np.float32)
     vec.flush()
     del vec
-    args = ["--dim", str(dim), "--data-dir", data, "--backend", "numpy", "--max-queries", "256",
-            "--slots", "32"]
+    args = ["--dim", str(dim), "--data-dir", data, "--backend", "numpy", "--max-queries", "256", "--slots", "32"]
     proc = start_sidecar_process(args, name)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "kalos.cli", "import", "default", src, "--name", name,
-                        "--timeout", "600"], capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "kalos.cli", "import", "default", src, "--name", name, "--timeout", "600"],
+        capture_output=True,
+        text=True,
+    )
     import_s = time.perf_counter() - t0
     stop_sidecar_process(proc)
     if r.returncode:
         raise RuntimeError(r.stderr)
     t0 = time.perf_counter()
-    reader = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
-                              stderr=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args], stderr=subprocess.PIPE, text=True
+    )
     loaded = None
     assert reader.stderr is not None
     for line in reader.stderr:
@@ -177,10 +177,16 @@ def load_time(rows: int, dim: int, workdir: str) -> dict[str, Any]:
     reader.terminate()
     reader.wait(timeout=60)
     db_bytes = sum(os.path.getsize(os.path.join(data, f)) for f in os.listdir(data))
-    return {"rows": rows, "dim": dim, "import_s": round(import_s, 1),
-            "import_rows_per_s": round(rows / import_s), "load_rows": loaded and loaded[0],
-            "load_s": loaded and loaded[1], "start_to_ready_s": round(ready_s, 1),
-            "store_bytes": db_bytes}
+    return {
+        "rows": rows,
+        "dim": dim,
+        "import_s": round(import_s, 1),
+        "import_rows_per_s": round(rows / import_s),
+        "load_rows": loaded and loaded[0],
+        "load_s": loaded and loaded[1],
+        "start_to_ready_s": round(ready_s, 1),
+        "store_bytes": db_bytes,
+    }
 
 
 def main() -> int:
@@ -208,8 +214,9 @@ def main() -> int:
         results["inproc_upserts"] = inproc_upserts(a.dim, a.seconds, a.batch, work)
         print("inproc", json.dumps(results["inproc_upserts"]), flush=True)
         name = f"bl-rw-{os.getpid()}"
-        proc = start_sidecar_process(["--dim", str(a.dim), "--backend", "numpy", "--ephemeral",
-                                      "--random-rows", str(a.rows)], name)
+        proc = start_sidecar_process(
+            ["--dim", str(a.dim), "--backend", "numpy", "--ephemeral", "--random-rows", str(a.rows)], name
+        )
         try:
             results["recall_while_writing"] = asyncio.run(recall_under_writes(name, a.dim, a.seconds))
         finally:
@@ -220,12 +227,21 @@ def main() -> int:
             print("load", json.dumps(results["load"]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"lifecycle-{os.uname().nodename}-{dt.date.today()}.json")
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"lifecycle-{os.uname().nodename}-{dt.date.today()}.json"
+    )
     with open(out, "w") as f:
-        json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                   "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
-                   "dim": a.dim, "results": results}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "env": environment(),
+                "dim": a.dim,
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     print(f"# wrote {out}")
     return 0
 

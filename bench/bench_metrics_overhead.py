@@ -34,12 +34,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.broker.layout import Layout  # noqa: E402
-from kalos.clients import RecallClient, RecallPool  # noqa: E402
-from kalos.testing.loadgen import environment  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from kalos.sidecar_cuda.metrics import SidecarCollector  # noqa: E402
-from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats  # noqa: E402
+from kalos.broker.layout import Layout
+from kalos.clients import RecallClient, RecallPool
+from kalos.sidecar_cuda.metrics import SidecarCollector
+from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.testing.loadgen import environment
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 CONFIGS = ("off", "idle", "scrape-1s", "scrape-tight")
 
@@ -81,10 +81,8 @@ def bench_observer(number: int) -> dict[str, float]:
     # what serve_pending hands over: posting times as a field of the batch's control blocks
     blocks = np.zeros(8, dtype=[("t_post_ns", "<u8"), ("other", "<u8")])
     blocks["t_post_ns"] = np.arange(1000, 9000, 1000)
-    rec = BatchRecord(size=8, compute_ns=50_000, t_pick_ns=10_000, t_post_ns=blocks["t_post_ns"],
-                      t_done_ns=70_000)
-    env = {"plain": plain.record_batch, "observed": observed.record_batch, "obs": col.observe_batch,
-           "rec": rec}
+    rec = BatchRecord(size=8, compute_ns=50_000, t_pick_ns=10_000, t_post_ns=blocks["t_post_ns"], t_done_ns=70_000)
+    env = {"plain": plain.record_batch, "observed": observed.record_batch, "obs": col.observe_batch, "rec": rec}
     out = {
         "observe_batch_ns": per_call_ns("obs(rec)", env, number),
         "record_batch_ns": per_call_ns("plain(rec)", env, number),
@@ -103,8 +101,12 @@ def bench_observer(number: int) -> dict[str, float]:
 
 def pct(lat_ns: list[int]) -> dict[str, float]:
     a = np.asarray(lat_ns, np.float64) / 1e3
-    return {"n": len(a), "p50_us": float(np.percentile(a, 50)), "p95_us": float(np.percentile(a, 95)),
-            "p99_us": float(np.percentile(a, 99))}
+    return {
+        "n": len(a),
+        "p50_us": float(np.percentile(a, 50)),
+        "p95_us": float(np.percentile(a, 95)),
+        "p99_us": float(np.percentile(a, 99)),
+    }
 
 
 def blocking_round_trips(name: str, seconds: float, q: np.ndarray, k: int) -> list[int]:
@@ -155,8 +157,19 @@ def pin(cores: set[int] | None) -> None:
 def run_config(cfg: str, a: argparse.Namespace, q: np.ndarray, rnd: int) -> dict[str, Any]:
     name = f"bench-metrics-{os.getpid()}-{rnd}-{cfg}"
     everything = os.sched_getaffinity(0)
-    args = ["--ephemeral", "--dim", str(a.dim), "--random-rows", str(a.rows), "--backend", a.backend,
-            "--dtype", a.dtype, "--slots", "8"]
+    args = [
+        "--ephemeral",
+        "--dim",
+        str(a.dim),
+        "--random-rows",
+        str(a.rows),
+        "--backend",
+        a.backend,
+        "--dtype",
+        a.dtype,
+        "--slots",
+        "8",
+    ]
     port = None
     if cfg != "off":
         port = free_port()
@@ -169,8 +182,11 @@ def run_config(cfg: str, a: argparse.Namespace, q: np.ndarray, rnd: int) -> dict
         if cfg.startswith("scrape"):
             pause = "1.0" if cfg == "scrape-1s" else "0"
             total_s = 2 * (a.seconds + 0.3) + 1.0
-            scraper = subprocess.Popen([sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics",
-                                        str(total_s), pause], stdout=subprocess.PIPE, text=True)
+            scraper = subprocess.Popen(
+                [sys.executable, "-c", SCRAPER, f"http://127.0.0.1:{port}/metrics", str(total_s), pause],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             time.sleep(0.3)
         pin(a.client_cores)
         res: dict[str, Any] = {
@@ -213,16 +229,20 @@ def main() -> int:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--number", type=int, default=100_000, help="timeit calls per repeat")
     ap.add_argument("--machine", default=None, help="name in the output file (default: cpu<N>)")
-    ap.add_argument("--pin", choices=["auto", "yes", "no"], default="auto",
-                    help="pin sidecar (2 cores), client and scraper (a core each) apart, so that "
-                         "where the scheduler puts them does not differ between configurations "
-                         "(auto: when there are 8 cores or more)")
+    ap.add_argument(
+        "--pin",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="pin sidecar (2 cores), client and scraper (a core each) apart, so that "
+        "where the scheduler puts them does not differ between configurations "
+        "(auto: when there are 8 cores or more)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     cores = sorted(os.sched_getaffinity(0))
     if a.pin == "yes" and len(cores) < 7:
         raise SystemExit(f"--pin yes needs 7 cores, this process has {len(cores)}")
-    if a.pin == "yes" or a.pin == "auto" and len(cores) >= 8:
+    if a.pin == "yes" or (a.pin == "auto" and len(cores) >= 8):
         a.sidecar_cores, a.client_cores, a.scraper_cores = set(cores[2:4]), {cores[4]}, {cores[6]}
     else:
         a.sidecar_cores = a.client_cores = a.scraper_cores = None
@@ -240,9 +260,12 @@ def main() -> int:
             rounds[cfg].append(run_config(cfg, a, q, rnd))
             r = rounds[cfg][-1]
             extra = f"  scrapes {r['scrapes']} (p50 {r['scrape_p50_ms']:.2f} ms)" if "scrapes" in r else ""
-            print(f"round {rnd} {cfg:13s} blocking p50 {r['blocking']['p50_us']:7.1f} us p99 "
-                  f"{r['blocking']['p99_us']:7.1f} | pool p50 {r['pool']['p50_us']:7.1f} us p99 "
-                  f"{r['pool']['p99_us']:7.1f}{extra}", flush=True)
+            print(
+                f"round {rnd} {cfg:13s} blocking p50 {r['blocking']['p50_us']:7.1f} us p99 "
+                f"{r['blocking']['p99_us']:7.1f} | pool p50 {r['pool']['p50_us']:7.1f} us p99 "
+                f"{r['pool']['p99_us']:7.1f}{extra}",
+                flush=True,
+            )
 
     summary: dict[str, Any] = {}
     for cfg in CONFIGS:
@@ -256,29 +279,48 @@ def main() -> int:
         summary[cfg] = s
     base = summary["off"]
     print(f"\nmedian of {a.rounds} rounds, {a.rows} x {a.dim}, k={a.k}, backend {a.backend}:")
-    print(f"{'config':14s} {'blocking p50':>12s} {'p99':>8s} {'pool p50':>9s} {'p99':>8s}  "
-          f"{'d p50 blocking':>14s} {'d p50 pool':>10s}")
+    print(
+        f"{'config':14s} {'blocking p50':>12s} {'p99':>8s} {'pool p50':>9s} {'p99':>8s}  "
+        f"{'d p50 blocking':>14s} {'d p50 pool':>10s}"
+    )
     for cfg, s in summary.items():
         s["blocking_p50_delta_us"] = s["blocking_p50_us"] - base["blocking_p50_us"]
         s["pool_p50_delta_us"] = s["pool_p50_us"] - base["pool_p50_us"]
-        print(f"{cfg:14s} {s['blocking_p50_us']:12.1f} {s['blocking_p99_us']:8.1f} "
-              f"{s['pool_p50_us']:9.1f} {s['pool_p99_us']:8.1f}  {s['blocking_p50_delta_us']:+14.1f} "
-              f"{s['pool_p50_delta_us']:+10.1f}")
+        print(
+            f"{cfg:14s} {s['blocking_p50_us']:12.1f} {s['blocking_p99_us']:8.1f} "
+            f"{s['pool_p50_us']:9.1f} {s['pool_p99_us']:8.1f}  {s['blocking_p50_delta_us']:+14.1f} "
+            f"{s['pool_p50_delta_us']:+10.1f}"
+        )
 
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"metrics-overhead-{machine}.json")
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"metrics-overhead-{machine}.json"
+    )
     os.makedirs(os.path.dirname(out), exist_ok=True)
     doc = {
-        "benchmark": "metrics overhead", "machine": machine,
+        "benchmark": "metrics overhead",
+        "machine": machine,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "environment": environment(),
-        "params": {"rows": a.rows, "dim": a.dim, "k": a.k, "seconds": a.seconds, "rounds": a.rounds,
-                   "backend": a.backend, "dtype": a.dtype, "loop": a.loop, "timeit_number": a.number,
-                   "cores": {"sidecar": sorted(a.sidecar_cores or []), "client": sorted(a.client_cores or []),
-                             "scraper": sorted(a.scraper_cores or [])}},
+        "params": {
+            "rows": a.rows,
+            "dim": a.dim,
+            "k": a.k,
+            "seconds": a.seconds,
+            "rounds": a.rounds,
+            "backend": a.backend,
+            "dtype": a.dtype,
+            "loop": a.loop,
+            "timeit_number": a.number,
+            "cores": {
+                "sidecar": sorted(a.sidecar_cores or []),
+                "client": sorted(a.client_cores or []),
+                "scraper": sorted(a.scraper_cores or []),
+            },
+        },
         "sidecar_observer_ns": observer,
-        "round_trip_summary": summary, "round_trip_rounds": rounds,
+        "round_trip_summary": summary,
+        "round_trip_rounds": rounds,
     }
     with open(out, "w") as f:
         json.dump(doc, f, indent=2)

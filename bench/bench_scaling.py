@@ -44,11 +44,22 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, HERE)
 
-from bench_gpu import (RTOL, copy_bandwidth, free_port, gpu_environment, latency_sample, log, parse_size,  # noqa: E402
-                       scrape, sidecar_matrix, torch_baselines)
-from kalos.demo import inproc_numpy  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from bench_gpu import (
+    RTOL,
+    copy_bandwidth,
+    free_port,
+    gpu_environment,
+    latency_sample,
+    log,
+    parse_size,
+    scrape,
+    sidecar_matrix,
+    torch_baselines,
+)
+
+from kalos.demo import inproc_numpy
+from kalos.testing.loadgen import LoadSpec, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 #: Dense 16-bit tensor rate measured on the H200 (PERFORMANCE.md, "Method"): with the copy rate, the
 #: floor of a batch is the larger of (bytes read / copy rate) and (flops / this).
@@ -119,7 +130,7 @@ def draw_rows(xp: Any, n: int, d: int, dtype: str, seed: int) -> Any:
 
 def npy_dir(nbytes: int, wanted: str | None) -> str:
     """A folder with room for a .npy of ``nbytes`` (/dev/shm, memory-backed, else the temp folder)."""
-    for cand in ([wanted] if wanted else ["/dev/shm", tempfile.gettempdir()]):
+    for cand in [wanted] if wanted else ["/dev/shm", tempfile.gettempdir()]:
         try:
             if shutil.disk_usage(cand).free > nbytes * 1.1 + 2**30:
                 return cand
@@ -129,8 +140,9 @@ def npy_dir(nbytes: int, wanted: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------- answer check
-def check_answers(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: Any, k: int,
-                  rtol: float, xp: Any) -> tuple[int, int]:
+def check_answers(
+    samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows: Any, k: int, rtol: float, xp: Any
+) -> tuple[int, int]:
     """kalos.testing.loadgen.check_samples's rule (answers compared by their true score, with a
     tolerance of rtol x (max |score| + 1)) against the stored ``rows`` (record id = row), computed
     in float64 on the device of ``xp`` a chunk of rows at a time. Returns (checked, wrong)."""
@@ -144,7 +156,7 @@ def check_answers(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows
     amax = xp.zeros(s_n)
     chunk = max(1024, (1 << (28 if xp is np else 30)) // (8 * s_n))  # float64 scores: 256 MiB, 1 GiB on a GPU
     for lo in range(0, n, chunk):
-        sc = q @ rows[lo:lo + chunk].astype(xp.float64).T
+        sc = q @ rows[lo : lo + chunk].astype(xp.float64).T
         amax = xp.maximum(amax, xp.abs(sc).max(axis=1))
         cand = xp.concatenate([top, sc], axis=1)
         top = -xp.partition(-cand, kk - 1, axis=1)[:, :kk]
@@ -171,8 +183,9 @@ def check_answers(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], rows
 
 
 # ---------------------------------------------------------------------------- one size
-def inproc_rows(backend: str, host: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int,
-                seconds: float) -> list[dict[str, Any]]:
+def inproc_rows(
+    backend: str, host: np.ndarray, dtype: str, k: int, bank: np.ndarray, reps: int, seconds: float
+) -> list[dict[str, Any]]:
     """In-process baselines at this size: torch on CUDA (one query, CUDA graph, batches of 64 and
     256), numpy on the CPU (one query, a batch of 256)."""
     if backend == "cuda":
@@ -180,22 +193,44 @@ def inproc_rows(backend: str, host: np.ndarray, dtype: str, k: int, bank: np.nda
     out = []
     for b in (1, 256):
         p, tput = inproc_numpy(host, k, seconds=max(0.5, seconds / 2), batch=b)
-        out.append({"what": "numpy_single" if b == 1 else f"numpy_batch{b}",
-                    **{kk: round(v, 2) for kk, v in p.items()}, "recalls_per_s": round(tput)})
+        out.append(
+            {
+                "what": "numpy_single" if b == 1 else f"numpy_batch{b}",
+                **{kk: round(v, 2) for kk, v in p.items()},
+                "recalls_per_s": round(tput),
+            }
+        )
     return out
 
 
-def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict[str, Any], floor_us: float,
-                seed: int) -> tuple[list[dict[str, Any]], list[list[Any]]]:
+def broker_rows(
+    a: argparse.Namespace, n: int, fill_args: list[str], base: dict[str, Any], floor_us: float, seed: int
+) -> tuple[list[dict[str, Any]], list[list[Any]]]:
     """One sidecar for this size; a load run per --tasks. Returns (rows, kept answers per row)."""
     tasks_list = [int(t) for t in a.tasks.split(",")]
     name = f"bscale{os.getpid()}x{n}"
     port = free_port()
     t0 = time.perf_counter()
-    args = ["--ephemeral", "--backend", a.backend, "--dtype", a.dtype, "--dim", str(a.dim), *fill_args,
-            "--slots", str(max(64, max(tasks_list) + 16)), "--max-k", "64", "--max-queries", "4",
-            "--metrics-port", str(port), *(["--device", "0"] if a.backend == "cuda" else []),
-            *a.sidecar_args.split()]
+    args = [
+        "--ephemeral",
+        "--backend",
+        a.backend,
+        "--dtype",
+        a.dtype,
+        "--dim",
+        str(a.dim),
+        *fill_args,
+        "--slots",
+        str(max(64, max(tasks_list) + 16)),
+        "--max-k",
+        "64",
+        "--max-queries",
+        "4",
+        "--metrics-port",
+        str(port),
+        *(["--device", "0"] if a.backend == "cuda" else []),
+        *a.sidecar_args.split(),
+    ]
     proc = start_sidecar_process(args, name, timeout=900)
     ready_s = time.perf_counter() - t0
     log(f"# sidecar ready in {ready_s:.1f} s")
@@ -205,26 +240,48 @@ def broker_rows(a: argparse.Namespace, n: int, fill_args: list[str], base: dict[
         for tasks in tasks_list:
             procs = 1 if tasks == 1 else min(a.procs, tasks)
             before = scrape(port)
-            res = run_load(LoadSpec(name=name, dim=a.dim, procs=procs, tasks=tasks, duration_s=a.seconds,
-                                    warmup_s=0.5, k=a.k, seed=seed, loop=a.loop, keep=KEEP))
+            res = run_load(
+                LoadSpec(
+                    name=name,
+                    dim=a.dim,
+                    procs=procs,
+                    tasks=tasks,
+                    duration_s=a.seconds,
+                    warmup_s=0.5,
+                    k=a.k,
+                    seed=seed,
+                    loop=a.loop,
+                    keep=KEEP,
+                )
+            )
             after = scrape(port)
             p = res.percentiles_us()
-            row = {**base, "what": "broker", "tasks": tasks, "procs": procs,
-                   **{kk: round(v, 1) for kk, v in p.items()},
-                   "p50_over_floor": round(p["p50_us"] / floor_us, 2) if floor_us else None,
-                   "recalls_per_s": round(res.throughput), "count": res.count, "errors": res.errors}
+            row = {
+                **base,
+                "what": "broker",
+                "tasks": tasks,
+                "procs": procs,
+                **{kk: round(v, 1) for kk, v in p.items()},
+                "p50_over_floor": round(p["p50_us"] / floor_us, 2) if floor_us else None,
+                "recalls_per_s": round(res.throughput),
+                "count": res.count,
+                "errors": res.errors,
+            }
             delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
             nb = delta.get("kalos_batch_compute_seconds_count", 0.0)
             if nb:
-                row["mean_batch_size"] = round(delta.get("kalos_batch_size_sum", 0.0) /
-                                               max(1.0, delta.get("kalos_batch_size_count", nb)), 1)
+                row["mean_batch_size"] = round(
+                    delta.get("kalos_batch_size_sum", 0.0) / max(1.0, delta.get("kalos_batch_size_count", nb)), 1
+                )
                 row["sidecar_compute_us_per_batch"] = round(delta["kalos_batch_compute_seconds_sum"] / nb * 1e6, 1)
             row["lat_sample_us"] = latency_sample(res.latencies_ns)
             rows.append(row)
             kept.append(res.samples)
-            log(f"{human(n):>6} x{a.dim} {a.dtype:8} tasks={tasks:<3} procs={procs} p50={p['p50_us']:9.1f}us "
+            log(
+                f"{human(n):>6} x{a.dim} {a.dtype:8} tasks={tasks:<3} procs={procs} p50={p['p50_us']:9.1f}us "
                 f"p95={p['p95_us']:9.1f} p99={p['p99_us']:9.1f} {res.throughput:10,.0f}/s "
-                f"batch~{row.get('mean_batch_size')} errors {res.errors}")
+                f"batch~{row.get('mean_batch_size')} errors {res.errors}"
+            )
     finally:
         stop_sidecar_process(proc)
     return rows, kept
@@ -258,8 +315,10 @@ def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) 
             np.save(f, host)
         fill_args = ["--load", path]
     gen_s = time.perf_counter() - t0
-    log(f"# {human(n)} x {d} {dtype}: {nbytes / 1e9:.2f} GB, rows ready in {gen_s:.1f} s ({a.fill}); "
-        f"one full read {floor_us:.1f} us")
+    log(
+        f"# {human(n)} x {d} {dtype}: {nbytes / 1e9:.2f} GB, rows ready in {gen_s:.1f} s ({a.fill}); "
+        f"one full read {floor_us:.1f} us"
+    )
     out.append({**base, "what": "rows", "fill": a.fill, "bytes": nbytes, "seconds": round(gen_s, 1)})
     try:
         if not a.skip_inproc:
@@ -282,8 +341,10 @@ def run_size(a: argparse.Namespace, xp: Any, n: int, seed: int, bw_tbps: float) 
     for row, samples in zip(rows, kept):
         if row["what"] == "broker":
             row["checked"], row["wrong"] = check_answers(samples, dev, a.k, RTOL[dtype], xp)
-    log(f"# checked against float64 in {time.perf_counter() - t0:.1f} s: "
-        + ", ".join(f"{r['tasks']} tasks {r['wrong']}/{r['checked']} wrong" for r in rows if r["what"] == "broker"))
+    log(
+        f"# checked against float64 in {time.perf_counter() - t0:.1f} s: "
+        + ", ".join(f"{r['tasks']} tasks {r['wrong']}/{r['checked']} wrong" for r in rows if r["what"] == "broker")
+    )
     del dev
     if xp is not np:
         xp.get_default_memory_pool().free_all_blocks()
@@ -300,26 +361,55 @@ def table(rows: list[dict[str, Any]]) -> str:
     def f(r: dict[str, Any] | None, key: str, fmt: str = "{:,.1f}") -> str:
         return fmt.format(r[key]) if r and r.get(key) is not None else "-"
 
-    head = ("rows", "one read", "1 task p50 us", "p95", "p99", "x read", "in-proc 1q p50", "256 tasks /s",
-            "p99 us", "in-proc b256 /s", "bound b256 /s", "wrong/checked")
+    head = (
+        "rows",
+        "one read",
+        "1 task p50 us",
+        "p95",
+        "p99",
+        "x read",
+        "in-proc 1q p50",
+        "256 tasks /s",
+        "p99 us",
+        "in-proc b256 /s",
+        "bound b256 /s",
+        "wrong/checked",
+    )
     lines = [" | ".join(head), " | ".join("---" for _ in head)]
     for n in sorted(by_n):
         g = by_n[n]
         b1 = next((v for kk, v in g.items() if kk == "broker1"), None)
-        bmax = max((v for kk, v in g.items() if kk.startswith("broker") and kk != "broker1"),
-                   key=lambda v: v["tasks"], default=None)
+        bmax = max(
+            (v for kk, v in g.items() if kk.startswith("broker") and kk != "broker1"),
+            key=lambda v: v["tasks"],
+            default=None,
+        )
         one = g.get("torch_graph_single") or g.get("numpy_single")
         b256 = g.get("torch_batch256") or g.get("numpy_batch256")
         anyr = next(iter(g.values()))
         wrong = [(v.get("wrong"), v.get("checked")) for kk, v in g.items() if kk.startswith("broker")]
-        lines.append(" | ".join([
-            human(n), f"{anyr['floor_us']:,.1f} us", f(b1, "p50_us"), f(b1, "p95_us"), f(b1, "p99_us"),
-            f(b1, "p50_over_floor", "{:.2f}x"), f(one, "p50_us"),
-            f(bmax, "recalls_per_s", "{:,.0f}"), f(bmax, "p99_us"), f(b256, "recalls_per_s", "{:,.0f}"),
-            f(anyr, "bound_batch256_per_s", "{:,.0f}"),
-            ", ".join(f"{w}/{c}" for w, c in wrong)]))
-    lines.append("(in-proc: torch + CUDA graph for one query and torch for a batch of 256 on CUDA, numpy on the "
-                 "numpy backend; bound: one read of the rows or 2*256*n*d flops at the tensor peak, the larger)")
+        lines.append(
+            " | ".join(
+                [
+                    human(n),
+                    f"{anyr['floor_us']:,.1f} us",
+                    f(b1, "p50_us"),
+                    f(b1, "p95_us"),
+                    f(b1, "p99_us"),
+                    f(b1, "p50_over_floor", "{:.2f}x"),
+                    f(one, "p50_us"),
+                    f(bmax, "recalls_per_s", "{:,.0f}"),
+                    f(bmax, "p99_us"),
+                    f(b256, "recalls_per_s", "{:,.0f}"),
+                    f(anyr, "bound_batch256_per_s", "{:,.0f}"),
+                    ", ".join(f"{w}/{c}" for w, c in wrong),
+                ]
+            )
+        )
+    lines.append(
+        "(in-proc: torch + CUDA graph for one query and torch for a batch of 256 on CUDA, numpy on the "
+        "numpy backend; bound: one read of the rows or 2*256*n*d flops at the tensor peak, the larger)"
+    )
     return "\n".join(lines)
 
 
@@ -334,8 +424,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10k,100k,1M,10M", help="row counts (k, M suffixes)")
     ap.add_argument("--dim", type=int, default=768)
-    ap.add_argument("--dtype", default="float16", choices=["float16", "float32"],
-                    help="storage dtype (the numpy backend stores float32 only)")
+    ap.add_argument(
+        "--dtype",
+        default="float16",
+        choices=["float16", "float32"],
+        help="storage dtype (the numpy backend stores float32 only)",
+    )
     ap.add_argument("--backend", default="cuda", choices=["cuda", "numpy"])
     ap.add_argument("--tasks", default="1,256", help="concurrent client tasks in total")
     ap.add_argument("--procs", type=int, default=8, help="client processes for more than one task")
@@ -343,9 +437,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=1000, help="in-process repetitions (fewer from 500k rows)")
     ap.add_argument("-k", type=int, default=10)
     ap.add_argument("--loop", default="uvloop")
-    ap.add_argument("--fill", default="npy", choices=["npy", "random"],
-                    help="npy: rows drawn on the device, loaded by the sidecar from a .npy (default); "
-                         "random: the sidecar's --random-rows, drawn again here on the host (slow at 10M)")
+    ap.add_argument(
+        "--fill",
+        default="npy",
+        choices=["npy", "random"],
+        help="npy: rows drawn on the device, loaded by the sidecar from a .npy (default); "
+        "random: the sidecar's --random-rows, drawn again here on the host (slow at 10M)",
+    )
     ap.add_argument("--tmp-dir", default=None, help="folder for the .npy of --fill npy (default: /dev/shm, else temp)")
     ap.add_argument("--skip-inproc", action="store_true")
     ap.add_argument("--sidecar-args", default="", help="extra sidecar arguments, e.g. '--pipeline off'")
@@ -355,8 +453,10 @@ def main() -> int:
     if a.backend == "cuda":
         xp, why = cuda_or_reason()
         if xp is None:
-            log(f"# skipped: {why}. This benchmark measures a CUDA GPU; "
-                f"`--backend numpy` runs the CPU path at small sizes.")
+            log(
+                f"# skipped: {why}. This benchmark measures a CUDA GPU; "
+                f"`--backend numpy` runs the CPU path at small sizes."
+            )
             return 0
     else:
         xp = np
@@ -372,13 +472,22 @@ def main() -> int:
         bw = copy_bandwidth(xp)
     else:
         bw = host_copy_bandwidth()
-    log(f"# {env.get('gpu', env.get('cpu', 'host'))}: copy {bw:.3f} TB/s (read + write); "
-        f"one full read of n x {a.dim} {a.dtype} takes n x {a.dim * np.dtype(a.dtype).itemsize} B at that rate")
+    log(
+        f"# {env.get('gpu', env.get('cpu', 'host'))}: copy {bw:.3f} TB/s (read + write); "
+        f"one full read of n x {a.dim} {a.dtype} takes n x {a.dim * np.dtype(a.dtype).itemsize} B at that rate"
+    )
     path = a.out or os.path.join(HERE, "results", f"scaling-{a.backend}-{dt.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    doc: dict[str, Any] = {"benchmark": "scaling", "command": " ".join(["python3", *sys.argv]),
-                           "date": dt.datetime.now().isoformat(timespec="seconds"), "seed": seed, "env": env,
-                           "copy_TBps": round(bw, 3), "fill": a.fill, "rows": []}
+    doc: dict[str, Any] = {
+        "benchmark": "scaling",
+        "command": " ".join(["python3", *sys.argv]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "seed": seed,
+        "env": env,
+        "copy_TBps": round(bw, 3),
+        "fill": a.fill,
+        "rows": [],
+    }
 
     def on_term(signum: int, _frame: Any) -> None:
         raise Interrupted(f"signal {signum}")

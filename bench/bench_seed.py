@@ -41,12 +41,22 @@ ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
-from bench_gpu import (RTOL, copy_bandwidth, gpu_environment, kalos_inproc, latency_sample, log, parse_size,  # noqa: E402
-                       sidecar_matrix, torch_baselines)
-from bench_scaling import Interrupted, cuda_or_reason, host_copy_bandwidth, human, write  # noqa: E402
-from kalos.demo import inproc_numpy  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from bench_gpu import (
+    RTOL,
+    copy_bandwidth,
+    gpu_environment,
+    kalos_inproc,
+    latency_sample,
+    log,
+    parse_size,
+    sidecar_matrix,
+    torch_baselines,
+)
+from bench_scaling import Interrupted, cuda_or_reason, host_copy_bandwidth, human, write
+
+from kalos.demo import inproc_numpy
+from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 SEED_FILES = ("seed_sidecar.cu", "seed_client.py")
 VARIANTS = {"reference": (0, 0), "spinning": (1, 1)}  # (server spin, client spin)
@@ -63,8 +73,11 @@ def build_seed(seed_dir: str, nvcc: str, arch: str) -> tuple[str | None, dict[st
     out = os.path.join(seed_dir, "seed_sidecar")
     info: dict[str, Any] = {}
     try:
-        info["nvcc"] = subprocess.run([exe, "--version"], capture_output=True, text=True,
-                                      timeout=30).stdout.strip().splitlines()[-1]
+        info["nvcc"] = (
+            subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30)
+            .stdout.strip()
+            .splitlines()[-1]
+        )
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
     for flags in ([f"-arch={arch}"] if arch else [], []):
@@ -89,8 +102,7 @@ def load_client(seed_dir: str) -> Any:
     return mod
 
 
-def run_seed(client: Any, binary: str, n: int, d: int, variant: str, iters: int,
-             timeout_s: float) -> dict[str, Any]:
+def run_seed(client: Any, binary: str, n: int, d: int, variant: str, iters: int, timeout_s: float) -> dict[str, Any]:
     """One seed_client.run(), with the latencies it measured (caught where it summarises them)
     and its sidecar killed if it has not finished within timeout_s."""
     caught: list[np.ndarray] = []
@@ -129,32 +141,85 @@ def run_seed(client: Any, binary: str, n: int, d: int, variant: str, iters: int,
         except OSError:
             pass
     lat = caught[-1]
-    return {"what": "seed", "variant": variant, "server_spin": ss, "client_spin": cs, "k": 1,
-            **{kk: round(r[kk], 1) for kk in ("p50_us", "p95_us", "p99_us")}, "count": len(lat),
-            "checked": len(range(200, iters + 200, 100)), "wrong": int(r["wrong_checks"]),
-            "lat_sample_us": latency_sample(lat)}
+    return {
+        "what": "seed",
+        "variant": variant,
+        "server_spin": ss,
+        "client_spin": cs,
+        "k": 1,
+        **{kk: round(r[kk], 1) for kk in ("p50_us", "p95_us", "p99_us")},
+        "count": len(lat),
+        "checked": len(range(200, iters + 200, 100)),
+        "wrong": int(r["wrong_checks"]),
+        "lat_sample_us": latency_sample(lat),
+    }
 
 
 # ---------------------------------------------------------------------------- Kalos at that size
-def broker_rows(a: argparse.Namespace, n: int, d: int, ks: list[int], seed: int, matrix: np.ndarray,
-                base: dict[str, Any]) -> list[dict[str, Any]]:
+def broker_rows(
+    a: argparse.Namespace, n: int, d: int, ks: list[int], seed: int, matrix: np.ndarray, base: dict[str, Any]
+) -> list[dict[str, Any]]:
     """One sidecar at this size; a 1-task run for each k."""
     name = f"bseed{os.getpid()}x{n}"
-    proc = start_sidecar_process(["--ephemeral", "--backend", a.backend, "--dtype", "float32", "--dim", str(d),
-                                  "--random-rows", str(n), "--seed", str(seed), "--slots", "64",
-                                  "--max-k", "64", "--max-queries", "4",
-                                  *(["--device", "0"] if a.backend == "cuda" else [])], name, timeout=300)
+    proc = start_sidecar_process(
+        [
+            "--ephemeral",
+            "--backend",
+            a.backend,
+            "--dtype",
+            "float32",
+            "--dim",
+            str(d),
+            "--random-rows",
+            str(n),
+            "--seed",
+            str(seed),
+            "--slots",
+            "64",
+            "--max-k",
+            "64",
+            "--max-queries",
+            "4",
+            *(["--device", "0"] if a.backend == "cuda" else []),
+        ],
+        name,
+        timeout=300,
+    )
     out = []
     try:
         for k in ks:
-            res = run_load(LoadSpec(name=name, dim=d, procs=1, tasks=1, duration_s=a.seconds, warmup_s=0.5,
-                                    k=k, seed=seed, loop=a.loop, keep=100))
+            res = run_load(
+                LoadSpec(
+                    name=name,
+                    dim=d,
+                    procs=1,
+                    tasks=1,
+                    duration_s=a.seconds,
+                    warmup_s=0.5,
+                    k=k,
+                    seed=seed,
+                    loop=a.loop,
+                    keep=100,
+                )
+            )
             checked, wrong = check_samples(res.samples, matrix, k, rtol=RTOL["float32"])
             p = res.percentiles_us()
-            out.append({**base, "what": "broker", "k": k, "tasks": 1, "procs": 1,
-                        **{kk: round(v, 1) for kk, v in p.items()}, "recalls_per_s": round(res.throughput),
-                        "count": res.count, "errors": res.errors, "checked": checked, "wrong": wrong,
-                        "lat_sample_us": latency_sample(res.latencies_ns)})
+            out.append(
+                {
+                    **base,
+                    "what": "broker",
+                    "k": k,
+                    "tasks": 1,
+                    "procs": 1,
+                    **{kk: round(v, 1) for kk, v in p.items()},
+                    "recalls_per_s": round(res.throughput),
+                    "count": res.count,
+                    "errors": res.errors,
+                    "checked": checked,
+                    "wrong": wrong,
+                    "lat_sample_us": latency_sample(res.latencies_ns),
+                }
+            )
     finally:
         stop_sidecar_process(proc)
     return out
@@ -163,8 +228,9 @@ def broker_rows(a: argparse.Namespace, n: int, d: int, ks: list[int], seed: int,
 def inproc(a: argparse.Namespace, cp: Any, matrix: np.ndarray, k: int, seed: int) -> list[dict[str, Any]]:
     if a.backend != "cuda":
         p, tput = inproc_numpy(matrix, k, seconds=max(0.5, a.seconds / 2), batch=1)
-        return [{"what": "numpy_single", "k": k, **{kk: round(v, 2) for kk, v in p.items()},
-                 "recalls_per_s": round(tput)}]
+        return [
+            {"what": "numpy_single", "k": k, **{kk: round(v, 2) for kk, v in p.items()}, "recalls_per_s": round(tput)}
+        ]
     bank = np.random.default_rng(seed + 1).standard_normal((1024, matrix.shape[1]), dtype=np.float32)
     out = []
     for fn in (torch_baselines, lambda *x: kalos_inproc(cp, *x)):
@@ -184,16 +250,29 @@ def table(rows: list[dict[str, Any]]) -> str:
         if "p50_us" not in r or r["what"].startswith(("torch_batch", "kalos_batch")):
             continue
         case = r["what"] + (f" ({r['variant']})" if "variant" in r else "")
-        lines.append(" | ".join([f"{human(r['n'])} x {r['dim']}", case, str(r.get("k", "")),
-                                 f"{r['p50_us']:,.1f}", f"{r['p95_us']:,.1f}", f"{r['p99_us']:,.1f}",
-                                 f"{r.get('checked', '-')}/{r.get('wrong', '-')}"]))
+        lines.append(
+            " | ".join(
+                [
+                    f"{human(r['n'])} x {r['dim']}",
+                    case,
+                    str(r.get("k", "")),
+                    f"{r['p50_us']:,.1f}",
+                    f"{r['p95_us']:,.1f}",
+                    f"{r['p99_us']:,.1f}",
+                    f"{r.get('checked', '-')}/{r.get('wrong', '-')}",
+                ]
+            )
+        )
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seed-dir", default=os.path.join(".dev", "seed"),
-                    help=f"folder holding {' and '.join(SEED_FILES)} (ignored by git; `{COPY_HINT}`)")
+    ap.add_argument(
+        "--seed-dir",
+        default=os.path.join(".dev", "seed"),
+        help=f"folder holding {' and '.join(SEED_FILES)} (ignored by git; `{COPY_HINT}`)",
+    )
     ap.add_argument("--seed-binary", default=None, help="a seed sidecar already built (skips nvcc)")
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--arch", default="sm_90", help="nvcc -arch (empty: nvcc's default)")
@@ -211,8 +290,10 @@ def main() -> int:
 
     gpu, gpu_why = cuda_or_reason()  # the seed needs one whatever the backend
     if a.backend == "cuda" and gpu is None:
-        log(f"# skipped: {gpu_why}. The seed and the Kalos CUDA sidecar need a CUDA GPU; "
-            f"`--backend numpy` measures the broker part on the CPU.")
+        log(
+            f"# skipped: {gpu_why}. The seed and the Kalos CUDA sidecar need a CUDA GPU; "
+            f"`--backend numpy` measures the broker part on the CPU."
+        )
         return 0
     cp = gpu if a.backend == "cuda" else None
     ks = [int(k) for k in a.ks.split(",")]
@@ -244,9 +325,16 @@ def main() -> int:
 
     path = a.out or os.path.join(HERE, "results", f"seed-{a.backend}-{dt.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    doc: dict[str, Any] = {"benchmark": "seed", "command": " ".join(["python3", *sys.argv]),
-                           "date": dt.datetime.now().isoformat(timespec="seconds"), "seed": seed, "env": env,
-                           "copy_TBps": round(bw, 3), "seed_build": build, "rows": []}
+    doc: dict[str, Any] = {
+        "benchmark": "seed",
+        "command": " ".join(["python3", *sys.argv]),
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "seed": seed,
+        "env": env,
+        "copy_TBps": round(bw, 3),
+        "seed_build": build,
+        "rows": [],
+    }
 
     def on_term(signum: int, _frame: Any) -> None:
         raise Interrupted(f"signal {signum}")
@@ -272,9 +360,11 @@ def main() -> int:
             del matrix
             for r in rows:
                 if "p50_us" in r and not r["what"].startswith(("torch_batch", "kalos_batch")):
-                    log(f"{human(n):>5} x{d:<4} {r['what'] + ('/' + r['variant'] if 'variant' in r else ''):28} "
+                    log(
+                        f"{human(n):>5} x{d:<4} {r['what'] + ('/' + r['variant'] if 'variant' in r else ''):28} "
                         f"k={r.get('k', '')!s:<3} p50={r['p50_us']:9.1f}us p95={r['p95_us']:9.1f} "
-                        f"p99={r['p99_us']:9.1f}  checked/wrong {r.get('checked', '-')}/{r.get('wrong', '-')}")
+                        f"p99={r['p99_us']:9.1f}  checked/wrong {r.get('checked', '-')}/{r.get('wrong', '-')}"
+                    )
             doc["rows"] += rows
             write(path, doc)
     except (Interrupted, KeyboardInterrupt) as e:

@@ -15,16 +15,15 @@ import json
 import os
 import sys
 import time
-
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.clients import RecallClient  # noqa: E402
-from kalos.testing.loadgen import LoadSpec, environment, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.clients import RecallClient
+from kalos.testing.loadgen import LoadSpec, environment, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
 def _echo(req_name: str, resp_name: str) -> None:
@@ -67,9 +66,17 @@ def ipc_floor(seconds: float) -> list[dict[str, Any]]:
                             pass
                 lat.append(time.perf_counter_ns() - t)
             p50, p95, p99 = np.percentile(np.asarray(lat[100:]) / 1e3, [50, 95, 99])
-            out.append({"client": "bare posix_ipc", "mechanism": mode, "spin_us": None,
-                        "p50_us": round(float(p50), 1), "p95_us": round(float(p95), 1),
-                        "p99_us": round(float(p99), 1), "n": len(lat)})
+            out.append(
+                {
+                    "client": "bare posix_ipc",
+                    "mechanism": mode,
+                    "spin_us": None,
+                    "p50_us": round(float(p50), 1),
+                    "p95_us": round(float(p95), 1),
+                    "p99_us": round(float(p99), 1),
+                    "n": len(lat),
+                }
+            )
     finally:
         p.kill()
         req.unlink()
@@ -84,17 +91,29 @@ def main() -> int:
     ap.add_argument("--sidecar-spin-us", type=float, default=250.0)
     a = ap.parse_args()
     name = f"wake-{os.getpid()}"
-    proc = start_sidecar_process(["--ephemeral", "--dim", "4", "--random-rows", "16", "--backend", "numpy",
-                                  "--spin-us", str(a.sidecar_spin_us)], name)
+    proc = start_sidecar_process(
+        ["--ephemeral", "--dim", "4", "--random-rows", "16", "--backend", "numpy", "--spin-us", str(a.sidecar_spin_us)],
+        name,
+    )
     rows = []
     try:
         for loop in ("asyncio", "uvloop"):
             for spin in (250.0, 0.0):
-                res = run_load(LoadSpec(name=name, dim=4, tasks=1, procs=1, duration_s=a.seconds, k=4,
-                                        loop=loop, spin_us=spin, keep=0))
+                res = run_load(
+                    LoadSpec(
+                        name=name, dim=4, tasks=1, procs=1, duration_s=a.seconds, k=4, loop=loop, spin_us=spin, keep=0
+                    )
+                )
                 p = res.percentiles_us()
-                rows.append({"client": f"pool/{loop}", "mechanism": "poll then wait" if spin else "waiter thread only",
-                             "spin_us": spin, **{k: round(v, 1) for k, v in p.items()}, "n": res.count})
+                rows.append(
+                    {
+                        "client": f"pool/{loop}",
+                        "mechanism": "poll then wait" if spin else "waiter thread only",
+                        "spin_us": spin,
+                        **{k: round(v, 1) for k, v in p.items()},
+                        "n": res.count,
+                    }
+                )
         for spin in (250.0, 0.0):
             lat = []
             with RecallClient(name, spin_us=spin) as c:
@@ -105,20 +124,38 @@ def main() -> int:
                     c.recall(q, k=4)
                     lat.append(time.perf_counter_ns() - t)
             q = np.percentile(np.asarray(lat[100:]) / 1e3, [50, 95, 99])
-            rows.append({"client": "blocking", "mechanism": "spin then sem_timedwait" if spin else "sem_timedwait only",
-                         "spin_us": spin, "p50_us": round(float(q[0]), 1), "p95_us": round(float(q[1]), 1),
-                         "p99_us": round(float(q[2]), 1), "n": len(lat)})
+            rows.append(
+                {
+                    "client": "blocking",
+                    "mechanism": "spin then sem_timedwait" if spin else "sem_timedwait only",
+                    "spin_us": spin,
+                    "p50_us": round(float(q[0]), 1),
+                    "p95_us": round(float(q[1]), 1),
+                    "p99_us": round(float(q[2]), 1),
+                    "n": len(lat),
+                }
+            )
     finally:
         stop_sidecar_process(proc)
     rows += ipc_floor(a.seconds)
     for r in rows:
-        print(f"{r['client']:16} {r['mechanism']:26} p50 {r['p50_us']:7.1f} us  p95 {r['p95_us']:7.1f}  p99 {r['p99_us']:7.1f}")
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"wakeup-{os.uname().nodename}-{dt.date.today()}.json")
+        print(
+            f"{r['client']:16} {r['mechanism']:26} p50 {r['p50_us']:7.1f} us  p95 {r['p95_us']:7.1f}  p99 {r['p99_us']:7.1f}"
+        )
+    out = a.out or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results", f"wakeup-{os.uname().nodename}-{dt.date.today()}.json"
+    )
     with open(out, "w") as f:
-        json.dump({"command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-                   "date": dt.datetime.now().isoformat(timespec="seconds"), "env": environment(),
-                   "rows": rows}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+                "date": dt.datetime.now().isoformat(timespec="seconds"),
+                "env": environment(),
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
     print(f"# wrote {out}")
     return 0
 

@@ -35,10 +35,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kalos.broker.layout import Metric  # noqa: E402
-from kalos.clients import RecallClient  # noqa: E402
-from kalos.testing.loadgen import environment  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.broker.layout import Metric
+from kalos.clients import RecallClient
+from kalos.testing.loadgen import environment
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 STAGES = ["sidecar wait", "sidecar serve", "client"]
 
@@ -87,8 +87,9 @@ def lone_recalls(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> n
     return e2e
 
 
-def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, reps: int,
-              host_work: int | None = None) -> dict[str, Any]:
+def inprocess(
+    backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, reps: int, host_work: int | None = None
+) -> dict[str, Any]:
     """The backend's search of one query in this process: wall and GPU time (p50, us), and the
     path the CUDA backend took."""
     be: Any
@@ -99,8 +100,11 @@ def inprocess(backend: str, rows: int, dim: int, dtype: str, k: int, seed: int, 
     else:
         from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
-        be = CupyBackend(storage_dtype=dtype) if host_work is None else CupyBackend(storage_dtype=dtype,
-                                                                                   host_work=host_work)
+        be = (
+            CupyBackend(storage_dtype=dtype)
+            if host_work is None
+            else CupyBackend(storage_dtype=dtype, host_work=host_work)
+        )
     rng = np.random.default_rng(seed)
     m = be.new_matrix(dim, rows, Metric.DOT)
     chunk = 1 << 17
@@ -147,9 +151,12 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=300, help="in-process searches")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--sidecar-args", default="")
-    ap.add_argument("--host-search-work", type=int, default=None,
-                    help="cuda: the sidecar's and the in-process backend's --host-search-work "
-                         "(default: theirs; 0: always the GPU)")
+    ap.add_argument(
+        "--host-search-work",
+        type=int,
+        default=None,
+        help="cuda: the sidecar's and the in-process backend's --host-search-work (default: theirs; 0: always the GPU)",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     results = []
@@ -157,9 +164,22 @@ def main() -> int:
         rows, dim, dtype = parse_size(size)
         name = f"kbd{os.getpid()}x{rows}"
         port = free_port()
-        args = ["--dim", str(dim), "--backend", a.backend, "--dtype", dtype, "--ephemeral",
-                "--random-rows", str(rows), "--seed", str(a.seed), "--metrics-port", str(port),
-                *a.sidecar_args.split()]
+        args = [
+            "--dim",
+            str(dim),
+            "--backend",
+            a.backend,
+            "--dtype",
+            dtype,
+            "--ephemeral",
+            "--random-rows",
+            str(rows),
+            "--seed",
+            str(a.seed),
+            "--metrics-port",
+            str(port),
+            *a.sidecar_args.split(),
+        ]
         if a.host_search_work is not None:
             args += ["--host-search-work", str(a.host_search_work)]
         proc = start_sidecar_process(args, name, timeout=600)
@@ -178,12 +198,16 @@ def main() -> int:
             out["client"] = out["end to end"] - out["sidecar serve"] - out["sidecar wait"]
         serve = p50["sidecar serve"]
         if "GPU time (events)" in ip:
-            split = {"kernel (GPU time)": ip["GPU time (events)"],
-                     "launch + sync (backend wall - GPU)": ip["search wall"] - ip["GPU time (events)"],
-                     "sidecar Python (serve - backend wall)": serve - ip["search wall"]}
+            split = {
+                "kernel (GPU time)": ip["GPU time (events)"],
+                "launch + sync (backend wall - GPU)": ip["search wall"] - ip["GPU time (events)"],
+                "sidecar Python (serve - backend wall)": serve - ip["search wall"],
+            }
         else:  # numpy, or the CUDA backend's host path
-            split = {"search (in-process wall)": ip["search wall"],
-                     "sidecar Python (serve - search)": serve - ip["search wall"]}
+            split = {
+                "search (in-process wall)": ip["search wall"],
+                "sidecar Python (serve - search)": serve - ip["search wall"],
+            }
         print(f"\n{rows}x{dim} {dtype} backend={a.backend} k={a.k}: {a.n} lone recalls")
         print(f"  {'stage':40s} {'p50 us':>9s} {'p99 us':>9s}")
         for s in STAGES:
@@ -192,14 +216,31 @@ def main() -> int:
                 for name2, v in split.items():
                     print(f"    {name2:38s} {v:9.1f}")
         print(f"  {'end to end (measured)':40s} {p50['end to end']:9.1f} {p99['end to end']:9.1f}")
-        print("  in-process search: " + ", ".join(f"{kk} {v:.1f} us" if isinstance(v, float) else f"{kk} {v}"
-                                                  for kk, v in ip.items()))
-        results.append({"size": size, "rows": rows, "dim": dim, "dtype": dtype, "k": a.k, "n": a.n,
-                        "p50_us": p50, "p99_us": p99, "serve_split_us": split, "inprocess_us": ip})
+        print(
+            "  in-process search: "
+            + ", ".join(f"{kk} {v:.1f} us" if isinstance(v, float) else f"{kk} {v}" for kk, v in ip.items())
+        )
+        results.append(
+            {
+                "size": size,
+                "rows": rows,
+                "dim": dim,
+                "dtype": dtype,
+                "k": a.k,
+                "n": a.n,
+                "p50_us": p50,
+                "p99_us": p99,
+                "serve_split_us": split,
+                "inprocess_us": ip,
+            }
+        )
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join(sys.argv), "environment": environment(), "backend": a.backend,
-                       "results": results}, f, indent=1)
+            json.dump(
+                {"command": " ".join(sys.argv), "environment": environment(), "backend": a.backend, "results": results},
+                f,
+                indent=1,
+            )
         print(f"# wrote {a.out}")
     return 0
 

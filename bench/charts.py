@@ -51,8 +51,11 @@ SINGLE = {
     "cupy_naive_single": "CuPy naive",
     "numpy_single": "numpy in-process",
 }
-BATCH256 = {"torch_batch256": "torch batch 256", "kalos_batch256": "ours batch 256",
-            "numpy_batch256": "numpy batch 256"}
+BATCH256 = {
+    "torch_batch256": "torch batch 256",
+    "kalos_batch256": "ours batch 256",
+    "numpy_batch256": "numpy batch 256",
+}
 DTYPE_SHORT = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"] if plt else []
 
@@ -96,8 +99,10 @@ def by_size(rows: Iterable[Row]) -> dict[SizeKey, list[Row]]:
 
 
 def brokers(rows: list[Row]) -> list[Row]:
-    return sorted((r for r in rows if r["what"] == "broker" and "p50_us" in r),
-                  key=lambda r: (r.get("k", 0), r.get("tasks", 1), r.get("procs", 1), r.get("loop", "")))
+    return sorted(
+        (r for r in rows if r["what"] == "broker" and "p50_us" in r),
+        key=lambda r: (r.get("k", 0), r.get("tasks", 1), r.get("procs", 1), r.get("loop", "")),
+    )
 
 
 def case_label(r: Row, several_k: bool) -> str:
@@ -244,11 +249,20 @@ def chart_concurrency(rows: list[Row], title: str, path: str) -> str | None:
         for what, lab in BATCH256.items():
             ref = next((r for r in g if r["what"] == what and r.get("recalls_per_s")), None)
             if ref:
-                ax_t.axhline(ref["recalls_per_s"], color=color, ls="--" if what.startswith("torch") else ":",
-                             lw=1, alpha=0.7, label=f"{size_label(key)}: {lab} in-process")
+                ax_t.axhline(
+                    ref["recalls_per_s"],
+                    color=color,
+                    ls="--" if what.startswith("torch") else ":",
+                    lw=1,
+                    alpha=0.7,
+                    label=f"{size_label(key)}: {lab} in-process",
+                )
     procs = {r.get("procs") for g in groups.values() for r in brokers(g) if r.get("tasks", 1) > 1}
-    procs_note = f" (over {procs.pop()} client processes above 1 task)" if len(procs) == 1 else \
-        " (over several client processes: see the file)"
+    procs_note = (
+        f" (over {procs.pop()} client processes above 1 task)"
+        if len(procs) == 1
+        else " (over several client processes: see the file)"
+    )
     for ax in (ax_t, ax_p):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -274,10 +288,23 @@ def chart_compare(rows: list[Row], title: str, path: str) -> str | None:
         lat += [r for w in SINGLE for r in g if r["what"] == w and "p50_us" in r]
         many = [r for r in brokers(g) if r.get("tasks", 1) > 1]
         top = max(many, key=lambda r: (r["tasks"], r.get("procs", 1)), default=None)
-        tput = ([(f"broker, {top['tasks']} tasks" + (f" / {top['procs']} procs" if top.get("procs", 1) > 1 else ""),
-                  top["recalls_per_s"], top.get("p99_us"))] if top else [])
-        tput += [(lab, r["recalls_per_s"], None) for w, lab in BATCH256.items() for r in g
-                 if r["what"] == w and r.get("recalls_per_s")]
+        tput = (
+            [
+                (
+                    f"broker, {top['tasks']} tasks" + (f" / {top['procs']} procs" if top.get("procs", 1) > 1 else ""),
+                    top["recalls_per_s"],
+                    top.get("p99_us"),
+                )
+            ]
+            if top
+            else []
+        )
+        tput += [
+            (lab, r["recalls_per_s"], None)
+            for w, lab in BATCH256.items()
+            for r in g
+            if r["what"] == w and r.get("recalls_per_s")
+        ]
         bound = next((r["bound_batch256_per_s"] for r in g if r.get("bound_batch256_per_s")), None)
         if lat or tput:
             groups[key] = (lat, tput, bound, next((r.get("floor_us") for r in g if r.get("floor_us")), None))
@@ -285,16 +312,21 @@ def chart_compare(rows: list[Row], title: str, path: str) -> str | None:
         return None
     with_tput = any(v[1] for v in groups.values())
     cols = 2 if with_tput else 1
-    fig, axes = plt.subplots(len(groups), cols, figsize=(7.2 * cols, 0.45 * max(
-        6, max(len(v[0]) for v in groups.values())) + 1.6 * len(groups) + 0.6), squeeze=False)
+    fig, axes = plt.subplots(
+        len(groups),
+        cols,
+        figsize=(7.2 * cols, 0.45 * max(6, max(len(v[0]) for v in groups.values())) + 1.6 * len(groups) + 0.6),
+        squeeze=False,
+    )
     for row_axes, (key, (lat, tput, bound, floor)) in zip(axes, groups.items()):
         ax = row_axes[0]
         several_k = len({r.get("k") for r in lat}) > 1
         labels = [case_label(r, several_k) for r in lat]
         p50 = np.array([r["p50_us"] for r in lat], float)
         p99 = np.array([r.get("p99_us", r["p50_us"]) for r in lat], float)
-        colors = ["tab:red" if r["what"] == "broker" else "tab:gray" if r["what"] == "seed" else "tab:blue"
-                  for r in lat]
+        colors = [
+            "tab:red" if r["what"] == "broker" else "tab:gray" if r["what"] == "seed" else "tab:blue" for r in lat
+        ]
         y = np.arange(len(lat))
         ax.barh(y, p50, color=colors, alpha=0.8)
         ax.errorbar(p99, y, fmt="|", color="black", ms=10, mew=1.5)
@@ -322,11 +354,9 @@ def chart_compare(rows: list[Row], title: str, path: str) -> str | None:
                 continue
             y2 = np.arange(len(tput))
             vals = np.array([t[1] for t in tput], float)
-            ax2.barh(y2, vals, color=["tab:red" if t[0].startswith("broker") else "tab:blue" for t in tput],
-                     alpha=0.8)
+            ax2.barh(y2, vals, color=["tab:red" if t[0].startswith("broker") else "tab:blue" for t in tput], alpha=0.8)
             for yy, (_lab, v, p) in zip(y2, tput):
-                ax2.text(v * 1.05, yy, fmt_rate(v) + (f", p99 {fmt_us(p)}" if p else ""),
-                         va="center", fontsize=7)
+                ax2.text(v * 1.05, yy, fmt_rate(v) + (f", p99 {fmt_us(p)}" if p else ""), va="center", fontsize=7)
             ax2.set_ylim(len(tput) - 0.5, -1.1)
             if bound:
                 ax2.axvline(bound, color="black", ls="--", lw=1)
@@ -364,9 +394,12 @@ def chart_scaling(rows: list[Row], title: str, path: str) -> str | None:
         def one(what: str) -> Any:
             return lambda g: next((r for r in g if r["what"] == what and "p50_us" in r), None)
 
-        b1 = lambda g: next((r for r in brokers(g) if r.get("tasks", 1) == 1), None)  # noqa: E731
-        bmax = lambda g: max((r for r in brokers(g) if r.get("tasks", 1) > 1),  # noqa: E731
-                             key=lambda r: r["tasks"], default=None)
+        def b1(g: Any) -> Any:
+            return next((r for r in brokers(g) if r.get("tasks", 1) == 1), None)
+
+        def bmax(g: Any) -> Any:
+            return max((r for r in brokers(g) if r.get("tasks", 1) > 1), key=lambda r: r["tasks"], default=None)
+
         xs, rs = series(b1)
         if xs:
             ax_l.plot(xs, [r["p50_us"] for r in rs], "-o", color="tab:red", label="broker, 1 task: p50")
@@ -374,8 +407,9 @@ def chart_scaling(rows: list[Row], title: str, path: str) -> str | None:
         for i, (what, lab) in enumerate(SINGLE.items()):
             xs, rs = series(one(what))
             if xs:
-                ax_l.plot(xs, [r["p50_us"] for r in rs], "--s", ms=4, color=COLORS[(i + 2) % len(COLORS)],
-                          label=f"{lab}: p50")
+                ax_l.plot(
+                    xs, [r["p50_us"] for r in rs], "--s", ms=4, color=COLORS[(i + 2) % len(COLORS)], label=f"{lab}: p50"
+                )
         xs, rs = series(lambda g: next((r for r in g if r.get("floor_us")), None))
         if xs:
             ax_l.plot(xs, [r["floor_us"] for r in rs], "-", color="black", lw=1.2, label="one full read of the rows")
@@ -384,24 +418,47 @@ def chart_scaling(rows: list[Row], title: str, path: str) -> str | None:
 
         xs, rs = series(bmax)
         if xs:
-            ax_t.plot(xs, [r["recalls_per_s"] for r in rs], "-o", color="tab:red",
-                      label=f"broker, {rs[-1]['tasks']} tasks / {rs[-1].get('procs', 1)} procs")
+            ax_t.plot(
+                xs,
+                [r["recalls_per_s"] for r in rs],
+                "-o",
+                color="tab:red",
+                label=f"broker, {rs[-1]['tasks']} tasks / {rs[-1].get('procs', 1)} procs",
+            )
             for x, r in zip(xs, rs):
-                ax_t.annotate(f"p99 {fmt_us(r['p99_us'])}", (x, r["recalls_per_s"]), fontsize=7,
-                              textcoords="offset points", xytext=(4, 6))
+                ax_t.annotate(
+                    f"p99 {fmt_us(r['p99_us'])}",
+                    (x, r["recalls_per_s"]),
+                    fontsize=7,
+                    textcoords="offset points",
+                    xytext=(4, 6),
+                )
         for i, (what, lab) in enumerate(BATCH256.items()):
             xs, rs = series(lambda g, w=what: next((r for r in g if r["what"] == w and r.get("recalls_per_s")), None))
             if xs:
-                ax_t.plot(xs, [r["recalls_per_s"] for r in rs], "--s", ms=4, color=COLORS[(i + 2) % len(COLORS)],
-                          label=f"{lab}, in-process")
+                ax_t.plot(
+                    xs,
+                    [r["recalls_per_s"] for r in rs],
+                    "--s",
+                    ms=4,
+                    color=COLORS[(i + 2) % len(COLORS)],
+                    label=f"{lab}, in-process",
+                )
         xs, rs = series(lambda g: next((r for r in g if r.get("bound_batch256_per_s")), None))
         if xs:
-            ax_t.plot(xs, [r["bound_batch256_per_s"] for r in rs], "-", color="black", lw=1.2,
-                      label="bound, batch 256 (one read; tensor peak)")
+            ax_t.plot(
+                xs,
+                [r["bound_batch256_per_s"] for r in rs],
+                "-",
+                color="black",
+                lw=1.2,
+                label="bound, batch 256 (one read; tensor peak)",
+            )
         xs, rs = series(lambda g: next((r for r in g if r.get("floor_us")), None))
         if xs:
-            ax_t.plot(xs, [1e6 / r["floor_us"] for r in rs], ":", color="black", lw=1.2,
-                      label="one full read per recall")
+            ax_t.plot(
+                xs, [1e6 / r["floor_us"] for r in rs], ":", color="black", lw=1.2, label="one full read per recall"
+            )
         ax_t.set_ylabel("recalls/s")
         ax_t.set_title(f"throughput (rows x {d} {DTYPE_SHORT.get(dt, dt)})")
         for ax, fmt in ((ax_l, fmt_us), (ax_t, fmt_rate)):

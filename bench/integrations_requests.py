@@ -84,9 +84,22 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     name = f"ireq{os.getpid()}"
-    proc = start_sidecar_process(["--ephemeral", "--dim", str(args.dim), "--backend", "numpy",
-                                  "--metric", "cosine", "--max-queries", str(args.max_queries),
-                                  "--metrics-port", str(port)], name)
+    proc = start_sidecar_process(
+        [
+            "--ephemeral",
+            "--dim",
+            str(args.dim),
+            "--backend",
+            "numpy",
+            "--metric",
+            "cosine",
+            "--max-queries",
+            str(args.max_queries),
+            "--metrics-port",
+            str(port),
+        ],
+        name,
+    )
     ops: dict[str, dict[str, float]] = {}
     try:
         vectors = np.random.default_rng(0).standard_normal((2 * n, args.dim)).tolist()
@@ -98,12 +111,11 @@ def main() -> None:
         with closing(KalosVectorStore(TableEmbeddings(vectors), name=name, namespace="lc")) as lc:
             texts = [str(i) for i in range(2 * n)]
             ids = [f"d{i}" for i in range(2 * n)]
-            ops["langchain add_texts N, no namespace yet"] = measure(
-                port, lambda: lc.add_texts(texts[:n], ids=ids[:n]))
-            ops["langchain add_texts N new beside them"] = measure(
-                port, lambda: lc.add_texts(texts[n:], ids=ids[n:]))
+            ops["langchain add_texts N, no namespace yet"] = measure(port, lambda: lc.add_texts(texts[:n], ids=ids[:n]))
+            ops["langchain add_texts N new beside them"] = measure(port, lambda: lc.add_texts(texts[n:], ids=ids[n:]))
             ops["langchain 300 searches"] = measure(
-                port, lambda: [lc.similarity_search_by_vector(vectors[i], 10) for i in range(300)])
+                port, lambda: [lc.similarity_search_by_vector(vectors[i], 10) for i in range(300)]
+            )
         with closing(KalosStore(name, namespace="lg")) as lg:
             puts = [PutOp(("bench", str(i % 7)), f"k{i}", {"i": i}) for i in range(2 * n)]
             ops["langgraph batch of N new puts"] = measure(port, lambda: lg.batch(puts[:n]))

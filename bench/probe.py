@@ -60,9 +60,18 @@ def probe_paths(a: argparse.Namespace) -> int:
     seed = a.seed if a.seed is not None else int.from_bytes(os.urandom(4), "little")
     rng = np.random.default_rng(seed)
     be = CupyBackend(storage_dtype=a.dtype, host_work=a.host_work)
-    res: dict[str, Any] = {"command": " ".join(["python3", *sys.argv]), "dim": a.dim, "k": a.k,
-                           "dtype": a.dtype, "reps": a.reps, "seed": seed, "backend": be.description,
-                           "wgmma_built": be.wgmma_built, "cupy": cp.__version__, "rows": []}
+    res: dict[str, Any] = {
+        "command": " ".join(["python3", *sys.argv]),
+        "dim": a.dim,
+        "k": a.k,
+        "dtype": a.dtype,
+        "reps": a.reps,
+        "seed": seed,
+        "backend": be.description,
+        "wgmma_built": be.wgmma_built,
+        "cupy": cp.__version__,
+        "rows": [],
+    }
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     s = be.stream
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -95,8 +104,10 @@ def probe_paths(a: argparse.Namespace) -> int:
                     m.search(q, n, k, path=path)
                     wall[name].append((time.perf_counter() - t) * 1e3)
             for name, path in ok.items():
-                row[name] = {"gpu_ms": round(float(np.median(gpu[name])), 4),
-                             "wall_ms": round(float(np.median(wall[name])), 4)}
+                row[name] = {
+                    "gpu_ms": round(float(np.median(gpu[name])), 4),
+                    "wall_ms": round(float(np.median(wall[name])), 4),
+                }
                 if a.check:
                     rows, _scores = m.search(q, n, k, path=path)
                     row[name]["wrong"], row[name]["wrong_loose"] = wrong(cp, m, q, rows, n, k)
@@ -107,8 +118,7 @@ def probe_paths(a: argparse.Namespace) -> int:
     print("\n| rows | b | planner | " + " | ".join(f"{p} GPU ms | {p} wall ms" for p in paths) + " |")
     print("|---|---|---|" + "---|---|" * len(paths))
     for r in res["rows"]:
-        cells = [f"{r[p]['gpu_ms']:.3f} | {r[p]['wall_ms']:.3f}" if "gpu_ms" in r[p] else "- | -"
-                 for p in paths]
+        cells = [f"{r[p]['gpu_ms']:.3f} | {r[p]['wall_ms']:.3f}" if "gpu_ms" in r[p] else "- | -" for p in paths]
         print(f"| {r['rows']} | {r['b']} | {r['planner']} | " + " | ".join(cells) + " |")
     if a.out:
         with open(a.out, "w") as f:
@@ -125,7 +135,7 @@ def wrong(cp: Any, m: Any, q: np.ndarray, rows: np.ndarray, n: int, k: int) -> t
     xmax = 0.0
     for lo in range(0, n, chunk):
         x = cp.asarray(m.read_rows(np.arange(lo, min(n, lo + chunk))), cp.float64)
-        ref[:, lo:lo + len(x)] = q64 @ x.T
+        ref[:, lo : lo + len(x)] = q64 @ x.T
         xmax = max(xmax, float(cp.sqrt((x * x).sum(axis=1)).max()))
     kk = min(k, n)
     kth = -cp.partition(-ref, kk - 1, axis=1)[:, kk - 1]
@@ -172,8 +182,11 @@ def search_once(a: argparse.Namespace) -> dict[str, Any]:
                 chunk = [timed_once(m, q, n, a.k) for _ in range(block)]
                 ts += chunk
                 means.append(statistics.fmean(chunk))
-            out[f"{n}x{d}:{dtype} b={b}"] = {"p50_us": round(statistics.median(ts) * 1e6, 2),
-                                             "best_block_mean_us": round(min(means) * 1e6, 2), "reps": len(ts)}
+            out[f"{n}x{d}:{dtype} b={b}"] = {
+                "p50_us": round(statistics.median(ts) * 1e6, 2),
+                "best_block_mean_us": round(min(means) * 1e6, 2),
+                "reps": len(ts),
+            }
         be.close()
         cp.get_default_memory_pool().free_all_blocks()
     return out
@@ -193,9 +206,25 @@ def probe_search(a: argparse.Namespace) -> int:
     runs: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
     for rnd in range(a.rounds):
         for tree in trees:
-            cmd = [sys.executable, os.path.abspath(__file__), "search", "--tree", tree, "-k", str(a.k),
-                   "--reps", str(a.reps), "--budget-s", str(a.budget_s), "--blocks", str(a.blocks),
-                   "--seed", str(a.seed), "--shapes", *a.shapes]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "search",
+                "--tree",
+                tree,
+                "-k",
+                str(a.k),
+                "--reps",
+                str(a.reps),
+                "--budget-s",
+                str(a.budget_s),
+                "--blocks",
+                str(a.blocks),
+                "--seed",
+                str(a.seed),
+                "--shapes",
+                *a.shapes,
+            ]
             t0 = time.perf_counter()
             done = subprocess.run(cmd, capture_output=True, text=True, check=False)
             lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
@@ -215,8 +244,11 @@ def probe_search(a: argparse.Namespace) -> int:
         print(f"| {c} | {cells} | {med[trees[-1]] / med[trees[0]]:.3f} |")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump({"command": " ".join(["python3", *sys.argv]), "trees": trees, "runs": runs,
-                       "median_p50_us": summary}, f, indent=1)
+            json.dump(
+                {"command": " ".join(["python3", *sys.argv]), "trees": trees, "runs": runs, "median_p50_us": summary},
+                f,
+                indent=1,
+            )
     return 0
 
 
@@ -228,8 +260,11 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--dtype", default="float16")
     p.add_argument("--batches", default="16,32,64")
-    p.add_argument("--paths", default="auto,wgmma,gemm,gemmh",
-                   help="auto (the planner) and path labels: host, small, wgmma, gemmh, gemm")
+    p.add_argument(
+        "--paths",
+        default="auto,wgmma,gemm,gemmh",
+        help="auto (the planner) and path labels: host, small, wgmma, gemmh, gemm",
+    )
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--reps", type=int, default=25)
     p.add_argument("--host-work", type=int, default=0, help="the backend's --host-search-work")

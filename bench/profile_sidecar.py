@@ -18,8 +18,8 @@ import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from kalos.testing.loadgen import LoadSpec, run_load  # noqa: E402
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
+from kalos.testing.loadgen import LoadSpec, run_load
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
 def main() -> int:
@@ -34,26 +34,62 @@ def main() -> int:
     ap.add_argument("-k", type=int, default=10)
     ap.add_argument("--out", default="")
     ap.add_argument("--top", type=int, default=30)
-    ap.add_argument("--selectivity", type=float, default=0.0,
-                    help="filtered recalls: rows get {'bucket': id %% 1000} and every recall "
-                         "filters bucket < 1000 x this (0: unfiltered)")
+    ap.add_argument(
+        "--selectivity",
+        type=float,
+        default=0.0,
+        help="filtered recalls: rows get {'bucket': id %% 1000} and every recall "
+        "filters bucket < 1000 x this (0: unfiltered)",
+    )
     a = ap.parse_args()
 
     out = a.out or os.path.join(tempfile.mkdtemp(), "sidecar.prof")
     name = f"prof{os.getpid()}"
     proc = start_sidecar_process(
-        ["--ephemeral", "--backend", a.backend, "--dtype", a.dtype, "--dim", str(a.dim),
-         "--random-rows", str(a.rows), "--seed", "1", "--slots", str(a.tasks + 16), "--max-k", "64",
-         "--max-queries", "4", *(["--random-payloads"] if a.selectivity else [])],
-        name, timeout=900, python_args=["-m", "cProfile", "-o", out])
+        [
+            "--ephemeral",
+            "--backend",
+            a.backend,
+            "--dtype",
+            a.dtype,
+            "--dim",
+            str(a.dim),
+            "--random-rows",
+            str(a.rows),
+            "--seed",
+            "1",
+            "--slots",
+            str(a.tasks + 16),
+            "--max-k",
+            "64",
+            "--max-queries",
+            "4",
+            *(["--random-payloads"] if a.selectivity else []),
+        ],
+        name,
+        timeout=900,
+        python_args=["-m", "cProfile", "-o", out],
+    )
     try:
-        res = run_load(LoadSpec(name=name, dim=a.dim, procs=a.procs, tasks=a.tasks,
-                                duration_s=a.seconds, warmup_s=0.5, k=a.k, seed=2,
-                                where={"bucket": {"$lt": a.selectivity * 1000}} if a.selectivity else None))
+        res = run_load(
+            LoadSpec(
+                name=name,
+                dim=a.dim,
+                procs=a.procs,
+                tasks=a.tasks,
+                duration_s=a.seconds,
+                warmup_s=0.5,
+                k=a.k,
+                seed=2,
+                where={"bucket": {"$lt": a.selectivity * 1000}} if a.selectivity else None,
+            )
+        )
         p = res.percentiles_us()
-        print(f"# {a.rows}x{a.dim} {a.dtype} {a.backend}, {a.tasks} tasks / {a.procs} procs under "
-              f"cProfile: {res.throughput:,.0f}/s, p50 {p['p50_us']:.0f} us, p99 {p['p99_us']:.0f} us",
-              flush=True)
+        print(
+            f"# {a.rows}x{a.dim} {a.dtype} {a.backend}, {a.tasks} tasks / {a.procs} procs under "
+            f"cProfile: {res.throughput:,.0f}/s, p50 {p['p50_us']:.0f} us, p99 {p['p99_us']:.0f} us",
+            flush=True,
+        )
     finally:
         stop_sidecar_process(proc)
     st = pstats.Stats(out)

@@ -123,8 +123,14 @@ class PartialWrite(KalosError):
     unwritten: tuple[int, ...]
     in_doubt: tuple[int, ...]
 
-    def __init__(self, message: str, *, written: tuple[int, ...] = (),
-                 unwritten: tuple[int, ...] = (), in_doubt: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        written: tuple[int, ...] = (),
+        unwritten: tuple[int, ...] = (),
+        in_doubt: tuple[int, ...] = (),
+    ) -> None:
         super().__init__(message)
         self.written = written
         self.unwritten = unwritten
@@ -132,10 +138,11 @@ class PartialWrite(KalosError):
 
     def __reduce__(self) -> tuple[object, ...]:
         # The class is made at run time: pickle the error it stands for instead of the class.
-        cause = next(c for c in type(self).__mro__[1:]
-                     if issubclass(c, KalosError) and not issubclass(c, PartialWrite))
-        return (_rebuild_partial, (cause, self.args[0] if self.args else "", self.written,
-                                   self.unwritten, self.in_doubt))
+        cause = next(c for c in type(self).__mro__[1:] if issubclass(c, KalosError) and not issubclass(c, PartialWrite))
+        return (
+            _rebuild_partial,
+            (cause, self.args[0] if self.args else "", self.written, self.unwritten, self.in_doubt),
+        )
 
 
 _PARTIAL_CLASSES: dict[type[KalosError], type[PartialWrite]] = {}
@@ -145,21 +152,28 @@ def partial_write_class(cause: type[KalosError]) -> type[PartialWrite]:
     """``PartialWrite[cause]``: a subclass of both (made once per cause class)."""
     cls = _PARTIAL_CLASSES.get(cause)
     if cls is None:
-        cls = type(f"PartialWrite[{cause.__name__}]", (PartialWrite, cause),
-                   {"__module__": __name__, "__doc__": PartialWrite.__doc__})
+        cls = type(
+            f"PartialWrite[{cause.__name__}]",
+            (PartialWrite, cause),
+            {"__module__": __name__, "__doc__": PartialWrite.__doc__},
+        )
         _PARTIAL_CLASSES[cause] = cls
     return cls
 
 
-def partial_write(cause: KalosError, message: str, *, written: tuple[int, ...],
-                  unwritten: tuple[int, ...], in_doubt: tuple[int, ...]) -> PartialWrite:
+def partial_write(
+    cause: KalosError, message: str, *, written: tuple[int, ...], unwritten: tuple[int, ...], in_doubt: tuple[int, ...]
+) -> PartialWrite:
     """The error for a call stopped by ``cause`` after a part of it was applied (or was in
     flight): an instance of ``PartialWrite`` and of ``type(cause)``."""
-    return partial_write_class(type(cause))(message, written=written, unwritten=unwritten,
-                                            in_doubt=in_doubt)
+    return partial_write_class(type(cause))(message, written=written, unwritten=unwritten, in_doubt=in_doubt)
 
 
-def _rebuild_partial(cause: type[KalosError], message: str, written: tuple[int, ...],
-                     unwritten: tuple[int, ...], in_doubt: tuple[int, ...]) -> PartialWrite:
-    return partial_write_class(cause)(message, written=written, unwritten=unwritten,
-                                      in_doubt=in_doubt)
+def _rebuild_partial(
+    cause: type[KalosError],
+    message: str,
+    written: tuple[int, ...],
+    unwritten: tuple[int, ...],
+    in_doubt: tuple[int, ...],
+) -> PartialWrite:
+    return partial_write_class(cause)(message, written=written, unwritten=unwritten, in_doubt=in_doubt)

@@ -78,8 +78,14 @@ from enum import IntEnum
 import numpy as np
 
 from .errors import (
-    ConfigError, InvalidRequest, KalosError, PayloadTooLarge, PositionTimeout, ProtocolError,
-    ServerError, UnknownNamespace,
+    ConfigError,
+    InvalidRequest,
+    KalosError,
+    PayloadTooLarge,
+    PositionTimeout,
+    ProtocolError,
+    ServerError,
+    UnknownNamespace,
 )
 
 MAGIC = b"KALOSHM\x00"
@@ -105,9 +111,45 @@ NAMESPACE_BYTES = 64
 LATENCY_BOUNDS_NS: tuple[int, ...] = tuple(
     int(us * 1000)
     for us in (
-        5, 10, 15, 20, 25, 30, 40, 50, 60, 75, 100, 125, 150, 200, 250, 300, 400, 500, 600,
-        750, 1000, 1250, 1500, 2000, 2500, 3000, 4000, 5000, 7500, 10_000, 15_000, 25_000,
-        50_000, 100_000, 250_000, 500_000, 1_000_000, 2_500_000, 5_000_000,
+        5,
+        10,
+        15,
+        20,
+        25,
+        30,
+        40,
+        50,
+        60,
+        75,
+        100,
+        125,
+        150,
+        200,
+        250,
+        300,
+        400,
+        500,
+        600,
+        750,
+        1000,
+        1250,
+        1500,
+        2000,
+        2500,
+        3000,
+        4000,
+        5000,
+        7500,
+        10_000,
+        15_000,
+        25_000,
+        50_000,
+        100_000,
+        250_000,
+        500_000,
+        1_000_000,
+        2_500_000,
+        5_000_000,
     )
 )
 HIST_BUCKETS = len(LATENCY_BOUNDS_NS) + 1  # + Inf
@@ -173,8 +215,8 @@ class Op(IntEnum):
 
 # Indexed by Op value (a tuple: hashing an IntEnum runs Python code, indexing does not).
 _LATENCY_OF_OP: tuple[int, ...] = tuple(
-    {int(Op.UPSERT): L_UPSERT, int(Op.DELETE): L_DELETE, int(Op.GET): L_GET}.get(v, L_OTHER)
-    for v in range(max(Op) + 1))
+    {int(Op.UPSERT): L_UPSERT, int(Op.DELETE): L_DELETE, int(Op.GET): L_GET}.get(v, L_OTHER) for v in range(max(Op) + 1)
+)
 
 
 _OP_RECALL = int(Op.RECALL)  # (a member's attribute lookup costs more than the whole mapping)
@@ -359,8 +401,14 @@ def header_dtype() -> np.dtype:
 
 
 def _fields_dtype(fields: tuple[tuple[str, str, int], ...], itemsize: int) -> np.dtype:
-    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields],
-                     "offsets": [f[2] for f in fields], "itemsize": itemsize})
+    return np.dtype(
+        {
+            "names": [f[0] for f in fields],
+            "formats": [f[1] for f in fields],
+            "offsets": [f[2] for f in fields],
+            "itemsize": itemsize,
+        }
+    )
 
 
 def slot_dtype(itemsize: int = CONTROL_BYTES) -> np.dtype:
@@ -465,13 +513,10 @@ class SlotView:
         self.queries = np.ndarray((L.max_queries, L.dim), np.float32, buf, base + L.query_offset)
         self.ids = np.ndarray((L.max_queries,), np.int64, buf, base + L.ids_offset)
         self.result_ids = np.ndarray((L.max_queries, L.max_k), np.int64, buf, base + L.result_ids_offset)
-        self.result_scores = np.ndarray(
-            (L.max_queries, L.max_k), np.float32, buf, base + L.result_scores_offset
-        )
+        self.result_scores = np.ndarray((L.max_queries, L.max_k), np.float32, buf, base + L.result_scores_offset)
         self.blob = np.ndarray((L.blob_bytes,), np.uint8, buf, base + L.blob_offset)
         #: Latency histograms, one row per LatencyOp.
-        self.hist = np.ndarray((LATENCY_OPS, HIST_BUCKETS), np.uint64, buf,
-                               L.stats_base(index) + HIST_OFFSET)
+        self.hist = np.ndarray((LATENCY_OPS, HIST_BUCKETS), np.uint64, buf, L.stats_base(index) + HIST_OFFSET)
         self.ring = np.ndarray((RING_LEN,), np.uint64, buf, L.stats_base(index) + RING_OFFSET)
 
 
@@ -482,29 +527,43 @@ class SegmentView:
         self.layout = layout
         self.header = np.ndarray((), dtype=header_dtype(), buffer=buf, offset=0)
         #: One record per slot's control block; ``slots["state"]`` views every slot's state.
-        self.slots = np.ndarray((layout.n_slots,), dtype=slot_dtype(CONTROL_BYTES), buffer=buf,
-                                offset=layout.control_offset)
+        self.slots = np.ndarray(
+            (layout.n_slots,), dtype=slot_dtype(CONTROL_BYTES), buffer=buf, offset=layout.control_offset
+        )
         #: Every slot's client stats block (counters; hist and ring are in ``slot[i]``).
-        self.stats = np.ndarray((layout.n_slots,), dtype=_fields_dtype(STATS_FIELDS, STATS_BYTES),
-                                buffer=buf, offset=layout.stats_offset)
+        self.stats = np.ndarray(
+            (layout.n_slots,), dtype=_fields_dtype(STATS_FIELDS, STATS_BYTES), buffer=buf, offset=layout.stats_offset
+        )
         self.slot = [SlotView(buf, layout, i) for i in range(layout.n_slots)]
         L = layout
         #: Every slot's data areas as one strided array each (slot index first), so a batch is
         #: gathered or scattered with one fancy-indexing call.
-        self.all_queries = np.ndarray((L.n_slots, L.max_queries, L.dim), np.float32, buf,
-                                      L.data_offset + L.query_offset,
-                                      (L.slot_bytes, 4 * L.dim, 4))
-        self.all_result_ids = np.ndarray((L.n_slots, L.max_queries, L.max_k), np.int64, buf,
-                                         L.data_offset + L.result_ids_offset,
-                                         (L.slot_bytes, 8 * L.max_k, 8))
-        self.all_result_scores = np.ndarray((L.n_slots, L.max_queries, L.max_k), np.float32, buf,
-                                            L.data_offset + L.result_scores_offset,
-                                            (L.slot_bytes, 4 * L.max_k, 4))
-        self.all_blobs = np.ndarray((L.n_slots, L.blob_bytes), np.uint8, buf,
-                                    L.data_offset + L.blob_offset, (L.slot_bytes, 1))
+        self.all_queries = np.ndarray(
+            (L.n_slots, L.max_queries, L.dim),
+            np.float32,
+            buf,
+            L.data_offset + L.query_offset,
+            (L.slot_bytes, 4 * L.dim, 4),
+        )
+        self.all_result_ids = np.ndarray(
+            (L.n_slots, L.max_queries, L.max_k),
+            np.int64,
+            buf,
+            L.data_offset + L.result_ids_offset,
+            (L.slot_bytes, 8 * L.max_k, 8),
+        )
+        self.all_result_scores = np.ndarray(
+            (L.n_slots, L.max_queries, L.max_k),
+            np.float32,
+            buf,
+            L.data_offset + L.result_scores_offset,
+            (L.slot_bytes, 4 * L.max_k, 4),
+        )
+        self.all_blobs = np.ndarray(
+            (L.n_slots, L.blob_bytes), np.uint8, buf, L.data_offset + L.blob_offset, (L.slot_bytes, 1)
+        )
 
-    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int,
-                    payload_limit: int) -> None:
+    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int, payload_limit: int) -> None:
         h = self.header
         L = self.layout
         h["version"] = PROTOCOL_VERSION
@@ -554,8 +613,7 @@ def c_header() -> str:
         f"#define KALOS_RING_NS_MAX 0x{RING_NS_MAX:x}ULL",
         f"#define KALOS_LATENCY_OPS {LATENCY_OPS}",
     ]
-    for prefix, fields in (("KALOS_HDR", HEADER_FIELDS), ("KALOS_SLOT", SLOT_FIELDS),
-                           ("KALOS_STATS", STATS_FIELDS)):
+    for prefix, fields in (("KALOS_HDR", HEADER_FIELDS), ("KALOS_SLOT", SLOT_FIELDS), ("KALOS_STATS", STATS_FIELDS)):
         for name, _t, off in fields:
             lines.append(f"#define {prefix}_{name.upper()} {off}")
     for enum in (SlotState, SidecarState, Op, Status, Flag, Metric, LatencyOp):
@@ -594,8 +652,7 @@ class SlotWords:
         for name, typ, _off in SLOT_FIELDS + STATS_FIELDS:
             size = np.dtype(typ).itemsize
             if size in (4, 8):
-                setattr(self, name, [slot_field_offset(layout, i, name) // size
-                                     for i in range(layout.n_slots)])
+                setattr(self, name, [slot_field_offset(layout, i, name) // size for i in range(layout.n_slots)])
 
     def release(self) -> None:
         self.u32.release()

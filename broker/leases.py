@@ -77,5 +77,4 @@ def release_claim_lock(fd: int) -> None:
     fcntl.flock(fd, fcntl.LOCK_UN)
 
 
-__all__ = ["is_locked", "locked_bytes", "release_claim_lock", "sidecar_byte", "try_claim_lock",
-           "try_lock", "unlock"]
+__all__ = ["is_locked", "locked_bytes", "release_claim_lock", "sidecar_byte", "try_claim_lock", "try_lock", "unlock"]

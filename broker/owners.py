@@ -41,8 +41,10 @@ def owner_problem(uid: int, mode: int, *, expected_uid: int, group_ok: bool) -> 
     ``group_ok``: the sidecar runs as a dedicated user and shares its objects with a group (mode
     0660); others must never have access."""
     if uid != expected_uid:
-        return (f"belongs to uid {uid} ({user_name(uid)}), not to the expected uid "
-                f"{expected_uid} ({user_name(expected_uid)})")
+        return (
+            f"belongs to uid {uid} ({user_name(uid)}), not to the expected uid "
+            f"{expected_uid} ({user_name(expected_uid)})"
+        )
     loose = mode & (0o007 if group_ok else 0o077)
     if loose:
         who = "other users" if group_ok else "its group or other users"

@@ -38,7 +38,7 @@ class Position:
         """The position ``str(position)`` spelt. Raises InvalidRequest."""
         if not isinstance(text, str) or not text.startswith(_PREFIX):
             raise InvalidRequest(f"not a position token: {text!r}")
-        xid, dot, seq = text[len(_PREFIX):].partition(".")
+        xid, dot, seq = text[len(_PREFIX) :].partition(".")
         if not dot or not xid.isdigit() or not seq.isdigit():
             raise InvalidRequest(f"not a position token: {text!r}")
         return cls(int(xid), int(seq))

@@ -18,7 +18,7 @@ def process_start_ticks(pid: int) -> int:
     except OSError:
         return 0
     # The command name (field 2) may contain spaces and parentheses: split after the last ')'.
-    rest = data[data.rfind(b")") + 2:].split()
+    rest = data[data.rfind(b")") + 2 :].split()
     try:
         return int(rest[19])
     except (IndexError, ValueError):
@@ -33,7 +33,7 @@ def _proc_state(pid: int) -> bytes | None:
             data = f.read()
     except OSError:
         return None
-    return data[data.rfind(b")") + 2:][:1]
+    return data[data.rfind(b")") + 2 :][:1]
 
 
 def pid_alive(pid: int, start_ticks: int = 0) -> bool:

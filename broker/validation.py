@@ -81,8 +81,13 @@ def as_vectors(x: Any, dim: int, use: VectorsFor, max_rows: int | None = None) -
     ``1..max_rows`` (no bound if None). Anything else raises InvalidRequest naming the shape it
     got and the one expected.
     """
-    if (use is VectorsFor.RECALL and type(x) is np.ndarray and x.dtype == np.float32
-            and x.shape == (dim,) and x.flags.c_contiguous):
+    if (
+        use is VectorsFor.RECALL
+        and type(x) is np.ndarray
+        and x.dtype == np.float32
+        and x.shape == (dim,)
+        and x.flags.c_contiguous
+    ):
         # Fast path for the common call: one float32 vector. Its dot product with itself is
         # finite iff every element is, unless it overflows (elements beyond ~1.8e19); only then
         # is the element-wise check needed. (A third of the cost of x.sum() here: no wrapper.)
@@ -92,11 +97,12 @@ def as_vectors(x: Any, dim: int, use: VectorsFor, max_rows: int | None = None) -
     try:
         a = np.asarray(x)
     except (TypeError, ValueError) as e:  # ragged lists, arrays of another device (cupy) ...
-        raise InvalidRequest(f"{use.value}: vectors must be a numeric array, got "
-                             f"{type(x).__name__} ({e})") from None
+        raise InvalidRequest(f"{use.value}: vectors must be a numeric array, got {type(x).__name__} ({e})") from None
     if a.dtype.kind not in "fiu":
-        raise InvalidRequest(f"{use.value}: vectors must be real numbers (a float or integer "
-                             f"dtype, converted to float32), got dtype {a.dtype}")
+        raise InvalidRequest(
+            f"{use.value}: vectors must be real numbers (a float or integer "
+            f"dtype, converted to float32), got dtype {a.dtype}"
+        )
     problem = _shape_problem(a.shape, dim, use, max_rows)
     if problem is not None:
         raise InvalidRequest(problem)
@@ -106,14 +112,15 @@ def as_vectors(x: Any, dim: int, use: VectorsFor, max_rows: int | None = None) -
         out = np.ascontiguousarray(a, dtype=np.float32)
     if not np.isfinite(out).all():
         if a.dtype.kind == "f" and a.dtype.itemsize > 4 and np.isfinite(a).all():
-            raise InvalidRequest(f"{use.value}: a value does not fit in float32 (its magnitude "
-                                 f"exceeds {_F32_MAX:.4g}); vectors are stored as float32")
+            raise InvalidRequest(
+                f"{use.value}: a value does not fit in float32 (its magnitude "
+                f"exceeds {_F32_MAX:.4g}); vectors are stored as float32"
+            )
         raise InvalidRequest("vectors contain NaN or infinity")
     return out
 
 
-def _shape_problem(shape: tuple[int, ...], dim: int, use: VectorsFor,
-                   max_rows: int | None) -> str | None:
+def _shape_problem(shape: tuple[int, ...], dim: int, use: VectorsFor, max_rows: int | None) -> str | None:
     """Why ``shape`` is not what ``use`` takes (the message for the caller), or None. Pure."""
     if use is VectorsFor.RECALL:
         if shape == (dim,):
@@ -125,12 +132,18 @@ def _shape_problem(shape: tuple[int, ...], dim: int, use: VectorsFor,
         if len(shape) == 1:
             return f"{want}: dimension mismatch, the broker serves dim={dim}"
         return want
-    what = "recall_many takes a matrix of shape (n, {d})" if use is VectorsFor.RECALL_MANY else \
-        "upsert takes a matrix of shape (n, {d}), one row per id"
+    what = (
+        "recall_many takes a matrix of shape (n, {d})"
+        if use is VectorsFor.RECALL_MANY
+        else "upsert takes a matrix of shape (n, {d}), one row per id"
+    )
     want = what.format(d=dim) + f"; got {shape}"
     if len(shape) == 1 and shape[0] == dim:
-        return want + (": use recall for one vector, or vec[None]" if use is VectorsFor.RECALL_MANY
-                       else ": pass vec[None] for one record")
+        return want + (
+            ": use recall for one vector, or vec[None]"
+            if use is VectorsFor.RECALL_MANY
+            else ": pass vec[None] for one record"
+        )
     if len(shape) != 2:
         return want
     n, d = shape
@@ -139,8 +152,7 @@ def _shape_problem(shape: tuple[int, ...], dim: int, use: VectorsFor,
     if n < 1:
         return f"{want}: no rows"
     if max_rows is not None and n > max_rows:
-        return (f"{want}: {n} rows in one request; this broker allows 1..{max_rows} "
-                "(its --max-queries)")
+        return f"{want}: {n} rows in one request; this broker allows 1..{max_rows} (its --max-queries)"
     return None
 
 
@@ -183,14 +195,11 @@ def payload_lines(payloads: Sequence[Any], n: int) -> list[bytes]:
         try:
             line = json.dumps(p, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except RecursionError:
-            raise InvalidRequest(f"the payload of row {row} nests deeper than "
-                                 f"{MAX_PAYLOAD_DEPTH} levels") from None
+            raise InvalidRequest(f"the payload of row {row} nests deeper than {MAX_PAYLOAD_DEPTH} levels") from None
         except (TypeError, ValueError) as e:
             raise InvalidRequest(f"payloads must be JSON-serialisable (row {row}): {e}") from None
-        if line.count("[") + line.count("{") > MAX_PAYLOAD_DEPTH and \
-                json_depth(json.loads(line)) > MAX_PAYLOAD_DEPTH:
-            raise InvalidRequest(f"the payload of row {row} nests deeper than "
-                                 f"{MAX_PAYLOAD_DEPTH} levels")
+        if line.count("[") + line.count("{") > MAX_PAYLOAD_DEPTH and json_depth(json.loads(line)) > MAX_PAYLOAD_DEPTH:
+            raise InvalidRequest(f"the payload of row {row} nests deeper than {MAX_PAYLOAD_DEPTH} levels")
         out.append(line.encode())
     return out
 
@@ -250,8 +259,10 @@ def _parse_where(where: Any, depth: int, terms: list[int]) -> WhereNode:
             out.append(("eq", key, cond))
             terms[0] += 1
         else:
-            raise InvalidRequest(f"field {key!r}: equality takes a str, int, float, bool or None "
-                                 f"(or an operator dict), got {type(cond).__name__}")
+            raise InvalidRequest(
+                f"field {key!r}: equality takes a str, int, float, bool or None "
+                f"(or an operator dict), got {type(cond).__name__}"
+            )
         if terms[0] > MAX_WHERE_TERMS:
             raise InvalidRequest(f"a filter has at most {MAX_WHERE_TERMS} conditions")
     return ("and", tuple(out))
@@ -259,12 +270,13 @@ def _parse_where(where: Any, depth: int, terms: list[int]) -> WhereNode:
 
 def _field_condition(field: str, op: Any, arg: Any) -> WhereNode:
     if op not in _FIELD_OPS:
-        raise InvalidRequest(f"field {field!r}: unknown operator {op!r} "
-                             f"(known: {', '.join(sorted(_FIELD_OPS))})")
+        raise InvalidRequest(f"field {field!r}: unknown operator {op!r} (known: {', '.join(sorted(_FIELD_OPS))})")
     if op in ("$in", "$nin"):
         if not isinstance(arg, list) or len(arg) > MAX_WHERE_VALUES or not all(map(is_scalar, arg)):
-            raise InvalidRequest(f"field {field!r}: {op} takes a list of at most {MAX_WHERE_VALUES} "
-                                 "scalars (str, int, float, bool, None)")
+            raise InvalidRequest(
+                f"field {field!r}: {op} takes a list of at most {MAX_WHERE_VALUES} "
+                "scalars (str, int, float, bool, None)"
+            )
         return (op[1:], field, tuple(arg))
     if op in ("$eq", "$ne"):
         if not is_scalar(arg):
@@ -284,8 +296,7 @@ def encode_where(where: Any, limit: int) -> bytes:
     raises InvalidRequest (invalid, or longer than ``limit`` bytes)."""
     parse_where(where)
     try:
-        blob = json.dumps(where, separators=(",", ":"), sort_keys=True, ensure_ascii=False,
-                          allow_nan=False).encode()
+        blob = json.dumps(where, separators=(",", ":"), sort_keys=True, ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError, RecursionError) as e:
         raise InvalidRequest(f"filter is not JSON-serialisable: {e}") from None
     if len(blob) > limit:

@@ -58,13 +58,13 @@ def geometry_error(name: str, old: Layout, new: Layout, reopen: str) -> Protocol
     """The error for a sidecar that came back with another geometry (what every request is
     encoded against: dim, max_k, max_queries, blob size), None for the same one. ``reopen``:
     what the caller must reopen ("the pool", "the client"). Pure."""
-    if (new.dim, new.max_k, new.max_queries, new.blob_bytes) == (
-            old.dim, old.max_k, old.max_queries, old.blob_bytes):
+    if (new.dim, new.max_k, new.max_queries, new.blob_bytes) == (old.dim, old.max_k, old.max_queries, old.blob_bytes):
         return None
     return ProtocolError(
         f"broker {name!r} came back with another geometry (dim {new.dim}, max_k {new.max_k}, "
         f"max_queries {new.max_queries}, blob {new.blob_bytes} bytes; was dim {old.dim}, max_k "
-        f"{old.max_k}, max_queries {old.max_queries}, blob {old.blob_bytes}): reopen {reopen}")
+        f"{old.max_k}, max_queries {old.max_queries}, blob {old.blob_bytes}): reopen {reopen}"
+    )
 
 
 def backoff_s(attempt: int, rng: random.Random) -> float:
@@ -92,10 +92,20 @@ class _Retry(Exception):
         self.error = error
 
 
-def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, min_size: int,
-           deadline: float | None, wait_for_sidecar: bool, within: str,
-           clock: Callable[[], float], rng: random.Random,
-           for_pool: bool = False) -> Generator[float, None, Attachment]:
+def attach(
+    connect: Connect,
+    name: str,
+    sidecar_uid: int | None,
+    *,
+    size: int,
+    min_size: int,
+    deadline: float | None,
+    wait_for_sidecar: bool,
+    within: str,
+    clock: Callable[[], float],
+    rng: random.Random,
+    for_pool: bool = False,
+) -> Generator[float, None, Attachment]:
     """Attach and lease between ``min_size`` and ``size`` slots; yields pauses (seconds).
 
     ``deadline``: monotonic seconds (by ``clock``), None for no limit. ``wait_for_sidecar``:
@@ -112,10 +122,20 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
     attempt = 0
     while True:
         try:
-            return (yield from _attempt(connect, name, sidecar_uid, size=size, min_size=min_size,
-                                        deadline=deadline, within=within, clock=clock,
-                                        wait_for_sidecar=wait_for_sidecar,
-                                        for_pool=for_pool))
+            return (
+                yield from _attempt(
+                    connect,
+                    name,
+                    sidecar_uid,
+                    size=size,
+                    min_size=min_size,
+                    deadline=deadline,
+                    within=within,
+                    clock=clock,
+                    wait_for_sidecar=wait_for_sidecar,
+                    for_pool=for_pool,
+                )
+            )
         except _Retry as r:
             pause = pause_within(backoff_s(attempt, rng), deadline, clock())
             if pause is None:
@@ -129,9 +149,19 @@ def attach(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, m
         attempt += 1
 
 
-def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int, min_size: int,
-             deadline: float | None, within: str, clock: Callable[[], float],
-             wait_for_sidecar: bool, for_pool: bool) -> Generator[float, None, Attachment]:
+def _attempt(
+    connect: Connect,
+    name: str,
+    sidecar_uid: int | None,
+    *,
+    size: int,
+    min_size: int,
+    deadline: float | None,
+    within: str,
+    clock: Callable[[], float],
+    wait_for_sidecar: bool,
+    for_pool: bool,
+) -> Generator[float, None, Attachment]:
     try:
         conn = connect(name, sidecar_uid)
     except BrokerUnavailable as e:
@@ -148,15 +178,15 @@ def _attempt(connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
             # A live sidecar that is loading will serve soon: worth waiting for, reconnect or not.
             pause = pause_within(READY_POLL_S, deadline, clock())
             if pause is None:
-                raise BrokerUnavailable(f"broker {name!r}: the sidecar is still starting "
-                                        f"(loading), not ready {within}")
+                raise BrokerUnavailable(f"broker {name!r}: the sidecar is still starting (loading), not ready {within}")
             yield pause
         n_slots = conn.layout.n_slots
         if for_pool and size > n_slots:
             raise ConfigError(
                 f"a pool of size={size} asks for more slots than broker {name!r} has ({n_slots}): "
                 f"lower size (at most {n_slots}, less if other processes use this broker too) or "
-                "start the sidecar with more --slots")
+                "start the sidecar with more --slots"
+            )
         try:
             slots = conn.lease(size)
             if len(slots) < min_size:
@@ -189,14 +219,19 @@ def _absent(e: BrokerUnavailable, wait: bool) -> Exception:
 
 def _exhausted(name: str, c: SlotCensus, size: int, min_size: int, for_pool: bool) -> str:
     gone = f", {c.reclaimable} being reclaimed from processes that exited" if c.reclaimable else ""
-    held = (f"broker {name!r} has {c.n_slots} slots: {c.leased} leased by other pools (of this "
-            f"or other processes){gone}, {c.free} free; ")
+    held = (
+        f"broker {name!r} has {c.n_slots} slots: {c.leased} leased by other pools (of this "
+        f"or other processes){gone}, {c.free} free; "
+    )
     if not for_pool:
-        return held + ("a RecallClient needs one. Close pools that are not needed or start the "
-                       "sidecar with more --slots")
-    return held + (f"this pool needs at least {min_size} (min_size; it asks for {size}). Close "
-                   "pools that are not needed, lower size and min_size, or start the sidecar with "
-                   "more --slots")
+        return held + (
+            "a RecallClient needs one. Close pools that are not needed or start the sidecar with more --slots"
+        )
+    return held + (
+        f"this pool needs at least {min_size} (min_size; it asks for {size}). Close "
+        "pools that are not needed, lower size and min_size, or start the sidecar with "
+        "more --slots"
+    )
 
 
 class Attacher:
@@ -205,9 +240,18 @@ class Attacher:
     RecallClient's), and the backoff's random source. ``reopen`` names what a caller reopens
     when the geometry changed."""
 
-    def __init__(self, connect: Connect, name: str, sidecar_uid: int | None, *, size: int,
-                 min_size: int, for_pool: bool, rng: random.Random,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        connect: Connect,
+        name: str,
+        sidecar_uid: int | None,
+        *,
+        size: int,
+        min_size: int,
+        for_pool: bool,
+        rng: random.Random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.name = name
         self._connect = connect
         self._uid = sidecar_uid
@@ -218,13 +262,21 @@ class Attacher:
         self._clock = clock
         self.reopen = "the pool" if for_pool else "the client"
 
-    def attach(self, deadline: float | None, wait_for_sidecar: bool,
-               within: str) -> Generator[float, None, Attachment]:
+    def attach(self, deadline: float | None, wait_for_sidecar: bool, within: str) -> Generator[float, None, Attachment]:
         """:func:`attach` with this client's arguments."""
-        return attach(self._connect, self.name, self._uid, size=self._size,
-                      min_size=self._min_size, deadline=deadline,
-                      wait_for_sidecar=wait_for_sidecar, within=within, clock=self._clock,
-                      rng=self._rng, for_pool=self._for_pool)
+        return attach(
+            self._connect,
+            self.name,
+            self._uid,
+            size=self._size,
+            min_size=self._min_size,
+            deadline=deadline,
+            wait_for_sidecar=wait_for_sidecar,
+            within=within,
+            clock=self._clock,
+            rng=self._rng,
+            for_pool=self._for_pool,
+        )
 
     def reattach(self, old: Layout) -> Generator[float, None, Attachment]:
         """A pool's re-attach after an outage, in the background and without a deadline: a
@@ -269,7 +321,7 @@ async def drive_async(steps: Generator[float, None, T]) -> T:
     """Run an attach generator on the running loop, its pauses awaited (cancellable: a half-made
     attachment is closed)."""
     try:
-        while True:
+        while True:  # noqa: ASYNC110 (the attach plan's own pauses, computed per step)
             await asyncio.sleep(next(steps))
     except StopIteration as done:
         value: T = done.value
@@ -278,5 +330,14 @@ async def drive_async(steps: Generator[float, None, T]) -> T:
         steps.close()
 
 
-__all__ = ["Attacher", "Attachment", "Connect", "attach", "backoff_s", "drive", "drive_async",
-           "geometry_error", "pause_within"]
+__all__ = [
+    "Attacher",
+    "Attachment",
+    "Connect",
+    "attach",
+    "backoff_s",
+    "drive",
+    "drive_async",
+    "geometry_error",
+    "pause_within",
+]

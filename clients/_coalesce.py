@@ -135,7 +135,7 @@ def split(hits: Sequence[Hits], shares: Sequence[Share]) -> list[Answer]:
     out: list[Answer] = []
     row = 0
     for s in shares:
-        mine = [_cut(h, s.k) for h in hits[row:row + s.rows]]
+        mine = [_cut(h, s.k) for h in hits[row : row + s.rows]]
         row += s.rows
         out.append(mine[0] if s.single else mine)
     if row != len(hits):
@@ -150,5 +150,16 @@ def _cut(h: Hits, k: int) -> Hits:
     return Hits(h.ids[:k], h.scores[:k], payloads)
 
 
-__all__ = ["Answer", "Key", "Path", "Queued", "Share", "Waiting", "coalesce_key", "k_class", "pick_group",
-           "route", "split"]
+__all__ = [
+    "Answer",
+    "Key",
+    "Path",
+    "Queued",
+    "Share",
+    "Waiting",
+    "coalesce_key",
+    "k_class",
+    "pick_group",
+    "route",
+    "split",
+]

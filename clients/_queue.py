@@ -66,14 +66,21 @@ class CoalescingQueue:
     when dispatching failed unexpectedly (the pool breaks: callers fail rather than hang).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, max_rows: int, max_k: int,
-                 take_slot: Callable[[], ClientSlot | None],
-                 release: Callable[[ClientSlot], None],
-                 wait_for_slot: Callable[[asyncio.Future[ClientSlot]], None],
-                 withdraw: Callable[[asyncio.Future[ClientSlot]], None],
-                 usable: Callable[[ClientSlot], bool], post: Post,
-                 refusal: Callable[[], KalosError | None],
-                 on_bug: Callable[[Exception], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        max_rows: int,
+        max_k: int,
+        take_slot: Callable[[], ClientSlot | None],
+        release: Callable[[ClientSlot], None],
+        wait_for_slot: Callable[[asyncio.Future[ClientSlot]], None],
+        withdraw: Callable[[asyncio.Future[ClientSlot]], None],
+        usable: Callable[[ClientSlot], bool],
+        post: Post,
+        refusal: Callable[[], KalosError | None],
+        on_bug: Callable[[Exception], None],
+    ) -> None:
         self._loop = loop
         self._max_rows = max_rows
         self._max_k = max_k
@@ -102,8 +109,7 @@ class CoalescingQueue:
         """The futures of the callers still waiting in the queue."""
         return [m.future for m in self._queue if not m.future.done()]
 
-    async def submit(self, p: Prepared, t0: int, timeout: float | None,
-                     deadline: float | None) -> Any:
+    async def submit(self, p: Prepared, t0: int, timeout: float | None, deadline: float | None) -> Any:
         """Queue the recall ``p`` (its call began at ``t0``, monotonic ns) and await its share of
         a slot's answer until ``deadline`` (the loop's clock, ``timeout`` seconds from the call's
         start; None: no limit). Raises its own error, ResponseTimeout (sent, not answered in
@@ -121,9 +127,10 @@ class CoalescingQueue:
             if isinstance(e, KalosError):  # the caller's own error, not the budget running out
                 raise
             if m.sent:
-                raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight "
-                                      "until the sidecar finishes it; the slot is then reused)"
-                                      ) from None
+                raise ResponseTimeout(
+                    f"no answer within {timeout} s (request stays in flight "
+                    "until the sidecar finishes it; the slot is then reused)"
+                ) from None
             self._unqueue(m)
             raise NotSent(m.resent) from None
         except BaseException:
@@ -265,8 +272,13 @@ class CoalescingQueue:
             m = group[0]
             ex = Exchange(slot, m.prep, m.future, m.t0)
         else:
-            ex = Exchange(slot, recall_group([m.prep for m in group]), group, group[-1].t0,
-                          [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group])
+            ex = Exchange(
+                slot,
+                recall_group([m.prep for m in group]),
+                group,
+                group[-1].t0,
+                [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group],
+            )
         try:
             self._post(ex)
         except BaseException as e:

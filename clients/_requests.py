@@ -7,19 +7,24 @@ Shared by the async pool and the blocking client; validation happens before a sl
 
 from __future__ import annotations
 
-import json
 import enum
+import json
 from dataclasses import dataclass
-from typing import Any, Final, Union
+from typing import Any, Final
 
 import numpy as np
 
 from ..broker.errors import InvalidRequest, ProtocolError
 from ..broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
-from ..broker.positions import ORIGIN, Position, as_position
 from ..broker.names import validate_namespace
+from ..broker.positions import ORIGIN, Position, as_position
 from ..broker.validation import (
-    VectorsFor, as_ids, as_vectors, check_k, encode_where, payload_lines,
+    VectorsFor,
+    as_ids,
+    as_vectors,
+    check_k,
+    encode_where,
+    payload_lines,
 )
 from ._writes import WriteCall, last_wins, pack
 from .results import Hits, Records, Written
@@ -37,7 +42,7 @@ class _Default(enum.Enum):
 #: "Use the pool's (or client's) default timeout": the default of every call's ``timeout``.
 DEFAULT: Final = _Default.TIMEOUT
 #: A call's time budget: seconds, None for no limit, or DEFAULT.
-Timeout = Union[float, None, _Default]
+Timeout = float | None | _Default
 
 
 def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
@@ -107,15 +112,14 @@ class NamespaceCache(dict[str, bytes]):
         return b
 
 
-def recall(layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool,
-           where: Any = None) -> Prepared:
+def recall(
+    layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool, where: Any = None
+) -> Prepared:
     """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
-    q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY,
-                   layout.max_queries)
+    q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY, layout.max_queries)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
-    p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0,
-                 vectors=q, single=single)
+    p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single)
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags |= Flag.WHERE
@@ -137,8 +141,7 @@ def recall_group(preps: list[Prepared]) -> Prepared:
     return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob)
 
 
-def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str,
-           payload_limit: int) -> list[Prepared]:
+def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str, payload_limit: int) -> list[Prepared]:
     """One request per chunk of rows (sent concurrently by the pool): every row, id and payload
     is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
     payload bytes as a slot's blob area; duplicate ids keep their last row (the chunks of a call
@@ -174,8 +177,10 @@ def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[
     if keep is not None:
         idarr = idarr[keep]
     step = layout.max_queries
-    return [Prepared(Op.DELETE, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step])
-            for lo in range(0, len(idarr), step)]
+    return [
+        Prepared(Op.DELETE, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step])
+        for lo in range(0, len(idarr), step)
+    ]
 
 
 def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool) -> list[Prepared]:
@@ -183,9 +188,10 @@ def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool) -> list[Pr
     ns = validate_namespace(namespace)
     idarr = as_ids(ids)
     step = layout.max_queries
-    return [Prepared(Op.GET, ns, nq=len(idarr[lo:lo + step]), ids=idarr[lo:lo + step],
-                     with_vectors=with_vectors)
-            for lo in range(0, len(idarr), step)]
+    return [
+        Prepared(Op.GET, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step], with_vectors=with_vectors)
+        for lo in range(0, len(idarr), step)
+    ]
 
 
 def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Records:
@@ -195,9 +201,12 @@ def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Reco
     vecs = None
     if asked[0].with_vectors:
         vecs = np.concatenate([p.vectors for p in parts if p.vectors is not None])
-    return Records(np.concatenate([p.ids for p in parts]), vecs,
-                   [x for p in parts for x in p.payloads],
-                   np.concatenate([p.missing for p in parts]))
+    return Records(
+        np.concatenate([p.ids for p in parts]),
+        vecs,
+        [x for p in parts for x in p.payloads],
+        np.concatenate([p.missing for p in parts]),
+    )
 
 
 def drop(namespace: str) -> Prepared:
@@ -205,8 +214,7 @@ def drop(namespace: str) -> Prepared:
 
 
 def export_page(layout: Layout, namespace: str, after: int, where: Any = None) -> Prepared:
-    p = Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries,
-                 ids=np.array([after], np.int64))
+    p = Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries, ids=np.array([after], np.int64))
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags = Flag.WHERE
@@ -257,7 +265,7 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
             flat = _json_lines(v, blob_len)
             if len(flat) != p.nq * n:
                 raise ProtocolError(f"slot {v.index}: {len(flat)} payloads for {p.nq * n} hits")
-            payloads = [flat[i * n:(i + 1) * n] for i in range(p.nq)]
+            payloads = [flat[i * n : (i + 1) * n] for i in range(p.nq)]
         hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
         return hits[0] if p.single else hits
     if p.op == Op.LIST_NAMESPACES:

@@ -23,22 +23,50 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 
+from ..broker import leases
 from ..broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from ..broker.layout import (
-    HEADER_BYTES, HEARTBEAT_S, HEARTBEAT_STALE_S, HIST_BUCKETS, HIST_OFFSET, L_RECALL,
-    LATENCY_BOUNDS_NS, MAGIC_U64, OWNER_ABANDONED, PROTOCOL_VERSION, RING_LEN, RING_NS_MAX,
-    RING_OFFSET, RING_OP_SHIFT, S_DONE, S_FREE, S_POSTED, S_WRITING, STATS_BYTES, Layout,
-    SegmentView, SidecarState, SlotView, header_field_offset, metric_name, peek_header,
+    HEADER_BYTES,
+    HEARTBEAT_S,
+    HEARTBEAT_STALE_S,
+    HIST_BUCKETS,
+    HIST_OFFSET,
+    L_RECALL,
+    LATENCY_BOUNDS_NS,
+    MAGIC_U64,
+    OWNER_ABANDONED,
+    PROTOCOL_VERSION,
+    RING_LEN,
+    RING_NS_MAX,
+    RING_OFFSET,
+    RING_OP_SHIFT,
+    S_DONE,
+    S_FREE,
+    S_POSTED,
+    S_WRITING,
+    STATS_BYTES,
+    Layout,
+    SegmentView,
+    SidecarState,
+    SlotView,
+    header_field_offset,
+    metric_name,
+    peek_header,
     slot_field_offset,
 )
-from ..broker import leases
 from ..broker.names import (
-    bell_name, leases_path, req_name, resp_name, shm_name, validate_broker_name,
+    bell_name,
+    leases_path,
+    req_name,
+    resp_name,
+    shm_name,
+    validate_broker_name,
 )
 from ..broker.owners import sem_path, stat_problem
 from ..broker.procs import process_start_ticks
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
+
 
 @dataclass(frozen=True, slots=True)
 class SlotCensus:
@@ -99,10 +127,37 @@ class ClientSlot:
     """One leased slot: its views, its semaphores and the owner's bookkeeping."""
 
     __slots__ = (
-        "index", "view", "req", "resp", "bell", "_w32", "_w64", "_mm", "_state", "_op", "_k", "_nq",
-        "_flags", "_ns_len", "_ns_off", "_blob_len", "_status", "_nres", "_gen", "_rgen", "_tpost",
-        "_lat_count", "_lat_sum", "_err_count", "_timeout_count", "_hist0", "_ring0", "_stats",
-        "_sleeping", "generation", "name",
+        "index",
+        "view",
+        "req",
+        "resp",
+        "bell",
+        "_w32",
+        "_w64",
+        "_mm",
+        "_state",
+        "_op",
+        "_k",
+        "_nq",
+        "_flags",
+        "_ns_len",
+        "_ns_off",
+        "_blob_len",
+        "_status",
+        "_nres",
+        "_gen",
+        "_rgen",
+        "_tpost",
+        "_lat_count",
+        "_lat_sum",
+        "_err_count",
+        "_timeout_count",
+        "_hist0",
+        "_ring0",
+        "_stats",
+        "_sleeping",
+        "generation",
+        "name",
     )
 
     def __init__(self, conn: Connection, index: int, req: Semaphore, resp: Semaphore) -> None:
@@ -149,7 +204,7 @@ class ClientSlot:
         w32[self._flags] = flags
         w32[self._blob_len] = blob_len
         w32[self._ns_len] = len(ns)
-        self._mm[self._ns_off:self._ns_off + len(ns)] = ns
+        self._mm[self._ns_off : self._ns_off + len(ns)] = ns
         w64[self._tpost] = time.monotonic_ns()
         # Order matters: every field above, then POSTED, then req (a full fence), then the doorbell
         # only if the sidecar announced that it sleeps (see the handshake in broker.layout).
@@ -188,8 +243,9 @@ class ClientSlot:
     def outcome(self) -> tuple[int, int, int]:
         """(status, n_results, blob_len) of a consumed response; checks the generation echo."""
         if self._w64[self._rgen] != self.generation:
-            raise ProtocolError(f"slot {self.index}: response for request {self._w64[self._rgen]}, "
-                                f"expected {self.generation}")
+            raise ProtocolError(
+                f"slot {self.index}: response for request {self._w64[self._rgen]}, expected {self.generation}"
+            )
         return (int(np.int32(self._w32[self._status])), self._w32[self._nres], self._w32[self._blob_len])
 
     def blob_text(self, n: int) -> bytes:
@@ -217,7 +273,7 @@ class ClientSlot:
         except (ValueError, OverflowError):
             # A counter at 2**64 - 1, left by an earlier owner of the slot (what a client wrote is
             # untrusted): start the block over. The exporter takes a decrease for a new owner.
-            self._mm[self._stats:self._stats + STATS_BYTES] = bytes(STATS_BYTES)
+            self._mm[self._stats : self._stats + STATS_BYTES] = bytes(STATS_BYTES)
 
     def close(self) -> None:
         self.req.close()
@@ -240,12 +296,15 @@ class Connection:
         try:
             self.shm = posix_ipc.SharedMemory(shm_name(name))
         except posix_ipc.ExistentialError:
-            raise BrokerUnavailable(f"no sidecar serves broker {name!r} (start one: `kalos serve "
-                                    f"--name {name} --ephemeral`, or `--data-dir DIR` instead of "
-                                    "--ephemeral to keep the records)") from None
+            raise BrokerUnavailable(
+                f"no sidecar serves broker {name!r} (start one: `kalos serve "
+                f"--name {name} --ephemeral`, or `--data-dir DIR` instead of "
+                "--ephemeral to keep the records)"
+            ) from None
         except posix_ipc.PermissionsError as e:
-            raise BrokerUnavailable(f"broker {name!r}: {e} (objects are mode 0600: run as the "
-                                    "sidecar's user)") from None
+            raise BrokerUnavailable(
+                f"broker {name!r}: {e} (objects are mode 0600: run as the sidecar's user)"
+            ) from None
         except posix_ipc.Error as e:
             raise BrokerUnavailable(f"broker {name!r}: {e}") from None
         try:
@@ -253,13 +312,13 @@ class Connection:
             # A sidecar creates the segment, sizes it, and writes the magic last: an empty segment
             # or a zero magic is one still starting (however long a loaded machine takes), which
             # callers wait for within their connect budget; anything else is not ours.
-            starting = BrokerUnavailable(f"broker {name!r}: the sidecar is still starting (or died "
-                                         f"while starting: `kalos cleanup {name}`)")
+            starting = BrokerUnavailable(
+                f"broker {name!r}: the sidecar is still starting (or died while starting: `kalos cleanup {name}`)"
+            )
             if self.shm.size == 0:
                 raise starting
             if self.shm.size < HEADER_BYTES:
-                raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a "
-                                    "Kalos segment")
+                raise ProtocolError(f"broker {name!r}: segment of {self.shm.size} bytes is not a Kalos segment")
             self.mm = mmap.mmap(self.shm.fd, self.shm.size)
             hdr = peek_header(memoryview(self.mm))
             if int(hdr["magic"]) == 0:
@@ -269,7 +328,8 @@ class Connection:
             if int(hdr["version"]) != PROTOCOL_VERSION:
                 raise ProtocolError(
                     f"broker {name!r} speaks protocol version {int(hdr['version'])}, this client "
-                    f"speaks {PROTOCOL_VERSION}: install the kalos version matching the sidecar")
+                    f"speaks {PROTOCOL_VERSION}: install the kalos version matching the sidecar"
+                )
             if int(hdr["hist_buckets"]) != HIST_BUCKETS or int(hdr["ring_len"]) != RING_LEN:
                 raise ProtocolError(f"broker {name!r}: latency layout differs from this client's")
             self.layout = Layout.from_header(hdr)
@@ -281,8 +341,9 @@ class Connection:
             self.seg = SegmentView(memoryview(self.mm), self.layout)
             self.w32 = memoryview(self.mm).cast("I")
             self.w64 = memoryview(self.mm).cast("Q")
-            for sem in [bell_name(name)] + [f(name, i) for i in range(self.layout.n_slots)
-                                            for f in (req_name, resp_name)]:
+            for sem in [bell_name(name)] + [
+                f(name, i) for i in range(self.layout.n_slots) for f in (req_name, resp_name)
+            ]:
                 try:
                     st = os.stat(sem_path(sem))
                 except FileNotFoundError:
@@ -323,7 +384,8 @@ class Connection:
                 f"broker {self.name!r}: {what} {obj} {problem}; refusing to attach (nothing was "
                 "sent). Whoever made it could read the queries and forge the answers. If the sidecar "
                 "runs as another user, pass sidecar_uid=; if the object is stale or foreign, have its "
-                f"owner (or root) remove it: `kalos cleanup {self.name}`")
+                f"owner (or root) remove it: `kalos cleanup {self.name}`"
+            )
 
     # -- liveness -------------------------------------------------------------------------
     def sidecar_state(self) -> SidecarState:
@@ -336,8 +398,9 @@ class Connection:
         if state in (SidecarState.STOPPING, SidecarState.STOPPED, SidecarState.FAILED):
             raise BrokerUnavailable(f"broker {self.name!r}: sidecar is {SidecarState(state).name.lower()}")
         if not self._sidecar_locked():
-            raise BrokerUnavailable(f"broker {self.name!r}: sidecar pid {int(h['sidecar_pid'])} "
-                                    "is gone (its lease-file lock was released)")
+            raise BrokerUnavailable(
+                f"broker {self.name!r}: sidecar pid {int(h['sidecar_pid'])} is gone (its lease-file lock was released)"
+            )
         age = (time.monotonic_ns() - int(h["heartbeat_ns"])) / 1e9
         if age > HEARTBEAT_STALE_S:
             raise BrokerUnavailable(f"broker {self.name!r}: sidecar heartbeat is {age:.1f} s old")
@@ -381,8 +444,11 @@ class Connection:
         try:
             for i in got:
                 what = f"broker {self.name!r}: slot {i}"
-                out.append(ClientSlot(self, i, Semaphore(req_name(self.name, i), what),
-                                      Semaphore(resp_name(self.name, i), what)))
+                out.append(
+                    ClientSlot(
+                        self, i, Semaphore(req_name(self.name, i), what), Semaphore(resp_name(self.name, i), what)
+                    )
+                )
         except BrokerUnavailable:
             for s in out:
                 s.close()
@@ -402,8 +468,7 @@ class Connection:
         slots = self.seg.slots
         free = leased = reclaimable = 0
         try:
-            for i, (owner, state) in enumerate(zip(slots["owner_pid"].tolist(),
-                                                   slots["state"].tolist())):
+            for i, (owner, state) in enumerate(zip(slots["owner_pid"].tolist(), slots["state"].tolist())):
                 if owner == 0 and state == S_FREE:
                     if leases.is_locked(self.leases_fd, i):  # inherited by a forked child
                         leased += 1
@@ -451,8 +516,12 @@ class Connection:
     def _locked(self) -> _Flock:
         return _Flock(self.shm.fd, self.name)
 
-    def waiter(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
-               on_error: Callable[[BrokerUnavailable], None]) -> Waiter:
+    def waiter(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_wake: Callable[[], None],
+        on_error: Callable[[BrokerUnavailable], None],
+    ) -> Waiter:
         """A thread that blocks on one slot's response for an asyncio pool (see :class:`Waiter`)."""
         return Waiter(loop, on_wake, on_error)
 
@@ -504,7 +573,8 @@ class _Flock:
                     raise LockBusy(
                         f"broker {self._name!r}: the slots' claim lock has been held by another "
                         f"process for over {FLOCK_WAIT_S * 1e3:.0f} ms (a stopped or frozen "
-                        "client?)") from None
+                        "client?)"
+                    ) from None
                 time.sleep(pause)
                 pause = min(2 * pause, 0.005)
             except OSError as e:
@@ -526,8 +596,12 @@ class Waiter:
     ``on_error`` gets a BrokerUnavailable on the loop and the thread ends: callers are failed,
     never left hanging."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
-                 on_error: Callable[[BrokerUnavailable], None]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_wake: Callable[[], None],
+        on_error: Callable[[BrokerUnavailable], None],
+    ) -> None:
         self._loop = loop
         self._on_wake = on_wake
         self._on_error = on_error

@@ -33,8 +33,9 @@ def last_wins(ids: np.ndarray) -> np.ndarray | None:
     return np.sort(len(ids) - 1 - first_in_rev)
 
 
-def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int, payload_limit: int
-         ) -> list[tuple[int, int]]:
+def pack(
+    lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int, payload_limit: int
+) -> list[tuple[int, int]]:
     """Row ranges ``[lo, hi)`` of consecutive chunks: at most ``max_rows`` rows each and, with
     payloads, at most ``blob_bytes`` bytes of payload lines (joined by newlines: the slot's blob
     area). Raises PayloadTooLarge naming the first row whose payload exceeds the sidecar's
@@ -49,12 +50,14 @@ def pack(lines: Sequence[bytes] | None, n: int, max_rows: int, blob_bytes: int, 
         if size > payload_limit:
             raise PayloadTooLarge(
                 f"the payload of row {row} takes {size} bytes, over the sidecar's --payload-limit "
-                f"of {payload_limit}: nothing of this call was sent")
+                f"of {payload_limit}: nothing of this call was sent"
+            )
         if size > blob_bytes:
             raise PayloadTooLarge(
                 f"the payload of row {row} takes {size} bytes; a request carries at most "
                 f"{blob_bytes} (the slot's blob area, the sidecar's --blob-bytes): nothing of this "
-                "call was sent")
+                "call was sent"
+            )
         if row > lo and (row - lo == max_rows or used + 1 + size > blob_bytes):
             out.append((lo, row))
             lo, used = row, -1
@@ -85,11 +88,21 @@ class Fate(enum.Enum):
 
 #: Statuses a sidecar answers before it stores or applies anything of the request (the write
 #: path checks the slot, then capacity, then commits; a failed commit is rolled back).
-_REFUSED = frozenset({
-    Status.BAD_REQUEST, Status.DIM_MISMATCH, Status.K_OUT_OF_RANGE, Status.TOO_MANY_QUERIES,
-    Status.NOT_FINITE, Status.UNKNOWN_NAMESPACE, Status.PAYLOAD_TOO_LARGE, Status.UNKNOWN_OP,
-    Status.STORE_ERROR, Status.CAPACITY, Status.BAD_ID,
-})
+_REFUSED = frozenset(
+    {
+        Status.BAD_REQUEST,
+        Status.DIM_MISMATCH,
+        Status.K_OUT_OF_RANGE,
+        Status.TOO_MANY_QUERIES,
+        Status.NOT_FINITE,
+        Status.UNKNOWN_NAMESPACE,
+        Status.PAYLOAD_TOO_LARGE,
+        Status.UNKNOWN_OP,
+        Status.STORE_ERROR,
+        Status.CAPACITY,
+        Status.BAD_ID,
+    }
+)
 
 
 def fate(ok: bool, posted: bool, status: int | None) -> Fate:
@@ -144,8 +157,7 @@ def settle(op: Op, chunks: Sequence[Chunk], results: Sequence[object]) -> Writte
     raise err from cause
 
 
-def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
-            fates: Sequence[Fate]) -> KalosError:
+def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray], fates: Sequence[Fate]) -> KalosError:
     """The error a failed call raises: ``cause`` itself if the call was one request (the
     sidecar applies a request whole or not at all) or no chunk was applied or is in doubt
     (nothing happened: the call can be fixed or sent again as it is); else a PartialWrite that
@@ -155,8 +167,7 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
     by: dict[Fate, list[int]] = {f: [] for f in Fate}
     for ids, f in zip(chunk_ids, fates):
         by[f].extend(ids.tolist())
-    written, unwritten, doubt = (tuple(by[f]) for f in (Fate.APPLIED, Fate.NOT_APPLIED,
-                                                       Fate.IN_DOUBT))
+    written, unwritten, doubt = (tuple(by[f]) for f in (Fate.APPLIED, Fate.NOT_APPLIED, Fate.IN_DOUBT))
     total = len(written) + len(unwritten) + len(doubt)
     what = op.name.lower()
     verb = "written" if op is Op.UPSERT else "deleted"
@@ -166,8 +177,10 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray],
         f"{verb}, {len(unwritten)} not, {len(doubt)} in doubt (sent, no answer; {what} is "
         f"idempotent: sending them again is safe); .written, .unwritten and .in_doubt list them. "
         f"Stopped by {type(cause).__name__}: {cause}",
-        written=written, unwritten=unwritten, in_doubt=doubt)
+        written=written,
+        unwritten=unwritten,
+        in_doubt=doubt,
+    )
 
 
-__all__ = ["Chunk", "Fate", "WriteCall", "failure", "fate", "last_wins", "out_of_budget",
-           "pack", "settle"]
+__all__ = ["Chunk", "Fate", "WriteCall", "failure", "fate", "last_wins", "out_of_budget", "pack", "settle"]

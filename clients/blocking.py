@@ -16,7 +16,12 @@ import time
 from typing import Any, cast
 
 from ..broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ForkedPoolError, KalosError, ProtocolError,
+    AcquireTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    ForkedPoolError,
+    KalosError,
+    ProtocolError,
     ResponseTimeout,
 )
 from ..broker.layout import Layout, Op, latency_op
@@ -25,10 +30,37 @@ from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, Connect, drive
 from ._exchange import Exchange, resend_after_outage
 from ._requests import (
-    DEFAULT, NamespaceCache, Prepared, Timeout, count as encode_count, delete as encode_delete,
-    drop as encode_drop, export_page as encode_export_page, get as encode_get,
-    list_namespaces as encode_list_namespaces, merge_records, recall as encode_recall,
-    resolve_timeout, upsert as encode_upsert, wait_after,
+    DEFAULT,
+    NamespaceCache,
+    Prepared,
+    Timeout,
+    merge_records,
+    resolve_timeout,
+    wait_after,
+)
+from ._requests import (
+    count as encode_count,
+)
+from ._requests import (
+    delete as encode_delete,
+)
+from ._requests import (
+    drop as encode_drop,
+)
+from ._requests import (
+    export_page as encode_export_page,
+)
+from ._requests import (
+    get as encode_get,
+)
+from ._requests import (
+    list_namespaces as encode_list_namespaces,
+)
+from ._requests import (
+    recall as encode_recall,
+)
+from ._requests import (
+    upsert as encode_upsert,
 )
 from ._transport import ClientSlot, Connection
 from ._writes import out_of_budget, settle
@@ -47,13 +79,22 @@ class RecallClient:
     the name. Restarts and forks as for :class:`~kalos.clients.pool.RecallPool` (``reconnect``).
     """
 
-    def __init__(self, name: str = "default", *, timeout: float | None = None,
-                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
-                 connect_timeout: float = 10.0, sidecar_uid: int | None = None,
-                 reconnect: bool = True, connect: Connect | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        timeout: float | None = None,
+        spin_us: float = DEFAULT_SPIN_US,
+        max_spin_us: float = MAX_SPIN_US,
+        connect_timeout: float = 10.0,
+        sidecar_uid: int | None = None,
+        reconnect: bool = True,
+        connect: Connect | None = None,
+    ) -> None:
         self.name = name
-        self._attacher = Attacher(connect or _connect, name, sidecar_uid, size=1, min_size=1,
-                                  for_pool=False, rng=random.Random())
+        self._attacher = Attacher(
+            connect or _connect, name, sidecar_uid, size=1, min_size=1, for_pool=False, rng=random.Random()
+        )
         self._reconnect = reconnect
         self._pid = os.getpid()
         self._broken: Exception | None = None
@@ -65,8 +106,9 @@ class RecallClient:
         self._ns = NamespaceCache()
         self._conn: Connection | None = None
         self._slot: ClientSlot
-        self._install(drive(self._attacher.attach(time.monotonic() + connect_timeout, reconnect,
-                                                  f"within {connect_timeout} s")))
+        self._install(
+            drive(self._attacher.attach(time.monotonic() + connect_timeout, reconnect, f"within {connect_timeout} s"))
+        )
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
 
@@ -103,37 +145,64 @@ class RecallClient:
             busy = [self._slot] if self._pending is not None else []
             Attachment(self._conn, [self._slot]).end(busy)
 
-    def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-               timeout: Timeout = DEFAULT, with_payload: bool = False,
-               where: dict[str, Any] | None = None, after: Position | str | None = None) -> Hits:
+    def recall(
+        self,
+        vector: Any,
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        with_payload: bool = False,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+    ) -> Hits:
         """Top-k of one vector; see RecallPool.recall for semantics (``after=`` too) and errors."""
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True,
-                             where)
+        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, self._call(p, timeout, t0))
 
-    def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                    timeout: Timeout = DEFAULT, with_payload: bool = False,
-                    where: dict[str, Any] | None = None,
-                    after: Position | str | None = None) -> list[Hits]:
+    def recall_many(
+        self,
+        vectors: Any,
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        with_payload: bool = False,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+    ) -> list[Hits]:
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False,
-                             where)
+        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False, where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", self._call(p, timeout, t0))
 
-    def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-               namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
+    def upsert(
+        self,
+        ids: Any,
+        vectors: Any,
+        payloads: list[Any] | None = None,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+    ) -> Written:
         """Insert or replace records; see RecallPool.upsert. Chunks go one after the other; after
         a failure no further chunk is sent."""
-        return self._write(Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace,
-                                                    self._payload_limit), timeout)
+        return self._write(
+            Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit), timeout
+        )
 
-    def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
-               namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
+    def delete(
+        self,
+        ids: Any = None,
+        *,
+        where: dict[str, Any] | None = None,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+    ) -> Written:
         """Delete by ids or by filter; see RecallPool.delete."""
         return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
 
@@ -154,8 +223,15 @@ class RecallClient:
                 break
         return settle(op, preps, results)
 
-    def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
-            timeout: Timeout = DEFAULT, after: Position | str | None = None) -> Records:
+    def get(
+        self,
+        ids: Any,
+        *,
+        namespace: str = "default",
+        with_vectors: bool = True,
+        timeout: Timeout = DEFAULT,
+        after: Position | str | None = None,
+    ) -> Records:
         """Records by id; see RecallPool.get for semantics and errors."""
         t0 = time.monotonic_ns()
         preps = encode_get(self.layout, ids, namespace, with_vectors)
@@ -171,15 +247,24 @@ class RecallClient:
         """Every namespace with its row count."""
         return cast("dict[str, int]", self._call(encode_list_namespaces(), timeout, time.monotonic_ns()))
 
-    def export_page(self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None,
-                    timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
+    def export_page(
+        self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
+    ) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
         if given): (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
-        return cast("tuple[Any, Any, list[Any]]", self._call(
-            encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+        return cast(
+            "tuple[Any, Any, list[Any]]",
+            self._call(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),
+        )
 
-    def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
-              timeout: Timeout = DEFAULT, after: Position | str | None = None) -> int:
+    def count(
+        self,
+        namespace: str = "default",
+        where: dict[str, Any] | None = None,
+        *,
+        timeout: Timeout = DEFAULT,
+        after: Position | str | None = None,
+    ) -> int:
         """Records in ``namespace`` (matching ``where`` if given); see RecallPool.count."""
         t0 = time.monotonic_ns()
         p = encode_count(self.layout, namespace, where)
@@ -198,12 +283,13 @@ class RecallClient:
         if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
             raise ForkedPoolError(
                 f"this client was opened in process {self._pid} and cannot be used in process "
-                f"{os.getpid()} (a fork): open one in each worker after forking")
+                f"{os.getpid()} (a fork): open one in each worker after forking"
+            )
         # Another thread's call holds the slot: waiting for it is part of this call's budget.
-        if not self._lock.acquire(timeout=-1 if deadline is None
-                                  else max(0.0, deadline - time.monotonic())):
-            raise AcquireTimeout("no slot within the time budget (the client's one slot was "
-                                 "busy with another thread's call)")
+        if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise AcquireTimeout(
+                "no slot within the time budget (the client's one slot was busy with another thread's call)"
+            )
         try:
             return self._call_locked(p, deadline, t0)
         finally:
@@ -226,8 +312,9 @@ class RecallClient:
                 self._drop()  # the answer can no longer come from this sidecar
                 if resend_after_outage(p, deadline, time.monotonic()):
                     continue  # a read: send it again to the next sidecar, same budget
-                raise BrokerUnavailable(f"{e} (the request was in flight; the client "
-                                        "re-attaches on its next call)") from None
+                raise BrokerUnavailable(
+                    f"{e} (the request was in flight; the client re-attaches on its next call)"
+                ) from None
 
     def _ensure_attached(self, deadline: float | None) -> None:
         """Before posting: a sidecar that died or stopped is replaced (waiting within the

@@ -22,7 +22,15 @@ import numpy as np
 
 from ..broker.errors import BrokerUnavailable
 from ..broker.layout import (
-    S_BUSY, S_DONE, S_FREE, S_POSTED, Layout, SegmentView, SidecarState, SlotView, Status,
+    S_BUSY,
+    S_DONE,
+    S_FREE,
+    S_POSTED,
+    Layout,
+    SegmentView,
+    SidecarState,
+    SlotView,
+    Status,
     header_field_offset,
 )
 from ._transport import ClientSlot, Connection, SlotCensus, Waiter
@@ -80,8 +88,7 @@ class FakeConnection(Connection):
         self.payload_limit = payload_limit
         self.mm = bytearray(layout.total_bytes)  # type: ignore[assignment]
         self.seg = SegmentView(memoryview(self.mm), layout)
-        self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns(),
-                             payload_limit=payload_limit)
+        self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns(), payload_limit=payload_limit)
         self.seg.header["state"] = SidecarState.READY
         self.w32 = memoryview(self.mm).cast("I")
         self.w64 = memoryview(self.mm).cast("Q")
@@ -129,8 +136,12 @@ class FakeConnection(Connection):
         for s in busy:
             self.seg.slots[s.index]["owner_pid"] = -1
 
-    def waiter(self, loop: asyncio.AbstractEventLoop, on_wake: Callable[[], None],
-               on_error: Callable[[BrokerUnavailable], None]) -> Waiter:
+    def waiter(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        on_wake: Callable[[], None],
+        on_error: Callable[[BrokerUnavailable], None],
+    ) -> Waiter:
         return Waiter(loop, on_wake, on_error)
 
     def close(self) -> None:

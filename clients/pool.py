@@ -32,7 +32,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, KalosError,
+    AcquireTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    ConfigError,
+    ForkedPoolError,
+    KalosError,
     ResponseTimeout,
 )
 from ..broker.layout import Layout, Op
@@ -43,14 +48,41 @@ from ._coalesce import Path, route
 from ._exchange import Completion, Exchange, resend_after_outage
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
-    DEFAULT, NamespaceCache, Prepared, Timeout, count as encode_count, delete as encode_delete,
-    drop as encode_drop, export_page as encode_export_page, get as encode_get,
-    list_namespaces as encode_list_namespaces, merge_records, recall as encode_recall,
-    resolve_timeout, upsert as encode_upsert, wait_after,
+    DEFAULT,
+    NamespaceCache,
+    Prepared,
+    Timeout,
+    merge_records,
+    resolve_timeout,
+    wait_after,
 )
-from ._writes import WriteCall, out_of_budget, settle
+from ._requests import (
+    count as encode_count,
+)
+from ._requests import (
+    delete as encode_delete,
+)
+from ._requests import (
+    drop as encode_drop,
+)
+from ._requests import (
+    export_page as encode_export_page,
+)
+from ._requests import (
+    get as encode_get,
+)
+from ._requests import (
+    list_namespaces as encode_list_namespaces,
+)
+from ._requests import (
+    recall as encode_recall,
+)
+from ._requests import (
+    upsert as encode_upsert,
+)
 from ._transport import ClientSlot, Connection, Waiter
-from .results import Hits, Records, Written, written
+from ._writes import WriteCall, out_of_budget, settle
+from .results import Hits, Records, Written
 
 LIVENESS_S = 0.1
 
@@ -79,8 +111,7 @@ _SERVING = frozenset({PoolState.OPEN, PoolState.CLOSING})
 _OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
 
 
-def refusal(state: PoolState, broken: KalosError | None, opened_in: int,
-            pid: int) -> KalosError | None:
+def refusal(state: PoolState, broken: KalosError | None, opened_in: int, pid: int) -> KalosError | None:
     """What a call on a pool in ``state`` raises; None when it may go ahead (OPEN). ``broken``:
     the cause of a BROKEN pool; ``opened_in`` / ``pid``: the process that opened it, this one.
     Pure."""
@@ -92,7 +123,8 @@ def refusal(state: PoolState, broken: KalosError | None, opened_in: int,
         return ForkedPoolError(
             f"this pool was opened in process {opened_in} and cannot be used in process {pid} "
             "(a fork): open a RecallPool in each worker after forking (e.g. in the FastAPI "
-            "lifespan or gunicorn's post_fork)")
+            "lifespan or gunicorn's post_fork)"
+        )
     if state is PoolState.NEW:
         return ClosedError("pool is not open (use `async with RecallPool(...)` or await open())")
     return ClosedError(f"pool is {state.value}")
@@ -268,11 +300,21 @@ class RecallPool:
     inject :class:`kalos.clients.fake.FakeConnection`).
     """
 
-    def __init__(self, name: str = "default", *, size: int = 16, min_size: int = 1,
-                 timeout: float | None = None, connect_timeout: float = 10.0,
-                 spin_us: float = DEFAULT_SPIN_US, max_spin_us: float = MAX_SPIN_US,
-                 sidecar_uid: int | None = None, reconnect: bool = True, coalesce: bool = False,
-                 connect: Callable[[str, int | None], Connection] | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        size: int = 16,
+        min_size: int = 1,
+        timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        spin_us: float = DEFAULT_SPIN_US,
+        max_spin_us: float = MAX_SPIN_US,
+        sidecar_uid: int | None = None,
+        reconnect: bool = True,
+        coalesce: bool = False,
+        connect: Callable[[str, int | None], Connection] | None = None,
+    ) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
         self.name = name
@@ -280,8 +322,9 @@ class RecallPool:
         self._connect_timeout = connect_timeout
         self._reconnect = reconnect
         self._coalesce = coalesce
-        self._attacher = Attacher(connect or _connect, name, sidecar_uid, size=size,
-                                  min_size=min_size, for_pool=True, rng=random.Random())
+        self._attacher = Attacher(
+            connect or _connect, name, sidecar_uid, size=size, min_size=min_size, for_pool=True, rng=random.Random()
+        )
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._state = PoolState.NEW
         self._broken: KalosError | None = None  # why a BROKEN pool serves no more
@@ -329,16 +372,26 @@ class RecallPool:
         loop = self._loop = asyncio.get_running_loop()
         free = self._free = _FreeSlots(loop)
         self._wake = asyncio.Event()
-        att = await drive_async(self._attacher.attach(
-            time.monotonic() + self._connect_timeout, self._reconnect,
-            f"within {self._connect_timeout} s"))
+        att = await drive_async(
+            self._attacher.attach(
+                time.monotonic() + self._connect_timeout, self._reconnect, f"within {self._connect_timeout} s"
+            )
+        )
         self._layout = att.conn.layout
         self._metric = att.conn.metric
         self._queue = CoalescingQueue(
-            loop, max_rows=self._layout.max_queries, max_k=self._layout.max_k,
-            take_slot=self._take_slot, release=free.put_nowait, wait_for_slot=free.add_waiter,
-            withdraw=free.remove_waiter, usable=self._usable,
-            post=self._post, refusal=self._queue_refusal, on_bug=self._dispatcher_failed)
+            loop,
+            max_rows=self._layout.max_queries,
+            max_k=self._layout.max_k,
+            take_slot=self._take_slot,
+            release=free.put_nowait,
+            wait_for_slot=free.add_waiter,
+            withdraw=free.remove_waiter,
+            usable=self._usable,
+            post=self._post,
+            refusal=self._queue_refusal,
+            on_bug=self._dispatcher_failed,
+        )
         self._install(att)
         self._state = PoolState.OPEN
         _POOLS.add(self)
@@ -389,10 +442,8 @@ class RecallPool:
         queue = self._queue
         assert queue is not None
         try:
-            while ((self._inflight or queue.live()) and self._state is PoolState.CLOSING
-                   and self._conn is not None):
-                futs = [f for e in self._inflight.values() for f in _futures(e.waiter)
-                        if not f.done()]
+            while (self._inflight or queue.live()) and self._state is PoolState.CLOSING and self._conn is not None:
+                futs = [f for e in self._inflight.values() for f in _futures(e.waiter) if not f.done()]
                 futs += queue.futures()
                 if futs:
                     await asyncio.wait(futs, timeout=LIVENESS_S)
@@ -457,24 +508,38 @@ class RecallPool:
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
-            size=len(self._slots), free=self._free_count(), in_flight=len(self._inflight),
+            size=len(self._slots),
+            free=self._free_count(),
+            in_flight=len(self._inflight),
             orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
-            requests=self._requests, errors=self._errors, outages=self._outages,
+            requests=self._requests,
+            errors=self._errors,
+            outages=self._outages,
             reattaches=self._reattaches,
-            unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since
-                                                   if self._down_since else 0)) / 1e9,
+            unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since if self._down_since else 0))
+            / 1e9,
             attached=self._conn is not None,
-            queued=self._queue.live() if self._queue is not None else 0, posted=self._posted,
-            coalesced=self._coalesced)
+            queued=self._queue.live() if self._queue is not None else 0,
+            posted=self._posted,
+            coalesced=self._coalesced,
+        )
 
     def spin_window_ns(self) -> int:
         """How long the poller polls after the last completion (``broker.waiting``)."""
         return self._policy.window_ns()
 
     # ------------------------------------------------------------------ public operations
-    async def recall(self, vector: Any, k: int = 10, *, namespace: str = "default",
-                     timeout: Timeout = DEFAULT, with_payload: bool = False,
-                     where: dict[str, Any] | None = None, after: Position | str | None = None) -> Hits:
+    async def recall(
+        self,
+        vector: Any,
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        with_payload: bool = False,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+    ) -> Hits:
         """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first.
 
         ``where``: only records whose payload matches the filter (README, "Filters"); fewer than
@@ -491,29 +556,41 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state is not _OPEN:
             self._check_usable()
-        p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload,
-                             single=True, where=where)
+        p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True, where=where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, await self._execute(p, timeout, t0))
 
-    async def recall_many(self, vectors: Any, k: int = 10, *, namespace: str = "default",
-                          timeout: Timeout = DEFAULT, with_payload: bool = False,
-                          where: dict[str, Any] | None = None,
-                          after: Position | str | None = None) -> list[Hits]:
+    async def recall_many(
+        self,
+        vectors: Any,
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        with_payload: bool = False,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+    ) -> list[Hits]:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
         slot and one round trip (``where``: one filter for every row; ``after``: as in
         :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = encode_recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload,
-                             single=False, where=where)
+        p = encode_recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False, where=where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", await self._execute(p, timeout, t0))
 
-    async def upsert(self, ids: Any, vectors: Any, payloads: list[Any] | None = None, *,
-                     namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
+    async def upsert(
+        self,
+        ids: Any,
+        vectors: Any,
+        payloads: list[Any] | None = None,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+    ) -> Written:
         """Insert or replace records (vector and payload together); returns the rows written
         (a :class:`Written`: an int with the fleet ``position`` of the write, for ``after=``).
 
@@ -532,8 +609,14 @@ class RecallPool:
         preps = encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit)
         return await self._write(Op.UPSERT, preps, timeout, t0)
 
-    async def delete(self, ids: Any = None, *, where: dict[str, Any] | None = None,
-                     namespace: str = "default", timeout: Timeout = DEFAULT) -> Written:
+    async def delete(
+        self,
+        ids: Any = None,
+        *,
+        where: dict[str, Any] | None = None,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+    ) -> Written:
         """Delete records by id, or every record whose payload matches ``where`` (one of the two);
         returns how many existed (a :class:`Written`, as :meth:`upsert`). Unknown ids/namespace: 0, no error. More ids than max_queries
         go in chunks, as for :meth:`upsert` (PartialWrite if the call fails part way)."""
@@ -541,8 +624,15 @@ class RecallPool:
         preps = encode_delete(self.layout, ids, namespace, where)
         return await self._write(Op.DELETE, preps, timeout, t0)
 
-    async def get(self, ids: Any, *, namespace: str = "default", with_vectors: bool = True,
-                  timeout: Timeout = DEFAULT, after: Position | str | None = None) -> Records:
+    async def get(
+        self,
+        ids: Any,
+        *,
+        namespace: str = "default",
+        with_vectors: bool = True,
+        timeout: Timeout = DEFAULT,
+        after: Position | str | None = None,
+    ) -> Records:
         """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload),
         and the ids that do not (``Records.missing``; not an error). More ids than max_queries are
         sent in chunks, concurrently. Raises InvalidRequest (bad ids, before anything is sent),
@@ -562,20 +652,27 @@ class RecallPool:
 
     async def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return cast("dict[str, int]", await self._execute(encode_list_namespaces(), timeout,
-                                                           time.monotonic_ns()))
+        return cast("dict[str, int]", await self._execute(encode_list_namespaces(), timeout, time.monotonic_ns()))
 
-    async def export_page(self, namespace: str, after: int = -1, *,
-                          where: dict[str, Any] | None = None,
-                          timeout: Timeout = DEFAULT) -> tuple[Any, Any, list[Any]]:
+    async def export_page(
+        self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
+    ) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order (those matching
         ``where``, if given): (ids int64, vectors float32 as stored, payloads). Raises
         UnknownNamespace."""
-        return cast("tuple[Any, Any, list[Any]]", await self._execute(
-            encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()))
+        return cast(
+            "tuple[Any, Any, list[Any]]",
+            await self._execute(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),
+        )
 
-    async def count(self, namespace: str = "default", where: dict[str, Any] | None = None, *,
-                    timeout: Timeout = DEFAULT, after: Position | str | None = None) -> int:
+    async def count(
+        self,
+        namespace: str = "default",
+        where: dict[str, Any] | None = None,
+        *,
+        timeout: Timeout = DEFAULT,
+        after: Position | str | None = None,
+    ) -> int:
         """Records in ``namespace`` (those matching ``where``, if given; ``after``: as in
         :meth:`recall`). Raises UnknownNamespace."""
         t0 = time.monotonic_ns()
@@ -595,7 +692,8 @@ class RecallPool:
         return BrokerUnavailable(
             f"broker {self.name!r}: no sidecar within the time budget (down for "
             f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
-            "re-attaches as soon as one serves the name)")
+            "re-attaches as soon as one serves the name)"
+        )
 
     def _usable(self, slot: ClientSlot) -> bool:
         """A slot of the live attachment (not one of an attachment lost to an outage)."""
@@ -688,14 +786,14 @@ class RecallPool:
             slot = self._free.get_nowait()
             if slot is None:
                 try:
-                    slot = await self._free.get(None if deadline is None
-                                                else max(0.0, deadline - self._loop.time()))
+                    slot = await self._free.get(None if deadline is None else max(0.0, deadline - self._loop.time()))
                 except asyncio.TimeoutError:
                     self._check_usable()
                     if self._conn is None:
                         raise self._down_error() from None
-                    raise AcquireTimeout(f"no free slot within the time budget ({len(self._slots)} "
-                                         "slots, all in flight)") from None
+                    raise AcquireTimeout(
+                        f"no free slot within the time budget ({len(self._slots)} slots, all in flight)"
+                    ) from None
             if self._state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
@@ -711,9 +809,12 @@ class RecallPool:
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             try:
-                if (self._coalesce and p.op is Op.RECALL and p.after is None
-                        and route(True, len(self._queue), self._free.qsize(), len(self._inflight))
-                        is Path.QUEUE):
+                if (
+                    self._coalesce
+                    and p.op is Op.RECALL
+                    and p.after is None
+                    and route(True, len(self._queue), self._free.qsize(), len(self._inflight)) is Path.QUEUE
+                ):
                     try:  # queued to be sent with others (the class docstring)
                         return await self._queue.submit(p, t0, timeout, deadline)
                     except NotSent as e:
@@ -722,12 +823,12 @@ class RecallPool:
             except BrokerUnavailable:
                 # Lost to a sidecar that went away (in flight, or posted just before the pool
                 # noticed): a read is sent again once the pool has re-attached.
-                if not (self._reconnect and self._state is PoolState.OPEN
-                        and resend_after_outage(p, deadline, loop.time())):
+                if not (
+                    self._reconnect and self._state is PoolState.OPEN and resend_after_outage(p, deadline, loop.time())
+                ):
                     raise
 
-    async def _execute_once(self, p: Prepared, timeout: float | None,
-                            deadline: float | None, t0: int) -> Any:
+    async def _execute_once(self, p: Prepared, timeout: float | None, deadline: float | None, t0: int) -> Any:
         loop = self._loop
         assert loop is not None and self._free is not None
         slot = await self._acquire(deadline)
@@ -741,8 +842,10 @@ class RecallPool:
         try:
             return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
         except asyncio.TimeoutError:
-            raise ResponseTimeout(f"no answer within {timeout} s (request stays in flight until the "
-                                  "sidecar finishes it; the slot is then reused)") from None
+            raise ResponseTimeout(
+                f"no answer within {timeout} s (request stays in flight until the "
+                "sidecar finishes it; the slot is then reused)"
+            ) from None
 
     def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
         """The error of a recall whose budget ran out in the coalescing queue."""
@@ -750,10 +853,14 @@ class RecallPool:
         if self._conn is None:
             return self._down_error()
         if e.resent:
-            return ResponseTimeout(f"no answer within {timeout} s (sent in a shared slot whose "
-                                   "payloads overflowed it, then queued again alone)")
-        return AcquireTimeout(f"not sent within the time budget (queued to be coalesced; "
-                              f"{len(self._slots)} slots, {self._free_count()} free)")
+            return ResponseTimeout(
+                f"no answer within {timeout} s (sent in a shared slot whose "
+                "payloads overflowed it, then queued again alone)"
+            )
+        return AcquireTimeout(
+            f"not sent within the time budget (queued to be coalesced; "
+            f"{len(self._slots)} slots, {self._free_count()} free)"
+        )
 
     def _post(self, ex: Exchange[Waiting]) -> None:
         """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
@@ -904,8 +1011,7 @@ class RecallPool:
         self._down_since = time.monotonic_ns()
         # The dead sidecar's segment is gone with it; leases in it need no giving back, but the
         # locks are released by closing the attachment.
-        self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"),
-                     give_back=False)
+        self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"), give_back=False)
         assert self._loop is not None
         self._reattacher = self._loop.create_task(self._reattach())
 

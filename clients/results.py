@@ -42,8 +42,7 @@ class Hits(Sequence[Hit]):
     def __getitem__(self, i: int | slice) -> Hit | Sequence[Hit]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        return Hit(int(self.ids[i]), float(self.scores[i]),
-                   None if self.payloads is None else self.payloads[i])
+        return Hit(int(self.ids[i]), float(self.scores[i]), None if self.payloads is None else self.payloads[i])
 
     def __iter__(self) -> Iterator[Hit]:
         for j in range(len(self.ids)):

@@ -42,11 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     seg = segment_bytes(a.slots, a.dim, a.max_k, a.max_queries, a.blob_bytes)
     limit = recommended_limit(seg)
     if a.json:
-        print(json.dumps({"segment_bytes": seg, "recommended_bytes": limit,
-                          "recommended": f"{limit // MIB}Mi"}))
+        print(json.dumps({"segment_bytes": seg, "recommended_bytes": limit, "recommended": f"{limit // MIB}Mi"}))
     else:
-        print(f"segment: {seg} bytes ({seg / MIB:.1f} MiB) for {a.slots} slots, dim {a.dim}, "
-              f"max_k {a.max_k}, max_queries {a.max_queries}, blob {a.blob_bytes} B")
+        print(
+            f"segment: {seg} bytes ({seg / MIB:.1f} MiB) for {a.slots} slots, dim {a.dim}, "
+            f"max_k {a.max_k}, max_queries {a.max_queries}, blob {a.blob_bytes} B"
+        )
         print(f"/dev/shm sizeLimit: at least {limit // MIB}Mi (2 x segment + 16 MiB)")
     return 0
 

@@ -102,26 +102,42 @@ def memory_id(agent: str, i: int) -> int:
 async def remember(pool: RecallPool, agent: str, vecs: np.ndarray, namespace: str) -> None:
     """One agent writes its memories: the sentence in the payload, the agent a filter field."""
     texts = MEMORIES[agent]
-    await pool.upsert([memory_id(agent, i) for i in range(len(texts))], vecs,
-                      [{"agent": agent, "text": t} for t in texts], namespace=namespace)
+    await pool.upsert(
+        [memory_id(agent, i) for i in range(len(texts))],
+        vecs,
+        [{"agent": agent, "text": t} for t in texts],
+        namespace=namespace,
+    )
 
 
-async def ask(pool: RecallPool, agent: str, question: str, q: np.ndarray, vecs: np.ndarray, k: int,
-              namespace: str, lat: list[float]) -> list[str]:
+async def ask(
+    pool: RecallPool,
+    agent: str,
+    question: str,
+    q: np.ndarray,
+    vecs: np.ndarray,
+    k: int,
+    namespace: str,
+    lat: list[float],
+) -> list[str]:
     """One recall among the agent's own memories, timed and checked against float64."""
     t0 = time.perf_counter()
     hits = await pool.recall(q, k=k, namespace=namespace, where={"agent": agent}, with_payload=True)
     lat.append(time.perf_counter() - t0)
     ref = vecs.astype(np.float64) @ q.astype(np.float64)  # only this agent's memories
     best = np.sort(ref)[::-1][: len(hits)]
-    if (len(hits) != min(k, len(vecs)) or not np.allclose(hits.scores, best, atol=1e-4)
-            or any(h.payload["agent"] != agent for h in hits)):
+    if (
+        len(hits) != min(k, len(vecs))
+        or not np.allclose(hits.scores, best, atol=1e-4)
+        or any(h.payload["agent"] != agent for h in hits)
+    ):
         raise AssertionError(f"{agent}: {question!r} got {list(hits)}, want scores {best}")
     return [f"[{agent}] {question}"] + [f"    {h.score:.3f}  {h.payload['text']}" for h in hits]
 
 
-async def process_main(name: str, agents: list[str], k: int, namespace: str, model_path: str | None,
-                       device: str | None, rounds: int) -> dict[str, Any]:
+async def process_main(
+    name: str, agents: list[str], k: int, namespace: str, model_path: str | None, device: str | None, rounds: int
+) -> dict[str, Any]:
     """The agents of one process share one pool. Embedding happens first (it holds the event
     loop), then the agents remember and ask concurrently; every question is asked ``rounds``
     times so that the latency figures have a sample."""
@@ -136,7 +152,7 @@ async def process_main(name: str, agents: list[str], k: int, namespace: str, mod
             outs = await asyncio.gather(*(ask(pool, a, qs, v, mem[a], k, namespace, lat) for a, qs, v in asks))
             if r == 0:
                 lines = [line for out in outs for line in out]
-    return {"pid": os.getpid(), "lines": lines, "latency_s": lat[len(asks):]}  # the first round warms up
+    return {"pid": os.getpid(), "lines": lines, "latency_s": lat[len(asks) :]}  # the first round warms up
 
 
 def _child(args: tuple[str, list[str], int, str, str | None, str | None, int], q: Any) -> None:
@@ -148,14 +164,17 @@ def _child(args: tuple[str, list[str], int, str, str | None, str | None, int], q
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--agents", type=int, default=len(MEMORIES), help="agents (at most %d)" % len(MEMORIES))
+    ap.add_argument("--agents", type=int, default=len(MEMORIES), help=f"agents (at most {len(MEMORIES)})")
     ap.add_argument("--procs", type=int, default=2, help="client processes the agents are spread over")
     ap.add_argument("-k", type=int, default=2)
     ap.add_argument("--name", default=None, help="a running sidecar (default: start one)")
     ap.add_argument("--namespace", default="agent-memory")
-    ap.add_argument("--model", default=os.environ.get("KALOS_EMBED_MODEL"),
-                    help="a sentence-transformers model directory (default: $KALOS_EMBED_MODEL, else "
-                         "the packaged all-MiniLM-L6-v2)")
+    ap.add_argument(
+        "--model",
+        default=os.environ.get("KALOS_EMBED_MODEL"),
+        help="a sentence-transformers model directory (default: $KALOS_EMBED_MODEL, else "
+        "the packaged all-MiniLM-L6-v2)",
+    )
     ap.add_argument("--device", default=None, help="torch device of the model (cpu, cuda)")
     ap.add_argument("--backend", default="auto", help="backend of the sidecar it starts")
     ap.add_argument("--rounds", type=int, default=50, help="times each question is asked (latency sample)")
@@ -169,14 +188,17 @@ def main(argv: list[str] | None = None) -> int:
         from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
         name = f"kalos-agent-memory-{os.getpid()}"
-        sidecar = start_sidecar_process(["--dim", str(DIM), "--metric", "cosine", "--ephemeral",
-                                         "--backend", a.backend], name)
+        sidecar = start_sidecar_process(
+            ["--dim", str(DIM), "--metric", "cosine", "--ephemeral", "--backend", a.backend], name
+        )
     try:
         ctx = mp.get_context("spawn")  # fresh processes: each opens its own pool (and model)
         q = ctx.Queue()
         groups = [agents[i::procs] for i in range(procs)]
-        workers = [ctx.Process(target=_child, args=((name, g, a.k, a.namespace, a.model, a.device, a.rounds), q))
-                   for g in groups]
+        workers = [
+            ctx.Process(target=_child, args=((name, g, a.k, a.namespace, a.model, a.device, a.rounds), q))
+            for g in groups
+        ]
         for w in workers:
             w.start()
         results = [q.get(timeout=600) for _ in workers]
@@ -194,13 +216,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--- process {r['pid']}")
         print("\n".join(r["lines"]))
     p50, p99 = np.percentile(lat, [50, 99])
-    print(f"{len(lat)} filtered recalls ({a.rounds - 1} rounds after a warm-up) from {len(agents)} agents "
-          f"in {procs} processes, all checked against float64: recall latency p50 {p50:.0f} us, "
-          f"p99 {p99:.0f} us (concurrent, embedding not included)")
+    print(
+        f"{len(lat)} filtered recalls ({a.rounds - 1} rounds after a warm-up) from {len(agents)} agents "
+        f"in {procs} processes, all checked against float64: recall latency p50 {p50:.0f} us, "
+        f"p99 {p99:.0f} us (concurrent, embedding not included)"
+    )
     if a.json:
-        Path(a.json).write_text(json.dumps({"agents": agents, "procs": procs, "recalls": len(lat), "rounds": a.rounds,
-                                            "p50_us": p50, "p99_us": p99,
-                                            "lines": [ln for r in results for ln in r["lines"]]}, indent=1))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "agents": agents,
+                    "procs": procs,
+                    "recalls": len(lat),
+                    "rounds": a.rounds,
+                    "p50_us": p50,
+                    "p99_us": p99,
+                    "lines": [ln for r in results for ln in r["lines"]],
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -51,9 +51,12 @@ class RecallApp:
             msg = await receive()
             if msg["type"] == "lifespan.startup":
                 # In the worker, after the fork: one pool per worker process.
-                self.pool = RecallPool(os.environ.get("KALOS_NAME", "default"), size=8,
-                                       timeout=float(os.environ.get("KALOS_TIMEOUT", "2")),
-                                       connect_timeout=30)
+                self.pool = RecallPool(
+                    os.environ.get("KALOS_NAME", "default"),
+                    size=8,
+                    timeout=float(os.environ.get("KALOS_TIMEOUT", "2")),
+                    connect_timeout=30,
+                )
                 await self.pool.open()
                 await send({"type": "lifespan.startup.complete"})
             elif msg["type"] == "lifespan.shutdown":
@@ -75,8 +78,7 @@ class RecallApp:
         except (BrokerUnavailable, KalosTimeout) as e:
             await respond(send, 503, {"error": str(e)}, retry_after=True)
         else:
-            await respond(send, 200, {"ids": hits.ids.tolist(), "scores": hits.scores.tolist(),
-                                      "worker": os.getpid()})
+            await respond(send, 200, {"ids": hits.ids.tolist(), "scores": hits.scores.tolist(), "worker": os.getpid()})
 
 
 async def respond(send: Send, status: int, body: dict[str, Any], retry_after: bool = False) -> None:

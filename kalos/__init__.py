@@ -7,19 +7,54 @@ the checkout's top-level folders of those names. The applications live beside it
 """
 
 from kalos.broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, ConfigError, ForkedPoolError, InvalidRequest, KalosError,
-    KalosTimeout, PartialWrite, PayloadTooLarge, PositionTimeout, ProtocolError, ResponseTimeout, ServerError,
+    AcquireTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    ConfigError,
+    ForkedPoolError,
+    InvalidRequest,
+    KalosError,
+    KalosTimeout,
+    PartialWrite,
+    PayloadTooLarge,
+    PositionTimeout,
+    ProtocolError,
+    ResponseTimeout,
+    ServerError,
     SlotsExhausted,
-    UnknownNamespace, UsageError,
+    UnknownNamespace,
+    UsageError,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
 from kalos.broker.positions import Position
-from kalos.clients import Hit, Hits, PoolStatistics, Records, RecallClient, RecallPool, Written
+from kalos.clients import Hit, Hits, PoolStatistics, RecallClient, RecallPool, Records, Written
 
 __version__ = "0.1.0"
 __all__ = [
-    "RecallPool", "RecallClient", "PoolStatistics", "Hit", "Hits", "Records", "Written", "Position",
-    "AcquireTimeout", "BrokerUnavailable", "ClosedError", "ConfigError", "ForkedPoolError", "InvalidRequest",
-    "KalosError", "KalosTimeout", "PartialWrite", "PayloadTooLarge", "PositionTimeout", "ProtocolError",
-    "ResponseTimeout", "ServerError", "SlotsExhausted", "UnknownNamespace", "UsageError", "PROTOCOL_VERSION",
+    "RecallPool",
+    "RecallClient",
+    "PoolStatistics",
+    "Hit",
+    "Hits",
+    "Records",
+    "Written",
+    "Position",
+    "AcquireTimeout",
+    "BrokerUnavailable",
+    "ClosedError",
+    "ConfigError",
+    "ForkedPoolError",
+    "InvalidRequest",
+    "KalosError",
+    "KalosTimeout",
+    "PartialWrite",
+    "PayloadTooLarge",
+    "PositionTimeout",
+    "ProtocolError",
+    "ResponseTimeout",
+    "ServerError",
+    "SlotsExhausted",
+    "UnknownNamespace",
+    "UsageError",
+    "PROTOCOL_VERSION",
 ]

@@ -35,8 +35,10 @@ class CommandTimeout(KalosTimeout):
 
 def start_hint(name: str) -> str:
     """A command that starts a sidecar for ``name`` as given (``--ephemeral``: it needs no path)."""
-    return (f"start one: `kalos serve --name {name} --ephemeral` (memory only; "
-            f"--data-dir DIR instead of --ephemeral keeps the memories)")
+    return (
+        f"start one: `kalos serve --name {name} --ephemeral` (memory only; "
+        f"--data-dir DIR instead of --ephemeral keeps the memories)"
+    )
 
 
 class Budget:
@@ -93,12 +95,12 @@ class Budget:
         # Nothing of the name in /dev/shm: no sidecar was started, and the useful answer is the
         # command that starts one. Otherwise the client's reason (loading, dead, untrusted) says more.
         if not leftover_names(self.name):
-            return BrokerUnavailable(f"no sidecar serves broker {self.name!r} (waited "
-                                     f"{self.elapsed():.1f} s); {start_hint(self.name)}")
+            return BrokerUnavailable(
+                f"no sidecar serves broker {self.name!r} (waited {self.elapsed():.1f} s); {start_hint(self.name)}"
+            )
         if e is not None:
             return e
-        return BrokerUnavailable(f"broker {self.name!r}: no sidecar became ready within "
-                                 f"{self.elapsed():.1f} s")
+        return BrokerUnavailable(f"broker {self.name!r}: no sidecar became ready within {self.elapsed():.1f} s")
 
 
 async def list_namespaces(budget: Budget) -> dict[str, int]:

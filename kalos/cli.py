@@ -15,7 +15,10 @@ from typing import Any
 
 from kalos.broker.errors import KalosError
 from kalos.sidecar_cuda.config import (
-    add_name_argument, add_serve_arguments, config_from_args, shown_default,
+    add_name_argument,
+    add_serve_arguments,
+    config_from_args,
+    shown_default,
 )
 
 log = logging.getLogger("kalos.cli")
@@ -95,17 +98,28 @@ def _seconds(raw: str) -> float:
     return value
 
 
-def _opt(p: argparse.ArgumentParser, *flags: str, help: str, default: Any = None,
-         shown: str | None = None, **kw: Any) -> None:
+def _opt(
+    p: argparse.ArgumentParser, *flags: str, help: str, default: Any = None, shown: str | None = None, **kw: Any
+) -> None:
     """An option whose help ends with its default (``shown`` if given)."""
-    p.add_argument(*flags, default=default, **kw,
-                   help=f"{help} (default: {shown if shown is not None else shown_default(default)})")
+    p.add_argument(
+        *flags,
+        default=default,
+        **kw,
+        help=f"{help} (default: {shown if shown is not None else shown_default(default)})",
+    )
 
 
 def _add_timeout(p: argparse.ArgumentParser, default: float | None) -> None:
-    _opt(p, "--timeout", type=_seconds, default=default, metavar="SECONDS",
-         shown=None if default is not None else "none, no limit",
-         help="seconds the whole command may take, connecting to the sidecar included")
+    _opt(
+        p,
+        "--timeout",
+        type=_seconds,
+        default=default,
+        metavar="SECONDS",
+        shown=None if default is not None else "none, no limit",
+        help="seconds the whole command may take, connecting to the sidecar included",
+    )
 
 
 def _add_load_options(p: argparse.ArgumentParser, *, rows: int, seconds: float) -> None:
@@ -115,32 +129,52 @@ def _add_load_options(p: argparse.ArgumentParser, *, rows: int, seconds: float) 
     _opt(p, "--dim", type=int, default=128, help="vector dimension")
     _opt(p, "--seconds", type=float, default=seconds, help="how long the load runs")
     _opt(p, "-k", type=int, default=10, help="neighbours per recall")
-    _opt(p, "--backend", choices=["auto", "numpy", "cuda"], default="auto",
-         help="the sidecar's backend: auto is CUDA if CuPy and a GPU are usable, else numpy")
+    _opt(
+        p,
+        "--backend",
+        choices=["auto", "numpy", "cuda"],
+        default="auto",
+        help="the sidecar's backend: auto is CUDA if CuPy and a GPU are usable, else numpy",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kalos", description="Kalos recall broker: GPU sidecar + shared-memory clients")
-    _opt(p, "-v", "--verbose", action="store_true", default=False,
-         help="debug logging, and the traceback of an unexpected error")
+    _opt(
+        p,
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=False,
+        help="debug logging, and the traceback of an unexpected error",
+    )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser("serve", help="run a sidecar (until SIGTERM/SIGINT)",
-                       description="Run a sidecar that owns the memory and serves recalls through shared memory.")
+    s = sub.add_parser(
+        "serve",
+        help="run a sidecar (until SIGTERM/SIGINT)",
+        description="Run a sidecar that owns the memory and serves recalls through shared memory.",
+    )
     add_serve_arguments(s)
     s.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser("demo", help="the main job on the embedded default: sidecar + concurrent async agents",
-                       description="Start a sidecar (CUDA if available, else numpy), build a memory set, run "
-                                   "concurrent async agents, print latency percentiles and check answers.")
+    d = sub.add_parser(
+        "demo",
+        help="the main job on the embedded default: sidecar + concurrent async agents",
+        description="Start a sidecar (CUDA if available, else numpy), build a memory set, run "
+        "concurrent async agents, print latency percentiles and check answers.",
+    )
     _add_load_options(d, rows=50_000, seconds=4.0)
     _opt(d, "--agents", type=int, default=32, help="concurrent async agents (tasks)")
     _opt(d, "--procs", type=int, default=2, help="client processes the agents are spread over")
     d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser("bench", help="one benchmark point through the broker, beside in-process numpy",
-                       description="Measure recall latency/throughput through a fresh sidecar beside in-process numpy. "
-                                   "The full matrix is bench/bench_broker.py.")
+    b = sub.add_parser(
+        "bench",
+        help="one benchmark point through the broker, beside in-process numpy",
+        description="Measure recall latency/throughput through a fresh sidecar beside in-process numpy. "
+        "The full matrix is bench/bench_broker.py.",
+    )
     _add_load_options(b, rows=256, seconds=3.0)
     _opt(b, "--tasks", type=int, default=1, help="concurrent recalling tasks")
     _opt(b, "--procs", type=int, default=1, help="client processes the tasks are spread over")
@@ -150,8 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cleanup", help="remove shared objects left by a crashed sidecar")
     c.add_argument("broker", nargs="?", metavar="NAME", help="broker name (default: --name)")
     add_name_argument(c)
-    _opt(c, "--force", action="store_true", default=False,
-         help="remove even if the recorded sidecar looks alive")
+    _opt(c, "--force", action="store_true", default=False, help="remove even if the recorded sidecar looks alive")
     c.set_defaults(func=cmd_cleanup)
 
     n = sub.add_parser("namespaces", help="list namespaces and their row counts")
@@ -159,31 +192,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_timeout(n, 5.0)
     n.set_defaults(func=cmd_namespaces)
 
-    e = sub.add_parser("export", help="export a namespace to DIR (vectors.npy, ids.npy, payloads.jsonl)",
-                       description="Stream a namespace to DIR page by page; refuses to overwrite an "
-                                   "earlier export. Progress goes to stderr.")
+    e = sub.add_parser(
+        "export",
+        help="export a namespace to DIR (vectors.npy, ids.npy, payloads.jsonl)",
+        description="Stream a namespace to DIR page by page; refuses to overwrite an "
+        "earlier export. Progress goes to stderr.",
+    )
     e.add_argument("namespace", help="the namespace to export")
     e.add_argument("out", metavar="DIR", help="output directory (created if missing; must not hold an export)")
     add_name_argument(e)
     _add_timeout(e, None)
     e.set_defaults(func=cmd_export)
 
-    i = sub.add_parser("import", help="bulk-import a namespace from DIR written by `kalos export`",
-                       description="Upsert the records of an export into a namespace, a block at a "
-                                   "time over a pool of slots. Progress goes to stderr.")
+    i = sub.add_parser(
+        "import",
+        help="bulk-import a namespace from DIR written by `kalos export`",
+        description="Upsert the records of an export into a namespace, a block at a "
+        "time over a pool of slots. Progress goes to stderr.",
+    )
     i.add_argument("namespace", help="the namespace to write into")
     i.add_argument("src", metavar="DIR", help="directory with vectors.npy, and optionally ids.npy and payloads.jsonl")
     add_name_argument(i)
     _add_timeout(i, None)
     i.set_defaults(func=cmd_import)
 
-    t = sub.add_parser("top", help="live terminal view of a sidecar's metrics (q quits)",
-                       description="A live view of one sidecar's /metrics: slots, throughput, batch "
-                                   "sizes, latency quantiles, errors, rows. q or Ctrl-C quits.")
+    t = sub.add_parser(
+        "top",
+        help="live terminal view of a sidecar's metrics (q quits)",
+        description="A live view of one sidecar's /metrics: slots, throughput, batch "
+        "sizes, latency quantiles, errors, rows. q or Ctrl-C quits.",
+    )
     add_name_argument(t)
-    _opt(t, "--url", shown="the endpoint of the sidecar serving --name, found through /proc, "
-                           "else http://127.0.0.1:9464/metrics",
-         help="the sidecar's /metrics URL")
+    _opt(
+        t,
+        "--url",
+        shown="the endpoint of the sidecar serving --name, found through /proc, else http://127.0.0.1:9464/metrics",
+        help="the sidecar's /metrics URL",
+    )
     _opt(t, "--interval", type=float, default=1.0, help="seconds between scrapes")
     _opt(t, "--once", action="store_true", default=False, help="print one frame and exit")
     t.set_defaults(func=cmd_top)
@@ -192,8 +237,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     where = f"kalos {args.cmd}"
     try:
         return int(args.func(args) or 0)
@@ -208,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug: still one line; -v shows where
         if args.verbose:
             log.exception("unexpected error")
-        print(f"{where}: unexpected {type(e).__name__}: {e} (run with -v for the traceback)",
-              file=sys.stderr)
+        print(f"{where}: unexpected {type(e).__name__}: {e} (run with -v for the traceback)", file=sys.stderr)
         return EXIT_BUG
 
 

@@ -23,8 +23,15 @@ class RowProgress:
     seconds, and a last one when the block ends without an error; ``clock`` is injectable so
     tests decide when time passes."""
 
-    def __init__(self, what: str, total: int | None, *, stream: TextIO | None = None,
-                 every_s: float = REPORT_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        what: str,
+        total: int | None,
+        *,
+        stream: TextIO | None = None,
+        every_s: float = REPORT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.what = what
         self.total = total
         self.done = 0
@@ -37,9 +44,14 @@ class RowProgress:
 
     def __enter__(self) -> RowProgress:
         if self._stream.isatty():
-            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("rows"), TimeRemainingColumn(),
-                           console=Console(file=self._stream))
+            bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("rows"),
+                TimeRemainingColumn(),
+                console=Console(file=self._stream),
+            )
             bar.start()
             self._task = bar.add_task(self.what, total=self.total)
             self._bar = bar
@@ -58,8 +70,7 @@ class RowProgress:
             self._last = now
             self._line()
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if self._bar is not None:
             self._bar.stop()
         elif et is None:

@@ -225,22 +225,32 @@ def render(v: TopView, url: str = "") -> RenderableType:
     head = Text()
     head.append(f"kalos top  {url}\n", style="bold")
     head.append("READY" if v.ready else "NOT READY", style="green" if v.ready else "red")
-    head.append(f"  up {_uptime(v.uptime_s)}  broker {info.get('broker', '?')}  "
-                f"{info.get('description', '?')}  dim {info.get('dim', '?')} {info.get('dtype', '')} "
-                f"{info.get('metric', '')}")
+    head.append(
+        f"  up {_uptime(v.uptime_s)}  broker {info.get('broker', '?')}  "
+        f"{info.get('description', '?')}  dim {info.get('dim', '?')} {info.get('dtype', '')} "
+        f"{info.get('metric', '')}"
+    )
 
     load = Table.grid(padding=(0, 2))
     for _ in range(4):
         load.add_column(justify="right")
-    load.add_row("slots", f"{_num(v.in_flight)} in flight", f"{_num(v.leased)} leased",
-                 f"{_num(v.slots)} total")
-    load.add_row("throughput", f"{_num(v.completed_per_s)} done/s", f"{_num(v.served_per_s)} served/s",
-                 f"{_num(v.batches_per_s)} batches/s")
-    load.add_row("batch size", f"mean {_num(v.batch_mean, '{:.2f}')}", f"p50 ≤ {_num(v.batch_p50_le)}",
-                 f"max ≤ {_num(v.batch_max_le)}")
+    load.add_row("slots", f"{_num(v.in_flight)} in flight", f"{_num(v.leased)} leased", f"{_num(v.slots)} total")
+    load.add_row(
+        "throughput",
+        f"{_num(v.completed_per_s)} done/s",
+        f"{_num(v.served_per_s)} served/s",
+        f"{_num(v.batches_per_s)} batches/s",
+    )
+    load.add_row(
+        "batch size",
+        f"mean {_num(v.batch_mean, '{:.2f}')}",
+        f"p50 ≤ {_num(v.batch_p50_le)}",
+        f"max ≤ {_num(v.batch_max_le)}",
+    )
 
-    lat = Table(title="latency of recent requests (end to end: by kind of call)", title_justify="left",
-                box=None, pad_edge=False)
+    lat = Table(
+        title="latency of recent requests (end to end: by kind of call)", title_justify="left", box=None, pad_edge=False
+    )
     lat.add_column("")
     for col in ("P50", "P95", "P99", "window"):
         lat.add_column(col, justify="right")
@@ -249,8 +259,11 @@ def render(v: TopView, url: str = "") -> RenderableType:
         n = v.window_samples.get(op)
         if op == "recall" or n:  # the kinds of call seen lately
             lat.add_row(f"end to end: {op}", *(_dur(q.get(k)) for k in keys), _num(n))
-    for stage, label in (("queue_wait", "sidecar queue wait"), ("compute", "batch compute"),
-                         ("service", "sidecar service")):
+    for stage, label in (
+        ("queue_wait", "sidecar queue wait"),
+        ("compute", "batch compute"),
+        ("service", "sidecar service"),
+    ):
         sq = v.stage_q.get(stage, {})
         lat.add_row(label, *(_dur(sq.get(k)) for k in keys), "")
 
@@ -283,7 +296,7 @@ def listening_sockets(table: str, inodes: Collection[int]) -> list[tuple[str, in
         addr_hex, port_hex = f[1].split(":")
         raw = bytes.fromhex(addr_hex)
         if sys.byteorder == "little":  # the kernel prints each 32-bit word in host order
-            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
         out.append((str(ipaddress.ip_address(raw)), int(port_hex, 16)))
     return out
 
@@ -347,9 +360,11 @@ def find_metrics_url(name: str, scrape: Callable[[str], Scrape] | None = None) -
         why = f"its sidecar (pid {pid}) listens on no TCP port: start it with --metrics-port PORT"
     else:
         why = f"no endpoint of its sidecar (pid {pid}) answered as broker {name!r}"
-    raise ConfigError(f"cannot find the metrics endpoint of broker {name!r}: {why}; tried "
-                      f"{'; '.join(tried)}. Give --url http://HOST:PORT/metrics (the sidecar's "
-                      "--metrics-host and --metrics-port)")
+    raise ConfigError(
+        f"cannot find the metrics endpoint of broker {name!r}: {why}; tried "
+        f"{'; '.join(tried)}. Give --url http://HOST:PORT/metrics (the sidecar's "
+        "--metrics-host and --metrics-port)"
+    )
 
 
 class Keys:
@@ -372,8 +387,7 @@ class Keys:
             self._fd = None
         return self
 
-    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         if self._fd is not None and self._saved is not None:
             termios.tcsetattr(self._fd, termios.TCSADRAIN, self._saved)
             self._fd = None
@@ -389,8 +403,9 @@ class Keys:
         return os.read(self._fd, 1).decode(errors="replace")
 
 
-def run_top(url: str, interval: float, once: bool = False, console: Console | None = None,
-            keys: Keys | None = None) -> int:
+def run_top(
+    url: str, interval: float, once: bool = False, console: Console | None = None, keys: Keys | None = None
+) -> int:
     """Show the live view until ``q`` or Ctrl-C (``once``: scrape twice, ``interval`` seconds
     apart, print one frame with rates and exit). ``keys``: where keys are read (default: stdin).
     Returns 0, or 1 if the endpoint cannot be read."""
@@ -417,8 +432,10 @@ def run_top(url: str, interval: float, once: bool = False, console: Console | No
         return 0
     keys = Keys() if keys is None else keys
     try:
-        with keys as k, Live(render(compute_view(prev), url), console=console, auto_refresh=False,
-                                 screen=False) as live:
+        with (
+            keys as k,
+            Live(render(compute_view(prev), url), console=console, auto_refresh=False, screen=False) as live,
+        ):
             while True:
                 end = time.monotonic() + interval
                 while (left := end - time.monotonic()) > 0:
@@ -427,8 +444,10 @@ def run_top(url: str, interval: float, once: bool = False, console: Console | No
                 try:
                     cur = fetch(url, timeout=max(2.0, interval))
                 except (OSError, ValueError) as e:
-                    live.update(Text(f"kalos top: cannot read {url}: {getattr(e, 'reason', e)} "
-                                     "(retrying)", style="red"), refresh=True)
+                    live.update(
+                        Text(f"kalos top: cannot read {url}: {getattr(e, 'reason', e)} (retrying)", style="red"),
+                        refresh=True,
+                    )
                     continue
                 live.update(render(compute_view(cur, prev), url), refresh=True)
                 prev = cur
@@ -436,5 +455,17 @@ def run_top(url: str, interval: float, once: bool = False, console: Console | No
         return 0
 
 
-__all__ = ["run_top", "compute_view", "render", "parse_metrics", "fetch", "Scrape", "TopView",
-           "find_metrics_url", "listening_sockets", "metrics_url", "Keys", "DEFAULT_URL"]
+__all__ = [
+    "run_top",
+    "compute_view",
+    "render",
+    "parse_metrics",
+    "fetch",
+    "Scrape",
+    "TopView",
+    "find_metrics_url",
+    "listening_sockets",
+    "metrics_url",
+    "Keys",
+    "DEFAULT_URL",
+]

@@ -43,9 +43,14 @@ class NpyAppender:
         self._data_start = f.tell()
 
     def _write_header(self) -> None:
-        npy_format.write_array_header_1_0(self._f, {
-            "descr": npy_format.dtype_to_descr(self._dtype), "fortran_order": False,
-            "shape": (self.rows, *self._row_shape)})
+        npy_format.write_array_header_1_0(
+            self._f,
+            {
+                "descr": npy_format.dtype_to_descr(self._dtype),
+                "fortran_order": False,
+                "shape": (self.rows, *self._row_shape),
+            },
+        )
 
     def append(self, block: np.ndarray) -> None:
         block = np.ascontiguousarray(block, self._dtype)
@@ -66,12 +71,13 @@ def check_export_target(out_dir: str) -> None:
     """Raise ConfigError if exporting to ``out_dir`` would overwrite anything: checked before the
     sidecar is asked for a single record."""
     if os.path.lexists(out_dir) and not os.path.isdir(out_dir):
-        raise ConfigError(f"{out_dir} exists and is not a directory; give kalos export a new or "
-                          "empty directory")
+        raise ConfigError(f"{out_dir} exists and is not a directory; give kalos export a new or empty directory")
     present = [f for f in EXPORT_FILES if os.path.lexists(os.path.join(out_dir, f))]
     if present:
-        raise ConfigError(f"{out_dir} already holds {', '.join(present)}; kalos export never "
-                          "overwrites: give a new directory or remove them")
+        raise ConfigError(
+            f"{out_dir} already holds {', '.join(present)}; kalos export never "
+            "overwrites: give a new directory or remove them"
+        )
 
 
 class _ExportFiles:
@@ -127,8 +133,9 @@ class _ExportFiles:
                 pass
 
 
-def export_namespace(name: str, namespace: str, out_dir: str, *, timeout: float | None = None,
-                     progress: TextIO | None = None) -> int:
+def export_namespace(
+    name: str, namespace: str, out_dir: str, *, timeout: float | None = None, progress: TextIO | None = None
+) -> int:
     """Write every record of ``namespace`` to ``out_dir``; returns the number of records.
 
     ``timeout`` (seconds, None: no limit) bounds the whole export, connecting included. Refuses
@@ -203,8 +210,15 @@ def read_export(src: str) -> Export:
     return Export(ids, vectors, pl_path)
 
 
-def import_namespace(name: str, namespace: str, src: str, *, timeout: float | None = None,
-                     pool_size: int = 16, progress: TextIO | None = None) -> tuple[int, float]:
+def import_namespace(
+    name: str,
+    namespace: str,
+    src: str,
+    *,
+    timeout: float | None = None,
+    pool_size: int = 16,
+    progress: TextIO | None = None,
+) -> tuple[int, float]:
     """Bulk-upsert an export into ``namespace``; returns (records, seconds). Blocks of rows go
     through every slot of a pool at once; each block is acknowledged (durable) before the next.
     ``timeout`` (seconds, None: no limit) bounds the whole import, connecting included; progress
@@ -217,14 +231,16 @@ def import_namespace(name: str, namespace: str, src: str, *, timeout: float | No
         n = 0
         async with budget.pool(size=pool_size) as pool:
             if data.vectors.shape[1] != pool.layout.dim:
-                raise ConfigError(f"{src} holds vectors of dim {data.vectors.shape[1]}, broker "
-                                  f"{name!r} serves dim {pool.layout.dim}")
+                raise ConfigError(
+                    f"{src} holds vectors of dim {data.vectors.shape[1]}, broker {name!r} serves dim {pool.layout.dim}"
+                )
             blocks = data.payload_blocks(BLOCK_ROWS)
             with RowProgress(f"import {namespace!r}", len(data.ids), stream=progress) as shown:
                 for lo in range(0, len(data.ids), BLOCK_ROWS):
                     hi = min(len(data.ids), lo + BLOCK_ROWS)
-                    n += await pool.upsert(data.ids[lo:hi], np.asarray(data.vectors[lo:hi], np.float32),
-                                           next(blocks), namespace=namespace)
+                    n += await pool.upsert(
+                        data.ids[lo:hi], np.asarray(data.vectors[lo:hi], np.float32), next(blocks), namespace=namespace
+                    )
                     shown.advance(hi - lo)
         return n
 
@@ -233,5 +249,13 @@ def import_namespace(name: str, namespace: str, src: str, *, timeout: float | No
     return n, time.perf_counter() - t0
 
 
-__all__ = ["export_namespace", "import_namespace", "read_export", "check_export_target",
-           "NpyAppender", "Export", "EXPORT_FILES", "BLOCK_ROWS"]
+__all__ = [
+    "export_namespace",
+    "import_namespace",
+    "read_export",
+    "check_export_target",
+    "NpyAppender",
+    "Export",
+    "EXPORT_FILES",
+    "BLOCK_ROWS",
+]

@@ -17,8 +17,9 @@ PROG = "python -m kalos.sidecar_cuda"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Run a Kalos sidecar that owns the memory and "
-                                                       "serves recalls through shared memory.")
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Run a Kalos sidecar that owns the memory and serves recalls through shared memory."
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging (default: off)")
     add_serve_arguments(p)
     return p
@@ -26,8 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
     try:
         return run(config_from_args(args))
     except KalosError as e:

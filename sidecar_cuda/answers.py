@@ -42,8 +42,9 @@ class AnswerWriter:
     ``resp``: each slot's response semaphore; ``count_error``: called with the status of every
     answer that is not OK (the sidecar's error counters)."""
 
-    def __init__(self, seg: SegmentView, words: SlotWords, resp: Sequence[Poster],
-                 count_error: Callable[[int], None]) -> None:
+    def __init__(
+        self, seg: SegmentView, words: SlotWords, resp: Sequence[Poster], count_error: Callable[[int], None]
+    ) -> None:
         self.seg = seg
         self.layout: Layout = seg.layout
         self._words = words
@@ -51,8 +52,7 @@ class AnswerWriter:
         self._count_error = count_error
 
     # ------------------------------------------------------------------ 1. the answer
-    def answer(self, slot: int, generation: int, status: Status, detail: str = "",
-               n_results: int = 0) -> None:
+    def answer(self, slot: int, generation: int, status: Status, detail: str = "", n_results: int = 0) -> None:
         """A request's outcome without a blob of results: ``detail`` (UTF-8, cut to the blob area)
         is the blob of an error, empty for OK."""
         data = detail.encode()[: self.layout.blob_bytes]
@@ -86,9 +86,14 @@ class AnswerWriter:
         sv.ids[: len(ids)] = ids
         sv.queries[: len(ids)] = vectors
 
-
-    def answer_recalls(self, sel: np.ndarray, rec: np.ndarray, ids: np.ndarray,
-                       scores: np.ndarray, rows: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def answer_recalls(
+        self,
+        sel: np.ndarray,
+        rec: np.ndarray,
+        ids: np.ndarray,
+        scores: np.ndarray,
+        rows: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         """The OK answers of a UNIFORM batch in a fixed number of numpy calls: slots ``sel``, their
         control blocks ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query
         per slot, or the (slot, row) of each query in ``rows``."""
@@ -105,8 +110,7 @@ class AnswerWriter:
         slots["blob_len"][sel] = 0
         slots["resp_generation"][sel] = rec["generation"]
 
-    def _fields(self, slot: int, generation: int, status: Status, n_results: int,
-                blob_len: int) -> None:
+    def _fields(self, slot: int, generation: int, status: Status, n_results: int, blob_len: int) -> None:
         W = self._words
         W.u32[W.blob_len[slot]] = blob_len
         W.u32[W.status[slot]] = int(status)

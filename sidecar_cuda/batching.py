@@ -57,6 +57,7 @@ def posted_slots(states: np.ndarray) -> np.ndarray:
 
 # --------------------------------------------------------------------------- routes
 
+
 class Route(enum.Enum):
     SINGLE = "single"
     UNIFORM = "uniform"
@@ -104,8 +105,15 @@ class Plan(Generic[N]):
 
     __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where")
 
-    def __init__(self, route: Route, reason: str = "", namespace: N | None = None, k: int = 0,
-                 pipelined: bool = False, where: bytes | None = None) -> None:
+    def __init__(
+        self,
+        route: Route,
+        reason: str = "",
+        namespace: N | None = None,
+        k: int = 0,
+        pipelined: bool = False,
+        where: bytes | None = None,
+    ) -> None:
         self.route = route
         self.reason = reason
         self.namespace = namespace
@@ -114,12 +122,12 @@ class Plan(Generic[N]):
         self.where = where
 
     def __repr__(self) -> str:
-        return (f"Plan({self.route.name}, {self.reason!r}, k={self.k}"
-                f"{', pipelined' if self.pipelined else ''})")
+        return f"Plan({self.route.name}, {self.reason!r}, k={self.k}{', pipelined' if self.pipelined else ''})"
 
 
-def classify(batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N],
-             limits: Limits, blobs: Blobs | None = None) -> Plan[N]:
+def classify(
+    batch: SlotRef | np.ndarray, queries: np.ndarray, lookup: Lookup[N], limits: Limits, blobs: Blobs | None = None
+) -> Plan[N]:
     """The route of the requests taken in one pass.
 
     ``batch``: a :class:`SlotRef` (one request, no batch in flight: the SINGLE candidate), or the
@@ -178,16 +186,13 @@ def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limit
     if flags == _WHERE:  # a lone filtered recall: its filter bytes, parsed when not cached
         n = u32[W.blob_len[i]]
         if 0 < n <= ref.blob_bytes:
-            where = ref.mem[ref.blob_off:ref.blob_off + n]
+            where = ref.mem[ref.blob_off : ref.blob_off + n]
             flags = 0
-    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and flags == 0
-            and 1 <= k <= limits.k_limit):
-        return Plan(Route.GENERAL, _field_problem(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], k,
-                                                  limits.k_limit))
+    if not (u32[W.op[i]] == _RECALL and u32[W.nq[i]] == 1 and flags == 0 and 1 <= k <= limits.k_limit):
+        return Plan(Route.GENERAL, _field_problem(u32[W.op[i]], u32[W.nq[i]], u32[W.flags[i]], k, limits.k_limit))
     ns_len = u32[W.ns_len[i]]
     off = ref.ns_off
-    ns = lookup((ref.mem[off:off + (ns_len if ns_len < NAMESPACE_BYTES else NAMESPACE_BYTES)],
-                 ns_len))
+    ns = lookup((ref.mem[off : off + (ns_len if ns_len < NAMESPACE_BYTES else NAMESPACE_BYTES)], ns_len))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")
     if not math.isfinite(q.sum()) and not np.isfinite(q).all():  # (a finite sum may overflow)
@@ -198,20 +203,19 @@ def _classify_slot(ref: SlotRef, q: np.ndarray, lookup: Lookup[N], limits: Limit
 def _classify_record(r: np.void, q: np.ndarray, lookup: Lookup[N], limits: Limits) -> Plan[N]:
     """One request behind a batch in flight: its control block read with plain ints."""
     op, nq, flags, k = int(r["op"]), int(r["nq"]), int(r["flags"]), int(r["k"])
-    if not (op == _RECALL and 1 <= nq <= limits.max_queries and nq == len(q) and flags == 0
-            and 1 <= k <= limits.k_limit):
+    if not (
+        op == _RECALL and 1 <= nq <= limits.max_queries and nq == len(q) and flags == 0 and 1 <= k <= limits.k_limit
+    ):
         return Plan(Route.GENERAL, _field_problem(op, nq, flags, k, limits.k_limit, limits.max_queries))
     ns = lookup((bytes(r["namespace"]), int(r["ns_len"])))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")
     if not np.isfinite(q).all():
         return Plan(Route.GENERAL, "non-finite query")
-    return Plan(Route.UNIFORM, "a batch is in flight", ns, k,
-                pipelined(ns.n * nq * limits.dim, limits.min_work))
+    return Plan(Route.UNIFORM, "a batch is in flight", ns, k, pipelined(ns.n * nq * limits.dim, limits.min_work))
 
 
-def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits,
-                   blobs: Blobs | None) -> Plan[N]:
+def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Limits, blobs: Blobs | None) -> Plan[N]:
     k = rec["k"]
     ns_len = rec["ns_len"]
     flags = rec["flags"]
@@ -223,8 +227,13 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         flags = flags & ~np.uint32(_WHERE)
     # k and nq are unsigned: k - 1 wraps to a huge value for k = 0 (nq likewise).
     nq = rec["nq"]
-    if not ((rec["op"] == _RECALL) & (nq - 1 < limits.max_queries) & (flags == 0)
-            & (k - 1 < limits.k_limit) & (ns_len == ns_len[0])).all():
+    if not (
+        (rec["op"] == _RECALL)
+        & (nq - 1 < limits.max_queries)
+        & (flags == 0)
+        & (k - 1 < limits.k_limit)
+        & (ns_len == ns_len[0])
+    ).all():
         return Plan(Route.GENERAL, _batch_problem(rec, limits))
     if int(nq.sum()) != len(q):  # (the caller gathers every row only for nq in range)
         return Plan(Route.GENERAL, "query rows not gathered")
@@ -238,8 +247,9 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         return Plan(Route.GENERAL, "non-finite query")
     if where is not None:  # searched at once (the filter is evaluated then), never pipelined
         return Plan(Route.UNIFORM, "filtered requests, one filter", ns, int(k.max()), where=where)
-    return Plan(Route.UNIFORM, "several requests", ns, int(k.max()),
-                pipelined(ns.n * len(q) * limits.dim, limits.min_work))
+    return Plan(
+        Route.UNIFORM, "several requests", ns, int(k.max()), pipelined(ns.n * len(q) * limits.dim, limits.min_work)
+    )
 
 
 def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int, max_queries: int = 1) -> str:
@@ -269,6 +279,7 @@ def _batch_problem(rec: np.ndarray, limits: Limits) -> str:
 
 
 # --------------------------------------------------------------------------- the general route
+
 
 @dataclass(slots=True)
 class Request:
@@ -319,8 +330,7 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
     where_delete = op == Op.DELETE and f.flags & Flag.WHERE  # (its ids area is not read)
     if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT, Op.GET) and not where_delete:
         if not 1 <= nq <= layout.max_queries:
-            return Rejection(slot, Status.TOO_MANY_QUERIES,
-                             f"nq={nq} outside 1..{layout.max_queries}", gen)
+            return Rejection(slot, Status.TOO_MANY_QUERIES, f"nq={nq} outside 1..{layout.max_queries}", gen)
     if op == Op.RECALL:
         limit = min(layout.max_k, backend_max_k)
         if not 1 <= k <= limit:

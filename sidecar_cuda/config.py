@@ -87,8 +87,9 @@ class ServeConfig:
         self.fused_kernel = _option(FusedKernel, self.fused_kernel, "--fused-kernel")
 
     def layout(self) -> Layout:
-        lay = Layout(n_slots=self.slots, dim=self.dim, max_k=self.max_k,
-                     max_queries=self.max_queries, blob_bytes=self.blob_bytes)
+        lay = Layout(
+            n_slots=self.slots, dim=self.dim, max_k=self.max_k, max_queries=self.max_queries, blob_bytes=self.blob_bytes
+        )
         lay.check()
         return lay
 
@@ -157,8 +158,7 @@ class _EnvValue(str):
         return self
 
 
-def _converter(kind: Callable[[str], Any], what: str,
-               choices: Sequence[str] | None = None) -> Callable[[str], Any]:
+def _converter(kind: Callable[[str], Any], what: str, choices: Sequence[str] | None = None) -> Callable[[str], Any]:
     def convert(raw: str) -> Any:
         source = f"{raw.var}={str(raw)!r}" if isinstance(raw, _EnvValue) else repr(raw)
         try:
@@ -193,8 +193,13 @@ def _mark_given(namespace: argparse.Namespace, dest: str) -> None:
 class _Store(argparse.Action):
     """argparse's ``store``, remembering that the option was on the command line."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, values)
         _mark_given(namespace, self.dest)
 
@@ -205,8 +210,13 @@ class _EnvFlag(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, **kw)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, True)
         _mark_given(namespace, self.dest)
 
@@ -220,11 +230,20 @@ def shown_default(default: object) -> str:
     return str(default)
 
 
-def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
-                   kind: type[str | int | float] = str, choices: Sequence[str] | None = None,
-                   default: Any = None, shown: str | None = None, dest: str | None = None,
-                   switch: bool = False, environ: Mapping[str, str] | None = None,
-                   secret: bool = False) -> None:
+def add_env_option(
+    p: argparse.ArgumentParser,
+    flag: str,
+    *,
+    help: str,
+    kind: type[str | int | float] = str,
+    choices: Sequence[str] | None = None,
+    default: Any = None,
+    shown: str | None = None,
+    dest: str | None = None,
+    switch: bool = False,
+    environ: Mapping[str, str] | None = None,
+    secret: bool = False,
+) -> None:
     """Add ``flag`` to ``p``, defaulting to ``$KALOS_FLAG`` when that variable is set and not empty
     (``environ``, default ``os.environ``); the command line wins. The help text gets the default
     (``shown`` if given) and the variable. A variable that does not convert fails
@@ -235,16 +254,15 @@ def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
     raw = env.get(var, "")
     kw: dict[str, Any] = {
         "default": _EnvValue(raw, var) if raw else default,
-        "help": f"{help} (default: {shown if shown is not None else shown_default(default)}) "
-                f"[env {var}]"}
+        "help": f"{help} (default: {shown if shown is not None else shown_default(default)}) [env {var}]",
+    }
     if dest is not None:
         kw["dest"] = dest
     if choices is not None:
         kw["choices"] = choices
     what = {int: "an integer", float: "a number"}.get(kind, "a string")
     if switch:  # an on/off option without a value
-        action = p.add_argument(flag, action=_EnvFlag,
-                                type=_converter(_flag, "1/true/yes/on or 0/false/no/off"), **kw)
+        action = p.add_argument(flag, action=_EnvFlag, type=_converter(_flag, "1/true/yes/on or 0/false/no/off"), **kw)
     else:
         action = p.add_argument(flag, action=_Store, type=_converter(kind, what, choices), **kw)
     if raw:
@@ -256,12 +274,16 @@ def add_env_option(p: argparse.ArgumentParser, flag: str, *, help: str,
 def add_name_argument(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """``--name`` (``$KALOS_NAME``): the broker a command serves or talks to. Every ``kalos``
     command that takes a broker name adds it with this function."""
-    add_env_option(p, "--name", default="default", environ=environ,
-                   help="broker name scoping the shared objects (/dev/shm/kalos.NAME)")
+    add_env_option(
+        p,
+        "--name",
+        default="default",
+        environ=environ,
+        help="broker name scoping the shared objects (/dev/shm/kalos.NAME)",
+    )
 
 
-def add_serve_arguments(p: argparse.ArgumentParser,
-                        environ: Mapping[str, str] | None = None) -> None:
+def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """Add the options of a sidecar to ``p`` (defaults are those of :class:`ServeConfig`).
 
     Every option ``--opt-name`` defaults to ``$KALOS_OPT_NAME`` when that variable is set and not
@@ -276,65 +298,123 @@ def add_serve_arguments(p: argparse.ArgumentParser,
     opt("--dim", kind=int, default=128, help="vector dimension")
     opt("--slots", kind=int, default=64, help="shared-memory slots = max in-flight requests")
     opt("--max-k", kind=int, default=128, help="largest k a request may ask")
-    opt("--max-queries", kind=int, default=32,
-        help="rows per slot: queries of recall_many, vectors of one upsert chunk")
+    opt(
+        "--max-queries", kind=int, default=32, help="rows per slot: queries of recall_many, vectors of one upsert chunk"
+    )
     opt("--blob-bytes", kind=int, default=256 * 1024, help="per-slot payload area in bytes")
-    opt("--backend", choices=["auto", "numpy", "cuda"], default="auto",
-        help="auto: CUDA if CuPy and a GPU are usable, else numpy")
-    opt("--dtype", choices=["float32", "float16", "bfloat16"], default="float32",
-        help="storage dtype of the matrix on the GPU (numpy: float32 only)")
+    opt(
+        "--backend",
+        choices=["auto", "numpy", "cuda"],
+        default="auto",
+        help="auto: CUDA if CuPy and a GPU are usable, else numpy",
+    )
+    opt(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default="float32",
+        help="storage dtype of the matrix on the GPU (numpy: float32 only)",
+    )
     opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity")
-    opt("--devices", default="all",
-        help="GPUs the cuda backend spreads every namespace over: all (every visible one), or a "
-             "comma list such as 0,1")
+    opt(
+        "--devices",
+        default="all",
+        help="GPUs the cuda backend spreads every namespace over: all (every visible one), or a comma list such as 0,1",
+    )
     opt("--device", kind=int, default=None, help="one CUDA device ordinal (the same as --devices N)")
-    opt("--shards", kind=int, default=0,
-        help="shards per namespace: 0 = one per device (1 on numpy); more than the devices "
-             "places several on each")
-    opt("--data-dir", shown="none; one of --data-dir and --ephemeral is required",
+    opt(
+        "--shards",
+        kind=int,
+        default=0,
+        help="shards per namespace: 0 = one per device (1 on numpy); more than the devices places several on each",
+    )
+    opt(
+        "--data-dir",
+        shown="none; one of --data-dir and --ephemeral is required",
         help="durable store directory (SQLite, WAL; created 0700 if missing, must belong to "
-             "this user); restarts keep acknowledged writes")
-    opt("--ephemeral", default=False, switch=True,
-        help="keep memories in memory only; conflicts with --data-dir (env: 1/true/yes/on)")
-    opt("--store", shown="none", secret=True,
+        "this user); restarts keep acknowledged writes",
+    )
+    opt(
+        "--ephemeral",
+        default=False,
+        switch=True,
+        help="keep memories in memory only; conflicts with --data-dir (env: 1/true/yes/on)",
+    )
+    opt(
+        "--store",
+        shown="none",
+        secret=True,
         help="a fleet's shared store, postgresql://USER@HOST:PORT/DB?sslmode=...: every "
-             "sidecar on it keeps a replica that follows it (docs/deploy.md, \"Several "
-             "nodes\"); give the password through PGPASSWORD or PGPASSFILE, or set the "
-             "whole URI in the environment (KALOS_STORE), so it is not in `ps`")
-    opt("--store-retention", kind=float, default=600.0,
+        'sidecar on it keeps a replica that follows it (docs/deploy.md, "Several '
+        'nodes"); give the password through PGPASSWORD or PGPASSFILE, or set the '
+        "whole URI in the environment (KALOS_STORE), so it is not in `ps`",
+    )
+    opt(
+        "--store-retention",
+        kind=float,
+        default=600.0,
         help="--store: seconds a silent follower keeps the change log from being pruned; one "
-             "away longer reloads everything when it comes back")
+        "away longer reloads everything when it comes back",
+    )
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload")
-    opt("--spin-us", kind=float, default=250.0,
-        help="after a batch, poll the slots this long before sleeping on the doorbell")
-    opt("--gather-us", kind=float, default=1000.0,
+    opt(
+        "--spin-us",
+        kind=float,
+        default=250.0,
+        help="after a batch, poll the slots this long before sleeping on the doorbell",
+    )
+    opt(
+        "--gather-us",
+        kind=float,
+        default=1000.0,
         help="when fewer requests are posted than the last batch held, wait up to a quarter "
-             "of that batch's service time, at most this long, for the rest (0: off)")
-    opt("--pipeline", choices=[p.value for p in Pipelining], default="auto",
+        "of that batch's service time, at most this long, for the rest (0: off)",
+    )
+    opt(
+        "--pipeline",
+        choices=[p.value for p in Pipelining],
+        default="auto",
         help="start the next recall batch on the device while one runs: on, off, or auto "
-             "(only for batches of at least 2^34 rows x queries x dim)")
-    opt("--host-search-work", kind=int, default=None, shown="131072, measured on an H200 host",
+        "(only for batches of at least 2^34 rows x queries x dim)",
+    )
+    opt(
+        "--host-search-work",
+        kind=int,
+        default=None,
+        shown="131072, measured on an H200 host",
         help="cuda backend: a search of at most this many rows x queries x padded dim is scored "
-             "on the sidecar's CPU from a host copy of the rows, as a GPU launch would cost more "
-             "(0: always on the GPU)")
-    opt("--fused-kernel", default="auto",
+        "on the sidecar's CPU from a host copy of the rows, as a GPU launch would cost more "
+        "(0: always on the GPU)",
+    )
+    opt(
+        "--fused-kernel",
+        default="auto",
         help="cuda backend: auto searches with the fused wgmma kernel (Hopper GPUs, float16 "
-             "storage) where it was measured to beat the GEMM paths, off never")
+        "storage) where it was measured to beat the GEMM paths, off never",
+    )
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
-    opt("--random-payloads", default=False, switch=True,
-        help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of '
-             'filtered recall)')
+    opt(
+        "--random-payloads",
+        default=False,
+        switch=True,
+        help='give each --random-rows row the payload {"bucket": id %% 1000} (benchmarks of filtered recall)',
+    )
     opt("--seed", kind=int, default=0, help="seed of --random-rows")
     opt("--load", help="fill namespace 'default' from an (n, dim) .npy file (ephemeral only)")
     opt("--metrics-host", default="127.0.0.1", help="address of /metrics, /healthz, /readyz")
     opt("--metrics-port", kind=int, default=-1, help="port of the HTTP endpoint (-1: off)")
-    opt("--shm-mode", choices=["0600", "0660"], default="0600",
+    opt(
+        "--shm-mode",
+        choices=["0600", "0660"],
+        default="0600",
         help="mode of the shared objects: 0600 (clients run as this user) or 0660 (clients "
-             "in this user's group, for a dedicated sidecar user; they pass sidecar_uid=)")
+        "in this user's group, for a dedicated sidecar user; they pass sidecar_uid=)",
+    )
     if p.epilog is None:
-        p.epilog = (f"Every option --opt-name may be set by the environment variable "
-                    f"{ENV_PREFIX}OPT_NAME (e.g. {ENV_PREFIX}DIM=768, {ENV_PREFIX}DATA_DIR=/var/lib/kalos, "
-                    f"{ENV_PREFIX}EPHEMERAL=1); the command line wins; an empty variable is unset.")
+        p.epilog = (
+            f"Every option --opt-name may be set by the environment variable "
+            f"{ENV_PREFIX}OPT_NAME (e.g. {ENV_PREFIX}DIM=768, {ENV_PREFIX}DATA_DIR=/var/lib/kalos, "
+            f"{ENV_PREFIX}EPHEMERAL=1); the command line wins; an empty variable is unset."
+        )
 
 
 def config_from_args(a: argparse.Namespace) -> ServeConfig:
@@ -344,12 +424,16 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
     given, from the command line or the environment: where the memories live is never a default,
     and a stray ``KALOS_EPHEMERAL`` must not make a durable sidecar forget everything at its next
     restart. A ``--store`` value is never echoed: it may hold a password."""
-    given = [(name, f"{flag} (from {origin(a, name)})") for name, flag in
-             (("ephemeral", "--ephemeral"), ("data_dir", f"--data-dir {a.data_dir}"), ("store", "--store"))
-             if (getattr(a, name) if name == "ephemeral" else getattr(a, name) is not None)]
+    given = [
+        (name, f"{flag} (from {origin(a, name)})")
+        for name, flag in (("ephemeral", "--ephemeral"), ("data_dir", f"--data-dir {a.data_dir}"), ("store", "--store"))
+        if (getattr(a, name) if name == "ephemeral" else getattr(a, name) is not None)
+    ]
     if not given:
-        raise ConfigError("give --data-dir DIR (durable), --store postgresql://... (a fleet's "
-                          "shared store) or --ephemeral (memory only)")
+        raise ConfigError(
+            "give --data-dir DIR (durable), --store postgresql://... (a fleet's "
+            "shared store) or --ephemeral (memory only)"
+        )
     if len(given) > 1:
         raise ConfigError(" conflicts with ".join(g for _, g in given) + ": give one of them")
     if a.store is not None and not str(a.store).startswith(("postgresql://", "postgres://")):
@@ -357,13 +441,31 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
     if a.host_search_work is not None and a.host_search_work < 0:
         raise ConfigError(f"--host-search-work must be >= 0, got {a.host_search_work}")
     return ServeConfig(
-        name=a.name, dim=a.dim, slots=a.slots, max_k=a.max_k, max_queries=a.max_queries,
-        blob_bytes=a.blob_bytes, payload_limit=a.payload_limit, backend=a.backend,
-        storage_dtype=a.dtype, metric=a.metric,
-        devices=a.devices if a.device is None else str(a.device), shards=a.shards,
-        data_dir=a.data_dir, spin_us=a.spin_us, gather_us=a.gather_us,
-        pipeline=a.pipeline, host_search_work=a.host_search_work,
-        fused_kernel=a.fused_kernel, random_rows=a.random_rows, random_payloads=a.random_payloads,
-        seed=a.seed, load_npy=a.load, metrics_host=a.metrics_host,
-        metrics_port=None if a.metrics_port < 0 else a.metrics_port, shm_mode=int(a.shm_mode, 8),
-        store=None if a.store is None else str(a.store), store_retention_s=a.store_retention)
+        name=a.name,
+        dim=a.dim,
+        slots=a.slots,
+        max_k=a.max_k,
+        max_queries=a.max_queries,
+        blob_bytes=a.blob_bytes,
+        payload_limit=a.payload_limit,
+        backend=a.backend,
+        storage_dtype=a.dtype,
+        metric=a.metric,
+        devices=a.devices if a.device is None else str(a.device),
+        shards=a.shards,
+        data_dir=a.data_dir,
+        spin_us=a.spin_us,
+        gather_us=a.gather_us,
+        pipeline=a.pipeline,
+        host_search_work=a.host_search_work,
+        fused_kernel=a.fused_kernel,
+        random_rows=a.random_rows,
+        random_payloads=a.random_payloads,
+        seed=a.seed,
+        load_npy=a.load,
+        metrics_host=a.metrics_host,
+        metrics_port=None if a.metrics_port < 0 else a.metrics_port,
+        shm_mode=int(a.shm_mode, 8),
+        store=None if a.store is None else str(a.store),
+        store_retention_s=a.store_retention,
+    )

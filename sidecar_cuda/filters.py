@@ -31,7 +31,11 @@ from ..broker.validation import WhereNode
 MISSING = -1
 OTHER = -2
 _CMP: dict[str, Callable[[Any, Any], Any]] = {
-    "gt": operator.gt, "gte": operator.ge, "lt": operator.lt, "lte": operator.le}
+    "gt": operator.gt,
+    "gte": operator.ge,
+    "lt": operator.lt,
+    "lte": operator.le,
+}
 
 
 def value_key(v: Any) -> tuple[str, Any] | None:

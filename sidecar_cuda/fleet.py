@@ -38,13 +38,27 @@ from prometheus_client.registry import Collector
 from ..broker.errors import ConfigError
 from ..broker.layout import Metric as MetricKind
 from ..broker.positions import ORIGIN, Position
+from .backends.base import Backend
+from .persist import StoreError
 from .pgstore import (
-    CHANNEL, Change, Conn, StoreUnavailable, Target, connect, ensure_schema, fetch_changes,
-    heartbeat, lock_for_write, notify, pg_errors, prune, pruned_through, scrub, snapshot,
+    CHANNEL,
+    Change,
+    Conn,
+    StoreUnavailable,
+    Target,
+    connect,
+    ensure_schema,
+    fetch_changes,
+    heartbeat,
+    lock_for_write,
+    notify,
+    pg_errors,
+    prune,
+    pruned_through,
+    scrub,
+    snapshot,
     write_change,
 )
-from .persist import StoreError
-from .backends.base import Backend
 from .store import MemoryStore, Namespace
 from .writes import Write, apply_write
 
@@ -112,8 +126,16 @@ class FleetStore:
     """The :class:`~kalos.sidecar_cuda.persist.Durable` of a fleet sidecar, and its replica state:
     ``applied`` is the position up to which this sidecar's memory holds the log."""
 
-    def __init__(self, target: Target, *, name: str, dim: int, metric: MetricKind,
-                 backend: Backend, options: FleetOptions | None = None) -> None:
+    def __init__(
+        self,
+        target: Target,
+        *,
+        name: str,
+        dim: int,
+        metric: MetricKind,
+        backend: Backend,
+        options: FleetOptions | None = None,
+    ) -> None:
         self.target = target
         self.backend = backend  # a background reload builds its store on it
         self.dim = dim
@@ -146,8 +168,9 @@ class FleetStore:
             try:
                 rows, cursor = bootstrap(conn, self.member, store, self.dim)
             except ValueError as e:
-                raise ConfigError(f"PostgreSQL store {self.target.shown} holds a record no "
-                                  f"sidecar wrote: {e}; nothing was changed") from None
+                raise ConfigError(
+                    f"PostgreSQL store {self.target.shown} holds a record no sidecar wrote: {e}; nothing was changed"
+                ) from None
             finally:
                 conn.close()
         self.applied = cursor
@@ -178,8 +201,9 @@ class FleetStore:
         except (psycopg.Error, _NotStarted) as e:
             self._writer_broken()
             cause = e.__cause__ if isinstance(e, _NotStarted) else e
-            raise StoreError(scrub(f"PostgreSQL store {self.target.shown}: {str(cause).strip()}",
-                                   self.target)) from None
+            raise StoreError(
+                scrub(f"PostgreSQL store {self.target.shown}: {str(cause).strip()}", self.target)
+            ) from None
         except ValueError as e:  # a change no sidecar wrote: apply nothing more from it
             raise StoreError(f"PostgreSQL store {self.target.shown}: {e}") from None
         self._writer_failures = 0
@@ -228,8 +252,10 @@ class FleetStore:
             return self._writer
         now = time.monotonic()
         if now < self._writer_retry_at:
-            raise StoreError(f"PostgreSQL store {self.target.shown} unreachable "
-                             f"({self.stats.reason}); next attempt in {self._writer_retry_at - now:.1f} s")
+            raise StoreError(
+                f"PostgreSQL store {self.target.shown} unreachable "
+                f"({self.stats.reason}); next attempt in {self._writer_retry_at - now:.1f} s"
+            )
         try:
             with pg_errors(self.target, "cannot connect to the PostgreSQL store"):
                 self._writer = connect(self.target, self._app, autocommit=False, connect_timeout=2)
@@ -249,8 +275,7 @@ class FleetStore:
     def _writer_broken(self) -> None:
         self._drop_writer()
         self._writer_failures += 1
-        self._writer_retry_at = time.monotonic() + backoff_s(self._writer_failures,
-                                                              self.options.backoff_max_s)
+        self._writer_retry_at = time.monotonic() + backoff_s(self._writer_failures, self.options.backoff_max_s)
 
     def has_work(self) -> bool:
         """Followed changes or a reload wait to be applied (checked every pass: cheap)."""
@@ -272,7 +297,7 @@ class FleetStore:
         done = 0
         while self.incoming and done < APPLY_PER_PASS:
             batch = self.incoming[0]
-            take, rest = batch[: APPLY_PER_PASS - done], batch[APPLY_PER_PASS - done:]
+            take, rest = batch[: APPLY_PER_PASS - done], batch[APPLY_PER_PASS - done :]
             if rest:
                 self.incoming[0] = rest
             else:
@@ -302,8 +327,10 @@ class FleetStore:
         if s.connected:
             return None
         since = "" if s.down_since is None else f" for {time.time() - s.down_since:.1f} s"
-        return (f"degraded: PostgreSQL store {self.target.shown} unreachable{since} ({s.reason}); "
-                f"serving recalls from the local copy, applied up to {self.applied}")
+        return (
+            f"degraded: PostgreSQL store {self.target.shown} unreachable{since} ({s.reason}); "
+            f"serving recalls from the local copy, applied up to {self.applied}"
+        )
 
     def close(self) -> None:
         if self.follower is not None:
@@ -316,8 +343,7 @@ class FleetStore:
             self._writer = None
 
 
-def bootstrap(conn: Conn, member: str, store: MemoryStore,
-              dim: int) -> tuple[int, Position]:
+def bootstrap(conn: Conn, member: str, store: MemoryStore, dim: int) -> tuple[int, Position]:
     """Register ``member`` at the log's current start (so nothing it needs is pruned meanwhile),
     load one snapshot into ``store``, and return (rows, the cursor to follow from). Retries if
     the log was pruned past the snapshot's cursor before it registered. Raises psycopg.Error,
@@ -369,8 +395,9 @@ class Follower(threading.Thread):
                     try:
                         conn.execute(f"LISTEN {CHANNEL}")
                         if f.stats.down_since is not None:
-                            log.info("PostgreSQL store %s reachable again: catching up from %s",
-                                     f.target.shown, f.applied)
+                            log.info(
+                                "PostgreSQL store %s reachable again: catching up from %s", f.target.shown, f.applied
+                            )
                         f.stats.connected, f.stats.down_since = True, None
                         failures = 0
                         self._follow(conn)
@@ -440,8 +467,11 @@ class Follower(threading.Thread):
         """The log no longer holds what comes after ``cursor``: load a fresh snapshot into a new
         store in the background; the serving thread swaps it in at once when it is complete."""
         f = self.fleet
-        log.warning("the change log was pruned past this replica's position %s (it was away "
-                    "longer than the retention): reloading in the background", cursor)
+        log.warning(
+            "the change log was pruned past this replica's position %s (it was away "
+            "longer than the retention): reloading in the background",
+            cursor,
+        )
 
         def reload() -> None:
             try:
@@ -475,29 +505,32 @@ class FleetCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         f = self.fleet
         s = f.stats
-        h = HistogramMetricFamily("kalos_replication_lag_seconds",
-                                  "Commit of a change in PostgreSQL (its clock) -> applied here.")
+        h = HistogramMetricFamily(
+            "kalos_replication_lag_seconds", "Commit of a change in PostgreSQL (its clock) -> applied here."
+        )
         cum = np.cumsum(s.lag_buckets).tolist()
         buckets = [(repr(b), float(c)) for b, c in zip(LAG_BOUNDS_S, cum)] + [("+Inf", float(cum[-1]))]
         h.add_metric([], buckets, s.lag_sum)
         yield h
-        pos = GaugeMetricFamily("kalos_replication_position",
-                                "Position of the change log applied here (part: xid, seq).",
-                                labels=["part"])
+        pos = GaugeMetricFamily(
+            "kalos_replication_position", "Position of the change log applied here (part: xid, seq).", labels=["part"]
+        )
         pos.add_metric(["xid"], f.applied.xid)
         pos.add_metric(["seq"], f.applied.seq)
         yield pos
-        yield GaugeMetricFamily("kalos_replication_connected",
-                                "1 while the follower is connected to PostgreSQL.",
-                                value=1.0 if s.connected else 0.0)
-        yield GaugeMetricFamily("kalos_replication_staleness_seconds",
-                                "Seconds since the follower last found nothing newer to read "
-                                "(grows while PostgreSQL is unreachable).",
-                                value=max(0.0, time.time() - s.caught_up_at))
+        yield GaugeMetricFamily(
+            "kalos_replication_connected",
+            "1 while the follower is connected to PostgreSQL.",
+            value=1.0 if s.connected else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "kalos_replication_staleness_seconds",
+            "Seconds since the follower last found nothing newer to read (grows while PostgreSQL is unreachable).",
+            value=max(0.0, time.time() - s.caught_up_at),
+        )
         c = CounterMetricFamily("kalos_replication_changes", "Changes of other writers applied here.")
         c.add_metric([], s.applied)
         yield c
-        r = CounterMetricFamily("kalos_replication_reloads",
-                                "Full reloads after the log was pruned past this replica.")
+        r = CounterMetricFamily("kalos_replication_reloads", "Full reloads after the log was pruned past this replica.")
         r.add_metric([], s.reloads)
         yield r

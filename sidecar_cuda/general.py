@@ -14,16 +14,23 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
-from ..broker.layout import Flag, Op, SegmentView, Status
 from ..broker.errors import InvalidRequest
+from ..broker.layout import Flag, Op, SegmentView, Status
 from ..broker.positions import ORIGIN
 from ..broker.validation import WhereNode, decode_where, payload_problem
 from .answers import AnswerWriter
 from .batching import (
-    Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, write_segments,
+    Rejection,
+    Request,
+    SlotFields,
+    pack_offsets,
+    parse_request,
+    plan_batch,
+    write_segments,
 )
 from .persist import Durable, StoreError
 from .store import MemoryStore, Namespace
@@ -38,9 +45,18 @@ class GeneralRoute:
     ``staging``: room for every query of a batch (only used while no batch is in flight);
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
-    def __init__(self, seg: SegmentView, writer: AnswerWriter, store: MemoryStore,
-                 persist: Durable | None, staging: np.ndarray, *, backend_max_k: int,
-                 payload_limit: int, on_unexpected: Callable[[str, BaseException], None]) -> None:
+    def __init__(
+        self,
+        seg: SegmentView,
+        writer: AnswerWriter,
+        store: MemoryStore,
+        persist: Durable | None,
+        staging: np.ndarray,
+        *,
+        backend_max_k: int,
+        payload_limit: int,
+        on_unexpected: Callable[[str, BaseException], None],
+    ) -> None:
         self.seg = seg
         self.layout = seg.layout
         self.writer = writer
@@ -56,10 +72,17 @@ class GeneralRoute:
         into ``rec`` when they were taken."""
         reqs: list[Request] = []
         for i, r in zip(taken, rec):
-            f = SlotFields(op=int(r["op"]), k=int(r["k"]), nq=int(r["nq"]), flags=int(r["flags"]),
-                           blob_len=int(r["blob_len"]), ns_len=int(r["ns_len"]),
-                           namespace=bytes(r["namespace"]), generation=int(r["generation"]),
-                           t_post_ns=int(r["t_post_ns"]))
+            f = SlotFields(
+                op=int(r["op"]),
+                k=int(r["k"]),
+                nq=int(r["nq"]),
+                flags=int(r["flags"]),
+                blob_len=int(r["blob_len"]),
+                ns_len=int(r["ns_len"]),
+                namespace=bytes(r["namespace"]),
+                generation=int(r["generation"]),
+                t_post_ns=int(r["t_post_ns"]),
+            )
             p = parse_request(i, f, self.layout, self._backend_max_k)
             if isinstance(p, Rejection):
                 self._answer(p, p.status, p.detail)
@@ -67,17 +90,17 @@ class GeneralRoute:
                 reqs.append(p)
         plan = plan_batch(reqs)
         for segment in write_segments(plan.writes) if plan.writes else []:
-            self._guarded(segment, lambda: self._serve_writes(segment))
+            self._guarded(segment, partial(self._serve_writes, segment))
         for ns, group in plan.recalls.items():
-            self._guarded(group, lambda: self._serve_recalls(ns, group))
+            self._guarded(group, partial(self._serve_recalls, ns, group))
         filtered: dict[tuple[str, bytes], list[Request]] = {}
         for r in plan.others:
             if r.op == Op.RECALL:  # a filtered recall: grouped with those of the same filter
                 filtered.setdefault((r.namespace, self._blob(r)), []).append(r)
             else:
-                self._guarded([r], lambda: self._serve_other(r))
+                self._guarded([r], partial(self._serve_other, r))
         for (ns, blob), group in filtered.items():
-            self._guarded(group, lambda: self._serve_filtered(ns, blob, group))
+            self._guarded(group, partial(self._serve_filtered, ns, blob, group))
 
     def _guarded(self, group: list[Request], serve: Callable[[], None]) -> None:
         """Serve a group of requests; an unexpected error answers the whole group SERVER_ERROR
@@ -87,12 +110,13 @@ class GeneralRoute:
         except Exception as e:
             self._on_unexpected(f"serving {len(group)} request(s) failed", e)
             for r in group:
-                self._answer(r, Status.SERVER_ERROR,
-                             f"the sidecar failed serving this request ({type(e).__name__}); "
-                             "it was logged")
+                self._answer(
+                    r,
+                    Status.SERVER_ERROR,
+                    f"the sidecar failed serving this request ({type(e).__name__}); it was logged",
+                )
 
-    def _answer(self, r: Request | Rejection, status: Status, detail: str = "",
-                n_results: int = 0) -> None:
+    def _answer(self, r: Request | Rejection, status: Status, detail: str = "", n_results: int = 0) -> None:
         self.writer.answer(r.slot, r.generation, status, detail, n_results)
 
     # ------------------------------------------------------------------ recalls
@@ -126,12 +150,12 @@ class GeneralRoute:
         offs = pack_offsets([r.nq for r in group]).tolist()
         q = self._staging[: offs[-1]]
         for r, o in zip(group, offs):
-            q[o:o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
+            q[o : o + r.nq] = self.seg.slot[r.slot].queries[: r.nq]
         if np.isfinite(q).all():
             return group, q, offs
         good = []
         for r, o in zip(group, offs):
-            if np.isfinite(q[o:o + r.nq]).all():
+            if np.isfinite(q[o : o + r.nq]).all():
                 good.append(r)
             else:
                 self._answer(r, Status.NOT_FINITE, "query contains NaN or infinity")
@@ -142,13 +166,14 @@ class GeneralRoute:
         for r in group:
             self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
 
-    def _answer_group(self, group: list[Request], offs: list[int], ns: Namespace,
-                      ids: np.ndarray, scores: np.ndarray) -> None:
+    def _answer_group(
+        self, group: list[Request], offs: list[int], ns: Namespace, ids: np.ndarray, scores: np.ndarray
+    ) -> None:
         """Each request's share of a group's hits (its rows, cut to its own k)."""
         kk = ids.shape[1]
         for r, o in zip(group, offs):
             kr = min(r.k, kk)
-            self._answer_hits(r, ns, ids[o:o + r.nq, :kr], scores[o:o + r.nq, :kr])
+            self._answer_hits(r, ns, ids[o : o + r.nq, :kr], scores[o : o + r.nq, :kr])
 
     def _answer_hits(self, r: Request, ns: Namespace, hit_ids: np.ndarray, scores: np.ndarray) -> None:
         """A recall's OK answer: hits (nq, kr), and their payloads if asked for."""
@@ -157,9 +182,12 @@ class GeneralRoute:
         if r.flags & Flag.WITH_PAYLOAD:
             blob = b"\n".join(ns.payloads.get(i, b"null") for i in hit_ids.ravel().tolist())
             if len(blob) > self.layout.blob_bytes:
-                self._answer(r, Status.PAYLOAD_TOO_LARGE,
-                             f"payloads of the hits take {len(blob)} bytes, the slot holds "
-                             f"{self.layout.blob_bytes}; lower k or raise --blob-bytes")
+                self._answer(
+                    r,
+                    Status.PAYLOAD_TOO_LARGE,
+                    f"payloads of the hits take {len(blob)} bytes, the slot holds "
+                    f"{self.layout.blob_bytes}; lower k or raise --blob-bytes",
+                )
                 return
             self.writer.answer_blob(r.slot, r.generation, kr, blob)
             return
@@ -240,8 +268,10 @@ class GeneralRoute:
             payloads = []
             for line in lines:
                 if len(line) > self._payload_limit:
-                    return (Status.PAYLOAD_TOO_LARGE,
-                            f"a payload of {len(line)} bytes exceeds the limit of {self._payload_limit}")
+                    return (
+                        Status.PAYLOAD_TOO_LARGE,
+                        f"a payload of {len(line)} bytes exceeds the limit of {self._payload_limit}",
+                    )
                 problem = payload_problem(line)
                 if problem is not None:
                     return (Status.BAD_REQUEST, problem)
@@ -320,8 +350,9 @@ class GeneralRoute:
             if ns is None:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
-            ids, vecs, pls = ns.export_page(int(self.seg.slot[r.slot].ids[0]), r.nq,
-                                            None if node is None else ns.filtered(node, self._blob(r)).mask)
+            ids, vecs, pls = ns.export_page(
+                int(self.seg.slot[r.slot].ids[0]), r.nq, None if node is None else ns.filtered(node, self._blob(r)).mask
+            )
             blob = b"\n".join(pls)
             while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
                 ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
@@ -357,9 +388,12 @@ class GeneralRoute:
         ids, vecs, pls = ns.get(asked)
         blob = b"\n".join(pls)
         if len(blob) > self.layout.blob_bytes:
-            self._answer(r, Status.PAYLOAD_TOO_LARGE,
-                         f"payloads of the records take {len(blob)} bytes, the slot holds "
-                         f"{self.layout.blob_bytes}; ask for fewer ids or raise --blob-bytes")
+            self._answer(
+                r,
+                Status.PAYLOAD_TOO_LARGE,
+                f"payloads of the records take {len(blob)} bytes, the slot holds "
+                f"{self.layout.blob_bytes}; ask for fewer ids or raise --blob-bytes",
+            )
             return
         self.writer.rows(r.slot, ids, vecs)
         self.writer.answer_blob(r.slot, r.generation, len(ids), blob)

@@ -60,9 +60,14 @@ def needs_reaping(owner_pid: int, state: int, lease_held: bool) -> bool:
     return not lease_held
 
 
-def reap_dead_owners(slots: np.ndarray, lock_fd: int, req: Sequence[Drainable],
-                     resp: Sequence[Drainable], skip: Collection[int],
-                     held: Callable[[int], bool]) -> Reap:
+def reap_dead_owners(
+    slots: np.ndarray,
+    lock_fd: int,
+    req: Sequence[Drainable],
+    resp: Sequence[Drainable],
+    skip: Collection[int],
+    held: Callable[[int], bool],
+) -> Reap:
     """Free the slots whose owner is dead (or abandoned them), and slots left in a state other
     than FREE without an owner: drain both semaphores, then state FREE and the lease cleared.
     ``slots``: the control blocks (``SegmentView.slots``); ``lock_fd``: the segment's descriptor
@@ -73,8 +78,11 @@ def reap_dead_owners(slots: np.ndarray, lock_fd: int, req: Sequence[Drainable],
     suspects = np.flatnonzero((slots["owner_pid"] != 0) | (slots["state"] != S_FREE))
     # A first look without the lock: slots of live owners (nearly always all of them) need
     # nothing, so the claim lock is tried only when there is something to free.
-    candidates = [i for i in suspects.tolist() if i not in skip and needs_reaping(
-        int(slots[i]["owner_pid"]), int(slots[i]["state"]), held(i))]
+    candidates = [
+        i
+        for i in suspects.tolist()
+        if i not in skip and needs_reaping(int(slots[i]["owner_pid"]), int(slots[i]["state"]), held(i))
+    ]
     if not candidates:
         return Reap(ReapOutcome.IDLE)
     if not try_claim_lock(lock_fd):

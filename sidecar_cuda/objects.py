@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import posix_ipc
 
+from ..broker import leases
 from ..broker.errors import ConfigError
 from ..broker.layout import MAGIC_U64, Layout, SidecarState, peek_header
-from ..broker import leases
 from ..broker.names import bell_name, leases_path, req_name, resp_name, shm_name
 from ..broker.owners import owner_problem, sem_path, shm_path
 from ..broker.procs import pid_alive
@@ -69,9 +69,9 @@ def leftover_names(name: str) -> list[str]:
     prefix = f"sem.kalos.{name}."
     for e in entries:
         if e.startswith(prefix):
-            rest = e[len(prefix):]
+            rest = e[len(prefix) :]
             if rest == "bell" or (rest.endswith((".req", ".resp")) and rest.split(".")[0].isdigit()):
-                found.append("/" + e[len("sem."):])
+                found.append("/" + e[len("sem.") :])
     return sorted(found)
 
 
@@ -103,7 +103,8 @@ def _refuse_foreign(name: str, doing: str) -> None:
         raise ConfigError(
             f"cannot {doing} broker {name!r}: its objects are not ours: {'; '.join(foreign[:3])}"
             f"{more}. Kalos never serves over or removes objects it does not own. Have their owner "
-            f"run `kalos cleanup {name}` (or remove them as root), or choose another --name")
+            f"run `kalos cleanup {name}` (or remove them as root), or choose another --name"
+        )
 
 
 def live_sidecar(name: str) -> int | None:
@@ -163,8 +164,9 @@ def create(name: str, layout: Layout, mode: int = MODE) -> Objects:
         owner = _leftover_owner(name)
         pid = owner[0] if owner else 0
         removed = cleanup(name, force=True)
-        log.warning("removed %d objects left by a dead sidecar (pid %s) of broker %r",
-                    len(removed), pid or "unknown", name)
+        log.warning(
+            "removed %d objects left by a dead sidecar (pid %s) of broker %r", len(removed), pid or "unknown", name
+        )
     made: list[str] = []
     try:
         shm = posix_ipc.SharedMemory(shm_name(name), posix_ipc.O_CREX, mode=mode, size=layout.total_bytes)

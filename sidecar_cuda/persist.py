@@ -19,7 +19,6 @@ import pwd
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -94,18 +93,23 @@ def prepare_data_dir(data_dir: str) -> None:
     owner (a store in a directory someone else controls can be swapped under the sidecar, so
     root is refused one too), or the OS error of creating it."""
     if os.path.exists(data_dir) and not os.path.isdir(data_dir):
-        raise ConfigError(f"data dir {data_dir} exists and is not a directory; give --data-dir a "
-                          "directory (it is created if missing)")
+        raise ConfigError(
+            f"data dir {data_dir} exists and is not a directory; give --data-dir a directory (it is created if missing)"
+        )
     try:
         os.makedirs(data_dir, mode=0o700, exist_ok=True)
         owner = os.stat(data_dir).st_uid
     except OSError as e:
-        raise ConfigError(f"cannot create data dir {data_dir}: {e.strerror}"
-                          f"{'' if e.filename in (None, data_dir) else f' ({e.filename})'}") from None
+        raise ConfigError(
+            f"cannot create data dir {data_dir}: {e.strerror}"
+            f"{'' if e.filename in (None, data_dir) else f' ({e.filename})'}"
+        ) from None
     me = os.geteuid()
     if owner != me:
-        raise ConfigError(f"data dir {data_dir} is owned by uid {owner} ({_user(owner)}) but the "
-                          f"sidecar runs as uid {me} ({_user(me)}); chown it or pick another dir")
+        raise ConfigError(
+            f"data dir {data_dir} is owned by uid {owner} ({_user(owner)}) but the "
+            f"sidecar runs as uid {me} ({_user(me)}); chown it or pick another dir"
+        )
 
 
 def make_private(data_dir: str, db_path: str) -> None:
@@ -142,12 +146,15 @@ class Persistence:
             self.db.execute("PRAGMA busy_timeout=5000")
             ok = self.db.execute("PRAGMA quick_check").fetchone()[0]
             if ok != "ok":
-                raise ConfigError(f"store {self.path} is corrupt ({ok}); nothing was changed. "
-                                  "Restore it from a backup or start with another --data-dir")
+                raise ConfigError(
+                    f"store {self.path} is corrupt ({ok}); nothing was changed. "
+                    "Restore it from a backup or start with another --data-dir"
+                )
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS records (ns TEXT NOT NULL, id INTEGER NOT NULL, "
-                "vec BLOB NOT NULL, payload BLOB, PRIMARY KEY (ns, id)) WITHOUT ROWID")
+                "vec BLOB NOT NULL, payload BLOB, PRIMARY KEY (ns, id)) WITHOUT ROWID"
+            )
             self._check_meta(dim, metric)
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"cannot open store {self.path}: {e}; nothing was changed") from None
@@ -163,8 +170,10 @@ class Persistence:
             return
         for key, value in want.items():
             if meta.get(key) != value:
-                raise ConfigError(f"store {self.path} was made with {key}={meta.get(key)}, "
-                                  f"this sidecar has {key}={value}; nothing was changed")
+                raise ConfigError(
+                    f"store {self.path} was made with {key}={meta.get(key)}, "
+                    f"this sidecar has {key}={value}; nothing was changed"
+                )
 
     def _tx(self) -> _Tx:
         return _Tx(self.db)
@@ -185,12 +194,14 @@ class Persistence:
                         pls = w.payloads or [None] * len(w.ids)
                         self.db.executemany(
                             "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?)",
-                            [(w.namespace, int(i), v.tobytes(), p)
-                             for i, v, p in zip(w.ids.tolist(), w.vectors, pls)])
+                            [(w.namespace, int(i), v.tobytes(), p) for i, v, p in zip(w.ids.tolist(), w.vectors, pls)],
+                        )
                     elif w.op in (WriteOp.DELETE, WriteOp.DELETE_WHERE):
                         assert w.ids is not None
-                        self.db.executemany("DELETE FROM records WHERE ns = ? AND id = ?",
-                                            [(w.namespace, int(i)) for i in w.ids.tolist()])
+                        self.db.executemany(
+                            "DELETE FROM records WHERE ns = ? AND id = ?",
+                            [(w.namespace, int(i)) for i in w.ids.tolist()],
+                        )
                     elif w.op is WriteOp.DROP:
                         self.db.execute("DELETE FROM records WHERE ns = ?", (w.namespace,))
         except sqlite3.Error as e:
@@ -203,8 +214,9 @@ class Persistence:
     def namespaces(self) -> list[tuple[str, int]]:
         return self.db.execute("SELECT ns, count(*) FROM records GROUP BY ns ORDER BY ns").fetchall()
 
-    def scan(self, namespace: str, dim: int, chunk: int = 65536
-             ) -> Iterator[tuple[np.ndarray, np.ndarray, list[bytes | None]]]:
+    def scan(
+        self, namespace: str, dim: int, chunk: int = 65536
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, list[bytes | None]]]:
         """Yield (ids, vectors, payloads) chunks of one namespace."""
         cur = self.db.execute("SELECT id, vec, payload FROM records WHERE ns = ? ORDER BY id", (namespace,))
         while True:
@@ -217,8 +229,14 @@ class Persistence:
                 raise ConfigError(f"store {self.path}: vector of wrong length in namespace {namespace!r}")
             yield ids, vecs, [r[2] for r in rows]
 
-    def load_into(self, store: MemoryStore, *, every_s: float = LOAD_REPORT_S,
-                  chunk: int = 65536, clock: Callable[[], float] = time.monotonic) -> tuple[int, float]:
+    def load_into(
+        self,
+        store: MemoryStore,
+        *,
+        every_s: float = LOAD_REPORT_S,
+        chunk: int = 65536,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> tuple[int, float]:
         """Load every namespace into ``store`` (a MemoryStore); returns (rows, seconds). Logs the
         rows to load first, then how far it got every ``every_s`` seconds (a large store takes
         minutes and the sidecar is not ready until it is done)."""
@@ -237,8 +255,13 @@ class Persistence:
                     now = clock()
                     if now - last >= every_s:
                         last = now
-                        log.info("loading: %s of %s rows (%.0f%%), namespace %r", f"{total:,}",
-                                 f"{want:,}", 100.0 * total / max(want, 1), ns_name)
+                        log.info(
+                            "loading: %s of %s rows (%.0f%%), namespace %r",
+                            f"{total:,}",
+                            f"{want:,}",
+                            100.0 * total / max(want, 1),
+                            ns_name,
+                        )
         except (sqlite3.DatabaseError, ValueError) as e:
             raise ConfigError(f"store {self.path} cannot be read ({e}); nothing was changed") from None
         return total, time.perf_counter() - t0

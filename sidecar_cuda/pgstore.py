@@ -34,7 +34,6 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-
 from typing import Any
 
 import numpy as np
@@ -81,19 +80,23 @@ def parse_target(value: str) -> Target:
     """Check a ``--store`` value: a ``postgresql://`` (or ``postgres://``) URI. Raises ConfigError
     whose text never includes the value's password (nor the value, when it cannot be parsed)."""
     if not value.startswith(("postgresql://", "postgres://")):
-        raise ConfigError("--store takes a postgresql:// URI (postgresql://USER@HOST:PORT/DB?"
-                          "sslmode=...; the password through PGPASSWORD or PGPASSFILE)")
+        raise ConfigError(
+            "--store takes a postgresql:// URI (postgresql://USER@HOST:PORT/DB?"
+            "sslmode=...; the password through PGPASSWORD or PGPASSFILE)"
+        )
     try:
         parts = pg_conninfo.conninfo_to_dict(value)
     except psycopg.Error:
-        raise ConfigError("--store is not a valid postgresql:// URI (not shown: it may hold "
-                          "a password)") from None
+        raise ConfigError("--store is not a valid postgresql:// URI (not shown: it may hold a password)") from None
     password = parts.pop("password", None)
     host = str(parts.get("host") or os.environ.get("PGHOST") or "(local socket)")
     shown = "postgresql://{user}{at}{host}{port}/{db}".format(
-        user=parts.get("user") or "", at="@" if parts.get("user") else "",
-        host=host if "/" not in host else f"[{host}]", port=f":{parts['port']}" if parts.get("port") else "",
-        db=parts.get("dbname") or "")
+        user=parts.get("user") or "",
+        at="@" if parts.get("user") else "",
+        host=host if "/" not in host else f"[{host}]",
+        port=f":{parts['port']}" if parts.get("port") else "",
+        db=parts.get("dbname") or "",
+    )
     return Target(value, shown, None if password is None else str(password))
 
 
@@ -119,13 +122,12 @@ def pg_errors(target: Target, what: str, *, config: bool = False) -> Iterator[No
         raise StoreUnavailable(msg) from None
 
 
-def connect(target: Target, app: str, *, autocommit: bool, connect_timeout: float = 5.0
-            ) -> Conn:
+def connect(target: Target, app: str, *, autocommit: bool, connect_timeout: float = 5.0) -> Conn:
     """A connection (libpq's usual means for the password: PGPASSWORD, PGPASSFILE, the URI).
     Raises psycopg.Error (callers map it)."""
     conn: Conn = psycopg.connect(
-        target.dsn, autocommit=autocommit, application_name=app[:63],
-        connect_timeout=max(1, int(connect_timeout)))
+        target.dsn, autocommit=autocommit, application_name=app[:63], connect_timeout=max(1, int(connect_timeout))
+    )
     # A stuck statement must not hold the serving thread (writes) or a follower forever.
     conn.execute("SET statement_timeout = '30s'")
     if not autocommit:
@@ -152,8 +154,7 @@ _DDL = (
 )
 
 
-def ensure_schema(conn: Conn, target: Target, dim: int,
-                  metric: str) -> None:
+def ensure_schema(conn: Conn, target: Target, dim: int, metric: str) -> None:
     """Create the schema if there is none (under an advisory lock: sidecars may start together),
     else check its version, dim and metric. Raises ConfigError on any mismatch: a store is never
     migrated or rewritten by a sidecar that does not match it."""
@@ -177,11 +178,14 @@ def ensure_schema(conn: Conn, target: Target, dim: int,
         raise ConfigError(
             f"PostgreSQL store {target.shown} has kalos schema version {meta.get('schema')}, this "
             f"sidecar speaks version {SCHEMA_VERSION}; nothing was changed (a store is never "
-            "migrated silently: run the sidecar version that made it, or migrate it first)")
+            "migrated silently: run the sidecar version that made it, or migrate it first)"
+        )
     for key in ("dim", "metric"):
         if meta.get(key) != want[key]:
-            raise ConfigError(f"PostgreSQL store {target.shown} was made with {key}="
-                              f"{meta.get(key)}, this sidecar has {key}={want[key]}; nothing was changed")
+            raise ConfigError(
+                f"PostgreSQL store {target.shown} was made with {key}="
+                f"{meta.get(key)}, this sidecar has {key}={want[key]}; nothing was changed"
+            )
 
 
 # --------------------------------------------------------------------------- changes
@@ -199,8 +203,7 @@ def _ids_bytes(ids: np.ndarray) -> bytes:
     return np.ascontiguousarray(ids, "<i8").tobytes()
 
 
-def decode_change(row: tuple[int, int, int, str, bytes | None, bytes | None, bytes | None, float],
-                  dim: int) -> Change:
+def decode_change(row: tuple[int, int, int, str, bytes | None, bytes | None, bytes | None, float], dim: int) -> Change:
     """A change-log row as a Write. Raises ValueError for a row no sidecar could have written."""
     xid, seq, op, ns, ids_b, vecs_b, pls_b, at = row
     kind = WriteOp(op)
@@ -222,12 +225,13 @@ def decode_change(row: tuple[int, int, int, str, bytes | None, bytes | None, byt
     return Change(Position(xid, seq), w, at)
 
 
-_FETCH = ("SELECT xid, seq, op, ns, ids, vecs, payloads, at FROM kalos.changes "
-          "WHERE (xid, seq) > (%s, %s) {horizon} ORDER BY xid, seq LIMIT %s")
+_FETCH = (
+    "SELECT xid, seq, op, ns, ids, vecs, payloads, at FROM kalos.changes "
+    "WHERE (xid, seq) > (%s, %s) {horizon} ORDER BY xid, seq LIMIT %s"
+)
 
 
-def fetch_changes(conn: Conn, after: Position, limit: int, dim: int,
-                  *, below_horizon: bool = True) -> list[Change]:
+def fetch_changes(conn: Conn, after: Position, limit: int, dim: int, *, below_horizon: bool = True) -> list[Change]:
     """Changes after ``after`` in log order, at most ``limit``. ``below_horizon``: only those of
     transactions older than every one still running (a follower's read); False only under
     :data:`WRITE_LOCK`, where no writer is running. Raises psycopg.Error."""
@@ -239,8 +243,9 @@ def fetch_changes(conn: Conn, after: Position, limit: int, dim: int,
 def lock_for_write(conn: Conn) -> int:
     """In a transaction: take the fleet's write lock, then this transaction's id (in that order:
     the id is what orders the change log). Returns the xid."""
-    row = conn.execute("SELECT pg_current_xact_id()::text::bigint FROM "
-                       "(SELECT pg_advisory_xact_lock(%s)) AS l", (WRITE_LOCK,)).fetchone()
+    row = conn.execute(
+        "SELECT pg_current_xact_id()::text::bigint FROM (SELECT pg_advisory_xact_lock(%s)) AS l", (WRITE_LOCK,)
+    ).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -260,27 +265,29 @@ def write_change(conn: Conn, xid: int, w: Write) -> int | None:
             "INSERT INTO kalos.records (ns, id, vec, payload) SELECT %s, i, v, p FROM "
             "unnest(%s::bigint[], %s::bytea[], %s::bytea[]) AS t(i, v, p) "
             "ON CONFLICT (ns, id) DO UPDATE SET vec = EXCLUDED.vec, payload = EXCLUDED.payload",
-            (ns, ids.tolist(), [r.tobytes() for r in vecs], pls or [None] * len(ids)))
+            (ns, ids.tolist(), [r.tobytes() for r in vecs], pls or [None] * len(ids)),
+        )
         pls_b = None if pls is None else b"\n".join(b"null" if p is None else p for p in pls)
         return _log(conn, xid, w.op, ns, _ids_bytes(ids), vecs.tobytes(), pls_b)
     if w.op is WriteOp.DROP:
         conn.execute("DELETE FROM kalos.records WHERE ns = %s", (ns,))
         return _log(conn, xid, w.op, ns, None, None, None)
     assert w.ids is not None
-    gone = conn.execute("DELETE FROM kalos.records WHERE ns = %s AND id = ANY(%s::bigint[]) "
-                        "RETURNING id", (ns, w.ids.tolist())).fetchall()
+    gone = conn.execute(
+        "DELETE FROM kalos.records WHERE ns = %s AND id = ANY(%s::bigint[]) RETURNING id", (ns, w.ids.tolist())
+    ).fetchall()
     if not gone:
         return None
     return _log(conn, xid, w.op, ns, _ids_bytes(np.array([g[0] for g in gone], np.int64)), None, None)
 
 
-def _log(conn: Conn, xid: int, op: WriteOp, ns: str,
-         ids: bytes | None, vecs: bytes | None, pls: bytes | None) -> int:
+def _log(conn: Conn, xid: int, op: WriteOp, ns: str, ids: bytes | None, vecs: bytes | None, pls: bytes | None) -> int:
     row = conn.execute(
         "INSERT INTO kalos.changes (xid, seq, op, ns, ids, vecs, payloads, at) VALUES "
         "(%s, nextval('kalos.change_seq'), %s, %s, %s, %s, %s, "
         "extract(epoch from clock_timestamp())) RETURNING seq",
-        (xid, int(op), ns, ids, vecs, pls)).fetchone()
+        (xid, int(op), ns, ids, vecs, pls),
+    ).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -291,8 +298,9 @@ def notify(conn: Conn) -> None:
 
 
 # --------------------------------------------------------------------------- snapshots
-def snapshot(conn: Conn, dim: int, chunk: int = 65536
-             ) -> Iterator[Position | dict[str, int] | tuple[str, np.ndarray, np.ndarray, list[bytes | None]]]:
+def snapshot(
+    conn: Conn, dim: int, chunk: int = 65536
+) -> Iterator[Position | dict[str, int] | tuple[str, np.ndarray, np.ndarray, list[bytes | None]]]:
     """Read every record in one consistent snapshot (REPEATABLE READ, binary COPY). Yields the
     cursor to follow from first (every change of a transaction at or after the snapshot's xmin
     may be missing from it; applying those again is idempotent), then the rows of each namespace,
@@ -310,8 +318,9 @@ def snapshot(conn: Conn, dim: int, chunk: int = 65536
         yield dict(conn.execute("SELECT ns, count(*) FROM kalos.records GROUP BY ns").fetchall())
         buf: dict[str, _Chunk] = {}
         width = 4 * dim
-        with conn.cursor().copy("COPY (SELECT ns, id, vec, payload FROM kalos.records) "
-                                "TO STDOUT (FORMAT BINARY)") as cp:
+        with conn.cursor().copy(
+            "COPY (SELECT ns, id, vec, payload FROM kalos.records) TO STDOUT (FORMAT BINARY)"
+        ) as cp:
             for ns, i, vec, payload in _copy_records(cp, width):
                 b = buf.get(ns)
                 if b is None:
@@ -340,7 +349,7 @@ class _Chunk:
     def add(self, i: int, vec: Buffer, payload: bytes | None) -> bool:
         """Append a record; True when the chunk is full."""
         n = self.n
-        self.raw[n * self.width:(n + 1) * self.width] = vec
+        self.raw[n * self.width : (n + 1) * self.width] = vec
         self.ids[n] = i
         self.payloads.append(payload)
         self.n = n + 1
@@ -417,17 +426,23 @@ def _copy_records(cp: Any, width: int) -> Iterator[tuple[str, int, Buffer, bytes
             if lb != 8 or lc != width or la < 0:
                 raise ValueError(f"record with a vector of {lc} bytes, not {width}")
             # (the vector as a view of the message: copied once, when its chunk is joined)
-            yield (bytes(data[a:a + la]).decode(), _I64.unpack_from(data, b)[0], data[c:c + lc],
-                   None if ld < 0 else bytes(data[d:d + ld]))
+            yield (
+                bytes(data[a : a + la]).decode(),
+                _I64.unpack_from(data, b)[0],
+                data[c : c + lc],
+                None if ld < 0 else bytes(data[d : d + ld]),
+            )
             pos = p
 
 
 # --------------------------------------------------------------------------- followers
 def heartbeat(conn: Conn, name: str, applied: Position) -> None:
     """Register or refresh a follower and its applied position (autocommit)."""
-    conn.execute("INSERT INTO kalos.followers VALUES (%s, %s, %s, now()) ON CONFLICT (name) "
-                 "DO UPDATE SET xid = EXCLUDED.xid, seq = EXCLUDED.seq, seen = now()",
-                 (name, applied.xid, applied.seq))
+    conn.execute(
+        "INSERT INTO kalos.followers VALUES (%s, %s, %s, now()) ON CONFLICT (name) "
+        "DO UPDATE SET xid = EXCLUDED.xid, seq = EXCLUDED.seq, seen = now()",
+        (name, applied.xid, applied.seq),
+    )
 
 
 def pruned_through(conn: Conn) -> Position:
@@ -447,21 +462,23 @@ def prune(conn: Conn, retention_s: float, batch: int = 10000) -> int:
             got = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (PRUNE_LOCK,)).fetchone()
             if not got or not got[0]:
                 return deleted
-            conn.execute("DELETE FROM kalos.followers WHERE seen < now() - make_interval(secs => %s)",
-                         (retention_s,))
+            conn.execute("DELETE FROM kalos.followers WHERE seen < now() - make_interval(secs => %s)", (retention_s,))
             low = conn.execute("SELECT xid, seq FROM kalos.followers ORDER BY xid, seq LIMIT 1").fetchone()
             if low is None:
                 return deleted
             rows = conn.execute(
                 "DELETE FROM kalos.changes WHERE (xid, seq) IN (SELECT xid, seq FROM kalos.changes "
                 "WHERE (xid, seq) <= (%s, %s) ORDER BY xid, seq LIMIT %s) RETURNING xid, seq",
-                (low[0], low[1], batch)).fetchall()
+                (low[0], low[1], batch),
+            ).fetchall()
             if not rows:
                 return deleted
             last = max(Position(int(x), int(s)) for x, s in rows)
-            conn.execute("UPDATE kalos.meta SET value = %s WHERE key = 'pruned_through' AND "
-                         "string_to_array(value, '.')::bigint[] < ARRAY[%s, %s]::bigint[]",
-                         (f"{last.xid}.{last.seq}", last.xid, last.seq))
+            conn.execute(
+                "UPDATE kalos.meta SET value = %s WHERE key = 'pruned_through' AND "
+                "string_to_array(value, '.')::bigint[] < ARRAY[%s, %s]::bigint[]",
+                (f"{last.xid}.{last.seq}", last.xid, last.seq),
+            )
             deleted += len(rows)
             if len(rows) < batch:
                 return deleted

@@ -33,7 +33,14 @@ from ..broker.names import decode_namespace
 from .answers import AnswerWriter
 from .backends.base import PendingSearch, completed
 from .batching import (
-    Blobs, Limits, Plan, Route, SlotRef, classify, posted_slots, query_rows,
+    Blobs,
+    Limits,
+    Plan,
+    Route,
+    SlotRef,
+    classify,
+    posted_slots,
+    query_rows,
 )
 from .general import GeneralRoute
 from .stats import BatchRecord, SidecarStats
@@ -79,11 +86,24 @@ class Pipeline:
     ``gather_ns``: the longest a pass waits for more callers (``--gather-us``);
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
-    def __init__(self, seg: SegmentView, words: SlotWords, mem: mmap.mmap,
-                 req: Sequence[Acquirable], writer: AnswerWriter, general: GeneralRoute,
-                 store: MemoryStore, stats: SidecarStats, stagings: list[np.ndarray],
-                 limits: Limits, *, gather_ns: int, batches_word: int,
-                 on_unexpected: Callable[[str, BaseException], None], hold: HeldReads) -> None:
+    def __init__(
+        self,
+        seg: SegmentView,
+        words: SlotWords,
+        mem: mmap.mmap,
+        req: Sequence[Acquirable],
+        writer: AnswerWriter,
+        general: GeneralRoute,
+        store: MemoryStore,
+        stats: SidecarStats,
+        stagings: list[np.ndarray],
+        limits: Limits,
+        *,
+        gather_ns: int,
+        batches_word: int,
+        on_unexpected: Callable[[str, BaseException], None],
+        hold: HeldReads,
+    ) -> None:
         self.seg = seg
         self._words = words
         self._req = req
@@ -102,9 +122,10 @@ class Pipeline:
         self._lookup = self._namespace  # (bound once: the SINGLE route runs per request)
         # Per slot, made once: its request read in place, and its first query row.
         L = seg.layout
-        self._refs = [SlotRef(words, mem, i, slot_field_offset(L, i, "namespace"),
-                              L.data_base(i) + L.blob_offset, L.blob_bytes)
-                      for i in range(L.n_slots)]
+        self._refs = [
+            SlotRef(words, mem, i, slot_field_offset(L, i, "namespace"), L.data_base(i) + L.blob_offset, L.blob_bytes)
+            for i in range(L.n_slots)
+        ]
         self._query1 = [sv.queries[:1] for sv in seg.slot]
         self.inflight: deque[InFlight] = deque()
         self._last_batch = 0
@@ -117,8 +138,7 @@ class Pipeline:
         Returns the number of requests answered."""
         inflight = self.inflight
         served = 0
-        if inflight and (inflight[0].pending.done()
-                         or time.monotonic_ns() - inflight[0].t_pick > _BLOCK_AFTER_NS):
+        if inflight and (inflight[0].pending.done() or time.monotonic_ns() - inflight[0].t_pick > _BLOCK_AFTER_NS):
             served += self.finish_uniform(inflight.popleft())
         if len(inflight) >= PIPELINE_DEPTH:
             return served
@@ -247,8 +267,7 @@ class Pipeline:
         except Exception as e:  # the general route searches again and reports it (a bad filter too)
             sel = np.asarray([i], np.intp)
             rec = self.seg.slots[sel]
-            return self._serve_general(sel, [i], rec, t_pick, t0,
-                                       f"search failed ({type(e).__name__})")
+            return self._serve_general(sel, [i], rec, t_pick, t0, f"search failed ({type(e).__name__})")
         t1 = time.perf_counter_ns()
         t_done = self.writer.answer_single(i, ids, scores)
         self._last_batch = 1
@@ -257,9 +276,18 @@ class Pipeline:
         return 1
 
     # ------------------------------------------------------------------ UNIFORM
-    def _start_uniform(self, plan: Plan[Namespace], sel: np.ndarray, rec: np.ndarray,
-                       taken: list[int], t_pick: int, t0: int, st: int, q: np.ndarray,
-                       rows: tuple[np.ndarray, np.ndarray] | None) -> InFlight | None:
+    def _start_uniform(
+        self,
+        plan: Plan[Namespace],
+        sel: np.ndarray,
+        rec: np.ndarray,
+        taken: list[int],
+        t_pick: int,
+        t0: int,
+        st: int,
+        q: np.ndarray,
+        rows: tuple[np.ndarray, np.ndarray] | None,
+    ) -> InFlight | None:
         """Start the batch's search; None if the backend refused it (the general route then
         searches again and reports per request)."""
         ns = plan.namespace
@@ -294,21 +322,24 @@ class Pipeline:
             ids, scores = b.pending.result()
         except Exception as e:  # the general route searches again and reports per request
             served = self.finish_inflight()  # (it stages queries where a later batch may have)
-            return served + self._serve_general(b.sel, b.taken, b.rec, b.t_pick, b.t0,
-                                                f"search failed ({type(e).__name__})")
+            return served + self._serve_general(
+                b.sel, b.taken, b.rec, b.t_pick, b.t0, f"search failed ({type(e).__name__})"
+            )
         self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
         return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, "uniform")
 
     # ------------------------------------------------------------------ GENERAL
-    def _serve_general(self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int,
-                       t0: int, reason: str) -> int:
+    def _serve_general(
+        self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int, t0: int, reason: str
+    ) -> int:
         """Serve a batch request by request (nothing may be in flight) and publish it."""
         log.debug("%d request(s) served one by one: %s", len(taken), reason)
         self.general.serve(taken, rec)
         return self._complete(sel, taken, rec, t_pick, t0)
 
-    def _complete(self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int,
-                  t0: int, route: str = "general") -> int:
+    def _complete(
+        self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int, t0: int, route: str = "general"
+    ) -> int:
         """Answers are written: publish them and record the batch."""
         t1 = time.perf_counter_ns()
         n = len(taken)

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import posix_ipc
 
-from ..broker.errors import ConfigError
 from ..broker import leases
+from ..broker.errors import ConfigError
 from ..broker.layout import HEARTBEAT_S, SegmentView, SidecarState, SlotWords, header_field_offset
 from ..broker.names import validate_broker_name
+from ..broker.positions import BEYOND, Position
 from ..broker.waiting import SpinThenBlock
-from .objects import Objects, create as create_objects, unlink as unlink_objects
 from .answers import AnswerWriter
 from .backends.base import Backend
 from .backends.select import choose_backend
@@ -40,7 +40,9 @@ from .config import Pipelining, ServeConfig  # (ServeConfig is still importable 
 from .general import GeneralRoute
 from .leases import REAP_S, ReapOutcome, reap_dead_owners
 from .notify import sd_notify
-from ..broker.positions import BEYOND, Position
+from .objects import Objects
+from .objects import create as create_objects
+from .objects import unlink as unlink_objects
 from .persist import Durable, Persistence, StoreKind, store_kind
 from .pipeline import PIPELINE_DEPTH, Pipeline
 from .stats import SidecarStats
@@ -62,15 +64,21 @@ class Sidecar:
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
         if (cfg.data_dir is not None or cfg.store is not None) and (cfg.random_rows or cfg.load_npy):
-            raise ConfigError("--random-rows/--load only fill an --ephemeral sidecar; "
-                              "use `kalos import` for a durable one")
-        self.backend = backend or choose_backend(cfg.backend, storage_dtype=cfg.storage_dtype,
-                                                 devices=cfg.devices, shards=cfg.shards,
-                                                 host_work=cfg.host_search_work,
-                                                 fused_kernel=cfg.fused_kernel)
+            raise ConfigError(
+                "--random-rows/--load only fill an --ephemeral sidecar; use `kalos import` for a durable one"
+            )
+        self.backend = backend or choose_backend(
+            cfg.backend,
+            storage_dtype=cfg.storage_dtype,
+            devices=cfg.devices,
+            shards=cfg.shards,
+            host_work=cfg.host_search_work,
+            fused_kernel=cfg.fused_kernel,
+        )
         if cfg.max_k > self.backend.max_k:
-            raise ConfigError(f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's "
-                              f"limit of {self.backend.max_k}")
+            raise ConfigError(
+                f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's limit of {self.backend.max_k}"
+            )
         self.store = MemoryStore(self.backend, cfg.dim, self.metric)
         self.persist: Durable | None = None
         self.fleet: FleetStore | None = None  # --store postgresql://: this sidecar is a replica
@@ -79,9 +87,10 @@ class Sidecar:
         self._objs: Objects | None = None
         self.seg: SegmentView | None = None
         # Staging for gathered queries (pinned on CUDA): one per batch in flight.
-        self._stagings = [self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries,
-                                                    self.layout.dim), np.float32)
-                          for _ in range(PIPELINE_DEPTH)]
+        self._stagings = [
+            self.backend.host_buffer((self.layout.n_slots * self.layout.max_queries, self.layout.dim), np.float32)
+            for _ in range(PIPELINE_DEPTH)
+        ]
         self.pipeline: Pipeline | None = None  # built by start()
         self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
@@ -112,19 +121,27 @@ class Sidecar:
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
         self._sleep_word = header_field_offset("sidecar_sleeping") // 4
-        self.seg.init_header(metric=self.metric, backend=self.backend.code, pid=os.getpid(),
-                             start_epoch_ns=time.time_ns(), payload_limit=cfg.payload_limit)
+        self.seg.init_header(
+            metric=self.metric,
+            backend=self.backend.code,
+            pid=os.getpid(),
+            start_epoch_ns=time.time_ns(),
+            payload_limit=cfg.payload_limit,
+        )
         self._beat()
-        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat",
-                                           daemon=True)
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat", daemon=True)
         self._heartbeat.start()
         try:
             self.store.get_or_create("default")
             if self.persist is not None:
                 rows, secs = self.persist.load_into(self.store)
-                log.info("loaded %d rows in %d namespaces from %s in %.2f s", rows,
-                         len(self.store.namespaces),
-                         self.fleet.target.shown if self.fleet is not None else cfg.data_dir, secs)
+                log.info(
+                    "loaded %d rows in %d namespaces from %s in %.2f s",
+                    rows,
+                    len(self.store.namespaces),
+                    self.fleet.target.shown if self.fleet is not None else cfg.data_dir,
+                    secs,
+                )
             self._fill_initial()
             self.pipeline = self._build_pipeline()
             self._pass = self.pipeline.serve_pending if self.fleet is None else self._fleet_pass
@@ -141,28 +158,46 @@ class Sidecar:
         self.seg.header["state"] = SidecarState.READY
         self.ready = True
         sd_notify(f"READY=1\nSTATUS=serving broker {cfg.name!r}")
-        log.info("kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
-                 cfg.name, self.backend.description, cfg.dim, cfg.slots, cfg.max_k,
-                 self.metric.name.lower(),
-                 f"replica of {self.fleet.target.shown}" if self.fleet is not None
-                 else "ephemeral" if cfg.data_dir is None else f"data in {cfg.data_dir}")
+        log.info(
+            "kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
+            cfg.name,
+            self.backend.description,
+            cfg.dim,
+            cfg.slots,
+            cfg.max_k,
+            self.metric.name.lower(),
+            f"replica of {self.fleet.target.shown}"
+            if self.fleet is not None
+            else "ephemeral"
+            if cfg.data_dir is None
+            else f"data in {cfg.data_dir}",
+        )
 
     def _open_fleet(self) -> FleetStore:
         """The PostgreSQL store (psycopg is an optional dependency: imported only here)."""
         assert self.cfg.store is not None
         try:
-            from .fleet import FleetOptions, FleetStore as Fleet
+            from .fleet import FleetOptions
+            from .fleet import FleetStore as Fleet
             from .pgstore import parse_target
         except ImportError as e:
-            raise ConfigError(f"--store postgresql:// needs psycopg 3: pip install "
-                              f"'kalos-recall[postgres]' ({e})") from None
+            raise ConfigError(
+                f"--store postgresql:// needs psycopg 3: pip install 'kalos-recall[postgres]' ({e})"
+            ) from None
         retention = self.cfg.store_retention_s
         if not retention > 0:
             raise ConfigError(f"--store-retention must be > 0 seconds, got {retention}")
-        options = FleetOptions(retention_s=retention, prune_s=min(10.0, retention / 4),
-                               heartbeat_s=min(1.0, retention / 8))
-        return Fleet(parse_target(self.cfg.store), name=self.cfg.name, dim=self.cfg.dim,
-                     metric=self.metric, backend=self.backend, options=options)
+        options = FleetOptions(
+            retention_s=retention, prune_s=min(10.0, retention / 4), heartbeat_s=min(1.0, retention / 8)
+        )
+        return Fleet(
+            parse_target(self.cfg.store),
+            name=self.cfg.name,
+            dim=self.cfg.dim,
+            metric=self.metric,
+            backend=self.backend,
+            options=options,
+        )
 
     def _fleet_pass(self) -> int:
         """One pass of a fleet replica: followed changes are applied between batches, with
@@ -195,18 +230,39 @@ class Sidecar:
         assert self._objs is not None and self.seg is not None
         cfg, seg = self.cfg, self.seg
         writer = AnswerWriter(seg, self._words, self._objs.resp, self.stats.record_error)
-        general = GeneralRoute(seg, writer, self.store, self.persist, self._stagings[0],
-                               backend_max_k=self.backend.max_k, payload_limit=cfg.payload_limit,
-                               on_unexpected=self._log_unexpected)
+        general = GeneralRoute(
+            seg,
+            writer,
+            self.store,
+            self.persist,
+            self._stagings[0],
+            backend_max_k=self.backend.max_k,
+            payload_limit=cfg.payload_limit,
+            on_unexpected=self._log_unexpected,
+        )
         min_work = {Pipelining.ON: 0, Pipelining.OFF: -1, Pipelining.AUTO: PIPELINE_MIN_WORK}[cfg.pipeline]
-        limits = Limits(k_limit=min(self.layout.max_k, self.backend.max_k), dim=cfg.dim,
-                        min_work=min_work, max_queries=self.layout.max_queries)
-        return Pipeline(seg, self._words, self._objs.mm, self._objs.req, writer, general,
-                        self.store, self.stats, self._stagings, limits,
-                        gather_ns=int(cfg.gather_us * 1000),
-                        batches_word=header_field_offset("batches") // 8,
-                        on_unexpected=self._log_unexpected,
-                        hold=HeldReads(self._words, writer, self.applied_position))
+        limits = Limits(
+            k_limit=min(self.layout.max_k, self.backend.max_k),
+            dim=cfg.dim,
+            min_work=min_work,
+            max_queries=self.layout.max_queries,
+        )
+        return Pipeline(
+            seg,
+            self._words,
+            self._objs.mm,
+            self._objs.req,
+            writer,
+            general,
+            self.store,
+            self.stats,
+            self._stagings,
+            limits,
+            gather_ns=int(cfg.gather_us * 1000),
+            batches_word=header_field_offset("batches") // 8,
+            on_unexpected=self._log_unexpected,
+            hold=HeldReads(self._words, writer, self.applied_position),
+        )
 
     def _fill_initial(self) -> None:
         cfg = self.cfg
@@ -219,8 +275,9 @@ class Sidecar:
                 pls: list[bytes | None] | None = None
                 if cfg.random_payloads:
                     pls = [b'{"bucket":%d}' % (i % 1000) for i in range(lo, hi)]
-                ns.upsert(np.arange(lo, hi, dtype=np.int64),
-                          rng.standard_normal((hi - lo, cfg.dim), dtype=np.float32), pls)
+                ns.upsert(
+                    np.arange(lo, hi, dtype=np.int64), rng.standard_normal((hi - lo, cfg.dim), dtype=np.float32), pls
+                )
         if cfg.load_npy:
             try:
                 mat = np.load(cfg.load_npy, mmap_mode="r")
@@ -230,7 +287,7 @@ class Sidecar:
                 raise ConfigError(f"{cfg.load_npy} has shape {mat.shape}, need (n, {cfg.dim})")
             base = ns.n
             for lo in range(0, mat.shape[0], 65536):
-                chunk = np.asarray(mat[lo:lo + 65536], np.float32)
+                chunk = np.asarray(mat[lo : lo + 65536], np.float32)
                 ns.upsert(np.arange(base + lo, base + lo + len(chunk), dtype=np.int64), chunk, None)
 
     def install_signal_handlers(self) -> None:
@@ -302,8 +359,7 @@ class Sidecar:
                     next_reap = now + reap_ns
                 if served or inflight:
                     last_work = now
-                    if not served and inflight and \
-                            last_work - inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
+                    if not served and inflight and last_work - inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
                         time.sleep(0.00005)  # a long batch on the device: poll gently
                     continue
                 if spinning(now - last_work):
@@ -382,8 +438,14 @@ class Sidecar:
         now = time.monotonic()
         if now - self._last_error_log >= 1.0:
             self._last_error_log = now
-            log.error("%s (%d unexpected errors so far): %s: %s", what, self.stats.internal_errors,
-                      type(e).__name__, e, exc_info=e)
+            log.error(
+                "%s (%d unexpected errors so far): %s: %s",
+                what,
+                self.stats.internal_errors,
+                type(e).__name__,
+                e,
+                exc_info=e,
+            )
 
     def reap_dead_owners(self) -> int:
         """Free the slots of clients that died (or gave them up) while holding them, and slots
@@ -393,15 +455,23 @@ class Sidecar:
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
         fd = self._objs.leases_fd
         self.pipeline.hold.drop(lambda i: leases.is_locked(fd, i))
-        reap = reap_dead_owners(self.seg.slots, self._objs.shm.fd, self._objs.req,
-                                self._objs.resp, self.pipeline.inflight_slots(),
-                                held=lambda i: leases.is_locked(fd, i))
+        reap = reap_dead_owners(
+            self.seg.slots,
+            self._objs.shm.fd,
+            self._objs.req,
+            self._objs.resp,
+            self.pipeline.inflight_slots(),
+            held=lambda i: leases.is_locked(fd, i),
+        )
         if reap.outcome is ReapOutcome.LOCK_HELD:
             self._reaps_waiting += 1
             if self._reaps_waiting % _REAP_WAIT_WARN_PASSES == 0:
-                log.warning("slots of dead or departed clients have waited %.0f s or more to be "
-                            "reclaimed: a client holds the segment's claim lock (flock), perhaps "
-                            "stopped or frozen; serving goes on", self._reaps_waiting * REAP_S)
+                log.warning(
+                    "slots of dead or departed clients have waited %.0f s or more to be "
+                    "reclaimed: a client holds the segment's claim lock (flock), perhaps "
+                    "stopped or frozen; serving goes on",
+                    self._reaps_waiting * REAP_S,
+                )
         else:
             self._reaps_waiting = 0
         if reap.freed:
@@ -422,8 +492,7 @@ def run(cfg: ServeConfig) -> int:
         from .metrics import MetricsServer
 
         # Before loading: /healthz answers and /readyz says 503 until the memory is loaded.
-        exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port,
-                                 degraded=sidecar.degraded)
+        exporter = MetricsServer(sidecar, cfg.metrics_host, cfg.metrics_port, degraded=sidecar.degraded)
         exporter.start()
     try:
         sidecar.start()

@@ -18,8 +18,9 @@ class BatchRecord:
 
     __slots__ = ("size", "compute_ns", "t_pick_ns", "t_post_ns", "t_done_ns")
 
-    def __init__(self, size: int, compute_ns: int, t_pick_ns: int,
-                 t_post_ns: Sequence[int] | np.ndarray, t_done_ns: int = 0) -> None:
+    def __init__(
+        self, size: int, compute_ns: int, t_pick_ns: int, t_post_ns: Sequence[int] | np.ndarray, t_done_ns: int = 0
+    ) -> None:
         self.size = size  # requests in the batch
         self.compute_ns = compute_ns  # backend work for the whole batch
         self.t_pick_ns = t_pick_ns  # CLOCK_MONOTONIC when the batch was taken

@@ -16,7 +16,12 @@ import numpy as np
 from ..broker.layout import Metric
 from ..broker.validation import WhereNode, decode_where
 from .backends.base import (
-    Backend, PendingSearch, SearchResult, completed, prepare_queries, prepare_rows,
+    Backend,
+    PendingSearch,
+    SearchResult,
+    completed,
+    prepare_queries,
+    prepare_rows,
 )
 from .filters import PayloadIndex
 
@@ -59,8 +64,7 @@ class Filtered:
 
 
 class Namespace:
-    def __init__(self, name: str, backend: Backend, dim: int, metric: Metric,
-                 capacity: int = MIN_CAPACITY) -> None:
+    def __init__(self, name: str, backend: Backend, dim: int, metric: Metric, capacity: int = MIN_CAPACITY) -> None:
         self.name = name
         self.dim = dim
         self.metric = metric
@@ -143,7 +147,7 @@ class Namespace:
             for i, r in zip(moved.tolist(), dst.tolist()):
                 self.id_row[i] = r
         self.n -= len(holes)
-        self.row_ids[self.n:self.n + len(holes)] = -1
+        self.row_ids[self.n : self.n + len(holes)] = -1
         return len(holes)
 
     def search(self, queries: np.ndarray, k: int) -> SearchResult:
@@ -201,8 +205,7 @@ class Namespace:
         if len(candidates) == 0:
             b = len(queries)
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
-        rows, scores = self.matrix.search_rows(prepare_queries(queries, self.metric), self.n, k,
-                                               candidates, key=key)
+        rows, scores = self.matrix.search_rows(prepare_queries(queries, self.metric), self.n, k, candidates, key=key)
         return self.row_ids[rows], scores
 
     def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:
@@ -211,8 +214,7 @@ class Namespace:
         if self.n == 0:
             b = len(queries)
             return completed(np.empty((b, 0), np.int64), np.empty((b, 0), np.float32))
-        return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k,
-                                        row_ids=self.row_ids)
+        return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k, row_ids=self.row_ids)
 
     def get(self, asked: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """The records of ``asked`` that exist, in the order asked: (ids, float32 vectors as
@@ -224,8 +226,9 @@ class Namespace:
         vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
         return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
 
-    def export_page(self, after: int, limit: int, mask: np.ndarray | None = None
-                    ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
+    def export_page(
+        self, after: int, limit: int, mask: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """Records with id > ``after`` in ascending id order, at most ``limit``: (ids, float32
         vectors as stored, payload JSON lines). A cursor over ids stays correct while writes go on.
         ``mask``: only the rows it marks (a filter's bool mask of rows [0, n))."""
@@ -238,8 +241,8 @@ class Namespace:
             keep = mask[srows]
             sids, srows = sids[keep], srows[keep]
         lo = int(np.searchsorted(sids, after, side="right"))
-        ids = sids[lo:lo + limit]
-        rows = srows[lo:lo + limit]
+        ids = sids[lo : lo + limit]
+        rows = srows[lo : lo + limit]
         vecs = self.matrix.read_rows(rows) if len(rows) else np.empty((0, self.dim), np.float32)
         return ids, np.asarray(vecs, np.float32), [self.payloads.get(i, b"null") for i in ids.tolist()]
 

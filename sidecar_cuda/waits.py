@@ -30,8 +30,7 @@ class Held:
     until_ns: int  # CLOCK_MONOTONIC; 0: no limit
 
 
-def sort_held(held: list[Held], applied: Position, now_ns: int
-              ) -> tuple[list[Held], list[Held], list[Held]]:
+def sort_held(held: list[Held], applied: Position, now_ns: int) -> tuple[list[Held], list[Held], list[Held]]:
     """(ready: position applied, expired: past their limit, waiting). Pure."""
     ready, expired, waiting = [], [], []
     for h in held:
@@ -50,8 +49,7 @@ class HeldReads:
     ``applied()``: the position this sidecar has applied (a sidecar without a change log returns
     one past every position, so nothing waits)."""
 
-    def __init__(self, words: SlotWords, writer: AnswerWriter,
-                 applied: Callable[[], Position]) -> None:
+    def __init__(self, words: SlotWords, writer: AnswerWriter, applied: Callable[[], Position]) -> None:
         self._w = words
         self._writer = writer
         self._applied = applied
@@ -116,8 +114,11 @@ class HeldReads:
     def _not_applied(self, held: list[Held], why: str) -> None:
         applied = self._applied()
         for h in held:
-            self._writer.answer(h.slot, h.generation, Status.NOT_APPLIED,
-                                f"position {h.position} {why}: this sidecar has applied its "
-                                f"fleet's change log up to {applied}")
+            self._writer.answer(
+                h.slot,
+                h.generation,
+                Status.NOT_APPLIED,
+                f"position {h.position} {why}: this sidecar has applied its fleet's change log up to {applied}",
+            )
         slots = [h.slot for h in held]
         self._writer.deliver(np.asarray(slots, np.intp), slots)

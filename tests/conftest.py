@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from kalos.testing.sidecar import start_sidecar_process
 from kalos.sidecar_cuda.objects import cleanup
+from kalos.testing.sidecar import start_sidecar_process
 
 _counter = itertools.count()
 #: Run the behavioural suites against another backend: KALOS_TEST_BACKEND=cuda pytest tests/test_broker.py
@@ -81,8 +81,11 @@ def sidecar_factory():
             full += ["--backend", TEST_BACKEND]
         if TEST_SHARDS and "--shards" not in full:
             full += ["--shards", TEST_SHARDS]
-        if (full[full.index("--backend") + 1] == "cuda" and TEST_HOST_SEARCH != "default"
-                and "--host-search-work" not in full):
+        if (
+            full[full.index("--backend") + 1] == "cuda"
+            and TEST_HOST_SEARCH != "default"
+            and "--host-search-work" not in full
+        ):
             full += ["--host-search-work", TEST_HOST_SEARCH]
         proc = start_sidecar_process(full, name, timeout=60)
         h = SidecarHandle(name, proc, full)
@@ -111,15 +114,31 @@ def sidecar_factory():
 @pytest.fixture
 def sidecar(sidecar_factory, seed):
     """A numpy sidecar with 2000 random rows of dim 32 in namespace 'default' (matrix regenerable from seed)."""
-    h = sidecar_factory("main", "--dim", "32", "--random-rows", "2000", "--seed", str(seed),
-                        "--slots", "32", "--max-k", "64", "--max-queries", "8", "--backend", "numpy")
+    h = sidecar_factory(
+        "main",
+        "--dim",
+        "32",
+        "--random-rows",
+        "2000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "32",
+        "--max-k",
+        "64",
+        "--max-queries",
+        "8",
+        "--backend",
+        "numpy",
+    )
     h.matrix = np.random.default_rng(seed).standard_normal((2000, 32), dtype=np.float32)
     return h
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--fuzz-seconds", type=float, default=8.0,
-                     help="how long the fuzz test attacks a sidecar (CI: 8 s)")
+    parser.addoption(
+        "--fuzz-seconds", type=float, default=8.0, help="how long the fuzz test attacks a sidecar (CI: 8 s)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -149,8 +168,7 @@ async def strict_loop():
 
 def run_py(code: str, *args: str) -> subprocess.Popen[bytes]:
     """A real client process running ``code`` (stdout piped)."""
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 def wait_until(pred, timeout: float = 5.0, step: float = 0.01) -> bool:
@@ -162,8 +180,15 @@ def wait_until(pred, timeout: float = 5.0, step: float = 0.01) -> bool:
     return pred()
 
 
-def assert_topk(q: np.ndarray, matrix: np.ndarray, ids: np.ndarray, scores: np.ndarray, k: int,
-                metric: str = "dot", rtol: float = 1e-5) -> None:
+def assert_topk(
+    q: np.ndarray,
+    matrix: np.ndarray,
+    ids: np.ndarray,
+    scores: np.ndarray,
+    k: int,
+    metric: str = "dot",
+    rtol: float = 1e-5,
+) -> None:
     """Check one answer against a float64 reference by score (ties compared by value)."""
     m = matrix.astype(np.float64)
     q64 = q.astype(np.float64)

@@ -29,8 +29,10 @@ def require_similarity(metric: str, what: str) -> None:
     """Stores that promise cosine similarities need a sidecar that scores by inner product:
     raise UsageError (naming the sidecar's metric) for one started with ``--metric l2``."""
     if metric not in ("cosine", "dot"):
-        raise UsageError(f"{what} needs a sidecar started with --metric cosine or dot (its scores "
-                         f"are then cosine similarities); this one scores with {metric!r}")
+        raise UsageError(
+            f"{what} needs a sidecar started with --metric cosine or dot (its scores "
+            f"are then cosine similarities); this one scores with {metric!r}"
+        )
 
 
 class Connections:
@@ -42,9 +44,17 @@ class Connections:
     when it promises cosine similarities (an ``l2`` sidecar then raises UsageError on use).
     """
 
-    def __init__(self, name: str, *, timeout: float | None, connect_timeout: float = 10.0,
-                 pool_size: int = 4, client: RecallClient | None = None,
-                 pool: RecallPool | None = None, similarity_for: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        timeout: float | None,
+        connect_timeout: float = 10.0,
+        pool_size: int = 4,
+        client: RecallClient | None = None,
+        pool: RecallPool | None = None,
+        similarity_for: str | None = None,
+    ) -> None:
         self.name = name
         self._timeout = timeout
         self._connect_timeout = connect_timeout
@@ -61,8 +71,7 @@ class Connections:
         """The blocking client (opened on first use, once, whichever thread asks)."""
         with self._lock:
             if self._client is None:
-                self._client = RecallClient(self.name, timeout=self._timeout,
-                                            connect_timeout=self._connect_timeout)
+                self._client = RecallClient(self.name, timeout=self._timeout, connect_timeout=self._connect_timeout)
                 self._owns_client = True
             client = self._client
         self._check(client.metric)
@@ -88,8 +97,9 @@ class Connections:
         return self._owns_client or self._pools.loops() > 0
 
     def _open_pool(self) -> Coroutine[Any, Any, RecallPool]:
-        return RecallPool(self.name, size=self._pool_size, timeout=self._timeout,
-                          connect_timeout=self._connect_timeout).open()
+        return RecallPool(
+            self.name, size=self._pool_size, timeout=self._timeout, connect_timeout=self._connect_timeout
+        ).open()
 
     def _check(self, metric: str) -> None:
         if self._similarity_for is not None:

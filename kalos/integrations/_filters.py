@@ -46,8 +46,7 @@ def condition(field: str, op: FieldOp, value: Any) -> Where:
     iterable of values (sent as a list)."""
     if op is FieldOp.EQ:
         if not is_scalar(value):
-            raise InvalidRequest(f"field {field!r}: equality takes a str, int, float, bool or None, "
-                                 f"got {value!r}")
+            raise InvalidRequest(f"field {field!r}: equality takes a str, int, float, bool or None, got {value!r}")
         # The bare value: the sidecar's filter parser does not accept "$eq" yet.
         return {field: value}
     if op in (FieldOp.IN, FieldOp.NIN) and isinstance(value, (tuple, set, frozenset)):
@@ -70,8 +69,12 @@ def all_of(parts: Iterable[Where | None]) -> Where | None:
             old = merged[key]
             if key == "$and":
                 merged[key] = [*old, *value]
-            elif (not key.startswith("$") and isinstance(old, dict) and isinstance(value, dict)
-                  and not old.keys() & value.keys()):
+            elif (
+                not key.startswith("$")
+                and isinstance(old, dict)
+                and isinstance(value, dict)
+                and not old.keys() & value.keys()
+            ):
                 merged[key] = {**old, **value}
             else:  # the same operator twice on a field, equality beside an operator, two $or
                 return {"$and": present}
@@ -88,7 +91,7 @@ def any_of(parts: Sequence[Where]) -> Where:
 def one_of(field: str, values: Sequence[Any]) -> Where:
     """``field`` is one of ``values``, in one filter: ``$in`` lists of at most the sidecar's
     bound, ORed when there are more."""
-    chunks = [list(values[i:i + MAX_WHERE_VALUES]) for i in range(0, len(values), MAX_WHERE_VALUES)]
+    chunks = [list(values[i : i + MAX_WHERE_VALUES]) for i in range(0, len(values), MAX_WHERE_VALUES)]
     return any_of([condition(field, FieldOp.IN, c) for c in chunks or [[]]])
 
 
@@ -123,8 +126,7 @@ def mongo_where(filter: Mapping[str, Any], field: Callable[[str], str] = str) ->
             subs = [mongo_where(c, field) for c in cond]
             parts.append(all_of(subs) if key == "$and" else any_of(subs))
         elif not isinstance(key, str) or not key or key.startswith("$"):
-            raise InvalidRequest(f"unsupported filter operator {key!r} (at the top: $and, $or, or "
-                                 "a field)")
+            raise InvalidRequest(f"unsupported filter operator {key!r} (at the top: $and, $or, or a field)")
         elif isinstance(cond, Mapping):
             if not cond:
                 raise InvalidRequest(f"empty condition on {key!r}")
@@ -140,5 +142,7 @@ def _field_op(key: str, op: Any) -> FieldOp:
     try:
         return FieldOp(op)
     except ValueError:
-        raise InvalidRequest(f"field {key!r}: operator {op!r} is not supported by Kalos filters "
-                             f"(supported: {', '.join(o.value for o in FieldOp)})") from None
+        raise InvalidRequest(
+            f"field {key!r}: operator {op!r} is not supported by Kalos filters "
+            f"(supported: {', '.join(o.value for o in FieldOp)})"
+        ) from None

@@ -125,9 +125,11 @@ def claim(probes: Mapping[K, Sequence[int]], held: Mapping[int, K | None]) -> di
         placed[key] = free
         taken[free] = key
     if failed:
-        raise IdCollision(f"no free Kalos id for {'; '.join(failed[:5])}"
-                          f"{f' and {len(failed) - 5} more' if len(failed) > 5 else ''}; "
-                          "nothing of this write was sent")
+        raise IdCollision(
+            f"no free Kalos id for {'; '.join(failed[:5])}"
+            f"{f' and {len(failed) - 5} more' if len(failed) > 5 else ''}; "
+            "nothing of this write was sent"
+        )
     return placed
 
 
@@ -148,8 +150,7 @@ class Reading(Generic[K]):
     #: Keys looked up by key: every record naming them is in ``held``.
     located: set[K] = field(default_factory=set)
 
-    def learn(self, asked: Iterable[int], records: Mapping[int, K | None],
-              located: Iterable[K] = ()) -> None:
+    def learn(self, asked: Iterable[int], records: Mapping[int, K | None], located: Iterable[K] = ()) -> None:
         """Ids ``asked`` were read (``records``: those of them holding a record, and the records
         the look-up of keys ``located`` found, wherever they are)."""
         self.read.update(asked)
@@ -169,9 +170,14 @@ class Reads(Generic[K]):
         return bool(self.ids or self.locate)
 
 
-def next_reads(probes: Mapping[K, Sequence[int]], seen: Reading[K], *,
-               place: Collection[K] | None = None, can_locate: bool = False,
-               per_request: int = 0) -> Reads[K]:
+def next_reads(
+    probes: Mapping[K, Sequence[int]],
+    seen: Reading[K],
+    *,
+    place: Collection[K] | None = None,
+    can_locate: bool = False,
+    per_request: int = 0,
+) -> Reads[K]:
     """What to read next so that ``find(probes, seen.held)`` and ``claim`` over the keys
     ``place`` (all with None) answer as they would with every probe read; nothing (a false
     :class:`Reads`) once they do. ``can_locate``: the store can look keys up by key;

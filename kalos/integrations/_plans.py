@@ -59,14 +59,16 @@ class Call(Generic[P, T]):
     """A Kalos operation both clients have under one signature: ``Call(RecallClient.get,
     RecallPool.get)(ids, namespace=...)`` is the step of one ``get``."""
 
-    def __init__(self, blocking: Callable[Concatenate[RecallClient, P], T],
-                 pooled: Callable[Concatenate[RecallPool, P], Awaitable[T]]) -> None:
+    def __init__(
+        self,
+        blocking: Callable[Concatenate[RecallClient, P], T],
+        pooled: Callable[Concatenate[RecallPool, P], Awaitable[T]],
+    ) -> None:
         self._blocking = blocking
         self._pooled = pooled
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> Step[T]:
-        return Step(lambda c: self._blocking(c, *args, **kwargs),
-                    lambda p: self._pooled(p, *args, **kwargs))
+        return Step(lambda c: self._blocking(c, *args, **kwargs), lambda p: self._pooled(p, *args, **kwargs))
 
 
 RECALL = Call(RecallClient.recall, RecallPool.recall)
@@ -107,7 +109,7 @@ def together(plans: Sequence[Plan[Any]]) -> Plan[list[Any]]:
         at = 0
         waiting, pending = pending, []
         for i, steps in waiting:
-            part, at = results[at:at + len(steps)], at + len(steps)
+            part, at = results[at : at + len(steps)], at + len(steps)
             try:
                 pending.append((i, plans[i].send(part)))
             except StopIteration as done:
@@ -131,11 +133,12 @@ def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | N
     lay = yield from layout()
     out: dict[int, Any] = {}
     unique = list(dict.fromkeys(ids))
-    chunks = [unique[i:i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
+    chunks = [unique[i : i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
     chunks, later = chunks[:1], chunks[1:]
     while chunks:
-        answers = yield [GET(c, namespace=namespace, with_vectors=False)
-                         .catching(UnknownNamespace, PayloadTooLarge) for c in chunks]
+        answers = yield [
+            GET(c, namespace=namespace, with_vectors=False).catching(UnknownNamespace, PayloadTooLarge) for c in chunks
+        ]
         retry: list[list[int]] = []
         for chunk, got in zip(chunks, answers):
             if isinstance(got, UnknownNamespace):
@@ -143,7 +146,7 @@ def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | N
             if isinstance(got, PayloadTooLarge):
                 if len(chunk) == 1:
                     raise got
-                retry += [chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]
+                retry += [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
                 continue
             out.update(zip(got.ids.tolist(), got.payloads))
         chunks, later = retry + later, []
@@ -170,8 +173,9 @@ class Probed(Generic[K]):
     payloads: dict[int, Any]
 
 
-def read_probes(namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K],
-                place: Collection[K] | None = None) -> Plan[Probed[K]]:
+def read_probes(
+    namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K], place: Collection[K] | None = None
+) -> Plan[Probed[K]]:
     """Read what ``_ids.next_reads`` asks (round after round: first probes, look-ups by key and
     collided keys' other probes together, rarely a last round) until ``find(probes, held)`` and
     ``claim`` over ``place`` (every key with None) are exact. A namespace that does not exist
@@ -179,8 +183,7 @@ def read_probes(namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K],
     lay = yield from layout()
     seen: Reading[K] = Reading()
     payloads: dict[int, Any] = {}
-    while reads := next_reads(probes, seen, place=place, can_locate=by.wheres is not None,
-                              per_request=lay.max_queries):
+    while reads := next_reads(probes, seen, place=place, can_locate=by.wheres is not None, per_request=lay.max_queries):
         looked: list[Scan] = []
         if not seen.read:  # the first round tells whether the namespace exists
             found = yield from read_payloads(namespace, reads.ids)
@@ -188,8 +191,9 @@ def read_probes(namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K],
                 return Probed({}, {})
         else:
             wheres = by.wheres(reads.locate, lay.blob_bytes) if by.wheres and reads.locate else []
-            found, *looked = yield from together([fetch_payloads(namespace, reads.ids),
-                                                  *(scan(namespace, w) for w in wheres)])
+            found, *looked = yield from together(
+                [fetch_payloads(namespace, reads.ids), *(scan(namespace, w) for w in wheres)]
+            )
         for sc in looked:
             found.update(zip(sc.ids, sc.payloads))
         payloads.update(found)
@@ -225,16 +229,17 @@ def scan(namespace: str, where: Where | None) -> Plan[Scan]:
         after = ids[-1]
 
 
-def upsert_rows(namespace: str, ids: Sequence[int], vectors: np.ndarray,
-                payloads: Sequence[Any]) -> Plan[None]:
+def upsert_rows(namespace: str, ids: Sequence[int], vectors: np.ndarray, payloads: Sequence[Any]) -> Plan[None]:
     """Write records (one id twice: the last row wins, at the first one's place), packed into
     requests that fit a slot (rows and payload bytes), sent together."""
     last = {int(i): j for j, i in enumerate(ids)}
     rows = list(last.values())
     ids_, vecs, pays = list(last), vectors[rows], [payloads[j] for j in rows]
     lay = yield from layout()
-    yield [UPSERT(ids_[lo:hi], vecs[lo:hi], pays[lo:hi], namespace=namespace)
-           for lo, hi in pack([line_bytes(p) for p in pays], lay.max_queries, lay.blob_bytes)]
+    yield [
+        UPSERT(ids_[lo:hi], vecs[lo:hi], pays[lo:hi], namespace=namespace)
+        for lo, hi in pack([line_bytes(p) for p in pays], lay.max_queries, lay.blob_bytes)
+    ]
     return None
 
 
@@ -257,8 +262,7 @@ def pack(sizes: Sequence[int], max_rows: int, max_bytes: int) -> list[tuple[int,
 def line_bytes(payload: Any) -> int:
     """Bytes of a payload's JSON line as the client encodes it (0 for one it will refuse)."""
     try:
-        return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False,
-                              allow_nan=False).encode())
+        return len(json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode())
     except (TypeError, ValueError, RecursionError):
         return 0  # the client's own check raises InvalidRequest with the reason
 

@@ -95,12 +95,29 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
-    DELETE, DROP_NAMESPACE, GET, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes,
+    DELETE,
+    DROP_NAMESPACE,
+    GET,
+    RECALL,
+    ByKey,
+    Plan,
+    Step,
+    fetch_payloads,
+    layout,
+    read_probes,
     upsert_rows,
 )
 
-__all__ = ["KalosVectorStore", "IdCollisionError", "kalos_id", "to_where", "mmr_select",
-           "ID_FIELD", "DOC_FIELD", "METADATA_PREFIX"]
+__all__ = [
+    "KalosVectorStore",
+    "IdCollisionError",
+    "kalos_id",
+    "to_where",
+    "mmr_select",
+    "ID_FIELD",
+    "DOC_FIELD",
+    "METADATA_PREFIX",
+]
 
 ID_FIELD = "lc_id"
 DOC_FIELD = "lc_doc"
@@ -116,6 +133,7 @@ IdCollisionError = IdCollision
 
 
 # --------------------------------------------------------------------------- pure mapping
+
 
 def kalos_id(doc_id: str) -> int:
     """The Kalos id (int64, >= 0) of a LangChain string id: the first 8 bytes of its BLAKE2b-64
@@ -151,8 +169,7 @@ def to_document(payload: Any) -> Document | None:
         return None
     n = len(METADATA_PREFIX)
     metadata = {k[n:]: v for k, v in payload.items() if k.startswith(METADATA_PREFIX)}
-    return Document(id=sid, page_content=str(payload[DOC_FIELD].get("page_content", "")),
-                    metadata=metadata)
+    return Document(id=sid, page_content=str(payload[DOC_FIELD].get("page_content", "")), metadata=metadata)
 
 
 def to_where(filter: Mapping[str, Any]) -> Where:
@@ -203,8 +220,12 @@ class _Batch:
     payloads: list[dict[str, Any]]
 
 
-def plan_batch(texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
-               ids: Sequence[str | None] | None, id_map: Callable[[str], int]) -> _Batch:
+def plan_batch(
+    texts: Sequence[str],
+    metadatas: Sequence[Mapping[str, Any] | None] | None,
+    ids: Sequence[str | None] | None,
+    id_map: Callable[[str], int],
+) -> _Batch:
     """Ids (a uuid4 for each missing one), Kalos ids and payloads of one add; raises
     InvalidRequest on mismatched lengths or an id map out of range. Pure apart from drawing
     uuids."""
@@ -218,8 +239,10 @@ def plan_batch(texts: Sequence[str], metadatas: Sequence[Mapping[str, Any] | Non
     for sid, kid in zip(doc_ids, kids):
         if not 0 <= kid <= _INT63:
             raise InvalidRequest(f"id map gave {kid} for {sid!r}: Kalos ids are 0..2**63-1")
-    payloads = [to_payload(sid, text, None if metadatas is None else metadatas[j])
-                for j, (sid, text) in enumerate(zip(doc_ids, texts))]
+    payloads = [
+        to_payload(sid, text, None if metadatas is None else metadatas[j])
+        for j, (sid, text) in enumerate(zip(doc_ids, texts))
+    ]
     return _Batch(doc_ids, kids, payloads)
 
 
@@ -241,8 +264,7 @@ def _docs_by_id(asked: Sequence[str], payloads: Iterable[Any]) -> list[Document]
     return [found[i] for i in asked if i in found]
 
 
-def _mmr_docs(query: Sequence[float], hits: Hits, records: Records, k: int,
-              lambda_mult: float) -> list[Document]:
+def _mmr_docs(query: Sequence[float], hits: Hits, records: Records, k: int, lambda_mult: float) -> list[Document]:
     """MMR over the recalled candidates that are documents and whose vectors were fetched (one
     deleted between the two requests is dropped)."""
     assert records.vectors is not None
@@ -275,6 +297,7 @@ def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
 
 # --------------------------------------------------------------------------- the store
 
+
 class KalosVectorStore(ConnectedStore, VectorStore):
     """A LangChain vector store kept in one namespace of a Kalos sidecar (module docstring).
 
@@ -290,17 +313,27 @@ class KalosVectorStore(ConnectedStore, VectorStore):
     ...) and :class:`IdCollisionError`; a namespace that does not exist yet reads as empty.
     """
 
-    def __init__(self, embedding: Embeddings, *, name: str = "default", namespace: str = "langchain",
-                 metric: Metric | None = None, timeout: float | None = 10.0,
-                 connect_timeout: float = 10.0, pool: RecallPool | None = None,
-                 client: RecallClient | None = None, pool_size: int = 4,
-                 id_map: Callable[[str], int] = kalos_id,
-                 relevance_score_fn: Callable[[float], float] | None = None) -> None:
+    def __init__(
+        self,
+        embedding: Embeddings,
+        *,
+        name: str = "default",
+        namespace: str = "langchain",
+        metric: Metric | None = None,
+        timeout: float | None = 10.0,
+        connect_timeout: float = 10.0,
+        pool: RecallPool | None = None,
+        client: RecallClient | None = None,
+        pool_size: int = 4,
+        id_map: Callable[[str], int] = kalos_id,
+        relevance_score_fn: Callable[[float], float] | None = None,
+    ) -> None:
         self._embedding = embedding
         self.name = name
         self.namespace = namespace
-        self._conns = Connections(name, timeout=timeout, connect_timeout=connect_timeout,
-                                  pool_size=pool_size, client=client, pool=pool)
+        self._conns = Connections(
+            name, timeout=timeout, connect_timeout=connect_timeout, pool_size=pool_size, client=client, pool=pool
+        )
         self._id_map = id_map
         self._relevance = relevance_score_fn or (relevance_fn(metric) if metric is not None else None)
 
@@ -309,33 +342,46 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         return self._embedding
 
     # ------------------------------------------------------------------ writes
-    def add_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None, *,
-                  ids: Sequence[str | None] | None = None, **kwargs: Any) -> list[str]:
+    def add_texts(
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: Sequence[str | None] | None = None,
+        **kwargs: Any,
+    ) -> list[str]:
         """Embed and store texts; returns their string ids (generated where ``ids`` has None).
         The same id again replaces the document; raises IdCollisionError (nothing written) when
         an id's Kalos id holds another document."""
         _no_extra(kwargs, "add_texts")
         return self._conns.run(self._add(list(texts), metadatas, ids))
 
-    async def aadd_texts(self, texts: Iterable[str], metadatas: list[dict[str, Any]] | None = None,
-                         *, ids: Sequence[str | None] | None = None, **kwargs: Any) -> list[str]:
+    async def aadd_texts(
+        self,
+        texts: Iterable[str],
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: Sequence[str | None] | None = None,
+        **kwargs: Any,
+    ) -> list[str]:
         """:meth:`add_texts` on the running loop's RecallPool."""
         _no_extra(kwargs, "aadd_texts")
         return await self._conns.arun(self._add(list(texts), metadatas, ids))
 
-    def _add(self, texts: list[str], metadatas: Sequence[Mapping[str, Any] | None] | None,
-             ids: Sequence[str | None] | None) -> Plan[list[str]]:
+    def _add(
+        self, texts: list[str], metadatas: Sequence[Mapping[str, Any] | None] | None, ids: Sequence[str | None] | None
+    ) -> Plan[list[str]]:
         batch = plan_batch(texts, metadatas, ids, self._id_map)
         if not texts:
             return []
         emb = self._embedding
-        [vectors] = yield [Step(lambda _: emb.embed_documents(texts),
-                                lambda _: emb.aembed_documents(texts))]
+        [vectors] = yield [Step(lambda _: emb.embed_documents(texts), lambda _: emb.aembed_documents(texts))]
         probes = {sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)}
         seen = yield from read_probes(self.namespace, probes, ByKey(stored_id))
         at = claim(probes, seen.held)
-        yield from upsert_rows(self.namespace, [at[sid] for sid in batch.doc_ids],
-                               np.asarray(vectors, np.float32), batch.payloads)
+        yield from upsert_rows(
+            self.namespace, [at[sid] for sid in batch.doc_ids], np.asarray(vectors, np.float32), batch.payloads
+        )
         return batch.doc_ids
 
     def delete(self, ids: list[str] | None = None, **kwargs: Any) -> bool:
@@ -362,8 +408,7 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         wheres: list[Where | None] = [extra]
         if ids is not None:
             blob_bytes = (yield from layout()).blob_bytes
-            wheres = [all_of([condition(ID_FIELD, FieldOp.IN, chunk), extra])
-                      for chunk in in_chunks(ids, blob_bytes)]
+            wheres = [all_of([condition(ID_FIELD, FieldOp.IN, chunk), extra]) for chunk in in_chunks(ids, blob_bytes)]
         if wheres:
             yield [DELETE(where=w, namespace=self.namespace) for w in wheres]
         return True
@@ -386,38 +431,40 @@ class KalosVectorStore(ConnectedStore, VectorStore):
 
     # ------------------------------------------------------------------ search
     def similarity_search_with_score_by_vector(
-            self, embedding: Sequence[float], k: int = 4, *,
-            filter: Mapping[str, Any] | None = None,
-            **kwargs: Any) -> list[tuple[Document, float]]:
+        self, embedding: Sequence[float], k: int = 4, *, filter: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
         """Exact top-``k`` documents for an embedding with Kalos scores (higher is better),
         best first; fewer when fewer (match). ``k`` is at most the sidecar's --max-k."""
         _no_extra(kwargs, "similarity_search")
         return self._conns.run(self._search(embedding, k, filter))
 
     async def asimilarity_search_with_score_by_vector(
-            self, embedding: Sequence[float], k: int = 4, *,
-            filter: Mapping[str, Any] | None = None,
-            **kwargs: Any) -> list[tuple[Document, float]]:
+        self, embedding: Sequence[float], k: int = 4, *, filter: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
         """:meth:`similarity_search_with_score_by_vector` on the running loop's RecallPool."""
         _no_extra(kwargs, "asimilarity_search")
         return await self._conns.arun(self._search(embedding, k, filter))
 
-    def _search(self, embedding: Sequence[float], k: int,
-                filter: Mapping[str, Any] | None) -> Plan[list[tuple[Document, float]]]:
-        [hits] = yield [RECALL(np.asarray(embedding, np.float32), k, namespace=self.namespace,
-                               with_payload=True, where=_where(filter)).catching(UnknownNamespace)]
+    def _search(
+        self, embedding: Sequence[float], k: int, filter: Mapping[str, Any] | None
+    ) -> Plan[list[tuple[Document, float]]]:
+        [hits] = yield [
+            RECALL(
+                np.asarray(embedding, np.float32), k, namespace=self.namespace, with_payload=True, where=_where(filter)
+            ).catching(UnknownNamespace)
+        ]
         return [] if isinstance(hits, UnknownNamespace) else _docs_of(hits)
 
-    def similarity_search_with_score(self, query: str, k: int = 4,
-                                     **kwargs: Any) -> list[tuple[Document, float]]:
+    def similarity_search_with_score(self, query: str, k: int = 4, **kwargs: Any) -> list[tuple[Document, float]]:
         """Top-``k`` documents for a text with Kalos scores (higher is better); ``filter=``."""
-        return self.similarity_search_with_score_by_vector(
-            self._embedding.embed_query(query), k, **kwargs)
+        return self.similarity_search_with_score_by_vector(self._embedding.embed_query(query), k, **kwargs)
 
-    async def asimilarity_search_with_score(self, query: str, k: int = 4,
-                                            **kwargs: Any) -> list[tuple[Document, float]]:
+    async def asimilarity_search_with_score(
+        self, query: str, k: int = 4, **kwargs: Any
+    ) -> list[tuple[Document, float]]:
         return await self.asimilarity_search_with_score_by_vector(
-            await self._embedding.aembed_query(query), k, **kwargs)
+            await self._embedding.aembed_query(query), k, **kwargs
+        )
 
     def similarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
         """Top-``k`` documents for a text, best first; ``filter=`` on metadata."""
@@ -426,14 +473,11 @@ class KalosVectorStore(ConnectedStore, VectorStore):
     async def asimilarity_search(self, query: str, k: int = 4, **kwargs: Any) -> list[Document]:
         return [d for d, _ in await self.asimilarity_search_with_score(query, k, **kwargs)]
 
-    def similarity_search_by_vector(self, embedding: list[float], k: int = 4,
-                                    **kwargs: Any) -> list[Document]:
+    def similarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return [d for d, _ in self.similarity_search_with_score_by_vector(embedding, k, **kwargs)]
 
-    async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4,
-                                           **kwargs: Any) -> list[Document]:
-        return [d for d, _ in
-                await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
+    async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
+        return [d for d, _ in await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
 
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         if self._relevance is None:  # the sidecar's metric: from an open pool, else the client
@@ -442,8 +486,8 @@ class KalosVectorStore(ConnectedStore, VectorStore):
 
     # ------------------------------------------------------------------ MMR
     def max_marginal_relevance_search_by_vector(
-            self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
-            **kwargs: Any) -> list[Document]:
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         """``k`` documents by maximal marginal relevance among the exact top-``fetch_k`` (at most
         the sidecar's --max-k); ``filter=``. Two requests: the recall, then the candidates'
         vectors (as stored: unit rows under cosine; MMR compares by cosine in any metric)."""
@@ -452,52 +496,70 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         return self._conns.run(self._mmr(embedding, k, fetch_k, lambda_mult, filter_))
 
     async def amax_marginal_relevance_search_by_vector(
-            self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5,
-            **kwargs: Any) -> list[Document]:
+        self, embedding: list[float], k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         """:meth:`max_marginal_relevance_search_by_vector` on the running loop's RecallPool."""
         filter_ = kwargs.pop("filter", None)
         _no_extra(kwargs, "amax_marginal_relevance_search")
         return await self._conns.arun(self._mmr(embedding, k, fetch_k, lambda_mult, filter_))
 
-    def _mmr(self, embedding: list[float], k: int, fetch_k: int, lambda_mult: float,
-             filter: Mapping[str, Any] | None) -> Plan[list[Document]]:
+    def _mmr(
+        self, embedding: list[float], k: int, fetch_k: int, lambda_mult: float, filter: Mapping[str, Any] | None
+    ) -> Plan[list[Document]]:
         where = _where(filter)
         max_k = (yield from layout()).max_k
-        [hits] = yield [RECALL(np.asarray(embedding, np.float32), _fetch_k(k, fetch_k, max_k),
-                               namespace=self.namespace, where=where).catching(UnknownNamespace)]
+        [hits] = yield [
+            RECALL(
+                np.asarray(embedding, np.float32), _fetch_k(k, fetch_k, max_k), namespace=self.namespace, where=where
+            ).catching(UnknownNamespace)
+        ]
         if isinstance(hits, UnknownNamespace) or len(hits) == 0:
             return []
-        [records] = yield [GET(hits.ids, namespace=self.namespace, with_vectors=True)
-                           .catching(UnknownNamespace)]
+        [records] = yield [GET(hits.ids, namespace=self.namespace, with_vectors=True).catching(UnknownNamespace)]
         if isinstance(records, UnknownNamespace):
             return []
         return _mmr_docs(embedding, hits, records, k, lambda_mult)
 
-    def max_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
-                                      lambda_mult: float = 0.5, **kwargs: Any) -> list[Document]:
+    def max_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         return self.max_marginal_relevance_search_by_vector(
-            self._embedding.embed_query(query), k, fetch_k, lambda_mult, **kwargs)
+            self._embedding.embed_query(query), k, fetch_k, lambda_mult, **kwargs
+        )
 
-    async def amax_marginal_relevance_search(self, query: str, k: int = 4, fetch_k: int = 20,
-                                             lambda_mult: float = 0.5,
-                                             **kwargs: Any) -> list[Document]:
+    async def amax_marginal_relevance_search(
+        self, query: str, k: int = 4, fetch_k: int = 20, lambda_mult: float = 0.5, **kwargs: Any
+    ) -> list[Document]:
         return await self.amax_marginal_relevance_search_by_vector(
-            await self._embedding.aembed_query(query), k, fetch_k, lambda_mult, **kwargs)
+            await self._embedding.aembed_query(query), k, fetch_k, lambda_mult, **kwargs
+        )
 
     # ------------------------------------------------------------------ constructors
     @classmethod
-    def from_texts(cls: type[_S], texts: list[str], embedding: Embeddings,
-                   metadatas: list[dict[str, Any]] | None = None, *,
-                   ids: list[str] | None = None, **kwargs: Any) -> _S:
+    def from_texts(
+        cls: type[_S],
+        texts: list[str],
+        embedding: Embeddings,
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> _S:
         """A store (``kwargs``: the constructor's options) with ``texts`` added."""
         store = cls(embedding, **kwargs)
         store.add_texts(texts, metadatas, ids=ids)
         return store
 
     @classmethod
-    async def afrom_texts(cls: type[_S], texts: list[str], embedding: Embeddings,
-                          metadatas: list[dict[str, Any]] | None = None, *,
-                          ids: list[str] | None = None, **kwargs: Any) -> _S:
+    async def afrom_texts(
+        cls: type[_S],
+        texts: list[str],
+        embedding: Embeddings,
+        metadatas: list[dict[str, Any]] | None = None,
+        *,
+        ids: list[str] | None = None,
+        **kwargs: Any,
+    ) -> _S:
         store = cls(embedding, **kwargs)
         await store.aadd_texts(texts, metadatas, ids=ids)
         return store

@@ -76,24 +76,46 @@ from ._core import ConnectedStore, Connections
 from ._filters import RANGE_OPS, FieldOp, Where, all_of, any_of, condition
 from ._ids import IdCollision, IdScheme, Probing, claim, find
 from ._plans import (
-    DELETE, RECALL, ByKey, Plan, Step, fetch_payloads, layout, read_probes, scan, unit_rows,
+    DELETE,
+    RECALL,
+    ByKey,
+    Plan,
+    Step,
+    fetch_payloads,
+    layout,
+    read_probes,
+    scan,
+    unit_rows,
     upsert_rows,
 )
 
 try:
     from langchain_core.embeddings import Embeddings
     from langgraph.store.base import (
-        BaseStore, GetOp, IndexConfig, Item, ListNamespacesOp, MatchCondition, Op, PutOp, Result,
-        SearchItem, SearchOp, ensure_embeddings, get_text_at_path, tokenize_path,
+        BaseStore,
+        GetOp,
+        IndexConfig,
+        Item,
+        ListNamespacesOp,
+        MatchCondition,
+        Op,
+        PutOp,
+        Result,
+        SearchItem,
+        SearchOp,
+        ensure_embeddings,
+        get_text_at_path,
+        tokenize_path,
     )
 except ImportError as e:  # pragma: no cover - depends on the installed extras
-    raise ImportError("kalos.integrations.langgraph needs langgraph: "
-                      "pip install 'kalos-recall[langgraph]'") from e
+    raise ImportError("kalos.integrations.langgraph needs langgraph: pip install 'kalos-recall[langgraph]'") from e
 try:
     from langgraph.store.base import validate_op_namespace
 except ImportError:  # pragma: no cover - older releases: BaseStore.put/get/search still check labels
+
     def validate_op_namespace(op: Op) -> None:
         return None
+
 
 __all__ = ["KalosStore", "KeyCollision", "item_id_window", "vector_id"]
 
@@ -108,8 +130,10 @@ IDS = IdScheme(Probing.WINDOW, probes=PROBE_WINDOW, bits=ITEM_ID_BITS)
 MAX_COPIED_STR = 256
 _EXACT_INT = 1 << 53
 _RANGE_OPS: dict[str, Callable[[float, float], bool]] = {
-    "$gt": lambda a, b: a > b, "$gte": lambda a, b: a >= b,
-    "$lt": lambda a, b: a < b, "$lte": lambda a, b: a <= b,
+    "$gt": lambda a, b: a > b,
+    "$gte": lambda a, b: a >= b,
+    "$lt": lambda a, b: a < b,
+    "$lte": lambda a, b: a <= b,
 }
 _OPERATORS = frozenset({"$eq", "$ne", *_RANGE_OPS})
 
@@ -132,8 +156,7 @@ def vector_id(item_id: int, j: int) -> int:
 
 def _item_key(payload: Any) -> ItemKey | None:
     """The ``(namespace, key)`` a record of the items namespace holds (None: not an item)."""
-    if isinstance(payload, dict) and isinstance(payload.get("ns"), list) and \
-            isinstance(payload.get("key"), str):
+    if isinstance(payload, dict) and isinstance(payload.get("ns"), list) and isinstance(payload.get("key"), str):
         return tuple(payload["ns"]), payload["key"]
     return None
 
@@ -169,8 +192,11 @@ def value_matches(item_value: Any, filter_value: Any) -> bool:
             return False
         return all(value_matches(item_value.get(k), v) for k, v in filter_value.items())
     if isinstance(filter_value, (list, tuple)):
-        return (isinstance(item_value, (list, tuple)) and len(item_value) == len(filter_value)
-                and all(value_matches(a, b) for a, b in zip(item_value, filter_value)))
+        return (
+            isinstance(item_value, (list, tuple))
+            and len(item_value) == len(filter_value)
+            and all(value_matches(a, b) for a, b in zip(item_value, filter_value))
+        )
     return bool(item_value == filter_value)
 
 
@@ -253,9 +279,11 @@ def translate_filter(filt: dict[str, Any] | None) -> tuple[list[Where], bool]:
                 continue
             if operand is None:  # missing fields equal None; non-copied values are missing too
                 exact = False
-                conds.append(any_of([condition(col, FieldOp.EQ, None),
-                                     condition(col, FieldOp.EXISTS, False)])
-                             if op == "$eq" else condition(col, FieldOp.NE, None))
+                conds.append(
+                    any_of([condition(col, FieldOp.EQ, None), condition(col, FieldOp.EXISTS, False)])
+                    if op == "$eq"
+                    else condition(col, FieldOp.NE, None)
+                )
                 continue
             vals = _equal_values(operand)
             if vals is None:
@@ -296,15 +324,24 @@ class _Stored:
 
     def item(self) -> Item:
         p = self.payload
-        return Item(value=p["value"], key=p["key"], namespace=tuple(p["ns"]),
-                    created_at=datetime.fromisoformat(p["created_at"]),
-                    updated_at=datetime.fromisoformat(p["updated_at"]))
+        return Item(
+            value=p["value"],
+            key=p["key"],
+            namespace=tuple(p["ns"]),
+            created_at=datetime.fromisoformat(p["created_at"]),
+            updated_at=datetime.fromisoformat(p["updated_at"]),
+        )
 
     def search_item(self, score: float | None) -> SearchItem:
         p = self.payload
-        return SearchItem(tuple(p["ns"]), p["key"], p["value"],
-                          datetime.fromisoformat(p["created_at"]),
-                          datetime.fromisoformat(p["updated_at"]), score)
+        return SearchItem(
+            tuple(p["ns"]),
+            p["key"],
+            p["value"],
+            datetime.fromisoformat(p["created_at"]),
+            datetime.fromisoformat(p["updated_at"]),
+            score,
+        )
 
 
 def _listing_order(items: list[_Stored]) -> list[_Stored]:
@@ -318,8 +355,9 @@ def _listing_order(items: list[_Stored]) -> list[_Stored]:
     return sorted(items, key=lambda s: (first[s.namespace], s.namespace, s.payload["seq"]))
 
 
-def _page(ranked: list[tuple[float, _Stored]], scoreless: list[_Stored], offset: int,
-          limit: int) -> list[tuple[float | None, _Stored]]:
+def _page(
+    ranked: list[tuple[float, _Stored]], scoreless: list[_Stored], offset: int, limit: int
+) -> list[tuple[float | None, _Stored]]:
     """InMemoryStore's paging of a query search: ranked items ``[offset, offset+limit)``, then
     items without vectors fill up to ``limit`` (from the first one: InMemoryStore ignores the
     offset there)."""
@@ -337,8 +375,7 @@ def _page(ranked: list[tuple[float, _Stored]], scoreless: list[_Stored], offset:
 def _unit_rows(vectors: Sequence[Sequence[float]], dim: int) -> np.ndarray:
     m = np.asarray(vectors, dtype=np.float64).reshape(len(vectors), -1)
     if m.shape[1] != dim:
-        raise ValueError(f"the embedding function returned {m.shape[1]} dimensions; the sidecar "
-                         f"serves {dim}")
+        raise ValueError(f"the embedding function returned {m.shape[1]} dimensions; the sidecar serves {dim}")
     return unit_rows(m)
 
 
@@ -360,17 +397,25 @@ class KalosStore(ConnectedStore, BaseStore):
 
     supports_ttl = False
 
-    def __init__(self, name: str = "default", *, namespace: str = "langgraph",
-                 index: IndexConfig | None = None, timeout: float | None = 30.0,
-                 pool_size: int = 4, client: RecallClient | None = None,
-                 pool: RecallPool | None = None) -> None:
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        namespace: str = "langgraph",
+        index: IndexConfig | None = None,
+        timeout: float | None = 30.0,
+        pool_size: int = 4,
+        client: RecallClient | None = None,
+        pool: RecallPool | None = None,
+    ) -> None:
         if len(namespace) + 4 > NAMESPACE_BYTES:
             raise ValueError(f"namespace {namespace!r} too long: at most {NAMESPACE_BYTES - 4} chars")
         self.name = name
         self.items_namespace = namespace
         self.vectors_namespace = namespace + ".vec"
-        self._conns = Connections(name, timeout=timeout, pool_size=pool_size, client=client,
-                                  pool=pool, similarity_for="KalosStore")
+        self._conns = Connections(
+            name, timeout=timeout, pool_size=pool_size, client=client, pool=pool, similarity_for="KalosStore"
+        )
         self._last_seq = 0
         self.index_config: IndexConfig | None = None
         self.embeddings: Embeddings | None = None
@@ -378,8 +423,7 @@ class KalosStore(ConnectedStore, BaseStore):
         if index:
             self.index_config = index.copy()
             self.embeddings = ensure_embeddings(index.get("embed"))
-            self._fields = [(p, p if p == "$" else tokenize_path(p))
-                            for p in (index.get("fields") or ["$"])]
+            self._fields = [(p, p if p == "$" else tokenize_path(p)) for p in (index.get("fields") or ["$"])]
 
     # ------------------------------------------------------------------ drivers
     def batch(self, ops: Iterable[Op]) -> list[Result]:
@@ -437,8 +481,9 @@ class KalosStore(ConnectedStore, BaseStore):
         payloads = yield from fetch_payloads(namespace, ids)
         return {i: _Stored(i, p) for i, p in payloads.items() if isinstance(p, dict)}
 
-    def _lookup(self, keys: list[ItemKey], place: Collection[ItemKey] = ()
-                ) -> Plan[tuple[dict[ItemKey, _Stored], dict[int, ItemKey | None]]]:
+    def _lookup(
+        self, keys: list[ItemKey], place: Collection[ItemKey] = ()
+    ) -> Plan[tuple[dict[ItemKey, _Stored], dict[int, ItemKey | None]]]:
         """The stored items of ``keys`` (absent ones left out), and who holds the ids read, enough
         for ``claim`` to place the keys ``place`` (``_plans.read_probes``: first ids, then the
         rest of a window only where the first holds another record; whole windows when they
@@ -451,8 +496,11 @@ class KalosStore(ConnectedStore, BaseStore):
     def _list_items(self, where: Where | None, filt: dict[str, Any] | None) -> Plan[list[_Stored]]:
         """Every item under ``where`` that matches ``filt``, in InMemoryStore's order."""
         found = yield from scan(self.items_namespace, where)
-        items = [_Stored(i, p) for i, p in zip(found.ids, found.payloads)
-                 if isinstance(p, dict) and item_matches(p["value"], filt)]
+        items = [
+            _Stored(i, p)
+            for i, p in zip(found.ids, found.payloads)
+            if isinstance(p, dict) and item_matches(p["value"], filt)
+        ]
         return _listing_order(items)
 
     def _search(self, op: SearchOp, geo: Layout) -> Plan[list[SearchItem]]:
@@ -460,27 +508,24 @@ class KalosStore(ConnectedStore, BaseStore):
         conds = prefix_conditions(op.namespace_prefix) + conds
         if not (op.query and self.embeddings is not None):
             items = yield from self._list_items(all_of(conds), op.filter)
-            return [s.search_item(None) for s in items[op.offset: op.offset + op.limit]]
+            return [s.search_item(None) for s in items[op.offset : op.offset + op.limit]]
         [[qv]] = yield [self._embed([op.query], query=True)]
         q = _unit_rows([qv], geo.dim)[0]
-        ranked = yield from self._ranked(q, all_of(conds), exact, op.filter,
-                                         op.offset + op.limit, geo)
+        ranked = yield from self._ranked(q, all_of(conds), exact, op.filter, op.offset + op.limit, geo)
         scoreless: list[_Stored] = []
         if len(ranked) < op.offset + op.limit:  # some fill may be needed
-            scoreless = yield from self._list_items(
-                all_of(conds + [condition("nvec", FieldOp.EQ, 0)]), op.filter)
+            scoreless = yield from self._list_items(all_of(conds + [condition("nvec", FieldOp.EQ, 0)]), op.filter)
         return [s.search_item(score) for score, s in _page(ranked, scoreless, op.offset, op.limit)]
 
-    def _ranked(self, q: np.ndarray, where: Where | None, exact: bool,
-                filt: dict[str, Any] | None, need: int, geo: Layout
-                ) -> Plan[list[tuple[float, _Stored]]]:
+    def _ranked(
+        self, q: np.ndarray, where: Where | None, exact: bool, filt: dict[str, Any] | None, need: int, geo: Layout
+    ) -> Plan[list[tuple[float, _Stored]]]:
         """The best ``need`` items matching ``filt`` by their best vector, best first."""
         if need <= 0:
             return []
         k = min(geo.max_k, max(16, 2 * need))
         while True:
-            [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where)
-                            .catching(UnknownNamespace)]
+            [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where).catching(UnknownNamespace)]
             if isinstance(hits, UnknownNamespace):
                 return []
             best: dict[int, float] = {}
@@ -508,13 +553,14 @@ class KalosStore(ConnectedStore, BaseStore):
         kept = []
         step = max(need, geo.max_queries)
         for lo in range(0, len(order), step):
-            kept += yield from self._rank_items(order[lo: lo + step], filt)
+            kept += yield from self._rank_items(order[lo : lo + step], filt)
             if len(kept) >= need:
                 break
         return kept[:need]
 
-    def _rank_items(self, order: list[tuple[int, float]], filt: dict[str, Any] | None
-                    ) -> Plan[list[tuple[float, _Stored]]]:
+    def _rank_items(
+        self, order: list[tuple[int, float]], filt: dict[str, Any] | None
+    ) -> Plan[list[tuple[float, _Stored]]]:
         records = yield from self._fetch(self.items_namespace, [i for i, _ in order])
         out: list[tuple[float, _Stored]] = []
         for iid, score in order:
@@ -532,11 +578,10 @@ class KalosStore(ConnectedStore, BaseStore):
         found = yield from scan(self.items_namespace, all_of(conds))
         namespaces = {tuple(p["ns"]) for p in found.payloads if isinstance(p, dict)}
         if op.match_conditions:
-            namespaces = {ns for ns in namespaces
-                          if all(namespace_matches(c, ns) for c in op.match_conditions)}
+            namespaces = {ns for ns in namespaces if all(namespace_matches(c, ns) for c in op.match_conditions)}
         if op.max_depth is not None:
             namespaces = {ns[: op.max_depth] for ns in namespaces}
-        return sorted(namespaces)[op.offset: op.offset + op.limit]
+        return sorted(namespaces)[op.offset : op.offset + op.limit]
 
     # ------------------------------------------------------------------ writes
     def _texts(self, op: PutOp) -> list[str]:
@@ -563,14 +608,21 @@ class KalosStore(ConnectedStore, BaseStore):
         ns_seq: dict[tuple[str, ...], int] = {}
         for s in existing.values():
             ns_seq.setdefault(s.namespace, s.payload["ns_seq"])
-        unknown = list(dict.fromkeys(op.namespace for op in puts
-                                     if op.value is not None and op.namespace not in ns_seq))
+        unknown = list(
+            dict.fromkeys(op.namespace for op in puts if op.value is not None and op.namespace not in ns_seq)
+        )
         if unknown:
             zero = np.zeros(geo.dim, np.float32)
-            answers = yield [RECALL(zero, 1, namespace=self.items_namespace, with_payload=True,
-                                    where=all_of([condition("depth", FieldOp.EQ, len(ns)),
-                                                  *prefix_conditions(ns)]))
-                             .catching(UnknownNamespace) for ns in unknown]
+            answers = yield [
+                RECALL(
+                    zero,
+                    1,
+                    namespace=self.items_namespace,
+                    with_payload=True,
+                    where=all_of([condition("depth", FieldOp.EQ, len(ns)), *prefix_conditions(ns)]),
+                ).catching(UnknownNamespace)
+                for ns in unknown
+            ]
             for ns, hits in zip(unknown, answers):
                 if not isinstance(hits, UnknownNamespace) and len(hits) and hits.payloads:
                     ns_seq[ns] = hits.payloads[0]["ns_seq"]
@@ -602,22 +654,42 @@ class KalosStore(ConnectedStore, BaseStore):
             columns = filter_columns(value)
             seq = self._next_seq() if old is None else old.payload["seq"]
             nss = ns_seq.setdefault(op.namespace, seq)
-            item_rows.append((iid, {
-                "ns": list(op.namespace), "depth": len(op.namespace), **labels, "key": op.key,
-                "value": value, "created_at": now if old is None else old.payload["created_at"],
-                "updated_at": now, "seq": seq, "ns_seq": nss, "nvec": len(op_texts), **columns}))
-            vec_rows += [(vector_id(iid, j), embedded[t], {**labels, **columns})
-                         for j, t in enumerate(op_texts)]
+            item_rows.append(
+                (
+                    iid,
+                    {
+                        "ns": list(op.namespace),
+                        "depth": len(op.namespace),
+                        **labels,
+                        "key": op.key,
+                        "value": value,
+                        "created_at": now if old is None else old.payload["created_at"],
+                        "updated_at": now,
+                        "seq": seq,
+                        "ns_seq": nss,
+                        "nvec": len(op_texts),
+                        **columns,
+                    },
+                )
+            )
+            vec_rows += [(vector_id(iid, j), embedded[t], {**labels, **columns}) for j, t in enumerate(op_texts)]
             stale_vecs += [vector_id(iid, j) for j in range(len(op_texts), old_nvec)]
         # Vectors before their item, stale vectors after it: a search meanwhile finds either
         # version of an item, never a vector without an item it can read.
         if vec_rows:
-            yield from upsert_rows(self.vectors_namespace, [r[0] for r in vec_rows],
-                                   np.stack([r[1] for r in vec_rows]), [r[2] for r in vec_rows])
+            yield from upsert_rows(
+                self.vectors_namespace,
+                [r[0] for r in vec_rows],
+                np.stack([r[1] for r in vec_rows]),
+                [r[2] for r in vec_rows],
+            )
         if item_rows:
-            yield from upsert_rows(self.items_namespace, [i for i, _ in item_rows],
-                                   np.zeros((len(item_rows), geo.dim), np.float32),
-                                   [p for _, p in item_rows])
+            yield from upsert_rows(
+                self.items_namespace,
+                [i for i, _ in item_rows],
+                np.zeros((len(item_rows), geo.dim), np.float32),
+                [p for _, p in item_rows],
+            )
         if gone_items:
             yield [DELETE(gone_items, namespace=self.items_namespace)]
         if stale_vecs:

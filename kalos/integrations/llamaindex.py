@@ -83,12 +83,29 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, any_of, condition, in_chunks, one_of
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
-    DELETE, DROP_NAMESPACE, RECALL, ByKey, Plan, fetch_payloads, layout, read_probes, scan,
-    together, unit_rows, upsert_rows,
+    DELETE,
+    DROP_NAMESPACE,
+    RECALL,
+    ByKey,
+    Plan,
+    fetch_payloads,
+    layout,
+    read_probes,
+    scan,
+    together,
+    unit_rows,
+    upsert_rows,
 )
 
-__all__ = ["KalosLlamaVectorStore", "UnsupportedQuery", "IdCollision", "kalos_id", "to_where",
-           "NODE_ID_KEY", "MAX_PROBES"]
+__all__ = [
+    "KalosLlamaVectorStore",
+    "UnsupportedQuery",
+    "IdCollision",
+    "kalos_id",
+    "to_where",
+    "NODE_ID_KEY",
+    "MAX_PROBES",
+]
 
 #: Payload field holding the LlamaIndex node id (filters and deletes by node id use it).
 NODE_ID_KEY = "_node_id"
@@ -96,8 +113,12 @@ NODE_ID_KEY = "_node_id"
 MAX_PROBES = 8
 #: Pinned: nodes already stored are found by these ids.
 IDS = IdScheme(Probing.REHASH, probes=MAX_PROBES, person=b"kalos.llama")
-_RANGE = {FilterOperator.GT: FieldOp.GT, FilterOperator.GTE: FieldOp.GTE,
-          FilterOperator.LT: FieldOp.LT, FilterOperator.LTE: FieldOp.LTE}
+_RANGE = {
+    FilterOperator.GT: FieldOp.GT,
+    FilterOperator.GTE: FieldOp.GTE,
+    FilterOperator.LT: FieldOp.LT,
+    FilterOperator.LTE: FieldOp.LTE,
+}
 _SUPPORTED = "EQ, NE, IN, NIN, GT, GTE, LT, LTE, IS_EMPTY"
 _EMPTY = VectorStoreQueryResult(nodes=[], similarities=[], ids=[])
 
@@ -109,6 +130,7 @@ class UnsupportedQuery(InvalidRequest):
 
 # --------------------------------------------------------------------------- pure mapping
 
+
 def kalos_id(node_id: str, attempt: int = 0) -> int:
     """The Kalos id (0 <= id < 2**63) of ``node_id`` at probe ``attempt``: deterministic, the
     same in every process."""
@@ -118,8 +140,7 @@ def kalos_id(node_id: str, attempt: int = 0) -> int:
 def _scalar(f: MetadataFilter) -> str | int | float:
     v = f.value
     if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-        raise UnsupportedQuery(f"filter on {f.key!r}: {f.operator.name} needs a string or a "
-                               f"number, got {v!r}")
+        raise UnsupportedQuery(f"filter on {f.key!r}: {f.operator.name} needs a string or a number, got {v!r}")
     return v
 
 
@@ -136,14 +157,16 @@ def _filter_where(f: MetadataFilter) -> Where:
     if op in _RANGE:
         v = f.value
         if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise UnsupportedQuery(f"filter on {key!r}: Kalos compares {op.name} with numbers "
-                                   f"only, got {v!r}")
+            raise UnsupportedQuery(f"filter on {key!r}: Kalos compares {op.name} with numbers only, got {v!r}")
         return condition(key, _RANGE[op], v)
     if op == FilterOperator.IS_EMPTY:  # as SimpleVectorStore: missing, None or ""
-        return any_of([condition(key, FieldOp.EXISTS, False), condition(key, FieldOp.EQ, None),
-                       condition(key, FieldOp.EQ, "")])
-    raise UnsupportedQuery(f"filter on {key!r}: operator {op.name} ({op.value!r}) is not supported "
-                           f"by the Kalos store; supported: {_SUPPORTED}")
+        return any_of(
+            [condition(key, FieldOp.EXISTS, False), condition(key, FieldOp.EQ, None), condition(key, FieldOp.EQ, "")]
+        )
+    raise UnsupportedQuery(
+        f"filter on {key!r}: operator {op.name} ({op.value!r}) is not supported "
+        f"by the Kalos store; supported: {_SUPPORTED}"
+    )
 
 
 def to_where(filters: MetadataFilters | None) -> Where | None:
@@ -156,8 +179,7 @@ def to_where(filters: MetadataFilters | None) -> Where | None:
 def _filters_where(filters: MetadataFilters) -> Where:
     cond = filters.condition or FilterCondition.AND
     if cond not in (FilterCondition.AND, FilterCondition.OR):
-        raise UnsupportedQuery(f"condition {cond.name} is not supported by the Kalos store; "
-                               "supported: AND, OR")
+        raise UnsupportedQuery(f"condition {cond.name} is not supported by the Kalos store; supported: AND, OR")
     parts: list[Where] = []
     for f in filters.filters:
         if isinstance(f, MetadataFilters):
@@ -177,9 +199,13 @@ def query_where(query: VectorStoreQuery) -> Where | None:
     """The ``where=`` of a query: its filters, ``doc_ids`` and ``node_ids`` together. Empty
     ``node_ids``/``doc_ids`` restrict nothing: ``VectorStoreIndex.as_retriever`` passes the ids of
     its (empty, for a store that keeps the text) index struct."""
-    return all_of([to_where(query.filters),
-                   one_of("ref_doc_id", query.doc_ids) if query.doc_ids else None,
-                   one_of(NODE_ID_KEY, query.node_ids) if query.node_ids else None])
+    return all_of(
+        [
+            to_where(query.filters),
+            one_of("ref_doc_id", query.doc_ids) if query.doc_ids else None,
+            one_of(NODE_ID_KEY, query.node_ids) if query.node_ids else None,
+        ]
+    )
 
 
 def _payload(node: BaseNode, flat_metadata: bool) -> dict[str, Any]:
@@ -208,8 +234,9 @@ _NODES = ByKey(_occupant, _node_id_wheres)
 def _result(hits: Hits) -> VectorStoreQueryResult:
     payloads = hits.payloads or []
     nodes = [metadata_dict_to_node(p) for p in payloads]
-    return VectorStoreQueryResult(nodes=nodes, similarities=[float(s) for s in hits.scores],
-                                  ids=[n.node_id for n in nodes])
+    return VectorStoreQueryResult(
+        nodes=nodes, similarities=[float(s) for s in hits.scores], ids=[n.node_id for n in nodes]
+    )
 
 
 def _with_payloads(hits: Hits, found: Mapping[int, Any]) -> Hits:
@@ -222,8 +249,9 @@ def _with_payloads(hits: Hits, found: Mapping[int, Any]) -> Hits:
 def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
     """The unit query vector and the filter, or UnsupportedQuery (before anything is sent)."""
     if query.mode != VectorStoreQueryMode.DEFAULT:
-        raise UnsupportedQuery(f"query mode {query.mode.value!r} is not supported by the Kalos "
-                               "store (only 'default': exact top-k)")
+        raise UnsupportedQuery(
+            f"query mode {query.mode.value!r} is not supported by the Kalos store (only 'default': exact top-k)"
+        )
     if query.query_embedding is None:
         raise UnsupportedQuery("the Kalos store needs a query_embedding")
     return unit_rows(query.query_embedding), query_where(query)
@@ -231,8 +259,11 @@ def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
 
 # --------------------------------------------------------------------------- the store
 
-class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
-                            BasePydanticVectorStore):
+
+class KalosLlamaVectorStore(
+    ConnectedStore,  # type: ignore[misc,unused-ignore]
+    BasePydanticVectorStore,
+):
     """LlamaIndex vector store on a Kalos sidecar (exact top-k, cosine scores); see the module
     docstring for how ids, filters and scores map.
 
@@ -255,12 +286,24 @@ class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
 
     _conns: Connections = PrivateAttr()
 
-    def __init__(self, name: str = "default", *, client: RecallClient | None = None,
-                 pool: RecallPool | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        client: RecallClient | None = None,
+        pool: RecallPool | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(name=name, **kwargs)  # type: ignore[call-arg,unused-ignore]
-        self._conns = Connections(self.name, timeout=self.timeout,
-                                  connect_timeout=self.connect_timeout, pool_size=self.pool_size,
-                                  client=client, pool=pool, similarity_for="KalosLlamaVectorStore")
+        self._conns = Connections(
+            self.name,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+            pool_size=self.pool_size,
+            client=client,
+            pool=pool,
+            similarity_for="KalosLlamaVectorStore",
+        )
 
     @classmethod
     def class_name(cls) -> str:
@@ -305,23 +348,23 @@ class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
         await self._conns.arun(self._delete(ref_doc_id))
 
     def _delete(self, ref_doc_id: str) -> Plan[None]:
-        yield [DELETE(where=condition("ref_doc_id", FieldOp.EQ, ref_doc_id),
-                      namespace=self.namespace)]
+        yield [DELETE(where=condition("ref_doc_id", FieldOp.EQ, ref_doc_id), namespace=self.namespace)]
         return None
 
-    def delete_nodes(self, node_ids: list[str] | None = None,
-                     filters: MetadataFilters | None = None, **delete_kwargs: Any) -> None:
+    def delete_nodes(
+        self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None, **delete_kwargs: Any
+    ) -> None:
         """Delete the nodes among ``node_ids`` (all if None) that match ``filters`` (all if
         None); with neither, every node of the store, as SimpleVectorStore does."""
         self._conns.run(self._delete_nodes(node_ids, filters))
 
-    async def adelete_nodes(self, node_ids: list[str] | None = None,
-                            filters: MetadataFilters | None = None, **delete_kwargs: Any) -> None:
+    async def adelete_nodes(
+        self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None, **delete_kwargs: Any
+    ) -> None:
         """As :meth:`delete_nodes`, through this event loop's pool."""
         await self._conns.arun(self._delete_nodes(node_ids, filters))
 
-    def _delete_nodes(self, node_ids: list[str] | None,
-                      filters: MetadataFilters | None) -> Plan[None]:
+    def _delete_nodes(self, node_ids: list[str] | None, filters: MetadataFilters | None) -> Plan[None]:
         fw = to_where(filters)
         if node_ids is None and fw is None:
             yield from self._clear()
@@ -358,29 +401,29 @@ class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
     def _query(self, query: VectorStoreQuery) -> Plan[VectorStoreQueryResult]:
         vec, where = _check_query(query)
         k = query.similarity_top_k
-        [hits] = yield [RECALL(vec, k, namespace=self.namespace, with_payload=True, where=where)
-                        .catching(UnknownNamespace, PayloadTooLarge)]
+        [hits] = yield [
+            RECALL(vec, k, namespace=self.namespace, with_payload=True, where=where).catching(
+                UnknownNamespace, PayloadTooLarge
+            )
+        ]
         if isinstance(hits, PayloadTooLarge):  # the hits' payloads overflow one slot: apart
-            [hits] = yield [RECALL(vec, k, namespace=self.namespace, where=where)
-                            .catching(UnknownNamespace)]
+            [hits] = yield [RECALL(vec, k, namespace=self.namespace, where=where).catching(UnknownNamespace)]
             if not isinstance(hits, UnknownNamespace):
-                hits = _with_payloads(hits, (yield from fetch_payloads(self.namespace,
-                                                                       hits.ids.tolist())))
+                hits = _with_payloads(hits, (yield from fetch_payloads(self.namespace, hits.ids.tolist())))
         return _EMPTY if isinstance(hits, UnknownNamespace) else _result(hits)
 
-    def get_nodes(self, node_ids: list[str] | None = None,
-                  filters: MetadataFilters | None = None) -> list[BaseNode]:
+    def get_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None) -> list[BaseNode]:
         """The stored nodes among ``node_ids`` (all if None) matching ``filters``, in Kalos id
         order (not the order asked)."""
         return self._conns.run(self._get_nodes(node_ids, filters))
 
-    async def aget_nodes(self, node_ids: list[str] | None = None,
-                         filters: MetadataFilters | None = None) -> list[BaseNode]:
+    async def aget_nodes(
+        self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None
+    ) -> list[BaseNode]:
         """As :meth:`get_nodes`, through this event loop's pool."""
         return await self._conns.arun(self._get_nodes(node_ids, filters))
 
-    def _get_nodes(self, node_ids: list[str] | None,
-                   filters: MetadataFilters | None) -> Plan[list[BaseNode]]:
+    def _get_nodes(self, node_ids: list[str] | None, filters: MetadataFilters | None) -> Plan[list[BaseNode]]:
         fw = to_where(filters)
         wheres: list[Where | None] = [fw]
         if node_ids is not None:
@@ -394,6 +437,5 @@ class KalosLlamaVectorStore(ConnectedStore,  # type: ignore[misc,unused-ignore]
         if node_ids is None:
             return [] if fw is None else [fw]
         blob_bytes = (yield from layout()).blob_bytes
-        wheres = [all_of([condition(NODE_ID_KEY, FieldOp.IN, c), fw])
-                  for c in in_chunks(node_ids, blob_bytes)]
+        wheres = [all_of([condition(NODE_ID_KEY, FieldOp.IN, c), fw]) for c in in_chunks(node_ids, blob_bytes)]
         return [w for w in wheres if w is not None]

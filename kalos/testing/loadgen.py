@@ -61,8 +61,7 @@ class LoadResult:
         return self.count / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
-async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any
-                       ) -> dict[str, Any]:
+async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, progress: Any) -> dict[str, Any]:
     from kalos.clients.pool import DEFAULT_SPIN_US, MAX_SPIN_US, RecallPool
 
     rng = np.random.default_rng((spec.seed, rank))
@@ -72,9 +71,10 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
     errors = 0
     spin = DEFAULT_SPIN_US if spec.spin_us is None else spec.spin_us
     max_spin = MAX_SPIN_US if spec.max_spin_us is None else spec.max_spin_us
-    async with RecallPool(spec.name, size=n_tasks, min_size=n_tasks, spin_us=spin,
-                          max_spin_us=max_spin, coalesce=spec.coalesce) as pool:
-        while time.time() < start_at:
+    async with RecallPool(
+        spec.name, size=n_tasks, min_size=n_tasks, spin_us=spin, max_spin_us=max_spin, coalesce=spec.coalesce
+    ) as pool:
+        while time.time() < start_at:  # noqa: ASYNC110 (a start line shared by processes: a clock, not an event)
             await asyncio.sleep(0.001)
         t_measure = time.perf_counter() + spec.warmup_s
         t_end = t_measure + spec.duration_s
@@ -118,8 +118,13 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
         elapsed = time.perf_counter() - max(t0 + spec.warmup_s, t0)
         cpu_s = time.process_time() - cpu0[0] if marker.done() else 0.0
         marker.cancel()
-    return {"lat": np.asarray(lat, np.int64), "elapsed": min(elapsed, spec.duration_s),
-            "errors": errors, "samples": samples, "cpu_s": cpu_s}
+    return {
+        "lat": np.asarray(lat, np.int64),
+        "elapsed": min(elapsed, spec.duration_s),
+        "errors": errors,
+        "samples": samples,
+        "cpu_s": cpu_s,
+    }
 
 
 def _worker(spec: LoadSpec, n_tasks: int, rank: int, start_at: float, out: Any, progress: Any) -> None:
@@ -140,8 +145,10 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
     split = [spec.tasks // spec.procs + (1 if r < spec.tasks % spec.procs else 0) for r in range(spec.procs)]
     split = [s for s in split if s > 0]
     start_at = time.time() + 1.0 + 0.2 * len(split)
-    ps = [ctx.Process(target=_worker, args=(spec, n, r, start_at, out, progress), daemon=True)
-          for r, n in enumerate(split)]
+    ps = [
+        ctx.Process(target=_worker, args=(spec, n, r, start_at, out, progress), daemon=True)
+        for r, n in enumerate(split)
+    ]
     for p in ps:
         p.start()
     results: list[dict[str, Any]] = []
@@ -151,24 +158,30 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
             progress_cb(progress.value)
         try:
             results.append(out.get(timeout=0.1))
-        except Exception:
-            if time.time() > deadline or all(not p.is_alive() for p in ps) and out.empty():
+        except Exception as e:
+            if time.time() > deadline or (all(not p.is_alive() for p in ps) and out.empty()):
                 if len(results) < len(ps):
                     for p in ps:
                         p.kill()
-                    raise RuntimeError(f"load workers failed ({len(results)}/{len(ps)} reported; "
-                                       f"exit codes {[p.exitcode for p in ps]})")
+                    raise RuntimeError(
+                        f"load workers failed ({len(results)}/{len(ps)} reported; "
+                        f"exit codes {[p.exitcode for p in ps]})"
+                    ) from e
     for p in ps:
         p.join(timeout=5)
     lat = np.concatenate([r["lat"] for r in results]) if results else np.empty(0, np.int64)
     elapsed = max(r["elapsed"] for r in results)
     samples = [s for r in results for s in r["samples"]]
-    return LoadResult(lat, elapsed, sum(r["errors"] for r in results), samples,
-                      sum(r["cpu_s"] for r in results))
+    return LoadResult(lat, elapsed, sum(r["errors"] for r in results), samples, sum(r["cpu_s"] for r in results))
 
 
-def check_samples(samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]], matrix: np.ndarray,
-                  k: int, rtol: float = 1e-4, allowed: np.ndarray | None = None) -> tuple[int, int]:
+def check_samples(
+    samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    matrix: np.ndarray,
+    k: int,
+    rtol: float = 1e-4,
+    allowed: np.ndarray | None = None,
+) -> tuple[int, int]:
     """Compare answers with a float64 reference by score (ties and rounding are compared by value,
     not by index); ids are rows of ``matrix``. ``allowed``: a filtered recall's bool mask of the
     rows it may return (every other row counts as wrong). Returns (checked, wrong)."""
@@ -201,9 +214,14 @@ def environment() -> dict[str, Any]:
 
     import numpy
 
-    info: dict[str, Any] = {"python": platform.python_version(), "numpy": numpy.__version__,
-                            "machine": platform.machine(), "node": platform.node(),
-                            "cpus": os.cpu_count(), "platform": platform.platform()}
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "numpy": numpy.__version__,
+        "machine": platform.machine(),
+        "node": platform.node(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+    }
     try:
         info["uvloop"] = importlib.metadata.version("uvloop")
     except importlib.metadata.PackageNotFoundError:

@@ -22,8 +22,11 @@ USER = "kalos"
 
 def find_bin() -> str | None:
     """The newest ``/usr/lib/postgresql/N/bin`` that has initdb and pg_ctl, or None."""
-    found = [d for d in glob.glob("/usr/lib/postgresql/*/bin")
-             if os.path.exists(os.path.join(d, "initdb")) and os.path.exists(os.path.join(d, "pg_ctl"))]
+    found = [
+        d
+        for d in glob.glob("/usr/lib/postgresql/*/bin")
+        if os.path.exists(os.path.join(d, "initdb")) and os.path.exists(os.path.join(d, "pg_ctl"))
+    ]
     if found:
         return max(found, key=lambda d: int(d.split("/")[-2]) if d.split("/")[-2].isdigit() else 0)
     initdb = shutil.which("initdb")
@@ -53,24 +56,53 @@ class PgServer:
             f.write(PASSWORD + "\n")
         if self._run_as:
             os.chown(pwfile, _uid("nobody"), -1)
-        self._pg("initdb", "-D", self.data, "-U", USER, "--pwfile", pwfile, "-E", "UTF8",
-                 "--auth-local=trust", "--auth-host=scram-sha-256", "--no-sync")
+        self._pg(
+            "initdb",
+            "-D",
+            self.data,
+            "-U",
+            USER,
+            "--pwfile",
+            pwfile,
+            "-E",
+            "UTF8",
+            "--auth-local=trust",
+            "--auth-host=scram-sha-256",
+            "--no-sync",
+        )
         os.unlink(pwfile)
         self.start()
 
     def _pg(self, tool: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run([*self._run_as, os.path.join(self.bindir, tool), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, check=check,
-                              timeout=120)
+        return subprocess.run(
+            [*self._run_as, os.path.join(self.bindir, tool), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            check=check,
+            timeout=120,
+        )
 
     def start(self) -> None:
-        opts = (f"-k {self.dir} -p {self.port} -c listen_addresses=127.0.0.1 "
-                f"-c fsync={'on' if self.fsync else 'off'} -c max_connections=200")
-        out = self._pg("pg_ctl", "-D", self.data, "-l", os.path.join(self.dir, "log"), "-w",
-                       "-t", "60", "-o", opts, "start", check=False)
+        opts = (
+            f"-k {self.dir} -p {self.port} -c listen_addresses=127.0.0.1 "
+            f"-c fsync={'on' if self.fsync else 'off'} -c max_connections=200"
+        )
+        out = self._pg(
+            "pg_ctl",
+            "-D",
+            self.data,
+            "-l",
+            os.path.join(self.dir, "log"),
+            "-w",
+            "-t",
+            "60",
+            "-o",
+            opts,
+            "start",
+            check=False,
+        )
         if out.returncode != 0:
-            raise RuntimeError(f"pg_ctl start failed: {out.stdout.decode(errors='replace')}"
-                               f"{self.log_tail()}")
+            raise RuntimeError(f"pg_ctl start failed: {out.stdout.decode(errors='replace')}{self.log_tail()}")
 
     def stop(self, mode: str = "fast") -> None:
         self._pg("pg_ctl", "-D", self.data, "-m", mode, "-w", "stop", check=False)
@@ -90,9 +122,24 @@ class PgServer:
         return f"postgresql://{USER}{pw}@127.0.0.1:{self.port}/{db}"
 
     def psql(self, sql: str, db: str = "postgres") -> str:
-        out = subprocess.run([os.path.join(self.bindir, "psql"), "-X", "-q", "-t", "-A",
-                              "-v", "ON_ERROR_STOP=1", "-d", self.dsn(db), "-c", sql],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        out = subprocess.run(
+            [
+                os.path.join(self.bindir, "psql"),
+                "-X",
+                "-q",
+                "-t",
+                "-A",
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-d",
+                self.dsn(db),
+                "-c",
+                sql,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            timeout=60,
+        )
         if out.returncode != 0:
             raise RuntimeError(f"psql failed: {out.stdout.decode(errors='replace')}")
         return out.stdout.decode().strip()

@@ -13,15 +13,20 @@ from kalos.broker.errors import BrokerUnavailable
 from kalos.clients._transport import Connection
 
 
-def start_sidecar_process(args: list[str], name: str, timeout: float = 60.0,
-                          stderr: int | IO[Any] | None = None,
-                          python_args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+def start_sidecar_process(
+    args: list[str],
+    name: str,
+    timeout: float = 60.0,
+    stderr: int | IO[Any] | None = None,
+    python_args: Sequence[str] = (),
+) -> subprocess.Popen[bytes]:
     """Start ``python [PYTHON_ARGS] -m kalos.sidecar_cuda --name NAME ARGS`` and wait until it is ready.
 
     ``timeout`` is in seconds; ``python_args`` e.g. ``-m cProfile -o FILE``. Raises RuntimeError
     if the sidecar exits during start or is not ready within ``timeout`` (it is killed then)."""
-    proc = subprocess.Popen([sys.executable, *python_args, "-m", "kalos.sidecar_cuda", "--name", name, *args],
-                            stderr=stderr)
+    proc = subprocess.Popen(
+        [sys.executable, *python_args, "-m", "kalos.sidecar_cuda", "--name", name, *args], stderr=stderr
+    )
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:

@@ -97,16 +97,16 @@ class Matrix(Protocol):
         Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance.
         """
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
-                    key: Hashable = None) -> SearchResult:
+    def search_rows(
+        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+    ) -> SearchResult:
         """Exact top-k over the rows ``candidates`` only (distinct, ascending int64, each < n;
         at least one), for a filtered recall. Returns (rows int64 (B, kk), scores float32 (B, kk)),
         kk = min(k, len(candidates)), best first: every row returned is a candidate.
         ``key``: names this candidate set while the rows are unchanged (a new key is given after
         any write), so a backend may keep work done for it (the CUDA backend's gathered rows)."""
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *,
-                     row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         """Start the same search and return at once. ``queries`` must stay untouched until the
         result is collected. At most two searches of a backend may be pending at a time, and no
         write, move or growth of the matrix may happen while one of its searches is.

@@ -97,8 +97,7 @@ def _find() -> BlasThreads | None:
                     getter.restype = ctypes.c_int
                     getter.argtypes = []
                     return BlasThreads(setter, getter, path)
-    log.info("BLAS thread count not controllable (no OpenBLAS found): small products may use "
-             "every BLAS thread")
+    log.info("BLAS thread count not controllable (no OpenBLAS found): small products may use every BLAS thread")
     return None
 
 

@@ -48,11 +48,11 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
     if b == 1:  # the common single-query case: 1-d calls are several times cheaper
         x = scores[0]
-        part = x.argpartition(n - kk)[n - kk:] if kk < n else np.arange(n)
+        part = x.argpartition(n - kk)[n - kk :] if kk < n else np.arange(n)
         v = x[part]
         o = v.argsort()[::-1]
         return part[o].reshape(1, kk), v[o].reshape(1, kk)
-    part = scores.argpartition(n - kk, axis=1)[:, n - kk:] if kk < n else np.tile(np.arange(n), (b, 1))
+    part = scores.argpartition(n - kk, axis=1)[:, n - kk :] if kk < n else np.tile(np.arange(n), (b, 1))
     r = np.arange(b)[:, None]
     v = scores[r, part]
     o = v.argsort(axis=1)[:, ::-1]
@@ -106,8 +106,9 @@ class NumpyMatrix:
     def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
         return topk_rows(self._scores(queries, self.data[:n], self.sqnorm[:n]), k)
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
-                    key: Hashable = None) -> SearchResult:
+    def search_rows(
+        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+    ) -> SearchResult:
         m = len(candidates)
         if m * DENSE_FRACTION >= n:
             # Many candidates: score every row and hide the others (no gather copy). A real score
@@ -122,14 +123,12 @@ class NumpyMatrix:
         rows, best = topk_rows(self._scores(queries, self.data[candidates], self.sqnorm[candidates]), k)
         return candidates[rows], best
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *,
-                     row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         if n * len(queries) * self.dim < INLINE_WORK:
             return self.backend.run_now(self._search_ids, queries, n, k, row_ids)
         return self.backend.submit(self._search_ids, queries, n, k, row_ids)
 
-    def _search_ids(self, queries: np.ndarray, n: int, k: int,
-                    row_ids: np.ndarray | None) -> SearchResult:
+    def _search_ids(self, queries: np.ndarray, n: int, k: int, row_ids: np.ndarray | None) -> SearchResult:
         rows, scores = self.search(queries, n, k)
         return (rows if row_ids is None else row_ids[rows]), scores
 

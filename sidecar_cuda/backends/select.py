@@ -12,9 +12,15 @@ from .base import Backend
 from .sharded import ShardedBackend, parse_devices
 
 
-def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = "all",
-                   shards: int = 0, host_work: int | None = None,
-                   fused_kernel: FusedKernel = FusedKernel.AUTO) -> Backend:
+def choose_backend(
+    kind: str,
+    *,
+    storage_dtype: str = "float32",
+    devices: str = "all",
+    shards: int = 0,
+    host_work: int | None = None,
+    fused_kernel: FusedKernel = FusedKernel.AUTO,
+) -> Backend:
     """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise.
 
     ``devices``: the GPUs of the CUDA backend (``all`` or ``0,1``...); ``shards``: how many shards
@@ -44,12 +50,14 @@ def choose_backend(kind: str, *, storage_dtype: str = "float32", devices: str = 
                 devs = parse_devices(devices, device_count())
                 n = shards or len(devs)
                 if n == 1:
-                    return CupyBackend(storage_dtype=storage_dtype, device=devs[0], host_work=hw,
-                                       fused_kernel=fused_kernel)
+                    return CupyBackend(
+                        storage_dtype=storage_dtype, device=devs[0], host_work=hw, fused_kernel=fused_kernel
+                    )
                 placed = [devs[i % len(devs)] for i in range(n)]
-                parts: list[Backend] = [CupyBackend(storage_dtype=storage_dtype, device=d, host_work=hw,
-                                                    fused_kernel=fused_kernel)
-                                        for d in placed]
+                parts: list[Backend] = [
+                    CupyBackend(storage_dtype=storage_dtype, device=d, host_work=hw, fused_kernel=fused_kernel)
+                    for d in placed
+                ]
                 return ShardedBackend(parts, [f"cuda:{d}" for d in placed])
             if kind == "cuda":
                 raise ConfigError(f"--backend cuda: {why}")

@@ -30,6 +30,7 @@ BLOCK = 1024  # rows per placement block
 
 # --------------------------------------------------------------------------- placement (pure)
 
+
 def place(rows: np.ndarray, shards: int, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """(shard, local row) of each global row. Pure."""
     rows = np.asarray(rows, np.int64)
@@ -92,11 +93,19 @@ def parse_devices(spec: str, count: int) -> list[int]:
 
 # --------------------------------------------------------------------------- the matrix
 
+
 class ShardedSearch(PolledFuture[SearchResult]):
     """A search started on every shard: done when all are; collected into the merged top-k."""
 
-    def __init__(self, parts: list[tuple[int, PendingSearch]], shards: int, block: int, b: int,
-                 k: int, row_ids: np.ndarray | None) -> None:
+    def __init__(
+        self,
+        parts: list[tuple[int, PendingSearch]],
+        shards: int,
+        block: int,
+        b: int,
+        k: int,
+        row_ids: np.ndarray | None,
+    ) -> None:
         super().__init__()
         self._parts = parts
         self._shards = shards
@@ -197,18 +206,18 @@ class ShardedMatrix:
     def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
         return self.search_async(queries, n, k).result()
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
-                    key: Hashable = None) -> SearchResult:
+    def search_rows(
+        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+    ) -> SearchResult:
         got = []
         for s, _pos, local in self._by_shard(np.asarray(candidates, np.int64)):
             rows, scores = self.parts[s].search_rows(
-                queries, live_rows(n, s, self.shards, self.block), k, local,
-                key=None if key is None else (key, s))
+                queries, live_rows(n, s, self.shards, self.block), k, local, key=None if key is None else (key, s)
+            )
             got.append((global_rows(rows, s, self.shards, self.block), scores))
         return merge_top(got, k)
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *,
-                     row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         if not 0 <= n <= self.capacity:
             raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
         parts = []
@@ -234,13 +243,11 @@ class ShardedBackend:
         self.labels = labels
         self.block = block
         self.placement = ",".join(labels)
-        self.description = (f"{len(backends)} shards ({', '.join(labels)}) of "
-                            f"{backends[0].description}")
+        self.description = f"{len(backends)} shards ({', '.join(labels)}) of {backends[0].description}"
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> ShardedMatrix:
         local = local_capacity(max(1, capacity), len(self.backends), self.block)
-        return ShardedMatrix([b.new_matrix(dim, local, metric) for b in self.backends], dim,
-                             self.block)
+        return ShardedMatrix([b.new_matrix(dim, local, metric) for b in self.backends], dim, self.block)
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self.backends[0].host_buffer(shape, dtype)

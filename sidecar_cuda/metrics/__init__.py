@@ -63,18 +63,49 @@ a real namespace named ``_other`` always falls in that bucket), backend info and
 """
 
 from .aggregate import (
-    BATCH_SIZE_BOUNDS, COUNTER_CAP, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGE_CAP_NS,
-    MonotonicTotals, SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets,
-    nearest_rank_quantiles, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
+    BATCH_SIZE_BOUNDS,
+    COUNTER_CAP,
+    OTHER_NAMESPACES,
+    QUANTILES,
+    STAGE_BOUNDS_NS,
+    STAGE_CAP_NS,
+    MonotonicTotals,
+    SlidingWindow,
+    StageAggregator,
+    bucket_counts,
+    cumulative_buckets,
+    nearest_rank_quantiles,
+    ring_take_all,
+    slots_matrix,
+    split_ring_entries,
+    top_namespaces,
 )
 from .collector import OP_LABELS, SidecarCollector, SidecarView
 from .exposition import TEXT_CONTENT_TYPE, TextEncoder, encode_text
 from .http import MetricsServer
 
 __all__ = [
-    "MetricsServer", "SidecarCollector", "SidecarView", "TextEncoder", "encode_text", "TEXT_CONTENT_TYPE",
-    "MonotonicTotals", "SlidingWindow", "StageAggregator", "bucket_counts", "cumulative_buckets",
-    "nearest_rank_quantiles", "ring_take_all", "slots_matrix", "split_ring_entries", "top_namespaces",
-    "OP_LABELS", "QUANTILES", "STAGE_BOUNDS_NS", "BATCH_SIZE_BOUNDS", "OTHER_NAMESPACES", "COUNTER_CAP",
+    "MetricsServer",
+    "SidecarCollector",
+    "SidecarView",
+    "TextEncoder",
+    "encode_text",
+    "TEXT_CONTENT_TYPE",
+    "MonotonicTotals",
+    "SlidingWindow",
+    "StageAggregator",
+    "bucket_counts",
+    "cumulative_buckets",
+    "nearest_rank_quantiles",
+    "ring_take_all",
+    "slots_matrix",
+    "split_ring_entries",
+    "top_namespaces",
+    "OP_LABELS",
+    "QUANTILES",
+    "STAGE_BOUNDS_NS",
+    "BATCH_SIZE_BOUNDS",
+    "OTHER_NAMESPACES",
+    "COUNTER_CAP",
     "STAGE_CAP_NS",
 ]

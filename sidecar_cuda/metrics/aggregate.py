@@ -31,6 +31,7 @@ COUNTER_CAP = 1 << 50  # x 4096 slots < 2**63
 STAGE_CAP_NS = 86_400 * 10**9
 STAGES = ("queue_wait", "compute", "service")
 
+
 def le_text(v: float) -> str:
     """A bound as Prometheus writes it in ``le`` (Go's float formatting)."""
     text: str = floatToGoString(v)  # type: ignore[no-untyped-call]  # (untyped in prometheus_client)
@@ -44,8 +45,7 @@ def bucket_counts(values: Any, bounds: Sequence[int]) -> np.ndarray:
     return np.bincount(idx, minlength=len(bounds) + 1).astype(np.int64)
 
 
-def cumulative_buckets(counts: Sequence[int] | np.ndarray, bounds: Sequence[float | str]
-                       ) -> list[tuple[str, float]]:
+def cumulative_buckets(counts: Sequence[int] | np.ndarray, bounds: Sequence[float | str]) -> list[tuple[str, float]]:
     """Prometheus buckets ``[(le, cumulative count), ..., ("+Inf", total)]`` from per-bucket counts;
     ``bounds``: upper bounds as numbers or as ready ``le`` strings."""
     cum = np.cumsum(np.asarray(counts, np.int64))
@@ -95,8 +95,9 @@ class MonotonicTotals:
         return inc
 
 
-def ring_take_all(rings: np.ndarray, last: np.ndarray, count: np.ndarray,
-                  reread: Callable[[], np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+def ring_take_all(
+    rings: np.ndarray, last: np.ndarray, count: np.ndarray, reread: Callable[[], np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, int]:
     """The entries of every slot's latency ring written since the previous read, in a few numpy
     calls whatever the number of slots.
 
@@ -147,8 +148,9 @@ def slots_matrix(views: Sequence[np.ndarray]) -> np.ndarray:
     if len(views) == 1:
         return first.reshape(1, -1)
     stride = views[1].ctypes.data - first.ctypes.data
-    m = np.lib.stride_tricks.as_strided(first, shape=(len(views), len(first)),
-                                        strides=(stride, first.strides[0]), writeable=False)
+    m = np.lib.stride_tricks.as_strided(
+        first, shape=(len(views), len(first)), strides=(stride, first.strides[0]), writeable=False
+    )
     for i, v in enumerate(views):  # the layout promises a constant stride: check it once
         if m[i].ctypes.data != v.ctypes.data or v.shape != first.shape:
             raise ValueError("per-slot views are not evenly spaced")
@@ -185,11 +187,11 @@ class SlidingWindow:
             k = m
         pos = self._end % m
         first = min(k, m - pos)
-        self._vals[pos:pos + first] = values[:first]
-        self._times[pos:pos + first] = t
+        self._vals[pos : pos + first] = values[:first]
+        self._times[pos : pos + first] = t
         if first < k:
-            self._vals[:k - first] = values[first:]
-            self._times[:k - first] = t
+            self._vals[: k - first] = values[first:]
+            self._times[: k - first] = t
         self._end += k
         self._n = min(self._n + k, m)
         self._cache = None
@@ -201,7 +203,7 @@ class SlidingWindow:
             if self._times[oldest] >= cut:
                 return
             seg = min(self._n, m - oldest)  # contiguous run starting at the oldest
-            kept = int(np.searchsorted(self._times[oldest:oldest + seg], cut, side="left"))
+            kept = int(np.searchsorted(self._times[oldest : oldest + seg], cut, side="left"))
             self._n -= kept
             self._cache = None
             if kept < seg:
@@ -213,9 +215,9 @@ class SlidingWindow:
         m = self.max_samples
         start = (self._end - self._n) % m
         if start + self._n <= m:
-            vals: np.ndarray = self._vals[start:start + self._n].copy()
+            vals: np.ndarray = self._vals[start : start + self._n].copy()
             return vals
-        return np.concatenate([self._vals[start:], self._vals[:self._end % m]])
+        return np.concatenate([self._vals[start:], self._vals[: self._end % m]])
 
     def quantiles(self, qs: Sequence[float], now: float) -> list[float]:
         self.expire(now)
@@ -224,9 +226,9 @@ class SlidingWindow:
             m = self.max_samples
             start = (self._end - self._n) % m
             if start + self._n <= m:  # the whole buffer or one run of it: no need to keep order
-                vals = self._vals[start:start + self._n].copy()
+                vals = self._vals[start : start + self._n].copy()
             else:
-                vals = np.concatenate([self._vals[start:], self._vals[:self._end % m]])
+                vals = np.concatenate([self._vals[start:], self._vals[: self._end % m]])
             self._cache = (key, nearest_rank_quantiles(vals, qs))
         return list(self._cache[1])
 
@@ -235,8 +237,9 @@ def top_namespaces(counts: dict[str, int], n: int) -> list[tuple[str, int]]:
     """``[(label, rows)]``: the ``n`` largest namespaces by rows (ties by name), then
     ``(OTHER_NAMESPACES, rows of all the others)`` if there are others. A namespace literally named
     ``_other`` is always counted in the other bucket, so label values stay unique."""
-    named = sorted(((name, rows) for name, rows in counts.items() if name != OTHER_NAMESPACES),
-                   key=lambda kv: (-kv[1], kv[0]))
+    named = sorted(
+        ((name, rows) for name, rows in counts.items() if name != OTHER_NAMESPACES), key=lambda kv: (-kv[1], kv[0])
+    )
     top = named[:n]
     rest = named[n:]
     if OTHER_NAMESPACES in counts or rest:

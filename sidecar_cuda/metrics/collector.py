@@ -13,7 +13,11 @@ from typing import Any, Protocol
 
 import numpy as np
 from prometheus_client.metrics_core import (
-    CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, InfoMetricFamily, Metric,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
@@ -21,15 +25,33 @@ from prometheus_client.samples import Sample
 
 from ...broker.errors import ConfigError
 from ...broker.layout import (
-    HIST_BUCKETS, LATENCY_BOUNDS_NS, LATENCY_OPS, Layout, LatencyOp, SegmentView, SidecarState,
-    SlotState, Status,
-)
-from .aggregate import (
-    BATCH_SIZE_BOUNDS, OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, STAGES, MonotonicTotals,
-    SlidingWindow, StageAggregator, cumulative_buckets, le_text, ring_take_all, slots_matrix,
-    split_ring_entries, top_namespaces,
+    HIST_BUCKETS,
+    LATENCY_BOUNDS_NS,
+    LATENCY_OPS,
+    LatencyOp,
+    Layout,
+    SegmentView,
+    SidecarState,
+    SlotState,
+    Status,
 )
 from ..stats import ROUTES, BatchRecord, SidecarStats
+from .aggregate import (
+    BATCH_SIZE_BOUNDS,
+    OTHER_NAMESPACES,
+    QUANTILES,
+    STAGE_BOUNDS_NS,
+    STAGES,
+    MonotonicTotals,
+    SlidingWindow,
+    StageAggregator,
+    cumulative_buckets,
+    le_text,
+    ring_take_all,
+    slots_matrix,
+    split_ring_entries,
+    top_namespaces,
+)
 
 log = logging.getLogger("kalos.metrics")
 
@@ -106,8 +128,13 @@ _OP_BUCKET_LABELS = [[{"op": op, "le": le} for le in _LAT_LE + ["+Inf"]] for op 
 _OP_LABEL_SETS = [{"op": op} for op in OP_LABELS]
 
 
-def _add_histogram(family: HistogramMetricFamily, bucket_labels: list[dict[str, str]],
-                   labels: dict[str, str], counts: np.ndarray, sum_value: float) -> None:
+def _add_histogram(
+    family: HistogramMetricFamily,
+    bucket_labels: list[dict[str, str]],
+    labels: dict[str, str],
+    counts: np.ndarray,
+    sum_value: float,
+) -> None:
     """``family.add_metric`` for per-bucket ``counts`` whose bucket labels are made already
     (the same samples, in the same order)."""
     cum = np.cumsum(counts).tolist()
@@ -118,12 +145,16 @@ def _add_histogram(family: HistogramMetricFamily, bucket_labels: list[dict[str, 
 
 
 _STAGE_METRICS = {
-    "queue_wait": ("kalos_queue_wait_seconds",
-                   "Sidecar queue wait per request: posted by the client -> taken into a batch."),
-    "compute": ("kalos_batch_compute_seconds", "Backend work per batch (all namespaces of the batch), "
-                "started to answered; a pipelined batch includes its wait behind the previous one."),
-    "service": ("kalos_service_seconds",
-                "Sidecar service time per request: posted by the client -> results written."),
+    "queue_wait": (
+        "kalos_queue_wait_seconds",
+        "Sidecar queue wait per request: posted by the client -> taken into a batch.",
+    ),
+    "compute": (
+        "kalos_batch_compute_seconds",
+        "Backend work per batch (all namespaces of the batch), "
+        "started to answered; a pipelined batch includes its wait behind the previous one.",
+    ),
+    "service": ("kalos_service_seconds", "Sidecar service time per request: posted by the client -> results written."),
 }
 
 
@@ -134,9 +165,16 @@ class SidecarCollector(Collector):
     (the MetricsServer's harvest thread does), and let the registry call :meth:`collect`.
     """
 
-    def __init__(self, sidecar: SidecarView, *, window_s: float = 60.0, window_samples: int = 20_000,
-                 namespace_labels: int = 10, pending_limit: int = 1 << 16,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        sidecar: SidecarView,
+        *,
+        window_s: float = 60.0,
+        window_samples: int = 20_000,
+        namespace_labels: int = 10,
+        pending_limit: int = 1 << 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if namespace_labels < 0:
             raise ConfigError("namespace_labels must be >= 0")
         self._sc = sidecar
@@ -192,8 +230,9 @@ class SidecarCollector(Collector):
         counts = counts_view.astype(np.int64)
         if (counts == self._ring_last).all():
             return
-        vals, self._ring_last, lost = ring_take_all(rings, self._ring_last, counts,
-                                                    lambda: counts_view.astype(np.int64))
+        vals, self._ring_last, lost = ring_take_all(
+            rings, self._ring_last, counts, lambda: counts_view.astype(np.int64)
+        )
         self._dropped_ring += lost
         if len(vals) == 0:
             return
@@ -213,8 +252,11 @@ class SidecarCollector(Collector):
         if seg is None:
             return None
         if self._seg_views is None or self._seg_views[0] is not seg:
-            self._seg_views = (seg, slots_matrix([v.ring for v in seg.slot]),
-                               slots_matrix([v.hist.reshape(-1) for v in seg.slot]))
+            self._seg_views = (
+                seg,
+                slots_matrix([v.ring for v in seg.slot]),
+                slots_matrix([v.hist.reshape(-1) for v in seg.slot]),
+            )
         return self._seg_views
 
     # -- scraping ---------------------------------------------------------------------------
@@ -238,8 +280,7 @@ class SidecarCollector(Collector):
         if views is not None:
             seg, _rings, hists = views
             st = seg.stats
-            cur = np.column_stack([hists.astype(np.int64)] +
-                                  [st[name].astype(np.int64) for name in _STATS_NAMES])
+            cur = np.column_stack([hists.astype(np.int64)] + [st[name].astype(np.int64) for name in _STATS_NAMES])
             self._client.update(cur)
             slots = seg.slots
             states = slots["state"].astype(np.int64)
@@ -251,7 +292,7 @@ class SidecarCollector(Collector):
         nh = LATENCY_OPS * HIST_BUCKETS
         s["client_hist"] = tot[:nh].reshape(LATENCY_OPS, HIST_BUCKETS).copy()
         for j, name in enumerate(_STATS_NAMES):
-            s[name] = tot[nh + j * LATENCY_OPS:nh + (j + 1) * LATENCY_OPS].tolist()
+            s[name] = tot[nh + j * LATENCY_OPS : nh + (j + 1) * LATENCY_OPS].tolist()
         s["client_q"] = [w.quantiles(QUANTILES, now) for w in self._client_windows]
         s["client_window"] = [len(w) for w in self._client_windows]
         s["stage_q"] = {st: self._stages.windows[st].quantiles(QUANTILES, now) for st in STAGES}
@@ -270,8 +311,7 @@ class SidecarCollector(Collector):
 
     def _is_ready(self) -> bool:
         seg = self._sc.seg
-        return bool(self._sc.ready and seg is not None
-                    and int(seg.header["state"]) == SidecarState.READY)
+        return bool(self._sc.ready and seg is not None and int(seg.header["state"]) == SidecarState.READY)
 
     def _families(self, snap: dict[str, Any] | None) -> Iterator[Metric]:
         """Every metric family; without a snapshot, empty ones (for ``describe``)."""
@@ -283,17 +323,24 @@ class SidecarCollector(Collector):
             "End-to-end latency of completed requests as callers see them, by kind of call (op): "
             "from the call (a chunk of a bulk call: from its sending) to the result in hand, "
             "including the wait for a slot; from every slot's client stats in shared memory.",
-            labels=["op"])
+            labels=["op"],
+        )
         q = SummaryMetricFamily(
             "kalos_client_latency_window_seconds",
             "Quantiles (nearest rank) of kalos_client_latency_seconds over the sliding window of "
             "recent requests read from the slots' latency rings; count and sum since start.",
-            labels=["op"])
-        c = CounterMetricFamily("kalos_client_requests", "Requests completed as callers saw them, by "
-                                "kind of call (op) and outcome (timeout: the caller gave up or was "
-                                "cancelled).", labels=["op", "outcome"])
-        wc = GaugeMetricFamily("kalos_client_latency_window_samples",
-                               "Samples in each op's quantile window.", labels=["op"])
+            labels=["op"],
+        )
+        c = CounterMetricFamily(
+            "kalos_client_requests",
+            "Requests completed as callers saw them, by "
+            "kind of call (op) and outcome (timeout: the caller gave up or was "
+            "cancelled).",
+            labels=["op", "outcome"],
+        )
+        wc = GaugeMetricFamily(
+            "kalos_client_latency_window_samples", "Samples in each op's quantile window.", labels=["op"]
+        )
         if g:
             # Every op from the start, at zero until its first request: rate() misses the first
             # increase of a series that appears with a value.
@@ -310,11 +357,14 @@ class SidecarCollector(Collector):
                 wc.add_metric([op], s["client_window"][i])
         yield from (h, q, c, wc)
         # The sidecar's stages.
-        sq = SummaryMetricFamily("kalos_stage_latency_window_seconds",
-                                 "Sidecar stage latency quantiles (nearest rank) over the sliding "
-                                 "window; count and sum since start.", labels=["stage"])
-        ws = GaugeMetricFamily("kalos_stage_latency_window_samples",
-                               "Samples in each stage's quantile window.", labels=["stage"])
+        sq = SummaryMetricFamily(
+            "kalos_stage_latency_window_seconds",
+            "Sidecar stage latency quantiles (nearest rank) over the sliding window; count and sum since start.",
+            labels=["stage"],
+        )
+        ws = GaugeMetricFamily(
+            "kalos_stage_latency_window_samples", "Samples in each stage's quantile window.", labels=["stage"]
+        )
         for stage in STAGES:
             name, doc = _STAGE_METRICS[stage]
             sh = HistogramMetricFamily(name, doc)
@@ -331,8 +381,9 @@ class SidecarCollector(Collector):
         yield ws
         bs = HistogramMetricFamily("kalos_batch_size", "Requests per batch served by the sidecar.")
         if g:
-            bs.add_metric([], cumulative_buckets(self._stages.batch_size, _BATCH_LE),
-                          float(self._stages.batch_size_sum))
+            bs.add_metric(
+                [], cumulative_buckets(self._stages.batch_size, _BATCH_LE), float(self._stages.batch_size_sum)
+            )
         yield bs
         # Counters of the serving loop.
         for name, key, doc in (
@@ -344,16 +395,22 @@ class SidecarCollector(Collector):
             if g:
                 cm.add_metric([], float(s[key]))
             yield cm
-        rt = CounterMetricFamily("kalos_batches_by_route", "Batches served by the sidecar, by route: "
-                                 "single (one plain recall), uniform (recalls of one namespace in one "
-                                 "search, maybe pipelined), general (request by request).",
-                                 labels=["route"])
+        rt = CounterMetricFamily(
+            "kalos_batches_by_route",
+            "Batches served by the sidecar, by route: "
+            "single (one plain recall), uniform (recalls of one namespace in one "
+            "search, maybe pipelined), general (request by request).",
+            labels=["route"],
+        )
         if g:
             for r in ROUTES:
                 rt.add_metric([r], float(s["routes"][r]))
         yield rt
-        e = CounterMetricFamily("kalos_errors", "Requests the sidecar answered with an error, by kind "
-                                "(the protocol's Status names).", labels=["kind"])
+        e = CounterMetricFamily(
+            "kalos_errors",
+            "Requests the sidecar answered with an error, by kind (the protocol's Status names).",
+            labels=["kind"],
+        )
         if g:
             errs = dict(s["errors"])
             for st in Status:
@@ -363,10 +420,13 @@ class SidecarCollector(Collector):
             if unknown:
                 e.add_metric(["UNKNOWN"], float(unknown))
         yield e
-        d = CounterMetricFamily("kalos_metrics_dropped_samples",
-                                "Samples the exporter lost: ring entries overwritten before they were "
-                                "read (quantile windows only), ring entries of no known op (invalid), "
-                                "batch records queued past the limit.", labels=["source"])
+        d = CounterMetricFamily(
+            "kalos_metrics_dropped_samples",
+            "Samples the exporter lost: ring entries overwritten before they were "
+            "read (quantile windows only), ring entries of no known op (invalid), "
+            "batch records queued past the limit.",
+            labels=["source"],
+        )
         if g:
             d.add_metric(["ring"], float(self._dropped_ring))
             d.add_metric(["invalid"], float(self._invalid_ring))
@@ -375,8 +435,7 @@ class SidecarCollector(Collector):
         # Slots.
         total = GaugeMetricFamily("kalos_slots", "Slots of the segment.")
         leased = GaugeMetricFamily("kalos_slots_leased", "Slots leased by client processes.")
-        inflight = GaugeMetricFamily("kalos_slots_in_flight",
-                                     "Slots holding a request (any state but FREE).")
+        inflight = GaugeMetricFamily("kalos_slots_in_flight", "Slots holding a request (any state but FREE).")
         by_state = GaugeMetricFamily("kalos_slots_by_state", "Slots by state.", labels=["state"])
         if g:
             total.add_metric([], self._n_slots)
@@ -389,10 +448,12 @@ class SidecarCollector(Collector):
                 by_state.add_metric(["invalid"], int(st_counts[len(SlotState)]))
         yield from (total, leased, inflight, by_state)
         # Memory.
-        rows = GaugeMetricFamily("kalos_memory_rows",
-                                 f"Rows per namespace: the {self._namespace_labels} largest by rows, the "
-                                 f"rest summed under namespace=\"{OTHER_NAMESPACES}\".",
-                                 labels=["namespace"])
+        rows = GaugeMetricFamily(
+            "kalos_memory_rows",
+            f"Rows per namespace: the {self._namespace_labels} largest by rows, the "
+            f'rest summed under namespace="{OTHER_NAMESPACES}".',
+            labels=["namespace"],
+        )
         nss = GaugeMetricFamily("kalos_namespaces", "Namespaces in memory.")
         if g and s["counts"] is not None:
             for label, n in top_namespaces(s["counts"], self._namespace_labels):
@@ -405,12 +466,18 @@ class SidecarCollector(Collector):
         if g:
             cfg = self._sc.cfg
             backend = self._sc.backend
-            info.add_metric([], {
-                "broker": str(cfg.name), "backend": str(backend.name),
-                "description": str(backend.description), "dtype": str(cfg.storage_dtype),
-                "metric": str(cfg.metric), "dim": str(cfg.dim),
-                "device": str(backend.placement),
-            })
+            info.add_metric(
+                [],
+                {
+                    "broker": str(cfg.name),
+                    "backend": str(backend.name),
+                    "description": str(backend.description),
+                    "dtype": str(cfg.storage_dtype),
+                    "metric": str(cfg.metric),
+                    "dim": str(cfg.dim),
+                    "device": str(backend.placement),
+                },
+            )
         yield info
         ready = GaugeMetricFamily("kalos_ready", "1 when memory is loaded and the sidecar serves.")
         start = GaugeMetricFamily("kalos_start_time_seconds", "Sidecar start, seconds since the epoch.")
@@ -421,4 +488,3 @@ class SidecarCollector(Collector):
                 start.add_metric([], s["start_epoch_ns"] / 1e9)
                 up.add_metric([], max(0.0, time.time() - s["start_epoch_ns"] / 1e9))
         yield from (ready, start, up)
-

@@ -8,8 +8,16 @@ import math
 
 from prometheus_client.registry import Collector
 
-_TEXT_TYPES = {"counter": "counter", "gauge": "gauge", "histogram": "histogram", "summary": "summary",
-               "info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram", "unknown": "untyped"}
+_TEXT_TYPES = {
+    "counter": "counter",
+    "gauge": "gauge",
+    "histogram": "histogram",
+    "summary": "summary",
+    "info": "gauge",
+    "stateset": "gauge",
+    "gaugehistogram": "histogram",
+    "unknown": "untyped",
+}
 TEXT_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -69,7 +77,7 @@ class TextEncoder:
                     line = f"{s.name} {vt}"
                 if s.timestamp is not None:
                     line += f" {int(float(s.timestamp) * 1000):d}"
-                suffix = s.name[len(metric.name):]
+                suffix = s.name[len(metric.name) :]
                 if suffix in ("_created", "_gsum", "_gcount"):  # OpenMetrics-only: gauges of their own
                     extra.setdefault(suffix, []).append(line + "\n")
                 else:

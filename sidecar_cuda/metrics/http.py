@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector
@@ -27,10 +27,10 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     timeout = 30  # seconds an idle keep-alive connection is kept
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+    def do_GET(self) -> None:
         self._serve(body=True)
 
-    def do_HEAD(self) -> None:  # noqa: N802
+    def do_HEAD(self) -> None:
         self._serve(body=False)
 
     def _serve(self, body: bool) -> None:
@@ -62,7 +62,7 @@ class _Handler(BaseHTTPRequestHandler):
         if body:
             self.wfile.write(payload)
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
 
@@ -84,10 +84,19 @@ class MetricsServer:
     is idempotent.
     """
 
-    def __init__(self, sidecar: SidecarView, host: str = "127.0.0.1", port: int = 9464,
-                 registry: CollectorRegistry | None = None, *, harvest_interval_s: float = 0.1,
-                 window_s: float = 60.0, window_samples: int = 20_000, namespace_labels: int = 10,
-                 degraded: Callable[[], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        sidecar: SidecarView,
+        host: str = "127.0.0.1",
+        port: int = 9464,
+        registry: CollectorRegistry | None = None,
+        *,
+        harvest_interval_s: float = 0.1,
+        window_s: float = 60.0,
+        window_samples: int = 20_000,
+        namespace_labels: int = 10,
+        degraded: Callable[[], str | None] | None = None,
+    ) -> None:
         self.sidecar = sidecar
         #: Why a ready sidecar may serve stale data (a fleet replica cut off from its store):
         #: /readyz then still answers 200 (recalls are served) with this reason.
@@ -99,8 +108,9 @@ class MetricsServer:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)
         self.registry = registry
-        self.collector = SidecarCollector(sidecar, window_s=window_s, window_samples=window_samples,
-                                          namespace_labels=namespace_labels)
+        self.collector = SidecarCollector(
+            sidecar, window_s=window_s, window_samples=window_samples, namespace_labels=namespace_labels
+        )
         self.registry.register(self.collector)
         self.encoder = TextEncoder()
         self._httpd: _HTTPServer | None = None
@@ -142,8 +152,9 @@ class MetricsServer:
         self._stop.clear()
         self.collector.attach()
         self._threads = [
-            threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
-                             name="kalos-metrics-http", daemon=True),
+            threading.Thread(
+                target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="kalos-metrics-http", daemon=True
+            ),
             threading.Thread(target=self._harvest_loop, name="kalos-metrics-harvest", daemon=True),
         ]
         for t in self._threads:

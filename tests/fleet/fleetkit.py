@@ -21,15 +21,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from conftest import unique_name  # (tests/conftest.py: the root's)
 
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process
 
-from conftest import unique_name  # (tests/conftest.py: the root's)
-
 pytest.importorskip("psycopg", reason="the fleet store needs psycopg 3 (kalos-recall[postgres])")
 
-from kalos.testing.postgres import PgServer, find_bin  # noqa: E402
+from kalos.testing.postgres import PgServer, find_bin
 
 _dbs = itertools.count()
 
@@ -138,8 +137,9 @@ def fleet(fleet_dsn: str) -> Iterator:
     hide a password). Every node is stopped and cleaned at teardown."""
     nodes: list[Node] = []
 
-    def start(tag: str = "n", *args: str, store: str | None = None, env: dict[str, str] | None = None,
-              start: bool = True) -> Node:
+    def start(
+        tag: str = "n", *args: str, store: str | None = None, env: dict[str, str] | None = None, start: bool = True
+    ) -> Node:
         full = list(args)
         if "--dim" not in full:
             full += ["--dim", "16"]
@@ -162,8 +162,13 @@ def fleet(fleet_dsn: str) -> Iterator:
 
 def run_serve(args: list[str], env: dict[str, str], timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """``python -m kalos.sidecar_cuda ARGS`` expected to fail at start: its exit code and output."""
-    return subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", *args], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "kalos.sidecar_cuda", *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def wait_for(pred, timeout: float, step: float = 0.05) -> bool:

@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import assert_topk
-from fleetkit import Node, PgServer, fleet, fleet_dsn, pg, pg_server  # noqa: F401
+from fleetkit import Node, PgServer, fleet, fleet_dsn, pg, pg_server  # noqa: F401 (fixtures)
 
 from kalos import KalosError, Position, RecallClient, UnknownNamespace, UsageError, Written
 
@@ -58,16 +57,26 @@ def random_op(rng: np.random.Generator, wid: int, k: int) -> Op:
     if r < 0.5:
         n = int(rng.integers(1, 5))
         ids = rng.choice(N_IDS, n, replace=False).tolist()
-        return Op(Kind.UPSERT, NS, ids, rng.standard_normal((n, DIM)).astype(np.float32),
-                  [{"tag": int(rng.integers(TAGS)), "w": wid, "k": k} for _ in ids])
+        return Op(
+            Kind.UPSERT,
+            NS,
+            ids,
+            rng.standard_normal((n, DIM)).astype(np.float32),
+            [{"tag": int(rng.integers(TAGS)), "w": wid, "k": k} for _ in ids],
+        )
     if r < 0.72:
         return Op(Kind.DELETE, NS, rng.choice(N_IDS, int(rng.integers(1, 4)), replace=False).tolist())
     if r < 0.82:
         return Op(Kind.DELETE_WHERE, NS, tag=int(rng.integers(TAGS)))
     if r < 0.97:
         ids = rng.choice(40, 2, replace=False).tolist()
-        return Op(Kind.UPSERT, SCRATCH, ids, rng.standard_normal((2, DIM)).astype(np.float32),
-                  [{"tag": 0, "w": wid, "k": k}] * 2)
+        return Op(
+            Kind.UPSERT,
+            SCRATCH,
+            ids,
+            rng.standard_normal((2, DIM)).astype(np.float32),
+            [{"tag": 0, "w": wid, "k": k}] * 2,
+        )
     return Op(Kind.DROP, SCRATCH)
 
 
@@ -189,8 +198,7 @@ def check_node(node: str, model, written, last: Position, rng: np.random.Generat
 
 def run_fleet(nodes: list[Node], seed: int, n_ops: int, chaos=None) -> dict[str, Any]:
     stop = threading.Event()
-    writers = [Writer(n.name, 2 * j + h, seed + 2 * j + h, stop, n_ops)
-               for j, n in enumerate(nodes) for h in range(2)]
+    writers = [Writer(n.name, 2 * j + h, seed + 2 * j + h, stop, n_ops) for j, n in enumerate(nodes) for h in range(2)]
     t0 = time.monotonic()
     for w in writers:
         w.start()
@@ -207,9 +215,13 @@ def run_fleet(nodes: list[Node], seed: int, n_ops: int, chaos=None) -> dict[str,
     model, written = build_model(ops)
     last = max(op.position for op in ops if op.position is not None)
     rng = np.random.default_rng(seed)
-    report: dict[str, Any] = {"acknowledged_writes": len(ops), "retries": sum(w.retries for w in writers),
-                              "seconds": round(secs, 2), "rows": len(model[NS]) + len(model[SCRATCH]),
-                              **faults}
+    report: dict[str, Any] = {
+        "acknowledged_writes": len(ops),
+        "retries": sum(w.retries for w in writers),
+        "seconds": round(secs, 2),
+        "rows": len(model[NS]) + len(model[SCRATCH]),
+        **faults,
+    }
     for n in nodes:
         report[n.name] = check_node(n.name, model, written, last, rng)
         assert report[n.name] == {"lost": 0, "resurrected": 0, "phantom": 0, "wrong": 0}, report

@@ -11,9 +11,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from conftest import free_port, run_py, slots_free
-from fleetkit import PgServer, fleet, fleet_dsn, pg, pg_server, run_serve, wait_for  # noqa: F401
+from fleetkit import PgServer, fleet, fleet_dsn, pg, pg_server, run_serve, wait_for  # noqa: F401 (fixtures)
 
 from kalos import Position, PositionTimeout, RecallClient, ServerError, UnknownNamespace
 from kalos.testing.postgres import PASSWORD
@@ -173,14 +172,16 @@ def test_follower_past_retention_reloads_and_converges(pg: PgServer, fleet_dsn: 
         try:
             i = 20
             assert wait_for(lambda: pg.psql("SELECT count(*) FROM kalos.followers", db) == "1", 20)
-            while pg.psql("SELECT value FROM kalos.meta WHERE key = 'pruned_through'", db) <= \
-                    f"{w.position.xid}.{w.position.seq}":
-                w = ca.upsert([i], vecs[i:i + 1], payloads=[{"i": i}])
+            while (
+                pg.psql("SELECT value FROM kalos.meta WHERE key = 'pruned_through'", db)
+                <= f"{w.position.xid}.{w.position.seq}"
+            ):
+                w = ca.upsert([i], vecs[i : i + 1], payloads=[{"i": i}])
                 ca.delete([i - 10])
                 i += 1
                 assert i < 200, "the log was never pruned"
                 time.sleep(0.05)
-            w = ca.upsert([i], vecs[i:i + 1])
+            w = ca.upsert([i], vecs[i : i + 1])
         finally:
             b.resume()
         want = ca.count()
@@ -211,10 +212,12 @@ def test_a_held_read_of_a_client_that_dies_frees_its_slot(fleet):
     """A read waiting for a position that never comes, with no time limit: its client is killed;
     the sidecar answers the held read and the reaper frees the slot, as for any dead client."""
     a = fleet("a")
-    code = ("import sys; from kalos import RecallClient, Position\n"
-            "c = RecallClient(sys.argv[1], timeout=None)\n"
-            "print('posting', flush=True)\n"
-            "c.count(after=Position(10**15, 1))\n")
+    code = (
+        "import sys; from kalos import RecallClient, Position\n"
+        "c = RecallClient(sys.argv[1], timeout=None)\n"
+        "print('posting', flush=True)\n"
+        "c.count(after=Position(10**15, 1))\n"
+    )
     p = run_py(code, a.name)
     try:
         assert p.stdout.readline().strip() == b"posting"
@@ -248,8 +251,11 @@ def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn
     def xid(conn) -> int:
         return int(conn.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0])
 
-    with psycopg.connect(fleet_dsn) as t1, psycopg.connect(fleet_dsn) as t2, \
-            psycopg.connect(fleet_dsn, autocommit=True) as reader:
+    with (
+        psycopg.connect(fleet_dsn) as t1,
+        psycopg.connect(fleet_dsn) as t2,
+        psycopg.connect(fleet_dsn, autocommit=True) as reader,
+    ):
         x1 = xid(t1)
         s1 = write_change(t1, x1, Write(WriteOp.UPSERT, "late", np.array([1]), vec, None))
         x2 = xid(t2)

@@ -17,8 +17,11 @@ from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}"),
+]
 
 DTYPES = ("float32", "float16", "bfloat16")
 METRICS = (Metric.DOT, Metric.COSINE, Metric.L2)
@@ -49,8 +52,9 @@ def reference(q: np.ndarray, x: np.ndarray, metric: Metric) -> np.ndarray:
     return dots
 
 
-def check(q: np.ndarray, x: np.ndarray, metric: Metric, k: int, rows: np.ndarray,
-          scores: np.ndarray, dtype: str, what: str) -> None:
+def check(
+    q: np.ndarray, x: np.ndarray, metric: Metric, k: int, rows: np.ndarray, scores: np.ndarray, dtype: str, what: str
+) -> None:
     """Same index sets up to ties, compared by score; scores within the dtype's tolerance."""
     ref = reference(q, x, metric)
     b, n = ref.shape
@@ -68,8 +72,9 @@ def check(q: np.ndarray, x: np.ndarray, metric: Metric, k: int, rows: np.ndarray
         assert len(np.unique(r)) == kk, f"{what}: duplicate rows in query {i}"
         true = ref[i, r]
         bad = true < kth[i] - tol[i]
-        assert not bad.any(), (f"{what}: query {i} got rows outside the top-{kk}: scores "
-                               f"{true[bad]} < k-th {kth[i]} - tol {tol[i]}")
+        assert not bad.any(), (
+            f"{what}: query {i} got rows outside the top-{kk}: scores {true[bad]} < k-th {kth[i]} - tol {tol[i]}"
+        )
         err = np.abs(scores[i].astype(np.float64) - true)
         assert (err <= tol[i]).all(), f"{what}: query {i} score error {err.max()} > {tol[i]}"
         assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted best first"
@@ -90,7 +95,7 @@ def fill(backend, rng, n: int, d: int, metric: Metric, capacity: int | None = No
     x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
     m = backend.new_matrix(d, capacity or n, metric)
     for lo in range(0, n, 65536):  # the sidecar writes in chunks too
-        m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo:lo + 65536])
+        m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo : lo + 65536])
     return m, x
 
 
@@ -101,9 +106,19 @@ def queries(rng, b: int, d: int, metric: Metric) -> np.ndarray:
 # (n, d, k, batch): n < k, n not a multiple of any tile, d = 1, 3, 1536, k = 1 and 1024, batches
 # that take the fused path (one block, many blocks, several query tiles) and the GEMM path.
 SHAPES = [
-    (1, 3, 1, 1), (5, 1, 10, 3), (7, 3, 1024, 2), (256, 128, 10, 1), (256, 128, 10, 37),
-    (1000, 3, 32, 5), (3001, 1536, 7, 2), (4097, 128, 1024, 2), (777, 64, 1024, 3),
-    (20000, 96, 33, 9), (50021, 128, 10, 1), (50021, 128, 16, 70), (30011, 256, 100, 17),
+    (1, 3, 1, 1),
+    (5, 1, 10, 3),
+    (7, 3, 1024, 2),
+    (256, 128, 10, 1),
+    (256, 128, 10, 37),
+    (1000, 3, 32, 5),
+    (3001, 1536, 7, 2),
+    (4097, 128, 1024, 2),
+    (777, 64, 1024, 3),
+    (20000, 96, 33, 9),
+    (50021, 128, 10, 1),
+    (50021, 128, 16, 70),
+    (30011, 256, 100, 17),
     (65537, 1, 5, 4),
 ]
 
@@ -233,12 +248,20 @@ def test_namespace_ops_match_numpy_backend(backend, rng):
         q = rng.standard_normal((4, d), dtype=np.float32)
         k = int(rng.integers(1, 60))
         ids_g, sc_g = gpu.search(q, k)
-        ids_c, sc_c = cpu.search(q, k)
+        ids_c, _sc_c = cpu.search(q, k)
         assert ids_g.shape == ids_c.shape
         x = cpu.matrix.data[: cpu.n]  # the reference rows, already normalised
         rows_g = np.array([[cpu.id_row[int(i)] for i in r] for r in ids_g])
-        check(prepare_queries(q, Metric.COSINE), x, Metric.COSINE, k, rows_g, sc_g,
-              backend.storage_dtype, f"namespace step {step}")
+        check(
+            prepare_queries(q, Metric.COSINE),
+            x,
+            Metric.COSINE,
+            k,
+            rows_g,
+            sc_g,
+            backend.storage_dtype,
+            f"namespace step {step}",
+        )
 
 
 def test_pinned_host_buffer_is_used_in_place(backend, rng):
@@ -309,8 +332,9 @@ def test_half_scores_extreme_scales(backend, rng, scale_q, scale_x):
     q = (rng.standard_normal((40, d), dtype=np.float32) * np.float32(scale_q)).astype(np.float32)
     rows, scores = m.search(q, n, 10, path=SearchPath.HALF_GEMM)
     assert np.isfinite(scores).all()
-    check(q, rounded(x, "float16"), Metric.DOT, 10, rows, scores, "float32",
-          f"half scales q x{scale_q} rows x{scale_x}")
+    check(
+        q, rounded(x, "float16"), Metric.DOT, 10, rows, scores, "float32", f"half scales q x{scale_q} rows x{scale_x}"
+    )
 
 
 def test_half_scores_fall_back_on_ties(backend, rng):
@@ -328,7 +352,7 @@ def test_half_scores_fall_back_on_ties(backend, rng):
     assert backend.stats.half_fallbacks - before >= 3
     check(q, x, Metric.DOT, 10, rows, scores, "float16", "half ties")
     for i in range(3):
-        assert set(rows[i]) <= set(hot[40 * i:40 * (i + 1)].tolist())
+        assert set(rows[i]) <= set(hot[40 * i : 40 * (i + 1)].tolist())
 
 
 def test_two_searches_in_flight(backend, rng):

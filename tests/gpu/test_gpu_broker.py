@@ -10,24 +10,43 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import assert_topk
 
 from kalos.clients import RecallPool
-from kalos.testing.loadgen import LoadSpec, check_samples, run_load
-from conftest import assert_topk
 from kalos.clients._transport import Connection
 from kalos.sidecar_cuda.backends.cuda import cuda_available
+from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 
 _WHY = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
-              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}"),
+]
 
 
 @pytest.fixture(params=["float32", "float16"])
 def gpu_sidecar(request, sidecar_factory, seed):
     dtype = request.param
-    h = sidecar_factory("gpu", "--backend", "cuda", "--dtype", dtype, "--dim", "64",
-                        "--random-rows", "20000", "--seed", str(seed), "--slots", "48",
-                        "--max-k", "128", "--max-queries", "8")
+    h = sidecar_factory(
+        "gpu",
+        "--backend",
+        "cuda",
+        "--dtype",
+        dtype,
+        "--dim",
+        "64",
+        "--random-rows",
+        "20000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "48",
+        "--max-k",
+        "128",
+        "--max-queries",
+        "8",
+    )
     h.matrix = np.random.default_rng(seed).standard_normal((20000, 64), dtype=np.float32)
     h.rtol = 1e-5 if dtype == "float32" else 2e-3
     c = Connection(h.name)
@@ -72,8 +91,20 @@ async def test_cuda_sidecar_recalls_match_reference(gpu_sidecar, rng):
 
 def test_cuda_sidecar_under_load_from_processes(gpu_sidecar, seed):
     h = gpu_sidecar
-    res = run_load(LoadSpec(name=h.name, dim=64, procs=4, tasks=32, duration_s=1.5, warmup_s=0.2,
-                            k=10, seed=seed, keep=300, loop="asyncio"))
+    res = run_load(
+        LoadSpec(
+            name=h.name,
+            dim=64,
+            procs=4,
+            tasks=32,
+            duration_s=1.5,
+            warmup_s=0.2,
+            k=10,
+            seed=seed,
+            keep=300,
+            loop="asyncio",
+        )
+    )
     assert res.errors == 0 and res.count > 100
     checked, wrong = check_samples(res.samples, h.matrix, 10, rtol=h.rtol)
     assert checked > 0 and wrong == 0

@@ -16,8 +16,11 @@ from kalos.sidecar_cuda.backends.cuda.planner import cheap_k
 from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}"),
+]
 REL_TOL = {"float32": 2e-5, "float16": 3 * 2.0**-11, "bfloat16": 3 * 2.0**-9}
 
 
@@ -31,10 +34,19 @@ def backend(request):
 
 
 @pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2], ids=lambda m: m.name)
-@pytest.mark.parametrize("n,d,k,b,frac", [(1000, 16, 10, 1, 0.001), (5000, 128, 10, 4, 0.01),
-                                           (20000, 96, 100, 3, 0.1), (20000, 64, 1024, 2, 0.5),
-                                           (3001, 32, 7, 70, 1.0), (50, 8, 64, 1, 0.5),
-                                           (20000, 64, 10, 5, 0.3), (20000, 64, 10, 8, 0.5)])
+@pytest.mark.parametrize(
+    "n,d,k,b,frac",
+    [
+        (1000, 16, 10, 1, 0.001),
+        (5000, 128, 10, 4, 0.01),
+        (20000, 96, 100, 3, 0.1),
+        (20000, 64, 1024, 2, 0.5),
+        (3001, 32, 7, 70, 1.0),
+        (50, 8, 64, 1, 0.5),
+        (20000, 64, 10, 5, 0.3),
+        (20000, 64, 10, 8, 0.5),
+    ],
+)
 def test_search_rows_matches_float64(backend, rng, metric, n, d, k, b, frac):
     x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
     m = backend.new_matrix(d, n, metric)

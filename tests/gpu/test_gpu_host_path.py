@@ -15,8 +15,11 @@ from kalos.sidecar_cuda.backends.cuda import WARP_K, SearchPath, cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK, cheap_k
 
 _WHY = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),
-              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}"),
+]
 
 
 @pytest.fixture(scope="module", params=("float32", "float16", "bfloat16"))
@@ -39,8 +42,7 @@ def ref_topk(q: np.ndarray, x: np.ndarray, l2: bool, k: int) -> tuple[np.ndarray
     return s, -np.partition(-s, kk - 1, axis=1)[:, kk - 1]
 
 
-def assert_exact(q: np.ndarray, x: np.ndarray, l2: bool, k: int, rows: np.ndarray,
-                 scores: np.ndarray) -> None:
+def assert_exact(q: np.ndarray, x: np.ndarray, l2: bool, k: int, rows: np.ndarray, scores: np.ndarray) -> None:
     s, kth = ref_topk(q, x, l2, k)
     scale = np.abs(s).max() + 1.0
     tol = 1e-5 * scale
@@ -68,8 +70,8 @@ def test_a_lone_tiny_search_takes_the_host_path_and_is_exact(backend, metric, se
     assert set(backend.stats.by_path) == {(SearchPath.HOST, "1")}, backend.stats.by_path
     # The same answers as the fused kernel on the same rows.
     q = rng.standard_normal((1, d), dtype=np.float32)
-    r_host, s_host = m.search(q, n, 10)
-    r_gpu, s_gpu = m.search(q, n, 10, path=SearchPath.FUSED)
+    _r_host, s_host = m.search(q, n, 10)
+    _r_gpu, s_gpu = m.search(q, n, 10, path=SearchPath.FUSED)
     assert np.allclose(s_host, s_gpu, rtol=1e-5, atol=1e-4)
     assert (SearchPath.FUSED, "1") in backend.stats.by_path
 

@@ -17,8 +17,11 @@ from kalos.sidecar_cuda.backends.sharded import ShardedBackend
 from kalos.sidecar_cuda.store import Namespace
 
 _WHY = cuda_available()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900),
-              pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(_WHY is not None, reason=f"CUDA backend unavailable: {_WHY}"),
+]
 TOL = {"float32": 1e-4, "float16": 4e-3}
 
 
@@ -64,9 +67,9 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
                 q = rng.standard_normal((b, dim)).astype(np.float32)
                 ids, scores = sh.search(q, k)
                 _check(q, live, ids, scores, k, TOL[dtype])
-                a_ids, a_scores = sh.search_start(q, k).result()
+                a_ids, _a_scores = sh.search_start(q, k).result()
                 assert (a_ids == ids).all()
-                u_ids, u_scores = un.search(q, k)
+                _u_ids, u_scores = un.search(q, k)
                 np.testing.assert_allclose(scores, u_scores, atol=TOL[dtype] * (np.abs(u_scores).max() + 1))
                 for where, want in (({"c": 1}, {1}), ({"c": {"$ne": 3}}, {0, 1, 2})):
                     allowed = {i for i, cc in col.items() if cc in want}
@@ -76,8 +79,9 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
             asked = np.array(rng.choice(sorted(live), 7).tolist(), np.int64)
             g_ids, g_vecs, _ = sh.get(asked)
             assert g_ids.tolist() == asked.tolist()
-            np.testing.assert_allclose(g_vecs, np.stack([live[i] for i in asked.tolist()]),
-                                       rtol=TOL[dtype], atol=TOL[dtype])
+            np.testing.assert_allclose(
+                g_vecs, np.stack([live[i] for i in asked.tolist()]), rtol=TOL[dtype], atol=TOL[dtype]
+            )
     finally:
         plain.close()
 
@@ -86,8 +90,9 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
 def test_several_shards_on_one_gpu(rng, dtype):
     from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
-    be = ShardedBackend([CupyBackend(storage_dtype=dtype, device=0, host_work=0) for _ in range(3)],
-                        ["cuda:0"] * 3, block=256)
+    be = ShardedBackend(
+        [CupyBackend(storage_dtype=dtype, device=0, host_work=0) for _ in range(3)], ["cuda:0"] * 3, block=256
+    )
     try:
         assert len({id(b.stream) for b in be.backends}) == 3  # three streams, three buffer sets
         _exercise(be, rng, dtype)

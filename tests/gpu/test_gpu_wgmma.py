@@ -30,8 +30,7 @@ def _why() -> str | None:
 
 
 _WHY = _why()
-pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600),
-              pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600), pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 MIN_ROWS = 1000  # the planner's row threshold in these tests (b = 16; twice that above 16)
 REL_TOL = 2.0**-16  # float32 accumulation of float32 queries x float16 rows, relative to |q||x|
@@ -47,13 +46,14 @@ def backend():
     be.close()
 
 
-def fill(be, rng, n: int, d: int, metric: Metric = Metric.DOT, capacity: int | None = None,
-         x: np.ndarray | None = None):
+def fill(
+    be, rng, n: int, d: int, metric: Metric = Metric.DOT, capacity: int | None = None, x: np.ndarray | None = None
+):
     if x is None:
         x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
     m = be.new_matrix(d, capacity or n, metric)
     for lo in range(0, n, 65536):
-        m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo:lo + 65536])
+        m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo : lo + 65536])
     return m, x.astype(np.float16).astype(np.float32)  # the rows as stored
 
 
@@ -152,7 +152,7 @@ def test_identical_rows_force_the_float32_redo(backend, rng):
     x[::7] = rng.standard_normal((len(x[::7]), d), dtype=np.float32) * 0.01  # a few others
     m, xs = fill(backend, rng, n, d, x=x)
     q = queries(rng, b, d)
-    q[b // 2:] = np.abs(q[b // 2:]) * np.sign(row)  # half of them certainly favour the copies
+    q[b // 2 :] = np.abs(q[b // 2 :]) * np.sign(row)  # half of them certainly favour the copies
     before, fb = count(backend, SearchPath.WGMMA), backend.stats.wgmma_fallbacks
     for k in (1, 10, 16):
         rows, scores = m.search(q, n, k)
@@ -190,7 +190,7 @@ def test_fused_kernel_off_keeps_it_on_gemm(rng):
         m, x = fill(be, rng, n, d)
         q = queries(rng, b, d)
         assert m.plan(b, n, k) == Plan(SearchPath.GEMM)
-        rows, scores = m.search(q, n, k)
+        rows, _scores = m.search(q, n, k)
         assert count(be, SearchPath.GEMM) == 1 and count(be, SearchPath.WGMMA) == 0
         ref = q.astype(np.float64) @ x.astype(np.float64).T
         kth = -np.partition(-ref, k - 1, axis=1)[:, k - 1]

@@ -29,13 +29,30 @@ def _model_missing() -> str | None:
 def test_agents_in_several_processes_recall_their_own_memories(tmp_path: Path) -> None:
     out = tmp_path / "agent_memory.json"
     backend = os.environ.get("KALOS_TEST_BACKEND", "numpy")
-    r = subprocess.run([sys.executable, str(ROOT / "examples" / "agent_memory.py"), "--agents", "4",
-                        "--procs", "2", "--backend", backend, "--json", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "agent_memory.py"),
+            "--agents",
+            "4",
+            "--procs",
+            "2",
+            "--backend",
+            backend,
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(r.stdout[-4000:], r.stderr[-4000:])
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(out.read_text())
-    assert got["procs"] == 2 and got["recalls"] == 8 * (got["rounds"] - 1)  # 4 agents x 2 questions, each answer checked
+    assert got["procs"] == 2 and got["recalls"] == 8 * (
+        got["rounds"] - 1
+    )  # 4 agents x 2 questions, each answer checked
     text = "\n".join(got["lines"])
     # What a semantic model must get right (the filter keeps each agent to its own memories):
     assert "[health] Which antibiotic should I avoid?\n    " in text

@@ -17,13 +17,19 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from conftest import free_port, slots_free, wait_until
+
 from kalos.broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNamespace
 from kalos.broker.validation import MAX_WHERE_VALUES, parse_where
 from kalos.integrations import IdCollision
 from kalos.integrations._filters import (
-    FieldOp, all_of, any_of, condition, in_chunks, mongo_where, one_of,
+    FieldOp,
+    all_of,
+    any_of,
+    condition,
+    in_chunks,
+    mongo_where,
+    one_of,
 )
 from kalos.integrations._ids import IdScheme, Probing, Reading, Reads, claim, find, next_reads
 from kalos.integrations._loops import LoopPools
@@ -34,6 +40,7 @@ DIM = 8
 
 
 # --------------------------------------------------------------------------- ids
+
 
 def _blake(data: bytes, person: bytes = b"") -> bytes:
     return hashlib.blake2b(data, digest_size=8, person=person).digest()
@@ -54,11 +61,12 @@ def test_the_three_id_schemes_are_the_documented_hashes(rng: np.random.Generator
     mask = (1 << 63) - 1
     for key in random_keys(rng, 200):
         assert langchain.kalos_id(key) == int.from_bytes(_blake(key.encode()), "big") & mask
-        assert llamaindex.kalos_id(key) == \
-            int.from_bytes(_blake(key.encode(), b"kalos.llama"), "big") & mask
+        assert llamaindex.kalos_id(key) == int.from_bytes(_blake(key.encode(), b"kalos.llama"), "big") & mask
         for a in range(1, llamaindex.MAX_PROBES):
-            assert llamaindex.kalos_id(key, a) == int.from_bytes(
-                _blake(f"{a}\x00{key}".encode(), b"kalos.llama"), "big") & mask
+            assert (
+                llamaindex.kalos_id(key, a)
+                == int.from_bytes(_blake(f"{a}\x00{key}".encode(), b"kalos.llama"), "big") & mask
+            )
         ns = tuple(random_keys(rng, int(rng.integers(1, 4))))
         canon = json.dumps([list(ns), key], ensure_ascii=False, separators=(",", ":"))
         base = int.from_bytes(_blake(canon.encode()), "little") % ((1 << 48) - 8)
@@ -144,20 +152,27 @@ def test_claim_names_what_holds_the_ids() -> None:
 
 def reference_find(probes: dict[str, list[int]], held: dict[int, str | None]) -> dict[str, int]:
     """Each key's first probe holding its own record, stated plainly."""
-    return {k: next(i for i in ids if held.get(i, "-") == k)
-            for k, ids in probes.items() if any(held.get(i, "-") == k for i in ids)}
+    return {
+        k: next(i for i in ids if held.get(i, "-") == k)
+        for k, ids in probes.items()
+        if any(held.get(i, "-") == k for i in ids)
+    }
 
 
-def read_in_rounds(probes: dict[str, list[int]], truth: dict[int, str | None], *,
-                   place: list[str] | None = None, can_locate: bool = False,
-                   per_request: int = 0) -> tuple[Reading[str], list[Reads[str]]]:
+def read_in_rounds(
+    probes: dict[str, list[int]],
+    truth: dict[int, str | None],
+    *,
+    place: list[str] | None = None,
+    can_locate: bool = False,
+    per_request: int = 0,
+) -> tuple[Reading[str], list[Reads[str]]]:
     """Drive next_reads against a table known in full, as _plans.read_probes drives it against
     a sidecar: ids are read by id, located keys yield every record naming them."""
     seen: Reading[str] = Reading()
     rounds: list[Reads[str]] = []
     for _ in range(64):
-        reads = next_reads(probes, seen, place=place, can_locate=can_locate,
-                           per_request=per_request)
+        reads = next_reads(probes, seen, place=place, can_locate=can_locate, per_request=per_request)
         if not reads:
             return seen, rounds
         assert not seen.read & set(reads.ids), "an id read twice"
@@ -187,8 +202,9 @@ def test_reading_in_rounds_places_as_if_every_probe_was_read(rng: np.random.Gene
             truth[i] = str(rng.choice(keys + ["other"])) if rng.random() < 0.85 else None
         place = None if rng.random() < 0.5 else [k for k in keys if rng.random() < 0.7]
         can_locate = bool(rng.random() < 0.6)
-        seen, rounds = read_in_rounds(probes, truth, place=place, can_locate=can_locate,
-                                      per_request=int(rng.choice([0, 0, 8, 32])))
+        seen, rounds = read_in_rounds(
+            probes, truth, place=place, can_locate=can_locate, per_request=int(rng.choice([0, 0, 8, 32]))
+        )
         assert seen.read <= {i for ids in probes.values() for i in ids} | set(truth)
         assert all(seen.held[i] == truth[i] for i in seen.held)
         assert find(probes, seen.held) == reference_find(probes, truth)
@@ -216,8 +232,7 @@ def test_new_keys_read_one_id_each_and_are_looked_up_by_key() -> None:
     one request, one round reads them all."""
     probes = {f"k{i}": [100 * i + a for a in range(8)] for i in range(40)}
     seen, rounds = read_in_rounds(probes, {}, can_locate=True, per_request=32)
-    assert [(r.ids, r.locate) for r in rounds] == [([100 * i for i in range(40)], []),
-                                                   ([], list(probes))]
+    assert [(r.ids, r.locate) for r in rounds] == [([100 * i for i in range(40)], []), ([], list(probes))]
     assert seen.read == {100 * i for i in range(40)}
     seen, rounds = read_in_rounds(probes, {}, can_locate=False, per_request=32)
     assert len(rounds) == 2 and seen.read == {i for ids in probes.values() for i in ids}
@@ -260,9 +275,18 @@ FIELDS = ["a", "b", "c"]
 def same(stored: Any, v: Any) -> bool:
     """Kalos equality, stated independently: scalars by type and value, 1 == 1.0, true != 1,
     null only equals null; lists and objects equal nothing."""
-    kinds = [None if x is None else bool if isinstance(x, bool) else float
-             if isinstance(x, (int, float)) else str if isinstance(x, str) else object
-             for x in (stored, v)]
+    kinds = [
+        None
+        if x is None
+        else bool
+        if isinstance(x, bool)
+        else float
+        if isinstance(x, (int, float))
+        else str
+        if isinstance(x, str)
+        else object
+        for x in (stored, v)
+    ]
     return kinds[0] is kinds[1] and kinds[0] is not object and stored == v
 
 
@@ -290,8 +314,10 @@ def op_holds(doc: dict[str, Any], key: str, op: str, arg: Any) -> bool:
         "$ne": lambda: not (present and same(v, arg)),
         "$in": lambda: present and any(same(v, a) for a in arg),
         "$nin": lambda: not (present and any(same(v, a) for a in arg)),
-        "$gt": lambda: number and v > arg, "$gte": lambda: number and v >= arg,
-        "$lt": lambda: number and v < arg, "$lte": lambda: number and v <= arg,
+        "$gt": lambda: number and v > arg,
+        "$gte": lambda: number and v >= arg,
+        "$lt": lambda: number and v < arg,
+        "$lte": lambda: number and v <= arg,
         "$exists": lambda: present == arg,
     }[op]()
 
@@ -301,8 +327,9 @@ def random_filter(rng: np.random.Generator, depth: int = 0) -> dict[str, Any]:
     for _ in range(int(rng.integers(1, 4))):
         r = rng.random()
         if r < 0.2 and depth < 2:
-            flt[str(rng.choice(["$and", "$or"]))] = [random_filter(rng, depth + 1)
-                                                    for _ in range(int(rng.integers(1, 3)))]
+            flt[str(rng.choice(["$and", "$or"]))] = [
+                random_filter(rng, depth + 1) for _ in range(int(rng.integers(1, 3)))
+            ]
         elif r < 0.45:
             flt[str(rng.choice(FIELDS))] = VALUES[int(rng.integers(len(VALUES)))]
         else:
@@ -335,8 +362,7 @@ def random_payloads(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
     return out
 
 
-def test_mongo_filters_match_the_reference_through_the_sidecars_evaluator(
-        rng: np.random.Generator) -> None:
+def test_mongo_filters_match_the_reference_through_the_sidecars_evaluator(rng: np.random.Generator) -> None:
     """Random Mongo-style filters ($eq spelled both ways, several operators on one field,
     nested $and/$or) translated by mongo_where, parsed and evaluated by the sidecar's own code
     (broker.validation.parse_where, sidecar_cuda.filters.PayloadIndex) on random payloads: the
@@ -356,17 +382,28 @@ def test_mongo_filters_match_the_reference_through_the_sidecars_evaluator(
 def test_mongo_where_spelling() -> None:
     assert mongo_where({"a": {"$eq": 1}}) == {"a": 1}
     assert mongo_where({"a": {"$eq": 1, "$gt": 0}}) == {"$and": [{"a": 1}, {"a": {"$gt": 0}}]}
-    assert mongo_where({"a": {"$gt": 0}, "b": 2, "$and": [{"a": {"$lt": 5}}]}, "m.{}".format) == \
-        {"m.a": {"$gt": 0, "$lt": 5}, "m.b": 2}
+    assert mongo_where({"a": {"$gt": 0}, "b": 2, "$and": [{"a": {"$lt": 5}}]}, "m.{}".format) == {
+        "m.a": {"$gt": 0, "$lt": 5},
+        "m.b": 2,
+    }
     assert mongo_where({"a": {"$in": ("x", "y")}}) == {"a": {"$in": ["x", "y"]}}
     assert mongo_where({"$or": [{"a": 1}]}) == {"a": 1}
 
 
-@pytest.mark.parametrize("bad", [
-    {"a": {"$eq": {"$in": [1, 2]}}},  # a dict after $eq is a value, never operators
-    {"a": {"$eq": [1]}}, {"a": [1, 2]}, {"a": {"$regex": "x"}}, {"$not": {"a": 1}},
-    {"a": {}}, {}, {"$or": []}, {"$and": "x"},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"a": {"$eq": {"$in": [1, 2]}}},  # a dict after $eq is a value, never operators
+        {"a": {"$eq": [1]}},
+        {"a": [1, 2]},
+        {"a": {"$regex": "x"}},
+        {"$not": {"a": 1}},
+        {"a": {}},
+        {},
+        {"$or": []},
+        {"$and": "x"},
+    ],
+)
 def test_mongo_where_refuses_what_kalos_cannot_say(bad: Any) -> None:
     with pytest.raises(InvalidRequest):
         mongo_where(bad)
@@ -375,10 +412,10 @@ def test_mongo_where_refuses_what_kalos_cannot_say(bad: Any) -> None:
 def test_combinators() -> None:
     assert all_of([None, None]) is None
     assert all_of([{"a": 1}, None]) == {"a": 1}
-    assert all_of([{"a": {"$gt": 1}}, {"a": {"$lt": 3}}, {"b": 2}]) == \
-        {"a": {"$gt": 1, "$lt": 3}, "b": 2}
-    assert all_of([{"a": {"$gt": 1}}, {"a": {"$gt": 2}}]) == \
-        {"$and": [{"a": {"$gt": 1}}, {"a": {"$gt": 2}}]}  # one operator twice: not merged
+    assert all_of([{"a": {"$gt": 1}}, {"a": {"$lt": 3}}, {"b": 2}]) == {"a": {"$gt": 1, "$lt": 3}, "b": 2}
+    assert all_of([{"a": {"$gt": 1}}, {"a": {"$gt": 2}}]) == {
+        "$and": [{"a": {"$gt": 1}}, {"a": {"$gt": 2}}]
+    }  # one operator twice: not merged
     assert all_of([{"$and": [{"a": 1}]}, {"$and": [{"b": 1}]}]) == {"$and": [{"a": 1}, {"b": 1}]}
     assert all_of([{"$or": [{"a": 1}, {"b": 1}]}, {"$or": [{"c": 1}, {"b": 2}]}])["$and"]
     with pytest.raises(InvalidRequest):
@@ -402,6 +439,7 @@ def test_one_of_and_in_chunks_stay_inside_the_sidecars_bounds(rng: np.random.Gen
 
 # --------------------------------------------------------------------------- plans (pure)
 
+
 def test_pack() -> None:
     assert pack([10, 10, 10, 30, 5], max_rows=2, max_bytes=25) == [(0, 2), (2, 3), (3, 4), (4, 5)]
     assert pack([], 8, 100) == []
@@ -409,6 +447,7 @@ def test_pack() -> None:
 
 def test_together_runs_plans_side_by_side() -> None:
     """Each round carries the steps of every unfinished plan; answers go back to their plan."""
+
     def step(tag: str) -> Step[Any]:
         return Step(lambda _: tag, lambda _: asyncio.sleep(0, tag))
 
@@ -432,6 +471,7 @@ def test_together_runs_plans_side_by_side() -> None:
 
 
 # --------------------------------------------------------------------------- one pool per loop
+
 
 class StandInPool:
     """What LoopPools needs of a pool: close and terminate, counted."""
@@ -501,6 +541,7 @@ def test_two_running_loops_get_a_pool_each() -> None:
             assert pools.loops() == 2
             both.wait()
             await pools.aclose()
+
         try:
             asyncio.run(main())
         except BaseException as e:  # reported by the test thread
@@ -555,6 +596,7 @@ def test_a_cancelled_caller_leaves_the_opening_to_the_next() -> None:
 
 # --------------------------------------------------------------------------- stores, loop after loop
 
+
 def _langchain(name: str) -> Any:
     pytest.importorskip("langchain_core")
     from langchain_core.embeddings import DeterministicFakeEmbedding
@@ -566,6 +608,7 @@ def _langchain(name: str) -> Any:
     async def use(i: int) -> None:
         await store.aadd_texts([f"text {i}"], ids=[f"id-{i}"])
         assert f"id-{i}" in {d.id for d in await store.asimilarity_search(f"text {i}", k=8)}
+
     return store, use
 
 
@@ -579,6 +622,7 @@ def _langgraph(name: str) -> Any:
         await store.aput(("loops",), f"k{i}", {"i": i})
         item = await store.aget(("loops",), f"k{i}")
         assert item is not None and item.value == {"i": i}
+
     return store, use
 
 
@@ -596,18 +640,17 @@ def _llamaindex(name: str) -> Any:
         await store.async_add([TextNode(text=f"t{i}", id_=f"n{i}", embedding=v)])
         got = await store.aquery(VectorStoreQuery(query_embedding=v, similarity_top_k=1))
         assert got.ids == [f"n{i}"]
+
     return store, use
 
 
-@pytest.mark.parametrize("make", [_langchain, _langgraph, _llamaindex],
-                         ids=["langchain", "langgraph", "llamaindex"])
+@pytest.mark.parametrize("make", [_langchain, _langgraph, _llamaindex], ids=["langchain", "langgraph", "llamaindex"])
 def test_a_store_serves_one_event_loop_after_another(sidecar_factory: Any, make: Any) -> None:
     """asyncio.run three times on one store: each loop gets its own pool, and the pool of a
     loop that ended is terminated on the next use, so its slots come back (8 slots hold two
     pools of 4, not three). Before the shared policy LangChain refused a second loop and
     LangGraph kept the ended loop's pool leased."""
-    h = sidecar_factory("loops", "--dim", str(DIM), "--slots", "8", "--metric", "cosine",
-                        "--backend", "numpy")
+    h = sidecar_factory("loops", "--dim", str(DIM), "--slots", "8", "--metric", "cosine", "--backend", "numpy")
     store, use = make(h.name)
     try:
         for i in range(3):
@@ -668,9 +711,19 @@ def counting_sidecar(sidecar_factory: Any) -> tuple[str, int]:
     for attempt in range(3):  # another process may take the free port before the sidecar binds it
         port = free_port()
         try:
-            h = sidecar_factory("trips", "--dim", str(DIM), "--max-queries", str(MAX_Q),
-                                "--metric", "cosine", "--metrics-port", str(port),
-                                "--backend", "numpy")
+            h = sidecar_factory(
+                "trips",
+                "--dim",
+                str(DIM),
+                "--max-queries",
+                str(MAX_Q),
+                "--metric",
+                "cosine",
+                "--metrics-port",
+                str(port),
+                "--backend",
+                "numpy",
+            )
             return h.name, port
         except RuntimeError:
             if attempt == 2:
@@ -722,8 +775,9 @@ class LangChainWrites:
     def store(self, name: str, pool: Any) -> Any:
         from langchain_core.embeddings import DeterministicFakeEmbedding
 
-        return self.mod.KalosVectorStore(DeterministicFakeEmbedding(size=DIM), name=name,
-                                         namespace="trips", timeout=30.0, pool=pool)
+        return self.mod.KalosVectorStore(
+            DeterministicFakeEmbedding(size=DIM), name=name, namespace="trips", timeout=30.0, pool=pool
+        )
 
     def add(self, store: Any, keys: list[str]) -> None:
         store.add_texts(keys, ids=keys)
@@ -740,8 +794,9 @@ class LangChainWrites:
 
 @pytest.mark.parametrize("driver", ["sync", "async"])
 @pytest.mark.parametrize("writes", [LlamaWrites, LangChainWrites], ids=["llamaindex", "langchain"])
-def test_adding_new_keys_reads_one_id_each(counting_sidecar: tuple[str, int], writes: Any,
-                                           driver: str, rng: np.random.Generator) -> None:
+def test_adding_new_keys_reads_one_id_each(
+    counting_sidecar: tuple[str, int], writes: Any, driver: str, rng: np.random.Generator
+) -> None:
     """Round trips of adds of N keys, counted by the sidecar (and by the pool): into a namespace
     that does not exist yet, one read request and then the writes; new keys into a namespace
     that exists, a read of their first ids per slot, one look-up by key and the writes; the
@@ -777,6 +832,7 @@ def test_adding_new_keys_reads_one_id_each(counting_sidecar: tuple[str, int], wr
                     # the sidecar saw as many (it counts a request just after answering it)
                     n = trips[label]
                     assert wait_until(lambda t0=before, n=n: served(port) - t0 == n, timeout=30)
+
         asyncio.run(main())
     print(f"{writes.__name__} {driver}: {trips} round trips for {N_NEW} keys, {slots} slots each")
     assert slots <= trips["fresh"] <= slots + 1

@@ -20,18 +20,24 @@ import pytest_asyncio
 pytest.importorskip("langchain_core")
 pytest.importorskip("langchain_tests")
 
-from langchain_core.documents import Document  # noqa: E402
-from langchain_core.embeddings import Embeddings  # noqa: E402
-from langchain_core.vectorstores.utils import maximal_marginal_relevance  # noqa: E402
-from langchain_tests.integration_tests import VectorStoreIntegrationTests  # noqa: E402
+from conftest import TEST_BACKEND, TEST_SHARDS, assert_topk, unique_name
+from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
+from langchain_core.vectorstores.utils import maximal_marginal_relevance
+from langchain_tests.integration_tests import VectorStoreIntegrationTests
 
-from conftest import TEST_BACKEND, TEST_SHARDS, assert_topk, unique_name  # noqa: E402
-from kalos import InvalidRequest, RecallClient  # noqa: E402
-from kalos.integrations.langchain import (  # noqa: E402
-    DOC_FIELD, ID_FIELD, IdCollisionError, KalosVectorStore, kalos_id, mmr_select, to_where,
+from kalos import InvalidRequest, RecallClient
+from kalos.integrations.langchain import (
+    DOC_FIELD,
+    ID_FIELD,
+    IdCollisionError,
+    KalosVectorStore,
+    kalos_id,
+    mmr_select,
+    to_where,
 )
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process  # noqa: E402
-from kalos.sidecar_cuda.objects import cleanup  # noqa: E402
+from kalos.sidecar_cuda.objects import cleanup
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 DIM = 6  # the standard suite's EMBEDDING_SIZE
 MAX_K = 64
@@ -42,8 +48,7 @@ _ns = itertools.count()
 def lc_sidecar() -> Iterator[str]:
     """A cosine sidecar of dim 6 for the whole module; its name."""
     name = unique_name("lc")
-    args = ["--ephemeral", "--dim", str(DIM), "--metric", "cosine", "--max-k", str(MAX_K),
-            "--backend", TEST_BACKEND]
+    args = ["--ephemeral", "--dim", str(DIM), "--metric", "cosine", "--max-k", str(MAX_K), "--backend", TEST_BACKEND]
     if TEST_SHARDS:
         args += ["--shards", TEST_SHARDS]
     proc = start_sidecar_process(args, name, timeout=60)
@@ -63,9 +68,11 @@ def fresh_namespace() -> str:
 
 # --------------------------------------------------------------------------- the standard suite
 
+
 @pytest.mark.asyncio
 @pytest.mark.filterwarnings(  # the suite's sync tests inherit the class's asyncio mark
-    "ignore:The test <Function.*is marked with '@pytest.mark.asyncio' but it is not an async")
+    "ignore:The test <Function.*is marked with '@pytest.mark.asyncio' but it is not an async"
+)
 class TestKalosStandardSuite(VectorStoreIntegrationTests):
     """LangChain's VectorStoreIntegrationTests, sync and async: a store on a fresh namespace per
     test. Sync tests use the store's blocking RecallClient; async tests (on asyncio and uvloop)
@@ -73,8 +80,7 @@ class TestKalosStandardSuite(VectorStoreIntegrationTests):
 
     @pytest_asyncio.fixture
     async def vectorstore(self, lc_sidecar: str) -> AsyncIterator[KalosVectorStore]:  # type: ignore[override]
-        store = KalosVectorStore(self.get_embeddings(), name=lc_sidecar,
-                                 namespace=fresh_namespace())
+        store = KalosVectorStore(self.get_embeddings(), name=lc_sidecar, namespace=fresh_namespace())
         try:
             yield store
         finally:
@@ -83,6 +89,7 @@ class TestKalosStandardSuite(VectorStoreIntegrationTests):
 
 
 # --------------------------------------------------------------------------- helpers
+
 
 class TableEmbeddings(Embeddings):
     """Texts -> vectors we chose, so results can be checked against numpy."""
@@ -128,8 +135,11 @@ def random_corpus(rng: np.random.Generator, n: int) -> tuple[list[str], np.ndarr
     vecs = rng.standard_normal((n, DIM)).astype(np.float32)
     metas: list[dict[str, Any]] = []
     for _ in range(n):
-        m: dict[str, Any] = {"cat": str(rng.choice(["a", "b", "c"])), "n": int(rng.integers(0, 10)),
-                             "x": float(rng.random())}
+        m: dict[str, Any] = {
+            "cat": str(rng.choice(["a", "b", "c"])),
+            "n": int(rng.integers(0, 10)),
+            "x": float(rng.random()),
+        }
         if rng.random() < 0.5:
             m["opt"] = bool(rng.random() < 0.5)
         metas.append(m)
@@ -151,15 +161,22 @@ FILTERS: list[tuple[dict[str, Any], Callable[[dict[str, Any]], bool]]] = [
     ({"cat": "a", "n": {"$lte": 4}}, lambda m: m["cat"] == "a" and m["n"] <= 4),
     ({"cat": {"$eq": "c", "$ne": "a"}, "n": {"$gt": 1}}, lambda m: m["cat"] == "c" and m["n"] > 1),
     ({"$or": [{"cat": "a"}, {"x": {"$gt": 0.8}}]}, lambda m: m["cat"] == "a" or m["x"] > 0.8),
-    ({"$and": [{"n": {"$gt": 2}}, {"$or": [{"cat": {"$nin": ["b"]}}, {"opt": False}]}]},
-     lambda m: m["n"] > 2 and (m["cat"] != "b" or m.get("opt") is False)),
+    (
+        {"$and": [{"n": {"$gt": 2}}, {"$or": [{"cat": {"$nin": ["b"]}}, {"opt": False}]}]},
+        lambda m: m["n"] > 2 and (m["cat"] != "b" or m.get("opt") is False),
+    ),
     ({"n": {"$gt": 100}}, lambda m: False),
 ]
 
 
-def check_filtered(query: np.ndarray, vecs: np.ndarray, metas: list[dict[str, Any]],
-                   pred: Callable[[dict[str, Any]], bool], k: int,
-                   got: list[tuple[Document, float]]) -> None:
+def check_filtered(
+    query: np.ndarray,
+    vecs: np.ndarray,
+    metas: list[dict[str, Any]],
+    pred: Callable[[dict[str, Any]], bool],
+    k: int,
+    got: list[tuple[Document, float]],
+) -> None:
     """Exact top-k among the documents matching ``pred``, against a float64 cosine reference."""
     match = np.array([i for i, m in enumerate(metas) if pred(m)], np.int64)
     if len(match) == 0:
@@ -170,11 +187,18 @@ def check_filtered(query: np.ndarray, vecs: np.ndarray, metas: list[dict[str, An
     for d, _ in got:
         assert d.metadata == metas[int(d.page_content.removeprefix("doc-"))]
     pos = {int(g): j for j, g in enumerate(match)}
-    assert_topk(query, vecs[match], np.array([pos[int(i)] for i in ids], np.int64),
-                np.array([s for _, s in got], np.float32), k, metric="cosine")
+    assert_topk(
+        query,
+        vecs[match],
+        np.array([pos[int(i)] for i in ids], np.int64),
+        np.array([s for _, s in got], np.float32),
+        k,
+        metric="cosine",
+    )
 
 
 # --------------------------------------------------------------------------- ids
+
 
 def test_kalos_id_is_documented_blake2b_and_pinned() -> None:
     for s in ["", "1", "foo", "ünïcødé", "a" * 1000]:
@@ -215,12 +239,16 @@ def payload_at(lc_sidecar: str, namespace: str, at: int) -> Any:
     return rec.payloads[0] if len(rec) else None
 
 
-@pytest.mark.parametrize("foreign", [
-    {ID_FIELD: "other", DOC_FIELD: {"page_content": "theirs"}},  # another document at our id
-    {"not": "a document"},  # a record that is no document at all
-])
+@pytest.mark.parametrize(
+    "foreign",
+    [
+        {ID_FIELD: "other", DOC_FIELD: {"page_content": "theirs"}},  # another document at our id
+        {"not": "a document"},  # a record that is no document at all
+    ],
+)
 def test_collision_with_stored_record_raises_and_keeps_it(
-        store: KalosVectorStore, lc_sidecar: str, foreign: dict[str, Any]) -> None:
+    store: KalosVectorStore, lc_sidecar: str, foreign: dict[str, Any]
+) -> None:
     table_of(store).update({"mine": np.ones(DIM), "fine": np.arange(DIM, dtype=float)})
     plant(lc_sidecar, store.namespace, kalos_id("x"), foreign)
     with pytest.raises(IdCollisionError, match="'x'"):
@@ -237,8 +265,7 @@ def test_collision_with_stored_record_raises_and_keeps_it(
 
 
 @pytest.mark.asyncio
-async def test_collision_with_stored_record_raises_async(astore: KalosVectorStore,
-                                                         lc_sidecar: str) -> None:
+async def test_collision_with_stored_record_raises_async(astore: KalosVectorStore, lc_sidecar: str) -> None:
     table_of(astore)["mine"] = np.ones(DIM)
     foreign = {ID_FIELD: "other", DOC_FIELD: {"page_content": "theirs"}}
     plant(lc_sidecar, astore.namespace, kalos_id("x"), foreign)
@@ -267,8 +294,7 @@ def test_collision_between_string_ids(lc_sidecar: str) -> None:
     weak = lambda s: kalos_id(s) % 4  # noqa: E731
     a, b = colliding_pair(weak)
     table = {t: np.random.default_rng(j).standard_normal(DIM) for j, t in enumerate("pqr")}
-    store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(),
-                             id_map=weak)
+    store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(), id_map=weak)
     try:
         assert store.add_texts(["p"], ids=[a]) == [a]
         assert store.add_texts(["q"], ids=[a]) == [a]  # same id: an update
@@ -291,8 +317,7 @@ def test_in_batch_collision_writes_nothing(lc_sidecar: str) -> None:
     weak = lambda s: kalos_id(s) % 4  # noqa: E731
     a, b = colliding_pair(weak)
     table = {"p": np.ones(DIM), "q": -np.ones(DIM)}
-    store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(),
-                             id_map=weak)
+    store = KalosVectorStore(TableEmbeddings(table), name=lc_sidecar, namespace=fresh_namespace(), id_map=weak)
     try:
         with pytest.raises(IdCollisionError, match="another key of this write"):
             store.add_texts(["p", "q"], ids=[a, b])
@@ -304,17 +329,28 @@ def test_in_batch_collision_writes_nothing(lc_sidecar: str) -> None:
 
 # --------------------------------------------------------------------------- filters
 
+
 def test_to_where_mapping() -> None:
     assert to_where({"a": 1}) == {"m.a": 1}
     assert to_where({"a": {"$eq": "x"}}) == {"m.a": "x"}
-    assert to_where({"a": {"$in": ("x", "y")}, "b": {"$gte": 1, "$lt": 2}}) == \
-        {"m.a": {"$in": ["x", "y"]}, "m.b": {"$gte": 1, "$lt": 2}}
+    assert to_where({"a": {"$in": ("x", "y")}, "b": {"$gte": 1, "$lt": 2}}) == {
+        "m.a": {"$in": ["x", "y"]},
+        "m.b": {"$gte": 1, "$lt": 2},
+    }
     assert to_where({"a": {"$eq": 1, "$ne": 2}}) == {"$and": [{"m.a": 1}, {"m.a": {"$ne": 2}}]}
-    assert to_where({"$or": [{"a": 1}, {"b": {"$exists": False}}]}) == \
-        {"$or": [{"m.a": 1}, {"m.b": {"$exists": False}}]}
+    assert to_where({"$or": [{"a": 1}, {"b": {"$exists": False}}]}) == {
+        "$or": [{"m.a": 1}, {"m.b": {"$exists": False}}]
+    }
     # after $eq comes a value: a dict there is never read as operators (it used to become $in)
-    for bad in [{"$not": {"a": 1}}, {"a": {"$like": "x%"}}, {"a": {}}, {}, {"$or": []}, [1],
-                {"a": {"$eq": {"$in": [1, 2]}}}]:
+    for bad in [
+        {"$not": {"a": 1}},
+        {"a": {"$like": "x%"}},
+        {"a": {}},
+        {},
+        {"$or": []},
+        [1],
+        {"a": {"$eq": {"$in": [1, 2]}}},
+    ]:
         with pytest.raises(InvalidRequest):
             to_where(bad)  # type: ignore[arg-type]
 
@@ -338,8 +374,7 @@ def test_filters_match_numpy_reference(store: KalosVectorStore, rng: np.random.G
 
 
 @pytest.mark.asyncio
-async def test_filters_match_numpy_reference_async(astore: KalosVectorStore,
-                                                   rng: np.random.Generator) -> None:
+async def test_filters_match_numpy_reference_async(astore: KalosVectorStore, rng: np.random.Generator) -> None:
     texts, vecs, metas = random_corpus(rng, 300)
     table_of(astore).update(zip(texts, vecs))
     await astore.aadd_texts(texts, metas)
@@ -371,6 +406,7 @@ def test_relevance_scores(store: KalosVectorStore, rng: np.random.Generator) -> 
 
 # --------------------------------------------------------------------------- MMR
 
+
 def test_mmr_select_matches_langchain(rng: np.random.Generator) -> None:
     for _ in range(20):
         n, d = int(rng.integers(1, 40)), int(rng.integers(2, 16))
@@ -388,18 +424,20 @@ def test_mmr_search(store: KalosVectorStore, rng: np.random.Generator) -> None:
     table_of(store)["query"] = q
     store.add_texts(texts, metas)
     unit = vecs.astype(np.float64) / np.linalg.norm(vecs, axis=1, keepdims=True)
-    for fetch_k, lam, flt, pred in [(20, 0.5, None, lambda m: True), (30, 0.2, {"cat": "b"},
-                                                                       lambda m: m["cat"] == "b"),
-                                    (500, 0.9, None, lambda m: True)]:
+    for fetch_k, lam, flt, pred in [
+        (20, 0.5, None, lambda m: True),
+        (30, 0.2, {"cat": "b"}, lambda m: m["cat"] == "b"),
+        (500, 0.9, None, lambda m: True),
+    ]:
         match = np.array([i for i, m in enumerate(metas) if pred(m)])
-        top = match[np.argsort(-(unit[match] @ q))[:min(fetch_k, MAX_K)]]
+        top = match[np.argsort(-(unit[match] @ q))[: min(fetch_k, MAX_K)]]
         want = [f"doc-{top[j]}" for j in maximal_marginal_relevance(q, unit[top].tolist(), lam, 5)]
-        got = store.max_marginal_relevance_search("query", k=5, fetch_k=fetch_k, lambda_mult=lam,
-                                                  filter=flt)
+        got = store.max_marginal_relevance_search("query", k=5, fetch_k=fetch_k, lambda_mult=lam, filter=flt)
         assert [d.page_content for d in got] == want
     # lambda 1: pure relevance, the plain top-k order
-    assert [d.id for d in store.max_marginal_relevance_search("query", k=6, lambda_mult=1.0)] == \
-        [d.id for d in store.similarity_search("query", k=6)]
+    assert [d.id for d in store.max_marginal_relevance_search("query", k=6, lambda_mult=1.0)] == [
+        d.id for d in store.similarity_search("query", k=6)
+    ]
 
 
 @pytest.mark.asyncio
@@ -414,12 +452,16 @@ async def test_mmr_search_async(astore: KalosVectorStore, rng: np.random.Generat
     want = [f"doc-{top[j]}" for j in maximal_marginal_relevance(q, unit[top].tolist(), 0.5, 4)]
     got = await astore.amax_marginal_relevance_search("query", k=4, fetch_k=20)
     assert [d.page_content for d in got] == want
-    assert await KalosVectorStore(TableEmbeddings({"query": q}), name=astore.name,
-                                  namespace="lc-never-written").amax_marginal_relevance_search(
-        "query") == []
+    assert (
+        await KalosVectorStore(
+            TableEmbeddings({"query": q}), name=astore.name, namespace="lc-never-written"
+        ).amax_marginal_relevance_search("query")
+        == []
+    )
 
 
 # --------------------------------------------------------------------------- retriever
+
 
 def test_retriever(store: KalosVectorStore, rng: np.random.Generator) -> None:
     texts, vecs, metas = random_corpus(rng, 100)
@@ -433,8 +475,7 @@ def test_retriever(store: KalosVectorStore, rng: np.random.Generator) -> None:
     assert docs == store.similarity_search("query", k=3, filter={"cat": "c"})
     mmr = store.as_retriever(search_type="mmr", search_kwargs={"k": 4, "fetch_k": 30})
     assert mmr.invoke("query") == store.max_marginal_relevance_search("query", k=4, fetch_k=30)
-    thr = store.as_retriever(search_type="similarity_score_threshold",
-                             search_kwargs={"k": 50, "score_threshold": 0.8})
+    thr = store.as_retriever(search_type="similarity_score_threshold", search_kwargs={"k": 50, "score_threshold": 0.8})
     kept = thr.invoke("query")
     unit = vecs.astype(np.float64) / np.linalg.norm(vecs, axis=1, keepdims=True)
     rel = (1 + unit @ (q / np.linalg.norm(q))) / 2
@@ -458,12 +499,14 @@ async def test_retriever_async(astore: KalosVectorStore, rng: np.random.Generato
 
 # --------------------------------------------------------------------------- lifecycle
 
+
 @pytest.mark.asyncio
 async def test_from_texts_and_owned_connections(lc_sidecar: str) -> None:
     table = {"a": np.ones(DIM), "b": -np.ones(DIM)}
     ns = fresh_namespace()
-    store = await KalosVectorStore.afrom_texts(["a", "b"], TableEmbeddings(table), ids=["1", "2"],
-                                               name=lc_sidecar, namespace=ns)
+    store = await KalosVectorStore.afrom_texts(
+        ["a", "b"], TableEmbeddings(table), ids=["1", "2"], name=lc_sidecar, namespace=ns
+    )
     async with store:
         assert [d.id for d in await store.asimilarity_search("a", k=1)] == ["1"]
         assert [d.id for d in store.similarity_search("b", k=1)] == ["2"]  # sync beside async
@@ -475,8 +518,9 @@ async def test_from_texts_and_owned_connections(lc_sidecar: str) -> None:
 
 def test_passed_in_client_is_not_closed(lc_sidecar: str) -> None:
     with RecallClient(lc_sidecar) as client:
-        store = KalosVectorStore(TableEmbeddings({"a": np.ones(DIM)}), name=lc_sidecar,
-                                 namespace=fresh_namespace(), client=client)
+        store = KalosVectorStore(
+            TableEmbeddings({"a": np.ones(DIM)}), name=lc_sidecar, namespace=fresh_namespace(), client=client
+        )
         with store:
             store.add_texts(["a"], ids=["z"])
         assert client.count(store.namespace) == 1  # still open
@@ -525,8 +569,9 @@ def test_relevance_follows_the_sidecars_own_metric(sidecar_factory, rng: np.rand
     h = sidecar_factory("lcl2", "--dim", str(DIM), "--metric", "l2", "--backend", "numpy")
     v = rng.standard_normal(DIM)
     v /= np.linalg.norm(v)
-    store = KalosVectorStore(TableEmbeddings({"near": v, "far": -v, "query": v}), name=h.name,
-                             namespace=fresh_namespace())
+    store = KalosVectorStore(
+        TableEmbeddings({"near": v, "far": -v, "query": v}), name=h.name, namespace=fresh_namespace()
+    )
     try:
         store.add_texts(["near", "far"])
         got = {d.page_content: s for d, s in store.similarity_search_with_relevance_scores("query", k=2)}

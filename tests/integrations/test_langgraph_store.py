@@ -24,14 +24,20 @@ import pytest
 
 pytest.importorskip("langgraph.store.memory")
 
-from langgraph.store.base import (  # noqa: E402
-    GetOp, InvalidNamespaceError, ListNamespacesOp, MatchCondition, PutOp, SearchOp, get_text_at_path,
+from langgraph.store.base import (
+    GetOp,
+    InvalidNamespaceError,
+    ListNamespacesOp,
+    MatchCondition,
+    PutOp,
+    SearchOp,
+    get_text_at_path,
     tokenize_path,
 )
-from langgraph.store.memory import InMemoryStore  # noqa: E402
+from langgraph.store.memory import InMemoryStore
 
-import kalos.integrations.langgraph as klg  # noqa: E402
-from kalos.integrations.langgraph import KalosStore, KeyCollision  # noqa: E402
+import kalos.integrations.langgraph as klg
+from kalos.integrations.langgraph import KalosStore, KeyCollision
 
 DIM = 16
 FIELDS = ["text", "tags[*]"]
@@ -57,8 +63,7 @@ async def aembed(texts: Sequence[str]) -> list[list[float]]:
 def start(sidecar_factory: Any, *args: str) -> Any:
     # max_k 16 and 8 rows per slot: recalls hit the k limit (growing k, then the exact scan)
     # and gets/upserts go in several chunks.
-    return sidecar_factory("lg", "--dim", str(DIM), "--max-k", "16", "--max-queries", "8",
-                           "--backend", "numpy", *args)
+    return sidecar_factory("lg", "--dim", str(DIM), "--max-k", "16", "--max-queries", "8", "--backend", "numpy", *args)
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -66,8 +71,7 @@ def _paths(ref: InMemoryStore, op: PutOp) -> set[str]:
     """The vector paths InMemoryStore gives ``op``'s value (its _extract_texts naming)."""
     if op.value is None or op.index is False or not ref.index_config:
         return set()
-    fields = ref.index_config["__tokenized_fields"] if op.index is None else \
-        [(p, tokenize_path(p)) for p in op.index]
+    fields = ref.index_config["__tokenized_fields"] if op.index is None else [(p, tokenize_path(p)) for p in op.index]
     out: set[str] = set()
     for path, tokens in fields:
         texts = get_text_at_path(op.value, tokens)
@@ -115,22 +119,32 @@ class OpGen:
         return v
 
     def index(self) -> Any:
-        return self.r.choices([None, False, ["text"], ["tags[*]"], ["meta.lang", "text"]],
-                              [6, 1.5, 1, 1, 0.5])[0]
+        return self.r.choices([None, False, ["text"], ["tags[*]"], ["meta.lang", "text"]], [6, 1.5, 1, 1, 0.5])[0]
 
     def filter(self) -> dict[str, Any] | None:
         r = self.r
         kind = r.choice(["x", "y", True, 1, 0, 2.5, None])
-        return r.choice([
-            None, None, {"n": r.randrange(10)}, {"n": {"$gt": r.randrange(10)}},
-            {"n": {"$gte": r.randrange(5), "$lt": r.randrange(5, 11)}}, {"kind": kind},
-            {"kind": {"$ne": kind}}, {"kind": {"$eq": kind}}, {"meta": {"lang": "en"}},
-            {"tags": [r.choice(WORDS)]}, {"n": {"$lte": 6}, "kind": "x"}, {"kind": 1.0},
-        ])
+        return r.choice(
+            [
+                None,
+                None,
+                {"n": r.randrange(10)},
+                {"n": {"$gt": r.randrange(10)}},
+                {"n": {"$gte": r.randrange(5), "$lt": r.randrange(5, 11)}},
+                {"kind": kind},
+                {"kind": {"$ne": kind}},
+                {"kind": {"$eq": kind}},
+                {"meta": {"lang": "en"}},
+                {"tags": [r.choice(WORDS)]},
+                {"n": {"$lte": 6}, "kind": "x"},
+                {"kind": 1.0},
+            ]
+        )
 
     def query(self) -> str | None:
-        return self.r.choice([None, "", f"{self.r.choice(WORDS)} {self.r.choice(WORDS)}",
-                              self.r.choice(WORDS), self.r.choice(WORDS)])
+        return self.r.choice(
+            [None, "", f"{self.r.choice(WORDS)} {self.r.choice(WORDS)}", self.r.choice(WORDS), self.r.choice(WORDS)]
+        )
 
     def op(self) -> Any:
         """One operation, or a list of them (a batch)."""
@@ -151,18 +165,14 @@ class OpGen:
         if kind == "get":
             return GetOp(self.ns(), self.key())
         if kind == "search":
-            return SearchOp(self.ns(0, 2), self.filter(), r.randint(1, 8), r.choice([0, 0, 1, 3]),
-                            self.query())
+            return SearchOp(self.ns(0, 2), self.filter(), r.randint(1, 8), r.choice([0, 0, 1, 3]), self.query())
         if kind == "list":
             conds = []
             if r.random() < 0.5:
-                conds.append(MatchCondition("prefix", tuple(r.choice(LABELS + ["*"])
-                                                            for _ in range(r.randint(1, 2)))))
+                conds.append(MatchCondition("prefix", tuple(r.choice(LABELS + ["*"]) for _ in range(r.randint(1, 2)))))
             if r.random() < 0.4:
-                conds.append(MatchCondition("suffix", tuple(r.choice(LABELS + ["*"])
-                                                            for _ in range(r.randint(1, 2)))))
-            return ListNamespacesOp(tuple(conds), r.choice([None, None, 1, 2]), r.randint(1, 20),
-                                    r.choice([0, 0, 2]))
+                conds.append(MatchCondition("suffix", tuple(r.choice(LABELS + ["*"]) for _ in range(r.randint(1, 2)))))
+            return ListNamespacesOp(tuple(conds), r.choice([None, None, 1, 2]), r.randint(1, 20), r.choice([0, 0, 2]))
 
 
 # ----------------------------------------------------------------------------- comparison
@@ -245,8 +255,10 @@ def test_differential_against_in_memory_store(sidecar_factory: Any, seed: int) -
 def test_differential_without_index_and_default_fields(sidecar_factory: Any, seed: int) -> None:
     """No index: query= is ignored (a listing); fields default to the whole value ("$")."""
     h = start(sidecar_factory)
-    with KalosStore(h.name, namespace="plain") as plain, \
-            KalosStore(h.name, namespace="whole", index={"dims": DIM, "embed": embed}) as whole:
+    with (
+        KalosStore(h.name, namespace="plain") as plain,
+        KalosStore(h.name, namespace="whole", index={"dims": DIM, "embed": embed}) as whole,
+    ):
         run_differential(seed, 120, InMemoryStore(), plain)
         run_differential(seed + 1, 120, InMemoryStore(index={"dims": DIM, "embed": embed}), whole)
 
@@ -266,8 +278,10 @@ async def test_differential_async_methods(sidecar_factory: Any, seed: int) -> No
                 continue
             scores = None
             if isinstance(op, SearchOp) and op.query:
-                scores = {_ident(i): i.score for i in await ref.asearch(
-                    op.namespace_prefix, query=op.query, filter=op.filter, limit=10**6)}
+                scores = {
+                    _ident(i): i.score
+                    for i in await ref.asearch(op.namespace_prefix, query=op.query, filter=op.filter, limit=10**6)
+                }
             want: Any = None
             got: Any = None
             if isinstance(op, PutOp) and op.value is not None:
@@ -284,8 +298,13 @@ async def test_differential_async_methods(sidecar_factory: Any, seed: int) -> No
                 got = await store.asearch(op.namespace_prefix, **kw)
             else:
                 conds = {c.match_type: c.path for c in op.match_conditions or ()}
-                kw2 = dict(prefix=conds.get("prefix"), suffix=conds.get("suffix"),
-                           max_depth=op.max_depth, limit=op.limit, offset=op.offset)
+                kw2 = dict(
+                    prefix=conds.get("prefix"),
+                    suffix=conds.get("suffix"),
+                    max_depth=op.max_depth,
+                    limit=op.limit,
+                    offset=op.offset,
+                )
                 want = await ref.alist_namespaces(**kw2)
                 got = await store.alist_namespaces(**kw2)
             reference_fixups(ref, [op] if isinstance(op, PutOp) else [])
@@ -345,8 +364,7 @@ def test_index_false_and_fill(store: KalosStore) -> None:
     store.put(("docs",), "unindexed", {"text": "python guide"}, index=False)
     store.put(("docs",), "no-text", {"title": "x"})
     hits = store.search(("docs",), query="python tutorial", limit=5)
-    assert [(h.key, h.score is None) for h in hits] == [("scored", False), ("unindexed", True),
-                                                        ("no-text", True)]
+    assert [(h.key, h.score is None) for h in hits] == [("scored", False), ("unindexed", True), ("no-text", True)]
     assert hits[0].score == pytest.approx(1.0, abs=1e-5)
     assert [h.key for h in store.search(("docs",))] == ["scored", "unindexed", "no-text"]
     store.put(("docs",), "scored", {"text": "python tutorial"}, index=["title"])  # no vector now
@@ -356,8 +374,7 @@ def test_index_false_and_fill(store: KalosStore) -> None:
 def test_list_namespaces_documented_example(store: KalosStore) -> None:
     for ns in [("a", "b", "c"), ("a", "b", "d", "e"), ("a", "b", "d", "i"), ("a", "b", "f"), ("a", "c", "f")]:
         store.put(ns, "k", {"v": 1})
-    assert store.list_namespaces(prefix=("a", "b"), max_depth=3) == [("a", "b", "c"), ("a", "b", "d"),
-                                                                      ("a", "b", "f")]
+    assert store.list_namespaces(prefix=("a", "b"), max_depth=3) == [("a", "b", "c"), ("a", "b", "d"), ("a", "b", "f")]
     assert store.list_namespaces(suffix=("f",)) == [("a", "b", "f"), ("a", "c", "f")]
     assert store.list_namespaces(prefix=("a", "*", "f")) == [("a", "b", "f"), ("a", "c", "f")]
     assert store.list_namespaces(max_depth=1) == [("a",)]
@@ -381,8 +398,7 @@ def test_collisions_never_overwrite(store: KalosStore, monkeypatch: pytest.Monke
     assert store.search(("c",), query="item extra", limit=1)[0].key == "extra"
 
 
-def test_records_that_are_not_items_are_never_overwritten(store: KalosStore,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_records_that_are_not_items_are_never_overwritten(store: KalosStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """Records another writer left in an item's window (no payload, a list payload) count as
     taken: the item goes to the next free id and reads skip them."""
     from kalos import RecallClient
@@ -402,8 +418,11 @@ def test_two_stores_share_one_sidecar(sidecar_factory: Any) -> None:
     with different Kalos namespaces are independent."""
     h = start(sidecar_factory)
     index = {"dims": DIM, "embed": embed, "fields": ["text"]}
-    with KalosStore(h.name, index=index) as a, KalosStore(h.name, index=index) as b, \
-            KalosStore(h.name, namespace="other", index=index) as other:
+    with (
+        KalosStore(h.name, index=index) as a,
+        KalosStore(h.name, index=index) as b,
+        KalosStore(h.name, namespace="other", index=index) as other,
+    ):
         a.put(("mem", "u1"), "m1", {"text": "user likes tea"})
         got = b.search(("mem",), query="user likes tea")
         assert [(g.namespace, g.key) for g in got] == [(("mem", "u1"), "m1")]
@@ -431,8 +450,10 @@ def test_exhaustive_fallback_when_filter_is_not_translatable(sidecar_factory: An
     index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
     ref = InMemoryStore(index=index)
     with KalosStore(h.name, index=index) as store:
-        ops = [PutOp(("d",), f"k{i}", {"tags": [f"t{i}-{j}" for j in range(3)],
-                                       "meta": {"odd": i % 2 == 1}}) for i in range(40)]
+        ops = [
+            PutOp(("d",), f"k{i}", {"tags": [f"t{i}-{j}" for j in range(3)], "meta": {"odd": i % 2 == 1}})
+            for i in range(40)
+        ]
         ref.batch(ops)
         store.batch(ops)
         op = SearchOp(("d",), {"meta": {"odd": True}}, 10, 2, "t7-1")

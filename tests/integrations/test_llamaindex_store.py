@@ -14,22 +14,34 @@ import pytest
 
 pytest.importorskip("llama_index.core", reason="the llamaindex extra is not installed")
 
-from llama_index.core import StorageContext, VectorStoreIndex  # noqa: E402
-from llama_index.core.base.embeddings.base import BaseEmbedding  # noqa: E402
-from llama_index.core.llms import MockLLM  # noqa: E402
-from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
-from llama_index.core.schema import (  # noqa: E402
-    Document, NodeRelationship, RelatedNodeInfo, TextNode,
+from llama_index.core import StorageContext, VectorStoreIndex
+from llama_index.core.base.embeddings.base import BaseEmbedding
+from llama_index.core.llms import MockLLM
+from llama_index.core.node_parser import SentenceSplitter
+from llama_index.core.schema import (
+    Document,
+    NodeRelationship,
+    RelatedNodeInfo,
+    TextNode,
 )
-from llama_index.core.vector_stores import SimpleVectorStore  # noqa: E402
-from llama_index.core.vector_stores.types import (  # noqa: E402
-    FilterCondition, FilterOperator, MetadataFilter, MetadataFilters, VectorStoreQuery,
-    VectorStoreQueryMode, VectorStoreQueryResult,
+from llama_index.core.vector_stores import SimpleVectorStore
+from llama_index.core.vector_stores.types import (
+    FilterCondition,
+    FilterOperator,
+    MetadataFilter,
+    MetadataFilters,
+    VectorStoreQuery,
+    VectorStoreQueryMode,
+    VectorStoreQueryResult,
 )
 
-import kalos.integrations.llamaindex as kli  # noqa: E402
-from kalos.integrations.llamaindex import (  # noqa: E402
-    IdCollision, KalosLlamaVectorStore, UnsupportedQuery, kalos_id, to_where,
+import kalos.integrations.llamaindex as kli
+from kalos.integrations.llamaindex import (
+    IdCollision,
+    KalosLlamaVectorStore,
+    UnsupportedQuery,
+    kalos_id,
+    to_where,
 )
 
 DIM = 16
@@ -61,8 +73,9 @@ class HashEmbedding(BaseEmbedding):
 
 @pytest.fixture
 def broker(sidecar_factory):
-    return sidecar_factory("llama", "--dim", str(DIM), "--max-k", "64", "--max-queries", "8",
-                           "--slots", "16", "--backend", "numpy")
+    return sidecar_factory(
+        "llama", "--dim", str(DIM), "--max-k", "64", "--max-queries", "8", "--slots", "16", "--backend", "numpy"
+    )
 
 
 @pytest.fixture
@@ -77,9 +90,11 @@ def random_nodes(rng: np.random.Generator, n: int, dim: int = DIM, docs: int = 7
     that is sometimes missing, None or "", ints, floats (integral ones too), a constant."""
     nodes = []
     for i in range(n):
-        meta: dict[str, Any] = {"rank": int(rng.integers(0, 10)),
-                                "weight": float(rng.choice([0.5, 1.0, 1.5, 2.0])),
-                                "lang": str(rng.choice(["en", "fr"]))}
+        meta: dict[str, Any] = {
+            "rank": int(rng.integers(0, 10)),
+            "weight": float(rng.choice([0.5, 1.0, 1.5, 2.0])),
+            "lang": str(rng.choice(["en", "fr"])),
+        }
         r = rng.random()
         if r < 0.1:
             pass  # no color
@@ -89,8 +104,9 @@ def random_nodes(rng: np.random.Generator, n: int, dim: int = DIM, docs: int = 7
             meta["color"] = ""
         else:
             meta["color"] = str(rng.choice(["red", "green", "blue"]))
-        node = TextNode(text=f"node {i} text", id_=f"node-{i}", metadata=meta,
-                        embedding=rng.standard_normal(dim).tolist())
+        node = TextNode(
+            text=f"node {i} text", id_=f"node-{i}", metadata=meta, embedding=rng.standard_normal(dim).tolist()
+        )
         node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=f"doc-{i % docs}")
         nodes.append(node)
     return nodes
@@ -107,8 +123,13 @@ def cosine(a: Any, b: Any) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def assert_same_result(got: VectorStoreQueryResult, want: VectorStoreQueryResult,
-                       emb: dict[str, list[float]], q: list[float], atol: float = 1e-5) -> None:
+def assert_same_result(
+    got: VectorStoreQueryResult,
+    want: VectorStoreQueryResult,
+    emb: dict[str, list[float]],
+    q: list[float],
+    atol: float = 1e-5,
+) -> None:
     """Same ids in the same order and scores within ``atol``; two ids may swap only where the
     reference scores them within ``atol`` of each other (a tie at float32 precision)."""
     assert got.ids is not None and want.ids is not None
@@ -118,8 +139,9 @@ def assert_same_result(got: VectorStoreQueryResult, want: VectorStoreQueryResult
     if got.ids != want.ids:
         assert set(got.ids) <= set(emb)
         exact = [cosine(emb[i], q) for i in got.ids]
-        np.testing.assert_allclose(exact, want.similarities, atol=atol,
-                                   err_msg=f"order differs beyond ties: {got.ids} vs {want.ids}")
+        np.testing.assert_allclose(
+            exact, want.similarities, atol=atol, err_msg=f"order differs beyond ties: {got.ids} vs {want.ids}"
+        )
     assert got.nodes is not None and [n.node_id for n in got.nodes] == got.ids
 
 
@@ -137,16 +159,19 @@ FILTER_CASES: dict[str, MetadataFilters] = {
     "lt": MetadataFilters(filters=[F(key="rank", value=2, operator=OP.LT)]),
     "lte": MetadataFilters(filters=[F(key="weight", value=1.0, operator=OP.LTE)]),
     "is-empty": MetadataFilters(filters=[F(key="color", value=None, operator=OP.IS_EMPTY)]),
-    "and": MetadataFilters(filters=[F(key="color", value="red"),
-                                    F(key="rank", value=4, operator=OP.GTE)]),
-    "and-3": MetadataFilters(filters=[F(key="color", value="blue", operator=OP.NE),
-                                      F(key="lang", value=["en"], operator=OP.IN),
-                                      F(key="weight", value=2.0, operator=OP.LT)],
-                             condition=C.AND),
-    "or": MetadataFilters(filters=[F(key="color", value="green"),
-                                   F(key="rank", value=1, operator=OP.LT)], condition=C.OR),
-    "ref-doc-id": MetadataFilters(filters=[F(key="ref_doc_id", value=["doc-1", "doc-4"],
-                                             operator=OP.IN)]),
+    "and": MetadataFilters(filters=[F(key="color", value="red"), F(key="rank", value=4, operator=OP.GTE)]),
+    "and-3": MetadataFilters(
+        filters=[
+            F(key="color", value="blue", operator=OP.NE),
+            F(key="lang", value=["en"], operator=OP.IN),
+            F(key="weight", value=2.0, operator=OP.LT),
+        ],
+        condition=C.AND,
+    ),
+    "or": MetadataFilters(
+        filters=[F(key="color", value="green"), F(key="rank", value=1, operator=OP.LT)], condition=C.OR
+    ),
+    "ref-doc-id": MetadataFilters(filters=[F(key="ref_doc_id", value=["doc-1", "doc-4"], operator=OP.IN)]),
     "matches-nothing": MetadataFilters(filters=[F(key="color", value="purple")]),
 }
 
@@ -172,16 +197,20 @@ def test_differential_filters(store, rng):
                 assert got.nodes and all(n.metadata["color"] == "red" for n in got.nodes)
     # no filter, and node_ids restrictions (SimpleVectorStore's own)
     q = rng.standard_normal(DIM).tolist()
-    for vq in (VectorStoreQuery(query_embedding=q, similarity_top_k=10),
-               VectorStoreQuery(query_embedding=q, similarity_top_k=10,
-                                node_ids=[f"node-{i}" for i in range(0, 300, 3)])):
+    for vq in (
+        VectorStoreQuery(query_embedding=q, similarity_top_k=10),
+        VectorStoreQuery(query_embedding=q, similarity_top_k=10, node_ids=[f"node-{i}" for i in range(0, 300, 3)]),
+    ):
         assert_same_result(store.query(vq), ref.query(vq), emb, q)
     # node_ids=[] restricts nothing: VectorStoreIndex.as_retriever passes its index struct's
     # node ids, empty for a store that keeps the text (SimpleVectorStore does not keep it)
-    vq = VectorStoreQuery(query_embedding=q, similarity_top_k=10, node_ids=[],
-                          filters=FILTER_CASES["eq-str"])
-    assert_same_result(store.query(vq), ref.query(VectorStoreQuery(
-        query_embedding=q, similarity_top_k=10, filters=FILTER_CASES["eq-str"])), emb, q)
+    vq = VectorStoreQuery(query_embedding=q, similarity_top_k=10, node_ids=[], filters=FILTER_CASES["eq-str"])
+    assert_same_result(
+        store.query(vq),
+        ref.query(VectorStoreQuery(query_embedding=q, similarity_top_k=10, filters=FILTER_CASES["eq-str"])),
+        emb,
+        q,
+    )
 
 
 def test_nested_filters_and_doc_ids(store, rng):
@@ -189,24 +218,28 @@ def test_nested_filters_and_doc_ids(store, rng):
     brute-force reference."""
     nodes = random_nodes(rng, 200)
     store.add(nodes)
-    nested = MetadataFilters(condition=C.OR, filters=[
-        MetadataFilters(filters=[F(key="color", value="red"), F(key="rank", value=5, operator=OP.GT)]),
-        MetadataFilters(filters=[F(key="lang", value="fr"), F(key="weight", value=1.0, operator=OP.LTE)]),
-    ])
+    nested = MetadataFilters(
+        condition=C.OR,
+        filters=[
+            MetadataFilters(filters=[F(key="color", value="red"), F(key="rank", value=5, operator=OP.GT)]),
+            MetadataFilters(filters=[F(key="lang", value="fr"), F(key="weight", value=1.0, operator=OP.LTE)]),
+        ],
+    )
 
     def keep(n: TextNode) -> bool:
         m = n.metadata
-        return ((m.get("color") == "red" and m["rank"] > 5) or (m["lang"] == "fr" and m["weight"] <= 1.0)) \
-            and n.ref_doc_id in ("doc-2", "doc-3", "doc-5")
+        return (
+            (m.get("color") == "red" and m["rank"] > 5) or (m["lang"] == "fr" and m["weight"] <= 1.0)
+        ) and n.ref_doc_id in ("doc-2", "doc-3", "doc-5")
 
     q = rng.standard_normal(DIM).tolist()
-    got = store.query(VectorStoreQuery(query_embedding=q, similarity_top_k=64, filters=nested,
-                                       doc_ids=["doc-2", "doc-3", "doc-5"]))
+    got = store.query(
+        VectorStoreQuery(query_embedding=q, similarity_top_k=64, filters=nested, doc_ids=["doc-2", "doc-3", "doc-5"])
+    )
     ranked = sorted(((cosine(n.get_embedding(), q), n.node_id) for n in nodes if keep(n)), reverse=True)
     assert got.ids == [i for _, i in ranked]
     np.testing.assert_allclose(got.similarities, [s for s, _ in ranked], atol=1e-5)
-    assert to_where(nested) == {"$or": [{"color": "red", "rank": {"$gt": 5}},
-                                        {"lang": "fr", "weight": {"$lte": 1.0}}]}
+    assert to_where(nested) == {"$or": [{"color": "red", "rank": {"$gt": 5}}, {"lang": "fr", "weight": {"$lte": 1.0}}]}
 
 
 def test_delete_get_and_update(store, rng):
@@ -243,8 +276,9 @@ def test_delete_get_and_update(store, rng):
         assert n.ref_doc_id == by_id[n.node_id].ref_doc_id
     some = sorted(left)[:5]
     assert {n.node_id for n in store.get_nodes(some)} == set(some)
-    assert {n.node_id for n in store.get_nodes(filters=FILTER_CASES["eq-str"])} == \
-        {i for i in left if by_id[i].metadata.get("color") == "red"}
+    assert {n.node_id for n in store.get_nodes(filters=FILTER_CASES["eq-str"])} == {
+        i for i in left if by_id[i].metadata.get("color") == "red"
+    }
 
     # adding a node again replaces it in place (same Kalos id, one record)
     n0 = by_id[some[0]].model_copy()
@@ -262,24 +296,33 @@ def test_vector_store_index_end_to_end(broker):
     """VectorStoreIndex over the Kalos store and over SimpleVectorStore, same nodes and
     embedding: the same retrievals; filters, delete_ref_doc, insert and a query engine."""
     emb = HashEmbedding()
-    docs = [Document(text=t, id_=f"d{i}", metadata={"topic": topic, "year": year})
-            for i, (t, topic, year) in enumerate([
+    docs = [
+        Document(text=t, id_=f"d{i}", metadata={"topic": topic, "year": year})
+        for i, (t, topic, year) in enumerate(
+            [
                 ("The user likes green tea in the morning.", "drinks", 2021),
                 ("Coffee keeps the team awake during releases.", "drinks", 2023),
                 ("The sidecar serves exact top-k recall over shared memory.", "kalos", 2024),
                 ("Shared memory slots carry requests and responses.", "kalos", 2025),
                 ("Black tea with milk is a British habit.", "drinks", 2019),
-                ("Release notes list every change to the protocol.", "kalos", 2022)])]
+                ("Release notes list every change to the protocol.", "kalos", 2022),
+            ]
+        )
+    ]
     nodes = SentenceSplitter(chunk_size=64, chunk_overlap=0).get_nodes_from_documents(docs)
     store = KalosLlamaVectorStore(broker.name, namespace="e2e", timeout=10.0)
     try:
-        index = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(vector_store=store),
-                                 embed_model=emb)
-        ref = VectorStoreIndex(nodes, storage_context=StorageContext.from_defaults(
-            vector_store=SimpleVectorStore()), embed_model=emb)
+        index = VectorStoreIndex(
+            nodes, storage_context=StorageContext.from_defaults(vector_store=store), embed_model=emb
+        )
+        ref = VectorStoreIndex(
+            nodes, storage_context=StorageContext.from_defaults(vector_store=SimpleVectorStore()), embed_model=emb
+        )
         for text in ("green tea", "shared memory", "release protocol", "coffee"):
-            for filters in (None, MetadataFilters(filters=[F(key="topic", value="drinks"),
-                                                           F(key="year", value=2020, operator=OP.GTE)])):
+            for filters in (
+                None,
+                MetadataFilters(filters=[F(key="topic", value="drinks"), F(key="year", value=2020, operator=OP.GTE)]),
+            ):
                 got = index.as_retriever(similarity_top_k=3, filters=filters).retrieve(text)
                 want = ref.as_retriever(similarity_top_k=3, filters=filters).retrieve(text)
                 assert [n.node_id for n in got] == [n.node_id for n in want], text
@@ -329,9 +372,13 @@ async def test_async_end_to_end(broker, seed):
 
         he = HashEmbedding()
         docs = [Document(text="green tea at noon", id_="a"), Document(text="dark roast coffee", id_="b")]
-        index = VectorStoreIndex([], storage_context=StorageContext.from_defaults(
-            vector_store=KalosLlamaVectorStore(broker.name, namespace="async-index", pool=None)),
-            embed_model=he)
+        index = VectorStoreIndex(
+            [],
+            storage_context=StorageContext.from_defaults(
+                vector_store=KalosLlamaVectorStore(broker.name, namespace="async-index", pool=None)
+            ),
+            embed_model=he,
+        )
         vs = index.vector_store
         try:
             await index.ainsert_nodes(SentenceSplitter().get_nodes_from_documents(docs))
@@ -349,8 +396,19 @@ async def test_async_end_to_end(broker, seed):
 def test_large_payloads_split(sidecar_factory, rng):
     """Payloads that overflow one slot: writes are packed per slot, and a recall whose hits'
     payloads do not fit fetches them apart, with the same answer."""
-    h = sidecar_factory("llamabig", "--dim", str(DIM), "--max-k", "64", "--max-queries", "8",
-                        "--blob-bytes", "16384", "--backend", "numpy")
+    h = sidecar_factory(
+        "llamabig",
+        "--dim",
+        str(DIM),
+        "--max-k",
+        "64",
+        "--max-queries",
+        "8",
+        "--blob-bytes",
+        "16384",
+        "--backend",
+        "numpy",
+    )
     nodes = random_nodes(rng, 40)
     for n in nodes:
         n.text = f"{n.node_id} " + "lorem ipsum " * 250  # ~3 KB a node: 5 per slot at most
@@ -399,14 +457,16 @@ def test_id_collisions_never_overwrite(store, rng, monkeypatch):
     assert c.count("li") == 4  # nothing was written
 
 
-@pytest.mark.parametrize("op", [OP.CONTAINS, OP.ANY, OP.ALL, OP.TEXT_MATCH,
-                                OP.TEXT_MATCH_INSENSITIVE])
+@pytest.mark.parametrize("op", [OP.CONTAINS, OP.ANY, OP.ALL, OP.TEXT_MATCH, OP.TEXT_MATCH_INSENSITIVE])
 def test_unsupported_operators_raise(op):
     """Raised before anything is sent: this store names no running sidecar."""
     store = KalosLlamaVectorStore("no-such-sidecar", connect_timeout=0.05)
     value: Any = ["a"] if op in (OP.ANY, OP.ALL) else "a"
-    vq = VectorStoreQuery(query_embedding=[1.0] * DIM, similarity_top_k=3,
-                          filters=MetadataFilters(filters=[F(key="tags", value=value, operator=op)]))
+    vq = VectorStoreQuery(
+        query_embedding=[1.0] * DIM,
+        similarity_top_k=3,
+        filters=MetadataFilters(filters=[F(key="tags", value=value, operator=op)]),
+    )
     with pytest.raises(UnsupportedQuery, match=f"operator {op.name}"):
         store.query(vq)
     with pytest.raises(UnsupportedQuery):
@@ -414,13 +474,16 @@ def test_unsupported_operators_raise(op):
     assert not store._conns.opened  # nothing was opened
 
 
-@pytest.mark.parametrize("bad,match", [
-    (MetadataFilters(filters=[F(key="a", value=1)], condition=C.NOT), "condition NOT"),
-    (MetadataFilters(filters=[F(key="a", value="x", operator=OP.GT)]), "numbers only"),
-    (MetadataFilters(filters=[F(key="a", value="x", operator=OP.IN)]), "needs a list"),
-    (MetadataFilters(filters=[F(key="a", value=None)]), "needs a string or a number"),
-    (MetadataFilters(filters=[F(key="a", value=["x"], operator=OP.NE)]), "needs a string or a number"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (MetadataFilters(filters=[F(key="a", value=1)], condition=C.NOT), "condition NOT"),
+        (MetadataFilters(filters=[F(key="a", value="x", operator=OP.GT)]), "numbers only"),
+        (MetadataFilters(filters=[F(key="a", value="x", operator=OP.IN)]), "needs a list"),
+        (MetadataFilters(filters=[F(key="a", value=None)]), "needs a string or a number"),
+        (MetadataFilters(filters=[F(key="a", value=["x"], operator=OP.NE)]), "needs a string or a number"),
+    ],
+)
 def test_unsupported_filters_raise(bad, match):
     store = KalosLlamaVectorStore("no-such-sidecar", connect_timeout=0.05)
     with pytest.raises(UnsupportedQuery, match=match):
@@ -445,10 +508,11 @@ def test_empty_store_and_mapping_details(store):
     # deterministic ids, the same in every process and version (pinned)
     assert kalos_id("node-1") == kalos_id("node-1") != kalos_id("node-1", 1)
     assert kalos_id("00000000-0000-0000-0000-000000000000") == 3357814380515466140
-    assert 0 <= kalos_id("x", 7) < 2 ** 63
+    assert 0 <= kalos_id("x", 7) < 2**63
     assert to_where(None) is None and to_where(MetadataFilters(filters=[])) is None
-    assert to_where(FILTER_CASES["is-empty"]) == {"$or": [
-        {"color": {"$exists": False}}, {"color": None}, {"color": ""}]}
+    assert to_where(FILTER_CASES["is-empty"]) == {
+        "$or": [{"color": {"$exists": False}}, {"color": None}, {"color": ""}]
+    }
 
 
 @pytest.mark.asyncio

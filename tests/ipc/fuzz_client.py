@@ -18,10 +18,16 @@ from collections import Counter
 
 import numpy as np
 
-from kalos.broker.layout import (
-    CONTROL_BYTES, STATS_BYTES, S_DONE, S_FREE, S_POSTED, Flag, Op, Status,
-)
 import kalos.clients._requests as _requests
+from kalos.broker.layout import (
+    CONTROL_BYTES,
+    S_DONE,
+    S_FREE,
+    S_POSTED,
+    STATS_BYTES,
+    Flag,
+    Status,
+)
 from kalos.clients._transport import ClientSlot, Connection, Semaphore
 
 N_SLOTS = 6
@@ -105,8 +111,9 @@ class Fuzzer:
         vecs = rng.standard_normal((nq, L.dim)).astype(np.float32)
         ids = rng.integers(0, 50, nq)
         if kind == 0:
-            p = _requests.recall(L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(),
-                            bool(rng.integers(2)), single=False)
+            p = _requests.recall(
+                L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(), bool(rng.integers(2)), single=False
+            )
         elif kind == 1:
             p = _requests.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns, 16384)[0]
         elif kind == 2:
@@ -129,7 +136,7 @@ class Fuzzer:
         base = self.L.control_base(s.index)
         rec = conn.seg.slots
         owner = (int(rec[s.index]["owner_pid"]), int(rec[s.index]["owner_start"]))
-        conn.mm[base:base + CONTROL_BYTES] = rng.bytes(CONTROL_BYTES)
+        conn.mm[base : base + CONTROL_BYTES] = rng.bytes(CONTROL_BYTES)
         if rng.random() < 0.9:
             rec[s.index]["owner_pid"], rec[s.index]["owner_start"] = owner
         self.posted_garbage(s)
@@ -153,10 +160,21 @@ class Fuzzer:
         if rng.random() < 0.3:
             q.flat[rng.integers(q.size)] = self.pick([np.nan, np.inf, -np.inf, 3.4e38])
         v.queries[...] = q
-        v.ids[...] = self.pick([rng.integers(0, 100, v.ids.shape),
-                                rng.integers(-2**63, 2**63 - 1, v.ids.shape, dtype=np.int64)])
-        blob = self.pick([b"", b"not json", DEEP, b"null\n" * 3, b'{"a":1}', rng.bytes(200), b"\xff\xfe",
-                          b'{"a":{"$in":[1,"x",null]},"$or":[{"b":{"$gt":2}}]}'])
+        v.ids[...] = self.pick(
+            [rng.integers(0, 100, v.ids.shape), rng.integers(-(2**63), 2**63 - 1, v.ids.shape, dtype=np.int64)]
+        )
+        blob = self.pick(
+            [
+                b"",
+                b"not json",
+                DEEP,
+                b"null\n" * 3,
+                b'{"a":1}',
+                rng.bytes(200),
+                b"\xff\xfe",
+                b'{"a":{"$in":[1,"x",null]},"$or":[{"b":{"$gt":2}}]}',
+            ]
+        )
         blob = bytes(blob)[: L.blob_bytes]
         v.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
         rec[i]["blob_len"] = int(self.pick([len(blob), 0, L.blob_bytes, L.blob_bytes + 1, 2**32 - 1]))
@@ -183,7 +201,7 @@ class Fuzzer:
         rng, conn = self.rng, self.conn
         base = self.L.stats_base(s.index)
         if rng.random() < 0.5:
-            conn.mm[base:base + STATS_BYTES] = rng.bytes(STATS_BYTES)
+            conn.mm[base : base + STATS_BYTES] = rng.bytes(STATS_BYTES)
         else:
             for field in ("lat_count", "lat_sum_ns", "err_count", "timeout_count"):
                 conn.seg.stats[s.index][field] = int(self.pick([0, 2**63, 2**64 - 1, 2**62 + 3]))
@@ -207,19 +225,23 @@ class Fuzzer:
 
     def enough(self) -> bool:
         c = self.c
-        return (c["iterations"] > 50 and c["wellformed"] > 5 and c["garbage_posted"] > 5
-                and c["scrape_ok"] >= 1)
+        return c["iterations"] > 50 and c["wellformed"] > 5 and c["garbage_posted"] > 5 and c["scrape_ok"] >= 1
 
     def run(self, seconds: float) -> dict[str, object]:
-        steps = [self.wellformed, self.garbage_control, self.garbage_fields, self.garbage_stats,
-                 self.stray_posts, self.bad_owner]
+        steps = [
+            self.wellformed,
+            self.garbage_control,
+            self.garbage_fields,
+            self.garbage_stats,
+            self.stray_posts,
+            self.bad_owner,
+        ]
         weights = np.array([4, 3, 4, 1, 1, 0.3])
         weights /= weights.sum()
         t0 = time.monotonic()
         # ``seconds`` at least, and on (up to ten times as long) until each kind of attack has
         # happened a few times: a loaded machine makes fewer per second.
-        while time.monotonic() - t0 < seconds or (not self.enough() and
-                                                  time.monotonic() - t0 < 10 * seconds):
+        while time.monotonic() - t0 < seconds or (not self.enough() and time.monotonic() - t0 < 10 * seconds):
             self.scrape()
             self.slots = [s for s in self.slots if self.ours(s)]
             if len(self.slots) < N_SLOTS:
@@ -232,9 +254,12 @@ class Fuzzer:
             self.c["iterations"] += 1
         self.next_scrape = 0.0
         self.scrape()
-        return {"seconds": round(time.monotonic() - t0, 2), **self.c,
-                "statuses": dict(self.statuses),
-                "slots_fuzzed": sorted({s.index for s in self.slots})}
+        return {
+            "seconds": round(time.monotonic() - t0, 2),
+            **self.c,
+            "statuses": dict(self.statuses),
+            "slots_fuzzed": sorted({s.index for s in self.slots}),
+        }
 
 
 def main() -> None:

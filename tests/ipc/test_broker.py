@@ -11,22 +11,29 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
+from conftest import assert_topk, run_py, slots_free, wait_until
 
 from kalos.broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, InvalidRequest, ProtocolError,
-    ResponseTimeout, SlotsExhausted, UnknownNamespace,
+    AcquireTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    InvalidRequest,
+    ProtocolError,
+    ResponseTimeout,
+    SlotsExhausted,
+    UnknownNamespace,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
 from kalos.broker.names import shm_name
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
-from conftest import assert_topk, run_py, slots_free, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
 
 # --------------------------------------------------------------------------- correctness
+
 
 @pytest.mark.asyncio
 async def test_recall_matches_float64_reference_concurrently(sidecar, rng):
@@ -58,8 +65,20 @@ def load_at_least(spec: LoadSpec, count: int) -> tuple[int, int, list]:
 
 def test_many_processes_many_tasks_are_correct(sidecar, seed):
     recalls, errors, samples = load_at_least(
-        LoadSpec(name=sidecar.name, dim=32, procs=3, tasks=24, duration_s=1.5, warmup_s=0.1, k=10,
-                 seed=seed, keep=300, loop="asyncio"), 100)
+        LoadSpec(
+            name=sidecar.name,
+            dim=32,
+            procs=3,
+            tasks=24,
+            duration_s=1.5,
+            warmup_s=0.1,
+            k=10,
+            seed=seed,
+            keep=300,
+            loop="asyncio",
+        ),
+        100,
+    )
     assert errors == 0 and recalls > 100
     checked, wrong = check_samples(samples, sidecar.matrix, 10)
     assert checked >= 30 and wrong == 0
@@ -68,12 +87,37 @@ def test_many_processes_many_tasks_are_correct(sidecar, seed):
 
 def test_pipelined_batches_are_correct(sidecar_factory, seed):
     """``--pipeline on``: every uniform batch is left in flight while the next is taken."""
-    h = sidecar_factory("pipe", "--dim", "32", "--random-rows", "3000", "--seed", str(seed),
-                        "--slots", "40", "--backend", "numpy", "--pipeline", "on")
+    h = sidecar_factory(
+        "pipe",
+        "--dim",
+        "32",
+        "--random-rows",
+        "3000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "40",
+        "--backend",
+        "numpy",
+        "--pipeline",
+        "on",
+    )
     matrix = np.random.default_rng(seed).standard_normal((3000, 32), dtype=np.float32)
     recalls, errors, samples = load_at_least(
-        LoadSpec(name=h.name, dim=32, procs=3, tasks=30, duration_s=1.5, warmup_s=0.1, k=10,
-                 seed=seed, keep=300, loop="uvloop"), 100)
+        LoadSpec(
+            name=h.name,
+            dim=32,
+            procs=3,
+            tasks=30,
+            duration_s=1.5,
+            warmup_s=0.1,
+            k=10,
+            seed=seed,
+            keep=300,
+            loop="uvloop",
+        ),
+        100,
+    )
     assert errors == 0 and recalls > 100
     checked, wrong = check_samples(samples, matrix, 10)
     assert checked >= 30 and wrong == 0
@@ -101,8 +145,9 @@ def test_blocking_client(sidecar, rng):
 
 @pytest.mark.parametrize("metric", ["cosine", "l2"])
 def test_metrics_cosine_and_l2(sidecar_factory, seed, metric):
-    h = sidecar_factory("metric", "--dim", "16", "--random-rows", "500", "--seed", str(seed),
-                        "--metric", metric, "--backend", "numpy")
+    h = sidecar_factory(
+        "metric", "--dim", "16", "--random-rows", "500", "--seed", str(seed), "--metric", metric, "--backend", "numpy"
+    )
     m = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32)
     rng = np.random.default_rng(seed + 1)
     with RecallClient(h.name) as c:
@@ -124,10 +169,12 @@ def test_k_larger_than_namespace_returns_all_rows(sidecar_factory, rng):
 
 # --------------------------------------------------------------------------- cancellation, timeouts
 
+
 @pytest.mark.asyncio
 async def test_cancellation_storm_leaks_nothing(sidecar, rng):
     done: list[tuple[np.ndarray, object]] = []
     async with RecallPool(sidecar.name, size=6) as pool:
+
         async def one(q: np.ndarray) -> None:
             h = await pool.recall(q, k=10)
             done.append((q, h))
@@ -160,8 +207,9 @@ async def test_cancellation_storm_leaks_nothing(sidecar, rng):
 @pytest.fixture
 def slow_sidecar(sidecar_factory, seed):
     """Large enough that one recall takes milliseconds on the CPU."""
-    h = sidecar_factory("slow", "--dim", "256", "--random-rows", "300000", "--seed", str(seed),
-                        "--slots", "4", "--backend", "numpy")
+    h = sidecar_factory(
+        "slow", "--dim", "256", "--random-rows", "300000", "--seed", str(seed), "--slots", "4", "--backend", "numpy"
+    )
     return h
 
 
@@ -221,8 +269,7 @@ def test_kill9_client_holding_slots_frees_them(slow_sidecar):
 
 @pytest.mark.asyncio
 async def test_kill9_sidecar_gives_broker_unavailable_quickly(sidecar_factory, rng):
-    h = sidecar_factory("victim", "--dim", "64", "--random-rows", "200000", "--backend", "numpy",
-                        "--slots", "8")
+    h = sidecar_factory("victim", "--dim", "64", "--random-rows", "200000", "--backend", "numpy", "--slots", "8")
     pool = RecallPool(h.name, size=4, reconnect=False)  # fail fast (tests/test_restarts.py: re-attach)
     await pool.open()
     q = rng.standard_normal(64).astype(np.float32)
@@ -232,7 +279,7 @@ async def test_kill9_sidecar_gives_broker_unavailable_quickly(sidecar_factory, r
         while True:  # recall until the broker goes away
             try:
                 await pool.recall(q, k=3)
-            except BaseException as e:  # noqa: BLE001 - the test inspects it
+            except BaseException as e:
                 return e
 
     tasks = [asyncio.ensure_future(agent()) for _ in range(8)]
@@ -314,12 +361,28 @@ async def test_pipeline_never_stalls_after_idle_gaps(sidecar_factory, seed):
     sleep must not wait for the doorbell's 250 ms timeout (a batch in flight keeps it awake).
     A stall is told from a slow machine by where the time went: during a stall the sidecar's
     threads are blocked (neither on a CPU nor waiting for one) while a call is outstanding."""
-    h = sidecar_factory("pipesleep", "--dim", "64", "--random-rows", "20000", "--seed", str(seed),
-                        "--slots", "8", "--backend", "numpy", "--pipeline", "on", "--spin-us", "100")
+    h = sidecar_factory(
+        "pipesleep",
+        "--dim",
+        "64",
+        "--random-rows",
+        "20000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "8",
+        "--backend",
+        "numpy",
+        "--pipeline",
+        "on",
+        "--spin-us",
+        "100",
+    )
     matrix = np.random.default_rng(seed).standard_normal((20000, 64), dtype=np.float32)
     rng = np.random.default_rng(seed + 1)
     worst = blocked = 0.0
     async with RecallPool(h.name, size=4) as pool:
+
         async def caller() -> None:
             nonlocal worst, blocked
             for _ in range(60):
@@ -336,19 +399,35 @@ async def test_pipeline_never_stalls_after_idle_gaps(sidecar_factory, seed):
                 await asyncio.sleep(float(rng.uniform(0.0, 0.0004)))  # around the spin window
 
         await asyncio.gather(*(caller() for _ in range(3)))
-    print(f"\n[pipeline] slowest recall {worst * 1e3:.1f} ms; the sidecar blocked at most "
-          f"{max(blocked, 0) * 1e3:.1f} ms of a call (a stall blocks it for the doorbell's 250 ms)")
+    print(
+        f"\n[pipeline] slowest recall {worst * 1e3:.1f} ms; the sidecar blocked at most "
+        f"{max(blocked, 0) * 1e3:.1f} ms of a call (a stall blocks it for the doorbell's 250 ms)"
+    )
     assert blocked < 0.15, f"the sidecar slept {blocked * 1e3:.0f} ms with a call outstanding"
 
 
 @pytest.mark.asyncio
 async def test_sigterm_under_pipelined_load_answers_or_refuses_cleanly(sidecar_factory, seed):
-    h = sidecar_factory("pipeterm", "--dim", "64", "--random-rows", "50000", "--seed", str(seed),
-                        "--slots", "16", "--backend", "numpy", "--pipeline", "on")
+    h = sidecar_factory(
+        "pipeterm",
+        "--dim",
+        "64",
+        "--random-rows",
+        "50000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "16",
+        "--backend",
+        "numpy",
+        "--pipeline",
+        "on",
+    )
     matrix = np.random.default_rng(seed).standard_normal((50000, 64), dtype=np.float32)
     rng = np.random.default_rng(seed + 1)
     outcomes = {"ok": 0, "unavailable": 0}
     async with RecallPool(h.name, size=12) as pool:
+
         async def caller() -> None:
             while True:
                 q = rng.standard_normal(64).astype(np.float32)
@@ -408,6 +487,7 @@ def test_idle_sidecar_burns_no_cpu(sidecar):
 
 
 # --------------------------------------------------------------------------- bad input
+
 
 @pytest.mark.asyncio
 async def test_bad_input_is_refused_before_shared_memory(sidecar):
@@ -490,6 +570,7 @@ def test_pool_refuses_when_no_slots_left(sidecar):
             with pytest.raises(SlotsExhausted, match="32 slots: 32 leased"):
                 async with RecallPool(sidecar.name, size=2):
                     pass
+
     asyncio.run(main())
 
 

@@ -18,22 +18,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port, unique_name
 
 from kalos.clients import RecallClient
 from kalos.sidecar_cuda.objects import cleanup, leftover_names
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
-from conftest import free_port, unique_name
 
 pytestmark = pytest.mark.timeout(120)
 KALOS = [sys.executable, "-m", "kalos.cli"]
 
 
-def kalos(*args: str, env: dict[str, str] | None = None, timeout: float = 90,
-          cwd: str | Path | None = None) -> subprocess.CompletedProcess[str]:
+def kalos(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 90, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess[str]:
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("KALOS_")}
     full_env.update(env or {})
-    return subprocess.run([*KALOS, *args], capture_output=True, text=True, timeout=timeout,
-                          env=full_env, cwd=cwd)
+    return subprocess.run([*KALOS, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
 
 
 def one_line_error(r: subprocess.CompletedProcess[str]) -> str:
@@ -99,8 +99,10 @@ def test_a_data_dir_of_another_user(tmp_path: Path) -> None:
     os.chown(d, nobody.pw_uid, nobody.pw_gid)
     line = _serve_fails(d)
     me = pwd.getpwuid(os.geteuid()).pw_name
-    assert (f"data dir {d} is owned by uid {nobody.pw_uid} (nobody) but the sidecar runs as uid "
-            f"{os.geteuid()} ({me}); chown it or pick another dir") in line, line
+    assert (
+        f"data dir {d} is owned by uid {nobody.pw_uid} (nobody) but the sidecar runs as uid "
+        f"{os.geteuid()} ({me}); chown it or pick another dir"
+    ) in line, line
 
 
 # ------------------------------------------------------------------ item 8: no sidecar
@@ -114,8 +116,9 @@ def _export_dir(tmp_path: Path, dim: int = 8, rows: int = 3) -> Path:
 @pytest.mark.parametrize("command", ["namespaces", "export", "import"])
 def test_without_a_sidecar_the_timeout_bounds_the_command(command: str, tmp_path: Path) -> None:
     name = unique_name("nosuch")
-    args = {"namespaces": [], "export": ["ns", str(tmp_path / "out")],
-            "import": ["ns", str(_export_dir(tmp_path))]}[command]
+    args = {"namespaces": [], "export": ["ns", str(tmp_path / "out")], "import": ["ns", str(_export_dir(tmp_path))]}[
+        command
+    ]
     t0 = time.monotonic()
     r = kalos(command, *args, "--name", name, "--timeout", "1")
     took = time.monotonic() - t0
@@ -134,8 +137,12 @@ def test_the_suggested_command_works_as_given(tmp_path: Path) -> None:
     assert suggested, line
     argv = shlex.split(suggested[0])
     assert argv[:2] == ["kalos", "serve"], argv
-    proc = subprocess.Popen([*KALOS, *argv[1:]], stderr=subprocess.PIPE, text=True,
-                            env={k: v for k, v in os.environ.items() if not k.startswith("KALOS_")})
+    proc = subprocess.Popen(
+        [*KALOS, *argv[1:]],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KALOS_")},
+    )
     try:
         r = kalos("namespaces", "--name", name, "--timeout", "60")
         assert r.returncode == 0, r.stderr
@@ -161,17 +168,17 @@ def test_kalos_name_names_the_broker_of_admin_commands(sidecar_factory, tmp_path
 
 
 # ------------------------------------------------------------------ item 12: export / import
-def test_export_streams_every_page_and_import_reads_it_back(sidecar_factory, tmp_path: Path,
-                                                            rng: np.random.Generator) -> None:
+def test_export_streams_every_page_and_import_reads_it_back(
+    sidecar_factory, tmp_path: Path, rng: np.random.Generator
+) -> None:
     dim, n = 16, 1000
     h = sidecar_factory("export", "--dim", str(dim), "--max-queries", "8", "--backend", "numpy")
     ids = rng.choice(2**40, size=n, replace=False).astype(np.int64)
     vecs = rng.standard_normal((n, dim), dtype=np.float32)
-    payloads = [None if i % 7 == 0 else {"i": int(i), "text": f"ünïcode {i}", "tags": [int(i) % 3]}
-                for i in range(n)]
+    payloads = [None if i % 7 == 0 else {"i": int(i), "text": f"ünïcode {i}", "tags": [int(i) % 3]} for i in range(n)]
     with RecallClient(h.name, timeout=30) as c:
         for lo in range(0, n, 8):
-            c.upsert(ids[lo:lo + 8], vecs[lo:lo + 8], payloads[lo:lo + 8], namespace="big")
+            c.upsert(ids[lo : lo + 8], vecs[lo : lo + 8], payloads[lo : lo + 8], namespace="big")
 
     out = tmp_path / "out"
     r = kalos("export", "big", str(out), "--name", h.name)
@@ -198,10 +205,10 @@ def test_export_streams_every_page_and_import_reads_it_back(sidecar_factory, tmp
     with RecallClient(h.name, timeout=30) as c:
         assert c.count("copy") == n
         for lo in range(0, n, 8):
-            rec = c.get(ids[lo:lo + 8], namespace="copy")
-            np.testing.assert_array_equal(rec.ids, ids[lo:lo + 8])
-            np.testing.assert_array_equal(rec.vectors, vecs[lo:lo + 8])
-            assert list(rec.payloads) == payloads[lo:lo + 8]
+            rec = c.get(ids[lo : lo + 8], namespace="copy")
+            np.testing.assert_array_equal(rec.ids, ids[lo : lo + 8])
+            np.testing.assert_array_equal(rec.vectors, vecs[lo : lo + 8])
+            assert list(rec.payloads) == payloads[lo : lo + 8]
 
 
 def test_export_refuses_an_existing_target_before_reading_anything(tmp_path: Path) -> None:
@@ -238,8 +245,7 @@ def test_durable_start_up_load_logs_progress(tmp_path: Path, rng: np.random.Gene
     try:
         with RecallClient(name, timeout=30) as c:
             for lo in range(0, 96, 32):
-                c.upsert(np.arange(lo, lo + 32), rng.standard_normal((32, 8), dtype=np.float32),
-                         namespace="kept")
+                c.upsert(np.arange(lo, lo + 32), rng.standard_normal((32, 8), dtype=np.float32), namespace="kept")
     finally:
         stop_sidecar_process(proc)
     with open(tmp_path / "stderr", "w") as err:
@@ -294,8 +300,13 @@ def test_q_quits_top_and_restores_the_terminal(sidecar_factory) -> None:
     master, slave = pty.openpty()
     before = termios.tcgetattr(slave)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KALOS_")}
-    proc = subprocess.Popen([*KALOS, "top", "--name", h.name, "--interval", "0.2"],
-                            stdin=slave, stdout=slave, stderr=slave, env={**env, "TERM": "xterm"})
+    proc = subprocess.Popen(
+        [*KALOS, "top", "--name", h.name, "--interval", "0.2"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**env, "TERM": "xterm"},
+    )
     try:
         seen = _read_until(master, b"READY", timeout=60)
         assert b"READY" in seen, seen[-2000:]
@@ -329,8 +340,7 @@ def test_cli_errors_are_one_line(case: str, tmp_path: Path) -> None:
 
 def test_an_export_past_its_timeout_stops_and_removes_its_files(sidecar_factory, tmp_path: Path) -> None:
     # 100k pages of 4 rows: far more than half a second of round trips on any machine.
-    h = sidecar_factory("slowexp", "--dim", "8", "--max-queries", "4", "--random-rows", "400000",
-                        "--backend", "numpy")
+    h = sidecar_factory("slowexp", "--dim", "8", "--max-queries", "4", "--random-rows", "400000", "--backend", "numpy")
     out = tmp_path / "out"
     t0 = time.monotonic()
     line = one_line_error(kalos("export", "default", str(out), "--name", h.name, "--timeout", "0.5"))

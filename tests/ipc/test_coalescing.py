@@ -10,11 +10,11 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_topk, slots_free
 
 from kalos.broker.errors import KalosTimeout
 from kalos.clients import RecallPool
 from kalos.clients.results import Hits
-from conftest import assert_topk, slots_free
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,8 +38,7 @@ def check_filtered(q: np.ndarray, matrix: np.ndarray, allowed: np.ndarray, h: Hi
 async def fill_a(pool: RecallPool, rng: np.random.Generator) -> np.ndarray:
     vecs = rng.standard_normal((NS_ROWS, 32)).astype(np.float32)
     ids = np.arange(NS_ROWS)
-    await pool.upsert(ids, vecs, payloads=[{"g": int(i % 3), "id": int(i)} for i in ids],
-                      namespace="a")
+    await pool.upsert(ids, vecs, payloads=[{"g": int(i % 3), "id": int(i)} for i in ids], namespace="a")
     return vecs
 
 
@@ -70,6 +69,7 @@ async def test_concurrent_mixed_recalls_each_get_exactly_their_own_answer(sideca
                 def check_payloads(h, q=q, kp=kp):
                     check_filtered(q, a, everything, h, kp)
                     assert h.payloads == [{"g": int(j % 3), "id": int(j)} for j in h.ids]
+
                 calls.append(pool.recall(q, kp, namespace="a", with_payload=True, timeout=30))
                 checks.append(check_payloads)
             elif kind == 4:
@@ -79,6 +79,7 @@ async def test_concurrent_mixed_recalls_each_get_exactly_their_own_answer(sideca
                     assert len(hs) == 3
                     for qq, h in zip(qs, hs):
                         assert_topk(qq, sidecar.matrix, h.ids, h.scores, k)
+
                 calls.append(pool.recall_many(qs, k, timeout=30))
                 checks.append(check_many)
             else:
@@ -124,8 +125,10 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
     async with RecallPool(sidecar.name, size=2, coalesce=True) as pool:
         qs = rng.standard_normal((150, 32)).astype(np.float32)
         ks = [int(k) for k in rng.integers(1, 65, size=150)]
-        tasks = [asyncio.ensure_future(pool.recall(q, k, timeout=1e-4 if i % 7 == 3 else 30))
-                 for i, (q, k) in enumerate(zip(qs, ks))]
+        tasks = [
+            asyncio.ensure_future(pool.recall(q, k, timeout=1e-4 if i % 7 == 3 else 30))
+            for i, (q, k) in enumerate(zip(qs, ks))
+        ]
         await asyncio.sleep(0)  # every call is validated and queued (or sent)
         await asyncio.sleep(0)
         # (a caller answered before its cancel, on a slow machine, is not cancelled: cancel()
@@ -155,9 +158,11 @@ async def test_cancelled_and_timed_out_callers_do_not_affect_the_others(sidecar,
         while pool.statistics().in_flight and time.monotonic() - t0 < 60:
             await asyncio.sleep(0.01)  # orphans drain as the sidecar answers them
         st = pool.statistics()
-        print(f"\n[coalescing] {len(cancelled)} cancelled "
-              f"({sum(isinstance(out[i], Hits) for i in cancelled)} answered as they were); orphans drained "
-              f"{(time.monotonic() - t0) * 1000:.0f} ms after the last answer")
+        print(
+            f"\n[coalescing] {len(cancelled)} cancelled "
+            f"({sum(isinstance(out[i], Hits) for i in cancelled)} answered as they were); orphans drained "
+            f"{(time.monotonic() - t0) * 1000:.0f} ms after the last answer"
+        )
         assert (st.free, st.in_flight, st.queued) == (2, 0, 0), st
         assert st.coalesced > 0
         # and the pool serves on, correctly
@@ -173,8 +178,7 @@ async def test_one_callers_timeout_while_queued_is_its_own(sidecar, rng):
     callers queued with it are answered."""
     async with RecallPool(sidecar.name, size=1, coalesce=True) as pool:
         qs = rng.standard_normal((12, 32)).astype(np.float32)
-        tasks = [asyncio.ensure_future(pool.recall(q, 9, timeout=0.0 if i == 5 else 30))
-                 for i, q in enumerate(qs)]
+        tasks = [asyncio.ensure_future(pool.recall(q, 9, timeout=0.0 if i == 5 else 30)) for i, q in enumerate(qs)]
         out = await asyncio.gather(*tasks, return_exceptions=True)
         assert isinstance(out[5], KalosTimeout)
         for i, (q, h) in enumerate(zip(qs, out)):
@@ -185,15 +189,17 @@ async def test_one_callers_timeout_while_queued_is_its_own(sidecar, rng):
 
 @pytest.mark.asyncio
 async def test_payloads_that_overflow_a_shared_slot_are_asked_again_alone(sidecar_factory, seed):
-    h = sidecar_factory("blob", "--dim", "32", "--blob-bytes", "2048", "--slots", "8",
-                        "--max-queries", "8", "--backend", "numpy")
+    h = sidecar_factory(
+        "blob", "--dim", "32", "--blob-bytes", "2048", "--slots", "8", "--max-queries", "8", "--backend", "numpy"
+    )
     rng = np.random.default_rng(seed)
     vecs = rng.standard_normal((40, 32)).astype(np.float32)
     text = "x" * 120
     async with RecallPool(h.name, size=1, coalesce=True) as pool:
         for lo in range(0, 40, 8):
-            await pool.upsert(np.arange(lo, lo + 8), vecs[lo:lo + 8],
-                              payloads=[{"id": i, "t": text} for i in range(lo, lo + 8)])
+            await pool.upsert(
+                np.arange(lo, lo + 8), vecs[lo : lo + 8], payloads=[{"id": i, "t": text} for i in range(lo, lo + 8)]
+            )
         qs = rng.standard_normal((8, 32)).astype(np.float32)
         # one caller's 8 payloads (~1.1 KiB) fit the 2 KiB blob area; seven callers' do not
         out = await asyncio.gather(*(pool.recall(q, 8, with_payload=True, timeout=30) for q in qs))

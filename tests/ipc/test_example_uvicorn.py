@@ -15,10 +15,10 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from conftest import assert_topk, free_port, unique_name
-from kalos.testing import start_sidecar_process
+
 from kalos.sidecar_cuda.objects import cleanup
+from kalos.testing import start_sidecar_process
 
 uvicorn = pytest.importorskip("uvicorn")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,15 +37,40 @@ def test_uvicorn_with_4_workers_serves_recalls_across_a_sidecar_restart(seed):
     from examples.http_recall import query_for
 
     name = unique_name("http")
-    args = ["--ephemeral", "--dim", "16", "--random-rows", "3000", "--seed", str(seed),
-            "--slots", "48", "--backend", "numpy"]
+    args = [
+        "--ephemeral",
+        "--dim",
+        "16",
+        "--random-rows",
+        "3000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "48",
+        "--backend",
+        "numpy",
+    ]
     matrix = np.random.default_rng(seed).standard_normal((3000, 16), dtype=np.float32)
     sidecar = start_sidecar_process(args, name, stderr=subprocess.DEVNULL)
     port = free_port()
     env = {**os.environ, "KALOS_NAME": name, "KALOS_TIMEOUT": str(TIMEOUT)}
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "examples.http_recall:app",
-                               "--workers", "4", "--port", str(port), "--log-level", "warning"],
-                              cwd=ROOT, env=env, stderr=subprocess.PIPE)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "examples.http_recall:app",
+            "--workers",
+            "4",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+    )
     base = f"http://127.0.0.1:{port}/recall"
 
     slowest_503 = [0.0]
@@ -89,6 +114,7 @@ def test_uvicorn_with_4_workers_serves_recalls_across_a_sidecar_restart(seed):
                 pass
             assert time.monotonic() < deadline, server.stderr.read1().decode() if server.stderr else ""
             time.sleep(0.2)
+
         def spread(rounds: int = 20) -> set[int]:
             """Workers that answered rounds of 80 requests, until two or more have (the others
             may still be opening their pools on a loaded machine: wait for it, do not time it)."""
@@ -111,9 +137,11 @@ def test_uvicorn_with_4_workers_serves_recalls_across_a_sidecar_restart(seed):
         sidecar = start_sidecar_process(args, name, stderr=subprocess.DEVNULL)  # ... and it is back
         t.join()
         after = spread()
-        print(f"\n[uvicorn] workers answering: before {len(before)}, after {len(after)}; during the "
-              f"restart {24 - during[0][1]} answered, {during[0][1]} got 503 (slowest "
-              f"{slowest_503[0]:.2f} s; budget {TIMEOUT} s)")
+        print(
+            f"\n[uvicorn] workers answering: before {len(before)}, after {len(after)}; during the "
+            f"restart {24 - during[0][1]} answered, {during[0][1]} got 503 (slowest "
+            f"{slowest_503[0]:.2f} s; budget {TIMEOUT} s)"
+        )
         assert len(after) >= 2
     finally:
         server.send_signal(signal.SIGINT)

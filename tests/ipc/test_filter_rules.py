@@ -21,14 +21,16 @@ DIM = 16
 async def test_random_filters_through_the_sidecar_match_the_reference(sidecar_factory, seed):
     r = random.Random(seed)
     rng = np.random.default_rng(seed)
-    h = sidecar_factory("rules", "--dim", str(DIM), "--slots", "4", "--max-k", "64",
-                        "--max-queries", "64", "--backend", "numpy")
+    h = sidecar_factory(
+        "rules", "--dim", str(DIM), "--slots", "4", "--max-k", "64", "--max-queries", "64", "--backend", "numpy"
+    )
     n = 600
     ids = rng.permutation(10 * n)[:n].astype(np.int64)
     vecs = rng.standard_normal((n, DIM)).astype(np.float32)
     docs = [random_payload(r) for _ in range(n)]
-    wheres = [{"a": {"$eq": "a"}}, {"a": {"$ne": 1}}, {"a": {"$exists": False}},
-              {"b": {"$nin": [1, None]}}] + [random_filter(r) for _ in range(40)]
+    wheres = [{"a": {"$eq": "a"}}, {"a": {"$ne": 1}}, {"a": {"$exists": False}}, {"b": {"$nin": [1, None]}}] + [
+        random_filter(r) for _ in range(40)
+    ]
     async with RecallPool(h.name, size=2) as pool:
         await pool.upsert(ids, vecs, docs, namespace="r")
         for where in wheres:

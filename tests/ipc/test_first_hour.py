@@ -14,14 +14,20 @@ import time
 
 import numpy as np
 import pytest
+from conftest import run_py, slots_free, unique_name
 
 from kalos import (
-    BrokerUnavailable, ConfigError, KalosTimeout, PartialWrite, PayloadTooLarge, RecallClient, RecallPool,
+    BrokerUnavailable,
+    ConfigError,
+    KalosTimeout,
+    PartialWrite,
+    PayloadTooLarge,
+    RecallClient,
+    RecallPool,
     SlotsExhausted,
 )
-from kalos.testing import start_sidecar_process
 from kalos.sidecar_cuda.objects import cleanup
-from conftest import run_py, slots_free, unique_name
+from kalos.testing import start_sidecar_process
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -47,7 +53,9 @@ async def test_an_upsert_with_one_payload_over_the_limit_writes_nothing(sidecar_
     h = sidecar_factory("atomic", "--dim", str(DIM), "--backend", "numpy")
     ids, vecs, pls = issue_rows(rng)
     async with RecallPool(h.name, size=4) as pool:
-        with pytest.raises(PayloadTooLarge, match="row 80 takes 20008 bytes, over the sidecar's --payload-limit of 16384") as e:
+        with pytest.raises(
+            PayloadTooLarge, match="row 80 takes 20008 bytes, over the sidecar's --payload-limit of 16384"
+        ) as e:
             await pool.upsert(ids, vecs, pls, namespace="n", timeout=10)
         assert not isinstance(e.value, PartialWrite)
         assert (await pool.namespaces()).get("n", 0) == 0
@@ -68,16 +76,25 @@ async def test_an_upsert_with_one_payload_over_the_limit_writes_nothing(sidecar_
 
 
 @pytest.mark.asyncio
-async def test_a_sidecar_killed_mid_upsert_leaves_what_the_error_says(sidecar_factory, rng,
-                                                                       tmp_path):
+async def test_a_sidecar_killed_mid_upsert_leaves_what_the_error_says(sidecar_factory, rng, tmp_path):
     """kill -9 during a long upsert on a durable store, then a restart on the same data dir.
 
     The error's ids against what the new sidecar holds: every written id is there (it was
     acknowledged, so committed with synchronous=FULL before the answer); no unwritten id is
     (never posted, so the sidecar never saw it); the rest of what is there is in doubt (posted
     when the sidecar died: committed or not). In doubt are at most the pool's slots' chunks."""
-    args = ["--dim", str(DIM), "--max-queries", "8", "--slots", "8", "--backend", "numpy",
-            "--data-dir", str(tmp_path / "data")]
+    args = [
+        "--dim",
+        str(DIM),
+        "--max-queries",
+        "8",
+        "--slots",
+        "8",
+        "--backend",
+        "numpy",
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
     h = sidecar_factory("midup", *args, ephemeral=False)
     n = 40_000
     ids = rng.permutation(10 * n)[:n].astype(np.int64)
@@ -101,9 +118,11 @@ async def test_a_sidecar_killed_mid_upsert_leaves_what_the_error_says(sidecar_fa
         sidecar_factory("midup", *args, name=h.name, ephemeral=False)  # same data dir
         got = await pool.get(ids, namespace="bulk", timeout=60)  # the pool re-attached
     present = set(got.ids.tolist())
-    print(f"\n[mid-upsert kill] {n} rows: {len(written)} written, {len(doubt)} in doubt, "
-          f"{len(unwritten)} not written; present after restart: {len(present)} "
-          f"({len(present & doubt)} of the in-doubt ones)")
+    print(
+        f"\n[mid-upsert kill] {n} rows: {len(written)} written, {len(doubt)} in doubt, "
+        f"{len(unwritten)} not written; present after restart: {len(present)} "
+        f"({len(present & doubt)} of the in-doubt ones)"
+    )
     assert written <= present
     assert not present & unwritten
     assert present <= written | doubt
@@ -127,8 +146,10 @@ async def test_without_reconnect_no_sidecar_fails_at_once_and_the_hint_works(sid
     with pytest.raises(BrokerUnavailable):
         RecallClient(name, reconnect=False, connect_timeout=60)
     took_blocking = time.monotonic() - t0 - took
-    print(f"\n[no sidecar] reconnect=False failed after {took * 1000:.1f} ms (pool), "
-          f"{took_blocking * 1000:.1f} ms (blocking); connect_timeout was 60 s")
+    print(
+        f"\n[no sidecar] reconnect=False failed after {took * 1000:.1f} ms (pool), "
+        f"{took_blocking * 1000:.1f} ms (blocking); connect_timeout was 60 s"
+    )
     assert took < 20 and took_blocking < 20  # was 60 s each: it does not wait at all now
     msg = str(e.value)
     assert "reconnect=False" in msg
@@ -191,8 +212,7 @@ async def test_slots_held_by_another_process_are_slots_exhausted_not_an_outage(s
         holder.wait()
         t0 = time.monotonic()
         async with RecallPool(h.name, size=2, connect_timeout=30) as pool:  # reaped, then leased
-            print(f"[slots exhausted] opened {(time.monotonic() - t0) * 1000:.0f} ms after the "
-                  "holder was killed")
+            print(f"[slots exhausted] opened {(time.monotonic() - t0) * 1000:.0f} ms after the holder was killed")
             assert pool.statistics().size == 2
     finally:
         if holder.poll() is None:
@@ -206,8 +226,19 @@ def test_a_blocking_client_keeps_its_budget_across_restarts(seed, tmp_path):
     The exact guarantee (no pause past the deadline) is tests/unit/test_client_rules.py's; on a
     loaded 2-vCPU machine this only bounds it loosely and prints what it measured."""
     name = unique_name("budget")
-    args = ["--ephemeral", "--dim", str(DIM), "--random-rows", "500", "--seed", str(seed),
-            "--slots", "8", "--backend", "numpy"]
+    args = [
+        "--ephemeral",
+        "--dim",
+        str(DIM),
+        "--random-rows",
+        "500",
+        "--seed",
+        str(seed),
+        "--slots",
+        "8",
+        "--backend",
+        "numpy",
+    ]
     budget = 0.25
     proc = start_sidecar_process(args, name)
     overruns: list[float] = []
@@ -225,7 +256,7 @@ def test_a_blocking_client_keeps_its_budget_across_restarts(seed, tmp_path):
                     oks[0] += 1
                 except (BrokerUnavailable, KalosTimeout):  # the budget ran out, sidecar or not
                     overruns.append(time.monotonic() - t0 - budget)
-                except Exception as e:  # noqa: BLE001  (reported below)
+                except Exception as e:
                     errors.append(f"{type(e).__name__}: {e}")
                     time.sleep(0.01)
 
@@ -246,8 +277,10 @@ def test_a_blocking_client_keeps_its_budget_across_restarts(seed, tmp_path):
         proc.wait()
         cleanup(name, force=True)
     over = np.array(overruns)
-    print(f"\n[blocking budget] {oks[0]} ok, {len(over)} failed (BrokerUnavailable or a timeout); overrun past the "
-          f"{budget} s budget: p50 {np.median(over) * 1000:.1f} ms, max {over.max() * 1000:.1f} ms")
+    print(
+        f"\n[blocking budget] {oks[0]} ok, {len(over)} failed (BrokerUnavailable or a timeout); overrun past the "
+        f"{budget} s budget: p50 {np.median(over) * 1000:.1f} ms, max {over.max() * 1000:.1f} ms"
+    )
     assert not errors, errors[:5]
     assert len(over) >= 5 and oks[0] > 0
     assert over.max() < 0.5
@@ -259,6 +292,7 @@ async def test_one_vector_rule_in_both_clients(sidecar, rng):
     its float32 value); a (1, dim) array for recall, a (dim,) vector for recall_many or upsert,
     and a value beyond float32 are refused, by the pool and the blocking client alike."""
     from conftest import assert_topk
+
     from kalos import InvalidRequest
 
     q64 = rng.standard_normal(32)
@@ -274,8 +308,7 @@ async def test_one_vector_rule_in_both_clients(sidecar, rng):
         h = await pool.recall(q64, k=5)
         assert_topk(q32, sidecar.matrix, h.ids, h.scores, 5)
         many = await pool.recall_many(np.stack([q64, q64]).astype(np.float16), k=5)
-        assert_topk(q64.astype(np.float16).astype(np.float32), sidecar.matrix, many[0].ids,
-                    many[0].scores, 5)
+        assert_topk(q64.astype(np.float16).astype(np.float32), sidecar.matrix, many[0].ids, many[0].scores, 5)
         for method, args, msg in refused:
             with pytest.raises(InvalidRequest, match=msg):
                 await getattr(pool, method)(*args)

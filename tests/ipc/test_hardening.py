@@ -15,17 +15,21 @@ import urllib.request
 import numpy as np
 import posix_ipc
 import pytest
+from conftest import assert_topk, free_port, run_py, slots_free, unique_name, wait_until
 
 from kalos.broker.errors import BrokerUnavailable, InvalidRequest, UntrustedBroker
 from kalos.broker.layout import (
-    S_FREE, Layout, SegmentView, SidecarState, Status,
+    S_FREE,
+    Layout,
+    SegmentView,
+    SidecarState,
+    Status,
 )
 from kalos.broker.names import bell_name, req_name, resp_name, shm_name
 from kalos.broker.owners import sem_path, shm_path
 from kalos.broker.validation import MAX_PAYLOAD_DEPTH
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
-from conftest import assert_topk, free_port, run_py, slots_free, unique_name, wait_until
 from kalos.sidecar_cuda.objects import cleanup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,14 +69,14 @@ def raw_post(c: Connection, slot: object, op: int, ns: bytes, nq: int, blob: byt
 
 # --------------------------------------------------------------------------- 1. deep JSON
 
+
 def test_deeply_nested_payload_is_refused_and_the_sidecar_lives(sidecar, rng):
     with RecallClient(sidecar.name) as client:
         # The client refuses before anything is sent, at the documented depth and far beyond it.
         for depth in (MAX_PAYLOAD_DEPTH + 1, 985, 5000):
             with pytest.raises(InvalidRequest, match="nests deeper"):
                 client.upsert([985], np.ones((1, 32)), payloads=[nested(depth)], namespace="deep")
-        assert client.upsert([1], np.ones((1, 32)), payloads=[nested(MAX_PAYLOAD_DEPTH)],
-                             namespace="deep") == 1
+        assert client.upsert([1], np.ones((1, 32)), payloads=[nested(MAX_PAYLOAD_DEPTH)], namespace="deep") == 1
         # A client writing the protocol by hand: every depth gets BAD_REQUEST, nothing is stored.
         c = Connection(sidecar.name)
         slot = c.lease(1)[0]
@@ -95,6 +99,7 @@ def test_deeply_nested_payload_is_refused_and_the_sidecar_lives(sidecar, rng):
 
 # --------------------------------------------------------------------------- 2. lease pids
 
+
 @pytest.mark.parametrize("pid", [2**31, 2**31 - 1 + 2**20, 2**63 - 1, -7, (1 << 22) + 1])
 def test_lease_with_an_impossible_owner_pid_is_reclaimed(sidecar, pid):
     """Any pid a client writes is only a number for diagnostics: while its lease lock is held
@@ -110,8 +115,9 @@ def test_lease_with_an_impossible_owner_pid_is_reclaimed(sidecar, pid):
     seg_owner = Connection(sidecar.name)  # a second view to watch with
     c.close()  # the holder goes away: its lease lock is dropped by the kernel
     try:
-        assert wait_until(lambda: int(seg_owner.seg.slots[i]["owner_pid"]) == 0, 30), \
+        assert wait_until(lambda: int(seg_owner.seg.slots[i]["owner_pid"]) == 0, 30), (
             "the reaper did not reclaim the slot"
+        )
         assert int(seg_owner.seg.slots[i]["state"]) == S_FREE
         assert sidecar.proc.poll() is None
         with RecallClient(sidecar.name) as client:
@@ -152,8 +158,9 @@ def test_dead_clients_slots_are_reclaimed_under_load(sidecar_factory):
     """3 processes x 16 tasks keep the sidecar saturated (each waiting for a slot); a fourth
     client holding 8 slots is killed -9: its slots are free again while the load goes on (the
     reaper runs on time, busy or not; the time it took is printed: about 250 ms on an idle VM)."""
-    h = sidecar_factory("reap", "--dim", "64", "--random-rows", "20000", "--slots", "56",
-                        "--max-queries", "8", "--backend", "numpy")
+    h = sidecar_factory(
+        "reap", "--dim", "64", "--random-rows", "20000", "--slots", "56", "--max-queries", "8", "--backend", "numpy"
+    )
     victim = run_py(HOLD, h.name, "8")
     assert victim.stdout.readline().strip() == b"ready"
     loads = [run_py(LOAD, h.name, str(i)) for i in range(3)]
@@ -169,8 +176,7 @@ def test_dead_clients_slots_are_reclaimed_under_load(sidecar_factory):
             victim.kill()
             t0 = time.monotonic()
             victim.wait()
-            freed = wait_until(lambda: int((c.seg.slots["owner_pid"] == victim.pid).sum()) == 0,
-                               timeout=30, step=0.005)
+            freed = wait_until(lambda: int((c.seg.slots["owner_pid"] == victim.pid).sum()) == 0, timeout=30, step=0.005)
             took = time.monotonic() - t0
             print(f"\n[reaper] slots of the killed client reclaimed in {took * 1000:.0f} ms under load")
             assert freed, f"not reclaimed in {took:.0f} s under load"
@@ -263,8 +269,10 @@ async def _recalls_while_stopped(pool: RecallPool, sidecar, rng, frozen: subproc
         assert_topk(q, sidecar.matrix, h.ids, h.scores, 5)
         n += 1
     assert _stopped(frozen.pid), "the frozen client was resumed before the recalls completed"
-    print(f"\n[frozen] {n} recalls answered in {time.monotonic() - t0:.2f} s while a client held "
-          "every lock it could, stopped")
+    print(
+        f"\n[frozen] {n} recalls answered in {time.monotonic() - t0:.2f} s while a client held "
+        "every lock it could, stopped"
+    )
     return n
 
 
@@ -293,13 +301,15 @@ async def test_a_frozen_client_holding_every_lock_cannot_pause_serving(sidecar, 
                 victim.kill()  # dies while the claim lock is held: its slots must wait for it
                 victim.wait()
                 await _recalls_while_stopped(pool, sidecar, rng, frozen[0])
-                assert int((c.seg.slots["owner_pid"] == victim.pid).sum()) == 2, \
+                assert int((c.seg.slots["owner_pid"] == victim.pid).sum()) == 2, (
                     "slots were freed without the claim lock"
+                )
                 frozen[0].send_signal(signal.SIGCONT)
                 out, err = frozen[0].communicate(timeout=60)
                 assert frozen[0].returncode == 0 and out.strip() == b"resumed ok", err.decode()
-                assert wait_until(lambda: not (c.seg.slots["owner_pid"] == victim.pid).any(), 30), \
+                assert wait_until(lambda: not (c.seg.slots["owner_pid"] == victim.pid).any(), 30), (
                     "the dead client's slots were not reclaimed once the lock was let go"
+                )
                 # frozen, then killed while stopped: the kernel drops its locks, the reaper frees
                 frozen.append(_freeze(name, n_slots))
                 pid = frozen[1].pid
@@ -307,8 +317,9 @@ async def test_a_frozen_client_holding_every_lock_cannot_pause_serving(sidecar, 
                 assert int((c.seg.slots["owner_pid"] == pid).sum()) == 2
                 frozen[1].kill()
                 frozen[1].wait()
-                assert wait_until(lambda: not (c.seg.slots["owner_pid"] == pid).any(), 30), \
+                assert wait_until(lambda: not (c.seg.slots["owner_pid"] == pid).any(), 30), (
                     "the slots of a client killed while stopped were not reclaimed"
+                )
             finally:
                 c.close()
                 kill_all()
@@ -354,8 +365,10 @@ async def test_a_frozen_holder_of_the_claim_lock_cannot_block_another_clients_lo
         assert isinstance(e.value, LockBusy) and "claim lock" in str(e.value), e.value
         assert _stopped(frozen.pid), "the holder was resumed before the open gave up"
         worst = max(gaps, default=0.0)
-        print(f"\n[claim lock] open gave up after {took:.2f} s (budget 1.0 s); the loop's longest "
-              f"pause {worst * 1e3:.0f} ms")
+        print(
+            f"\n[claim lock] open gave up after {took:.2f} s (budget 1.0 s); the loop's longest "
+            f"pause {worst * 1e3:.0f} ms"
+        )
         # Generous: one attempt blocks FLOCK_WAIT_S (50 ms); a blocking flock would pause the loop
         # until the holder is killed below (never, here: the assertion comes first).
         assert worst < 2.0, worst
@@ -373,10 +386,12 @@ async def test_a_frozen_holder_of_the_claim_lock_cannot_block_another_clients_lo
 
 # --------------------------------------------------------------------------- 4. stats fields
 
+
 def test_client_written_stats_cannot_break_metrics(sidecar_factory, rng):
     port = free_port()
-    h = sidecar_factory("stats", "--dim", "32", "--random-rows", "100", "--backend", "numpy",
-                        "--metrics-port", str(port))
+    h = sidecar_factory(
+        "stats", "--dim", "32", "--random-rows", "100", "--backend", "numpy", "--metrics-port", str(port)
+    )
     c = Connection(h.name)
     try:
         a, b = c.lease(2)
@@ -387,7 +402,7 @@ def test_client_written_stats_cannot_break_metrics(sidecar_factory, rng):
                 s.view.queries[0] = 1.0
                 s.post(1, b"default", 3, 1, 0, 0, 0)
                 c.seg.slots[s.index]["t_post_ns"] = 2**63 + 12345  # (after post: the sidecar may
-            for s in slots:                                       #  read either; both are lies)
+            for s in slots:  #  read either; both are lies)
                 assert wait_until(lambda s=s: s.is_done() and s.try_consume(), 5)
                 assert s.outcome()[0] == Status.OK
                 s.set_free()
@@ -411,6 +426,7 @@ def test_client_written_stats_cannot_break_metrics(sidecar_factory, rng):
 
 
 # --------------------------------------------------------------------------- 5. squatting
+
 
 def _squat(name: str, layout: Layout, uid: int, mode: int) -> None:
     """What another local user can do before any sidecar serves ``name``: create its objects,
@@ -453,6 +469,7 @@ async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
     layout = Layout(n_slots=4, dim=8, max_k=8, max_queries=2, blob_bytes=4096)
     _squat(name, layout, NOBODY, 0o666)
     try:
+
         def squatted() -> list[str]:  # (only this name's objects: other tests may run beside)
             return sorted(f for f in os.listdir("/dev/shm") if name in f)
 
@@ -467,8 +484,22 @@ async def test_squatted_name_is_refused_by_clients_and_by_the_sidecar():
         with pytest.raises(UntrustedBroker, match="mode 0666"):
             RecallClient(name, connect_timeout=1, sidecar_uid=NOBODY)
         # The real sidecar refuses to start over them, says what to do, and removes nothing.
-        p = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral",
-                            "--dim", "8", "--backend", "numpy"], capture_output=True, timeout=60)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kalos.sidecar_cuda",
+                "--name",
+                name,
+                "--ephemeral",
+                "--dim",
+                "8",
+                "--backend",
+                "numpy",
+            ],
+            capture_output=True,
+            timeout=60,
+        )
         assert p.returncode != 0
         err = p.stderr.decode()
         assert "not ours" in err and "65534" in err and "kalos cleanup" in err, err
@@ -529,6 +560,7 @@ def test_another_uid_cannot_attach(sidecar):
 
 # --------------------------------------------------------------------------- 6. data dir
 
+
 def test_data_dir_and_store_files_are_private_whatever_the_umask(sidecar_factory, tmp_path):
     fresh = tmp_path / "fresh"
     loose = tmp_path / "loose"
@@ -539,8 +571,7 @@ def test_data_dir_and_store_files_are_private_whatever_the_umask(sidecar_factory
     old = os.umask(0)  # the sidecar inherits the loosest umask
     try:
         for d in (fresh, loose):
-            h = sidecar_factory("dir", "--dim", "8", "--data-dir", str(d), "--backend", "numpy",
-                                ephemeral=False)
+            h = sidecar_factory("dir", "--dim", "8", "--data-dir", str(d), "--backend", "numpy", ephemeral=False)
             with RecallClient(h.name) as c:
                 c.upsert([1, 2], np.ones((2, 8)), payloads=[{"secret": 1}, None])
             assert os.stat(d).st_mode & 0o777 == 0o700
@@ -592,18 +623,46 @@ asyncio.run(main())
 def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, seed, request):
     seconds = float(request.config.getoption("--fuzz-seconds"))
     port = free_port()
-    h = sidecar_factory("fuzz", "--dim", "16", "--random-rows", "500", "--seed", str(seed),
-                        "--slots", "16", "--max-queries", "4", "--max-k", "16",
-                        "--blob-bytes", "65536", "--payload-limit", "65536",
-                        "--metrics-port", str(port), "--backend", "numpy")
+    h = sidecar_factory(
+        "fuzz",
+        "--dim",
+        "16",
+        "--random-rows",
+        "500",
+        "--seed",
+        str(seed),
+        "--slots",
+        "16",
+        "--max-queries",
+        "4",
+        "--max-k",
+        "16",
+        "--blob-bytes",
+        "65536",
+        "--payload-limit",
+        "65536",
+        "--metrics-port",
+        str(port),
+        "--backend",
+        "numpy",
+    )
     legit = run_py(LEGIT, h.name, str(seed), str(seconds + 1.0), TESTS)
     assert json.loads(legit.stdout.readline()).get("ready")
-    fuzz = subprocess.run([sys.executable, os.path.join(HERE, "fuzz_client.py"), h.name, str(seed),
-                           str(seconds), f"http://127.0.0.1:{port}/metrics"],
-                          capture_output=True, timeout=seconds + 120)
+    fuzz = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "fuzz_client.py"),
+            h.name,
+            str(seed),
+            str(seconds),
+            f"http://127.0.0.1:{port}/metrics",
+        ],
+        capture_output=True,
+        timeout=seconds + 120,
+    )
     assert fuzz.returncode == 0, fuzz.stderr.decode()
     f = json.loads(fuzz.stdout.decode().strip().splitlines()[-1])
-    lout, lerr = legit.communicate(timeout=seconds + 60)
+    lout, _lerr = legit.communicate(timeout=seconds + 60)
     g = json.loads(lout.decode().strip().splitlines()[-1])
     print(f"\n[fuzz] seed {seed}: {json.dumps(f)}\n[legit] {json.dumps({**g, 'errors': g['errors'][:3]})}")
 
@@ -618,9 +677,9 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
     # is reclaimed and FREE (the legitimate pool has closed too).
     c = Connection(h.name)
     try:
-        assert wait_until(lambda: not c.seg.slots["owner_pid"].any()
-                          and (c.seg.slots["state"] == S_FREE).all(), timeout=30), \
-            (c.seg.slots["owner_pid"], c.seg.slots["state"])
+        assert wait_until(
+            lambda: not c.seg.slots["owner_pid"].any() and (c.seg.slots["state"] == S_FREE).all(), timeout=30
+        ), (c.seg.slots["owner_pid"], c.seg.slots["state"])
     finally:
         c.close()
     assert scrape_status(port) == 200
@@ -650,8 +709,9 @@ with RecallClient(sys.argv[1], connect_timeout=5, sidecar_uid=0) as c:
 def test_dedicated_sidecar_user_shares_objects_with_its_group(sidecar_factory):
     """--shm-mode 0660: a client of another uid in the sidecar user's group attaches only when it
     names the sidecar's uid (sidecar_uid=); the objects stay closed to everyone else."""
-    h = sidecar_factory("grp", "--dim", "8", "--random-rows", "50", "--slots", "4",
-                        "--shm-mode", "0660", "--backend", "numpy")
+    h = sidecar_factory(
+        "grp", "--dim", "8", "--random-rows", "50", "--slots", "4", "--shm-mode", "0660", "--backend", "numpy"
+    )
     assert os.stat(shm_path(shm_name(h.name))).st_mode & 0o777 == 0o660
     assert os.stat(sem_path(bell_name(h.name))).st_mode & 0o777 == 0o660
     p = run_py(AS_GROUP_MEMBER, h.name)

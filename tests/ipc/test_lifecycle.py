@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_topk, wait_until
 
 from kalos.broker.errors import InvalidRequest, PayloadTooLarge, UnknownNamespace
 from kalos.clients import RecallClient, RecallPool
-from conftest import assert_topk, wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -29,7 +29,7 @@ def dump(name: str, namespace: str) -> dict[int, tuple[np.ndarray, object]]:
             try:
                 ids, vecs, pls = c.export_page(namespace, after)
             except UnknownNamespace:  # nothing was ever acknowledged in it (e.g. killed during
-                return out            # a CUDA sidecar's first, compiling write)
+                return out  # a CUDA sidecar's first, compiling write)
             if not len(ids):
                 return out
             for i, v, p in zip(ids.tolist(), vecs, pls):
@@ -40,10 +40,22 @@ def dump(name: str, namespace: str) -> dict[int, tuple[np.ndarray, object]]:
 
 # --------------------------------------------------------------------------- API semantics
 
+
 @pytest.mark.asyncio
 async def test_upsert_recall_with_payload_delete_drop(sidecar_factory, rng):
-    h = sidecar_factory("api", "--dim", "8", "--backend", "numpy", "--max-queries", "4",
-                        "--blob-bytes", "4096", "--payload-limit", "512")
+    h = sidecar_factory(
+        "api",
+        "--dim",
+        "8",
+        "--backend",
+        "numpy",
+        "--max-queries",
+        "4",
+        "--blob-bytes",
+        "4096",
+        "--payload-limit",
+        "512",
+    )
     async with RecallPool(h.name, size=4) as pool:
         vecs = rng.standard_normal((10, 8)).astype(np.float32)
         ids = np.arange(100, 110)
@@ -92,9 +104,10 @@ async def test_namespace_isolation_with_concurrent_writers(sidecar_factory, rng)
     h = sidecar_factory("iso", "--dim", "16", "--backend", "numpy", "--slots", "32")
     data = {ns: rng.standard_normal((300, 16)).astype(np.float32) for ns in ("a", "b", "c")}
     async with RecallPool(h.name, size=24) as pool:
+
         async def writer(ns: str) -> None:
             for lo in range(0, 300, 25):
-                await pool.upsert(np.arange(lo, lo + 25), data[ns][lo:lo + 25], namespace=ns)
+                await pool.upsert(np.arange(lo, lo + 25), data[ns][lo : lo + 25], namespace=ns)
 
         async def reader(ns: str) -> None:
             for _ in range(40):
@@ -116,9 +129,23 @@ async def test_namespace_isolation_with_concurrent_writers(sidecar_factory, rng)
 @pytest.mark.asyncio
 @pytest.mark.parametrize("pipeline", ["auto", "on"])
 async def test_read_your_writes_under_concurrency(sidecar_factory, rng, pipeline):
-    h = sidecar_factory("ryw", "--dim", "16", "--backend", "numpy", "--metric", "cosine",
-                        "--random-rows", "2000", "--slots", "32", "--pipeline", pipeline)
+    h = sidecar_factory(
+        "ryw",
+        "--dim",
+        "16",
+        "--backend",
+        "numpy",
+        "--metric",
+        "cosine",
+        "--random-rows",
+        "2000",
+        "--slots",
+        "32",
+        "--pipeline",
+        pipeline,
+    )
     async with RecallPool(h.name, size=24) as pool:
+
         async def agent(j: int) -> None:
             for t in range(10):
                 i = 10_000 + j * 100 + t
@@ -140,8 +167,9 @@ async def test_compaction_under_load_never_loses_stable_rows(sidecar_factory, rn
     deleted all the time, so rows move constantly. Every answer must contain every stable record
     that beats its k-th score, and every id must carry its own vector's score. With ``--pipeline
     on`` recall batches are left in flight and every write batch must finish them first."""
-    h = sidecar_factory("compact", "--dim", "12", "--backend", "numpy", "--slots", "32",
-                        "--max-queries", "32", "--pipeline", pipeline)
+    h = sidecar_factory(
+        "compact", "--dim", "12", "--backend", "numpy", "--slots", "32", "--max-queries", "32", "--pipeline", pipeline
+    )
     stable = rng.standard_normal((500, 12)).astype(np.float32)
     churn = rng.standard_normal((500, 12)).astype(np.float32)  # id 1000 + j
     async with RecallPool(h.name, size=24) as pool:
@@ -180,6 +208,7 @@ async def test_compaction_under_load_never_loses_stable_rows(sidecar_factory, rn
 
 # --------------------------------------------------------------------------- durability
 
+
 def test_restart_keeps_exactly_the_acknowledged_memories(sidecar_factory, tmp_path, rng):
     d = str(tmp_path / "data")
     h = sidecar_factory("dur", "--dim", "8", "--backend", "numpy", "--data-dir", d, ephemeral=False)
@@ -193,8 +222,7 @@ def test_restart_keeps_exactly_the_acknowledged_memories(sidecar_factory, tmp_pa
         c.drop_namespace("gone")
         before = {ns: dump(h.name, ns) for ns in ("n1", "n2")}
     assert h.stop() == 0
-    h2 = sidecar_factory("dur2", "--dim", "8", "--backend", "numpy", "--data-dir", d,
-                         name=h.name, ephemeral=False)
+    h2 = sidecar_factory("dur2", "--dim", "8", "--backend", "numpy", "--data-dir", d, name=h.name, ephemeral=False)
     with RecallClient(h2.name) as c:
         assert c.namespaces() == {"default": 0, "n1": 40, "n2": 1}
     for ns in ("n1", "n2"):
@@ -268,16 +296,42 @@ def test_kill9_during_writes_loses_nothing_acknowledged(sidecar_factory, tmp_pat
     name = None
     writers_n = 3
     for rnd in range(5):
-        h = sidecar_factory(f"crash{rnd}", "--dim", "8", "--backend", "numpy", "--data-dir", d,
-                            "--slots", "8", "--max-queries", "8", name=name, ephemeral=False)
+        h = sidecar_factory(
+            f"crash{rnd}",
+            "--dim",
+            "8",
+            "--backend",
+            "numpy",
+            "--data-dir",
+            d,
+            "--slots",
+            "8",
+            "--max-queries",
+            "8",
+            name=name,
+            ephemeral=False,
+        )
         name = h.name
         logs = [str(tmp_path / f"w{rnd}-{j}.log") for j in range(writers_n)]
-        procs = [subprocess.Popen([sys.executable, "-c", WRITER, name, str(j * 100), str(j * 100 + 40),
-                                   str(rnd * 10 + j + 1 + seed % 1000), logs[j]])
-                 for j in range(writers_n)]
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    WRITER,
+                    name,
+                    str(j * 100),
+                    str(j * 100 + 40),
+                    str(rnd * 10 + j + 1 + seed % 1000),
+                    logs[j],
+                ]
+            )
+            for j in range(writers_n)
+        ]
         target = r.randint(12, 60)
-        assert wait_until(lambda: _acked(logs) >= target or all(p.poll() is not None for p in procs),
-                          120), f"round {rnd}: {_acked(logs)} of {target} writes acknowledged"
+        assert wait_until(lambda: _acked(logs) >= target or all(p.poll() is not None for p in procs), 120), (
+            f"round {rnd}: {_acked(logs)} of {target} writes acknowledged"
+        )
         time.sleep(r.random() * 0.02)  # somewhere inside the next writes
         h.kill9()
         for p in procs:
@@ -305,8 +359,21 @@ def test_kill9_during_writes_loses_nothing_acknowledged(sidecar_factory, tmp_pat
                 op, ver_i, ids = pending
                 for i in ids:
                     allowed.setdefault(i, set()).add(ver_i if op == "U" else None)
-        h2 = sidecar_factory(f"check{rnd}", "--dim", "8", "--backend", "numpy", "--data-dir", d,
-                             "--slots", "8", "--max-queries", "8", name=name, ephemeral=False)
+        h2 = sidecar_factory(
+            f"check{rnd}",
+            "--dim",
+            "8",
+            "--backend",
+            "numpy",
+            "--data-dir",
+            d,
+            "--slots",
+            "8",
+            "--max-queries",
+            "8",
+            name=name,
+            ephemeral=False,
+        )
         got = dump(name, "crash") if os.path.exists(d) else {}
         ids_all = set(model) | set(allowed) | set(got)
         for i in ids_all:
@@ -338,16 +405,46 @@ def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sid
     from kalos.cli import main as kalos
 
     env_name = f"st-{os.getpid()}"
-    r = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", env_name, "--dim", "16",
-                        "--data-dir", str(d), "--backend", "numpy"], capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kalos.sidecar_cuda",
+            "--name",
+            env_name,
+            "--dim",
+            "16",
+            "--data-dir",
+            str(d),
+            "--backend",
+            "numpy",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and b"dim=8" in r.stderr
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
     raw = bytearray(db.read_bytes())
     raw[100:4096] = os.urandom(4096 - 100)
     db.write_bytes(bytes(raw))
     digest = hashlib.sha256(db.read_bytes()).hexdigest()
-    r = subprocess.run([sys.executable, "-m", "kalos.sidecar_cuda", "--name", env_name, "--dim", "8",
-                        "--data-dir", str(d), "--backend", "numpy"], capture_output=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kalos.sidecar_cuda",
+            "--name",
+            env_name,
+            "--dim",
+            "8",
+            "--data-dir",
+            str(d),
+            "--backend",
+            "numpy",
+        ],
+        capture_output=True,
+        timeout=60,
+    )
     assert r.returncode != 0 and b"nothing was changed" in r.stderr, r.stderr
     assert hashlib.sha256(db.read_bytes()).hexdigest() == digest
     del kalos
@@ -372,7 +469,6 @@ def test_export_import_round_trip(sidecar_factory, tmp_path, rng):
     for i in a:
         np.testing.assert_array_equal(b[i][0], by_id[i][0])
         assert b[i][1] == by_id[i][1] == a[i][1]
-
 
 
 def test_cli_lists_namespaces(sidecar_factory, capsys):

@@ -11,9 +11,9 @@ import urllib.request
 
 import numpy as np
 import pytest
+from conftest import assert_topk, free_port
 
 from kalos.clients import RecallPool
-from conftest import assert_topk, free_port
 
 
 def routes(port: int) -> dict[str, float]:
@@ -30,13 +30,33 @@ def routes(port: int) -> dict[str, float]:
 @pytest.mark.asyncio
 async def test_concurrent_recall_many_are_searched_as_one_uniform_batch(sidecar_factory, seed, pipeline):
     port = free_port()
-    h = sidecar_factory("mq", "--dim", "32", "--random-rows", "3000", "--seed", str(seed), "--slots", "32",
-                        "--max-k", "64", "--max-queries", "8", "--backend", "numpy",
-                        "--pipeline", pipeline, "--metrics-port", str(port))
+    h = sidecar_factory(
+        "mq",
+        "--dim",
+        "32",
+        "--random-rows",
+        "3000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "32",
+        "--max-k",
+        "64",
+        "--max-queries",
+        "8",
+        "--backend",
+        "numpy",
+        "--pipeline",
+        pipeline,
+        "--metrics-port",
+        str(port),
+    )
     matrix = np.random.default_rng(seed).standard_normal((3000, 32), dtype=np.float32)
     rng = np.random.default_rng(seed + 1)
-    jobs = [(rng.standard_normal((int(rng.integers(2, 9)), 32)).astype(np.float32), int(rng.integers(1, 65)))
-            for _ in range(300)]
+    jobs = [
+        (rng.standard_normal((int(rng.integers(2, 9)), 32)).astype(np.float32), int(rng.integers(1, 65)))
+        for _ in range(300)
+    ]
     async with RecallPool(h.name, size=16) as pool:
         sem = asyncio.Semaphore(16)
 
@@ -60,8 +80,25 @@ async def test_a_multi_row_recall_next_to_a_bad_one_still_gets_its_answer(sideca
     """A batch mixing several-row recalls with one the uniform route cannot take (payloads
     requested) is served request by request, each still exact."""
     port = free_port()
-    h = sidecar_factory("mq2", "--dim", "32", "--random-rows", "2000", "--seed", str(seed), "--slots", "16",
-                        "--max-k", "64", "--max-queries", "8", "--backend", "numpy", "--metrics-port", str(port))
+    h = sidecar_factory(
+        "mq2",
+        "--dim",
+        "32",
+        "--random-rows",
+        "2000",
+        "--seed",
+        str(seed),
+        "--slots",
+        "16",
+        "--max-k",
+        "64",
+        "--max-queries",
+        "8",
+        "--backend",
+        "numpy",
+        "--metrics-port",
+        str(port),
+    )
     matrix = np.random.default_rng(seed).standard_normal((2000, 32), dtype=np.float32)
     rng = np.random.default_rng(seed + 2)
     async with RecallPool(h.name, size=8) as pool:

@@ -11,10 +11,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import unique_name
 
 from kalos.broker.layout import S_DONE, Op, Status
 from kalos.clients._transport import Connection
-from conftest import unique_name
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK
 from kalos.sidecar_cuda.server import ServeConfig, Sidecar
 
@@ -40,8 +40,16 @@ def test_callers_posting_as_the_sidecar_sleeps_are_not_stalled(seed):
     and left in flight; the sidecar must not then block on the doorbell (which nobody would ring
     for 250 ms) while it is in flight."""
     rng = np.random.default_rng(seed)
-    cfg = ServeConfig(name=unique_name("psleep"), dim=8, slots=8, backend="numpy",
-                      random_rows=1000, seed=seed, spin_us=0.0, pipeline="on")
+    cfg = ServeConfig(
+        name=unique_name("psleep"),
+        dim=8,
+        slots=8,
+        backend="numpy",
+        random_rows=1000,
+        seed=seed,
+        spin_us=0.0,
+        pipeline="on",
+    )
     matrix = np.random.default_rng(seed).standard_normal((1000, 8), dtype=np.float32)
     hook: list = []
 
@@ -114,8 +122,9 @@ def test_stop_answers_every_request_posted_before_it(seed):
     # at once) and is still running when the next one is taken.
     d = 64
     n = INLINE_WORK // (2 * d) + 1
-    cfg = ServeConfig(name=unique_name("pstop"), dim=d, slots=8, backend="numpy",
-                      random_rows=n, seed=seed, pipeline="on")
+    cfg = ServeConfig(
+        name=unique_name("pstop"), dim=d, slots=8, backend="numpy", random_rows=n, seed=seed, pipeline="on"
+    )
     matrix = np.random.default_rng(seed).standard_normal((n, d), dtype=np.float32)
     sc = Sidecar(cfg)
     sc.start()

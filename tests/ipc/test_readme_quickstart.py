@@ -12,8 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import unique_name
-
 pytestmark = pytest.mark.timeout(120)
 README = Path(__file__).resolve().parents[2] / "README.md"
 

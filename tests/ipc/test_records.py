@@ -7,13 +7,13 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 import kalos.clients._requests as _requests
 from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError, UnknownNamespace
 from kalos.broker.layout import Flag, Layout, Op, SegmentView, Status
 from kalos.clients import RecallClient, RecallPool, Records
 from kalos.clients._transport import ClientSlot, Connection
-from conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,16 +23,15 @@ DIM = 16
 @pytest.fixture
 def small(sidecar_factory):
     """An empty numpy sidecar: dim 16, max_queries 8 (so gets of more ids are chunked)."""
-    return sidecar_factory("rec", "--dim", str(DIM), "--slots", "8", "--max-k", "64",
-                           "--max-queries", "8", "--backend", "numpy")
+    return sidecar_factory(
+        "rec", "--dim", str(DIM), "--slots", "8", "--max-k", "64", "--max-queries", "8", "--backend", "numpy"
+    )
 
 
-def records(rng: np.random.Generator, n: int, start: int = 0
-            ) -> tuple[np.ndarray, np.ndarray, list[object]]:
+def records(rng: np.random.Generator, n: int, start: int = 0) -> tuple[np.ndarray, np.ndarray, list[object]]:
     ids = np.arange(start, start + n, dtype=np.int64) * 3 + 1
     vecs = rng.standard_normal((n, DIM)).astype(np.float32)
-    pls: list[object] = [None if j % 5 == 0 else {"j": int(j), "tag": f"t{j % 7}", "x": [j, "y"]}
-                         for j in range(n)]
+    pls: list[object] = [None if j % 5 == 0 else {"j": int(j), "tag": f"t{j % 7}", "x": [j, "y"]} for j in range(n)]
     return ids, vecs, pls
 
 
@@ -66,8 +65,7 @@ async def test_get_returns_records_in_the_order_asked_and_the_missing(small, rng
 
 
 def test_get_blocking_client_and_cosine_rows_as_stored(sidecar_factory, rng):
-    h = sidecar_factory("cos", "--dim", str(DIM), "--metric", "cosine", "--max-queries", "4",
-                        "--backend", "numpy")
+    h = sidecar_factory("cos", "--dim", str(DIM), "--metric", "cosine", "--max-queries", "4", "--backend", "numpy")
     ids, vecs, pls = records(rng, 10)
     with RecallClient(h.name, timeout=10) as c:
         c.upsert(ids, vecs, pls)
@@ -93,22 +91,22 @@ async def test_get_bad_ids_fail_before_shared_memory(small, bad):
 
 @pytest.mark.asyncio
 async def test_get_unknown_namespace_and_payloads_too_large(sidecar_factory, rng):
-    h = sidecar_factory("big", "--dim", str(DIM), "--blob-bytes", "4096", "--max-queries", "8",
-                        "--backend", "numpy")
+    h = sidecar_factory("big", "--dim", str(DIM), "--blob-bytes", "4096", "--max-queries", "8", "--backend", "numpy")
     async with RecallPool(h.name, size=2) as pool:
         with pytest.raises(UnknownNamespace):
             await pool.get([1], namespace="nope")
         ids = np.arange(8)
         for lo in (0, 4):  # 4 payloads fit a request, 8 do not
-            await pool.upsert(ids[lo:lo + 4], rng.standard_normal((4, DIM)), [{"s": "x" * 900}] * 4)
+            await pool.upsert(ids[lo : lo + 4], rng.standard_normal((4, DIM)), [{"s": "x" * 900}] * 4)
         with pytest.raises(PayloadTooLarge):
             await pool.get(ids)
         got = await pool.get(ids[:2])
         assert got.payloads == [{"s": "x" * 900}] * 2
 
 
-def raw_get(c: Connection, slot: ClientSlot, ids: list[int], ns: bytes, flags: int = 0,
-            blob: bytes = b"", op: int = int(Op.GET)) -> tuple[int, int, str]:
+def raw_get(
+    c: Connection, slot: ClientSlot, ids: list[int], ns: bytes, flags: int = 0, blob: bytes = b"", op: int = int(Op.GET)
+) -> tuple[int, int, str]:
     """A request written by hand (no client-side checks): (status, n_results, detail)."""
     slot.view.ids[: len(ids)] = ids
     slot.view.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
@@ -145,11 +143,14 @@ def _answer(ids_out: list[int], blob: bytes, asked: list[int]) -> object:
     return _requests.read(v, (int(Status.OK), len(ids_out), len(blob)), p)
 
 
-@pytest.mark.parametrize("ids_out, blob, asked", [
-    ([1, 2, 3], b"null\nnull\nnull", [1, 2]),  # more records than ids asked
-    ([1, 2], b"null", [1, 2]),  # payload lines do not match
-    ([1, 9], b"null\nnull", [1, 2]),  # an id that was not asked for
-])
+@pytest.mark.parametrize(
+    "ids_out, blob, asked",
+    [
+        ([1, 2, 3], b"null\nnull\nnull", [1, 2]),  # more records than ids asked
+        ([1, 2], b"null", [1, 2]),  # payload lines do not match
+        ([1, 9], b"null\nnull", [1, 2]),  # an id that was not asked for
+    ],
+)
 def test_get_answer_that_breaks_the_protocol(ids_out, blob, asked):
     with pytest.raises(ProtocolError):
         _answer(ids_out, blob, asked)
@@ -197,8 +198,10 @@ def ref_match(doc: object, where: dict) -> bool:
                 "$in": lambda: present and any(_eq(v, a) for a in arg),
                 "$nin": lambda: not (present and any(_eq(v, a) for a in arg)),
                 "$exists": lambda: present == arg,
-                "$gt": lambda: num and v > arg, "$gte": lambda: num and v >= arg,
-                "$lt": lambda: num and v < arg, "$lte": lambda: num and v <= arg,
+                "$gt": lambda: num and v > arg,
+                "$gte": lambda: num and v >= arg,
+                "$lt": lambda: num and v < arg,
+                "$lte": lambda: num and v <= arg,
             }[op]()
             if not ok:
                 return False
@@ -215,8 +218,17 @@ def random_payload(rng: np.random.Generator, j: int) -> object:
     if rng.random() < 0.85:
         doc["color"] = f"c{int(rng.integers(20))}"
     x = rng.random()
-    doc["n"] = (int(rng.integers(100)) if x < 0.6 else float(rng.integers(100)) + 0.5 if x < 0.75
-                else None if x < 0.85 else True if x < 0.9 else "7")
+    doc["n"] = (
+        int(rng.integers(100))
+        if x < 0.6
+        else float(rng.integers(100)) + 0.5
+        if x < 0.75
+        else None
+        if x < 0.85
+        else True
+        if x < 0.9
+        else "7"
+    )
     if x >= 0.95:
         del doc["n"]
     doc["flag"] = bool(rng.integers(2))
@@ -226,23 +238,50 @@ def random_payload(rng: np.random.Generator, j: int) -> object:
     return doc
 
 
-FILTERS: list[dict] = [
-    {}, {"color": "c3"}, {"color": "nope"}, {"n": 7}, {"n": 7.0}, {"n": True}, {"n": None},
-    {"n": "7"}, {"flag": False}, {"tags": "a"},
-] + [  # selectivities from 0 to 100 %
-    {"color": {"$in": [f"c{i}" for i in range(k)]}} for k in (0, 1, 2, 5, 10, 19, 20)
-] + [
-    {"color": {"$nin": ["c1", "c2"]}}, {"color": {"$ne": "c1"}}, {"n": {"$ne": None}},
-    {"n": {"$gt": 50}}, {"n": {"$gte": 50, "$lt": 60}}, {"n": {"$lte": 0.5}}, {"n": {"$lt": -1}},
-    {"n": {"$exists": False}}, {"color": {"$exists": True}, "flag": True},
-    {"$or": [{"color": "c1"}, {"n": {"$gt": 90}}]},
-    {"$and": [{"flag": True}, {"$or": [{"n": {"$in": [1, 2, 3, None]}}, {"tags": {"$exists": True}}]}]},
-    {"uid": {"$gte": 100, "$lt": 103}}, {"uid": 5, "color": {"$ne": "zzz"}},
-]
+FILTERS: list[dict] = (
+    [
+        {},
+        {"color": "c3"},
+        {"color": "nope"},
+        {"n": 7},
+        {"n": 7.0},
+        {"n": True},
+        {"n": None},
+        {"n": "7"},
+        {"flag": False},
+        {"tags": "a"},
+    ]
+    + [  # selectivities from 0 to 100 %
+        {"color": {"$in": [f"c{i}" for i in range(k)]}} for k in (0, 1, 2, 5, 10, 19, 20)
+    ]
+    + [
+        {"color": {"$nin": ["c1", "c2"]}},
+        {"color": {"$ne": "c1"}},
+        {"n": {"$ne": None}},
+        {"n": {"$gt": 50}},
+        {"n": {"$gte": 50, "$lt": 60}},
+        {"n": {"$lte": 0.5}},
+        {"n": {"$lt": -1}},
+        {"n": {"$exists": False}},
+        {"color": {"$exists": True}, "flag": True},
+        {"$or": [{"color": "c1"}, {"n": {"$gt": 90}}]},
+        {"$and": [{"flag": True}, {"$or": [{"n": {"$in": [1, 2, 3, None]}}, {"tags": {"$exists": True}}]}]},
+        {"uid": {"$gte": 100, "$lt": 103}},
+        {"uid": 5, "color": {"$ne": "zzz"}},
+    ]
+)
 
 
-def check_filtered(q: np.ndarray, vecs: np.ndarray, ids: np.ndarray, match: np.ndarray,
-                   hits_ids: np.ndarray, hits_scores: np.ndarray, k: int, what: str) -> None:
+def check_filtered(
+    q: np.ndarray,
+    vecs: np.ndarray,
+    ids: np.ndarray,
+    match: np.ndarray,
+    hits_ids: np.ndarray,
+    hits_scores: np.ndarray,
+    k: int,
+    what: str,
+) -> None:
     """Hits against a float64 reference restricted to the matching rows."""
     m = int(match.sum())
     assert len(hits_ids) == min(k, m), (what, len(hits_ids), m)
@@ -259,8 +298,9 @@ def check_filtered(q: np.ndarray, vecs: np.ndarray, ids: np.ndarray, match: np.n
     np.testing.assert_allclose(hits_scores, ref[got], atol=tol, err_msg=what)
 
 
-async def _load(pool: RecallPool, rng: np.random.Generator, n: int, ns: str = "f"
-                ) -> tuple[np.ndarray, np.ndarray, list[object]]:
+async def _load(
+    pool: RecallPool, rng: np.random.Generator, n: int, ns: str = "f"
+) -> tuple[np.ndarray, np.ndarray, list[object]]:
     ids = rng.permutation(10 * n)[:n].astype(np.int64)
     vecs = rng.standard_normal((n, DIM)).astype(np.float32)
     pls = [random_payload(rng, j) for j in range(n)]
@@ -270,8 +310,9 @@ async def _load(pool: RecallPool, rng: np.random.Generator, n: int, ns: str = "f
 
 @pytest.fixture
 def fsc(sidecar_factory):
-    return sidecar_factory("flt", "--dim", str(DIM), "--slots", "8", "--max-k", "128",
-                           "--max-queries", "64", "--backend", "numpy")
+    return sidecar_factory(
+        "flt", "--dim", str(DIM), "--slots", "8", "--max-k", "128", "--max-queries", "64", "--backend", "numpy"
+    )
 
 
 @pytest.mark.asyncio
@@ -295,7 +336,7 @@ async def test_filtered_recall_count_export_match_the_reference(fsc, rng):
             exported: list[int] = []
             after = -1
             while True:
-                page_ids, page_vecs, page_pls = await pool.export_page("f", after, where=where)
+                page_ids, _page_vecs, page_pls = await pool.export_page("f", after, where=where)
                 if not len(page_ids):
                     break
                 exported += page_ids.tolist()
@@ -316,9 +357,11 @@ async def test_filters_follow_writes_deletes_and_compaction(fsc, rng):
             changed = rng.choice(np.setdiff1d(np.arange(len(ids)), gone), 40, replace=False)
             new_pls = [{"color": "c1", "step": step} for _ in changed]
             q = rng.standard_normal(DIM).astype(np.float32)
-            await asyncio.gather(pool.delete(ids[gone], namespace="f"),
-                                 pool.upsert(ids[changed], vecs[changed], new_pls, namespace="f"),
-                                 *(pool.recall(q, 5, namespace="f", where=where) for _ in range(8)))
+            await asyncio.gather(
+                pool.delete(ids[gone], namespace="f"),
+                pool.upsert(ids[changed], vecs[changed], new_pls, namespace="f"),
+                *(pool.recall(q, 5, namespace="f", where=where) for _ in range(8)),
+            )
             for j, p in zip(changed, new_pls):
                 pls[j] = p
             keep = np.setdiff1d(np.arange(len(ids)), gone)
@@ -335,8 +378,18 @@ async def test_filters_follow_writes_deletes_and_compaction(fsc, rng):
 
 @pytest.mark.asyncio
 async def test_delete_where_and_restart_rebuilds_the_index(sidecar_factory, rng, tmp_path):
-    args = ("--dim", str(DIM), "--max-queries", "64", "--max-k", "128", "--backend", "numpy",
-            "--data-dir", str(tmp_path))
+    args = (
+        "--dim",
+        str(DIM),
+        "--max-queries",
+        "64",
+        "--max-k",
+        "128",
+        "--backend",
+        "numpy",
+        "--data-dir",
+        str(tmp_path),
+    )
     h = sidecar_factory("fdd", *args, ephemeral=False)
     async with RecallPool(h.name, size=4) as pool:
         ids, vecs, pls = await _load(pool, rng, 800)
@@ -348,9 +401,10 @@ async def test_delete_where_and_restart_rebuilds_the_index(sidecar_factory, rng,
         assert (await pool.get(ids[match], namespace="f")).missing.size == match.sum()
         ids, vecs, pls = ids[~match], vecs[~match], [p for p, m in zip(pls, match) if not m]
         q = rng.standard_normal(DIM).astype(np.float32)
-        before = {str(w): (await pool.count("f", w),
-                           (await pool.recall(q, 30, namespace="f", where=w)).ids.tolist())
-                  for w in FILTERS}
+        before = {
+            str(w): (await pool.count("f", w), (await pool.recall(q, 30, namespace="f", where=w)).ids.tolist())
+            for w in FILTERS
+        }
     h.stop()
     h2 = sidecar_factory("fdd", *args, name=h.name, ephemeral=False)
     async with RecallPool(h2.name, size=4) as pool:
@@ -365,10 +419,26 @@ async def test_delete_where_and_restart_rebuilds_the_index(sidecar_factory, rng,
 
 
 BAD_FILTERS: list[object] = [
-    [], "color", {"color": [1]}, {"color": {"a": 1}}, {"color": {}}, {"$foo": 1}, {"": 1},
-    {"n": {"$gt": "5"}}, {"n": {"$gt": True}}, {"n": {"$gt": float("nan")}}, {"n": float("inf")},
-    {"n": {"$in": 3}}, {"n": {"$in": [[1]]}}, {"n": {"$exists": 1}}, {"n": {"$ne": {}}},
-    {"$or": []}, {"$or": {"a": 1}}, {"$or": [1]}, {1: 2}, {"n": {"$in": list(range(2000))}},
+    [],
+    "color",
+    {"color": [1]},
+    {"color": {"a": 1}},
+    {"color": {}},
+    {"$foo": 1},
+    {"": 1},
+    {"n": {"$gt": "5"}},
+    {"n": {"$gt": True}},
+    {"n": {"$gt": float("nan")}},
+    {"n": float("inf")},
+    {"n": {"$in": 3}},
+    {"n": {"$in": [[1]]}},
+    {"n": {"$exists": 1}},
+    {"n": {"$ne": {}}},
+    {"$or": []},
+    {"$or": {"a": 1}},
+    {"$or": [1]},
+    {1: 2},
+    {"n": {"$in": list(range(2000))}},
     {"$or": [{"$or": [{"$or": [{"$or": [{"$or": [{"$or": [{"$or": [{"$or": [{"$or": [{"a": 1}]}]}]}]}]}]}]}]}]},
 ]
 
@@ -378,9 +448,13 @@ BAD_FILTERS: list[object] = [
 async def test_bad_filters_fail_before_shared_memory(fsc, bad):
     async with RecallPool(fsc.name, size=1) as pool:
         q = np.zeros(DIM, np.float32)
-        for call in (lambda: pool.recall(q, 1, where=bad), lambda: pool.count("default", bad),
-                     lambda: pool.delete(where=bad), lambda: pool.export_page("default", where=bad),
-                     lambda: pool.recall_many(q[None], 1, where=bad)):
+        for call in (
+            lambda: pool.recall(q, 1, where=bad),
+            lambda: pool.count("default", bad),
+            lambda: pool.delete(where=bad),
+            lambda: pool.export_page("default", where=bad),
+            lambda: pool.recall_many(q[None], 1, where=bad),
+        ):
             with pytest.raises(InvalidRequest):
                 await call()
         with pytest.raises(InvalidRequest):
@@ -396,19 +470,31 @@ def test_filters_blocking_client_and_unknown_namespace(fsc, rng):
         assert c.count("b", {"a": 1}) == 2 and c.count("b") == 3
         h = c.recall(np.ones(DIM, np.float32), 10, namespace="b", where={"a": 2})
         assert h.ids.tolist() == [2]
-        assert [x.ids.tolist() for x in c.recall_many(np.ones((2, DIM)), 10, namespace="b",
-                                                       where={"a": 3})] == [[], []]
+        assert [x.ids.tolist() for x in c.recall_many(np.ones((2, DIM)), 10, namespace="b", where={"a": 3})] == [[], []]
         assert c.export_page("b", where={"a": 1})[0].tolist() == [1, 3]
         assert c.delete(where={"a": 1}, namespace="b") == 2 and c.count("b") == 1
-        for call in (lambda: c.count("nope"), lambda: c.recall(np.ones(DIM), 1, namespace="nope",
-                                                               where={"a": 1}),
-                     lambda: c.export_page("nope", where={"a": 1})):
+        for call in (
+            lambda: c.count("nope"),
+            lambda: c.recall(np.ones(DIM), 1, namespace="nope", where={"a": 1}),
+            lambda: c.export_page("nope", where={"a": 1}),
+        ):
             with pytest.raises(UnknownNamespace):
                 call()
 
 
-@pytest.mark.parametrize("blob", [b"", b"not json", b"[1]", b'{"a":{"$gt":"x"}}', b"\xff\xfe",
-                                  b"[" * 5000 + b"]" * 5000, b'{"a":NaN}', b'{"a":{"$in":[[1]]}}'])
+@pytest.mark.parametrize(
+    "blob",
+    [
+        b"",
+        b"not json",
+        b"[1]",
+        b'{"a":{"$gt":"x"}}',
+        b"\xff\xfe",
+        b"[" * 5000 + b"]" * 5000,
+        b'{"a":NaN}',
+        b'{"a":{"$in":[[1]]}}',
+    ],
+)
 def test_malformed_filters_written_by_hand_get_bad_request(fsc, rng, blob):
     with RecallClient(fsc.name, timeout=10) as client:
         client.upsert([1, 2], rng.standard_normal((2, DIM)), [{"a": 1}, None])
@@ -419,8 +505,9 @@ def test_malformed_filters_written_by_hand_get_bad_request(fsc, rng, blob):
                 status, _n, detail = raw_get(c, slot, ids, b"default", int(Flag.WHERE), blob, int(op))
                 assert status == Status.BAD_REQUEST and "filter" in detail, (op, detail)
             slot.view.queries[0] = np.nan
-            assert raw_get(c, slot, [0], b"default", int(Flag.WHERE), b'{"a":1}',
-                           int(Op.RECALL))[0] == Status.NOT_FINITE
+            assert (
+                raw_get(c, slot, [0], b"default", int(Flag.WHERE), b'{"a":1}', int(Op.RECALL))[0] == Status.NOT_FINITE
+            )
         finally:
             c.give_back([slot], [])
             c.close()
@@ -438,10 +525,11 @@ async def test_concurrent_filtered_recalls_grouped_by_filter_each_get_their_own_
         wheres = FILTERS[:4]
         matches = [np.array([ref_match(p, w) for p in pls]) for w in wheres]
         for _round in range(2):
-            jobs = [(j % len(wheres), (1, 5, 10, 64, 128)[j % 5],
-                     rng.standard_normal(DIM).astype(np.float32)) for j in range(40)]
-            hits = await asyncio.gather(*(pool.recall(q, k, namespace="f", where=wheres[w])
-                                          for w, k, q in jobs))
+            jobs = [
+                (j % len(wheres), (1, 5, 10, 64, 128)[j % 5], rng.standard_normal(DIM).astype(np.float32))
+                for j in range(40)
+            ]
+            hits = await asyncio.gather(*(pool.recall(q, k, namespace="f", where=wheres[w]) for w, k, q in jobs))
             for (w, k, q), h in zip(jobs, hits):
                 check_filtered(q, vecs, ids, matches[w], h.ids, h.scores, k, f"where={wheres[w]} k={k}")
             # replace a third of the rows: new vectors and payloads, so new matches
@@ -467,7 +555,7 @@ def test_filtered_batch_written_by_hand_same_filter_in_every_slot(fsc, rng, blob
             for j, s in enumerate(slots):
                 s.view.queries[0] = vecs[0]
                 s.view.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
-                s.view.blob[len(blob): len(blob) + 8] = j  # past blob_len: differs per slot
+                s.view.blob[len(blob) : len(blob) + 8] = j  # past blob_len: differs per slot
             for j, s in enumerate(slots):
                 s.post(int(Op.RECALL), b"default", 1 + j % 3, 1, int(Flag.WHERE), len(blob), 0)
             for j, s in enumerate(slots):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import mmap
 import os
@@ -15,14 +14,14 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
+from conftest import assert_topk, run_py, unique_name, wait_until
 
-from kalos.broker.errors import BrokerUnavailable, ForkedPoolError, ProtocolError
+from kalos.broker.errors import BrokerUnavailable, ProtocolError
 from kalos.broker.names import shm_name
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
-from conftest import assert_topk, run_py, unique_name, wait_until
-from kalos.testing import start_sidecar_process
 from kalos.sidecar_cuda.objects import cleanup
+from kalos.testing import start_sidecar_process
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: conftest.py
 TIMEOUT = 1.0  # every client call's own budget in the restart loop
@@ -99,9 +98,24 @@ import uvloop
 
 
 def start(name: str, seed: int, *extra: str) -> tuple[subprocess.Popen[bytes], float]:
-    p = start_sidecar_process(["--ephemeral", "--dim", "16", "--random-rows", "3000", "--seed",
-                               str(seed), "--slots", "16", "--backend", "numpy", *extra], name,
-                              stderr=subprocess.DEVNULL)
+    p = start_sidecar_process(
+        [
+            "--ephemeral",
+            "--dim",
+            "16",
+            "--random-rows",
+            "3000",
+            "--seed",
+            str(seed),
+            "--slots",
+            "16",
+            "--backend",
+            "numpy",
+            *extra,
+        ],
+        name,
+        stderr=subprocess.DEVNULL,
+    )
     return p, time.monotonic()
 
 
@@ -130,8 +144,7 @@ def test_pools_survive_a_restart_loop(seed, tmp_path):
     began = time.monotonic()
     stop = tmp_path / "stop"
     proc, ready = start(name, seed)
-    clients = [run_py(CLIENT, name, str(seed), str(stop), str(TIMEOUT), HERE, str(i))
-               for i in range(4)]
+    clients = [run_py(CLIENT, name, str(seed), str(stop), str(TIMEOUT), HERE, str(i)) for i in range(4)]
     kills: list[float] = []
     readies: list[float] = []
     try:
@@ -149,12 +162,12 @@ def test_pools_survive_a_restart_loop(seed, tmp_path):
             proc, ready = start(name, seed)
             readies.append(ready)
             # the next kill only once every pool serves again (a generous budget: a stuck pool)
-            assert wait_until(lambda: min(_recovered(stop, len(clients))) > gone, 60, 0.005), \
+            assert wait_until(lambda: min(_recovered(stop, len(clients))) > gone, 60, 0.005), (
                 f"restart {r}: a pool never served again: {_recovered(stop, len(clients))} (READY {ready})"
+            )
         time.sleep(1.5)
         stop.touch()
-        outs = [json.loads(c.communicate(timeout=60)[0].decode().strip().splitlines()[-1])
-                for c in clients]
+        outs = [json.loads(c.communicate(timeout=60)[0].decode().strip().splitlines()[-1]) for c in clients]
     finally:
         stop.touch()
         for c in clients:
@@ -170,13 +183,14 @@ def test_pools_survive_a_restart_loop(seed, tmp_path):
         assert all(f is not None for f in firsts), "a pool never served again"
         outage.append(min(firsts) - kill)  # type: ignore[type-var]
         late.extend(f - ready for f in firsts)  # type: ignore[operator]
-    summary = {k: sum(o[k] for o in outs) for k in ("ok", "wrong", "unavailable", "timeouts",
-                                                    "outages", "reattaches")}
-    print(f"\n[restarts] {restarts} restarts in {time.monotonic() - began:.0f} s, {summary}; max over timeout "
-          f"{max(o['max_over'] for o in outs) * 1000:.0f} ms ("
-          f"{max(o['max_excess'] for o in outs) * 1000:.0f} ms beyond the CPU the load denied); "
-          f"outage kill->first good answer p50 {np.median(outage) * 1000:.0f} ms, max "
-          f"{max(outage) * 1000:.0f} ms; READY->serving max {max(late) * 1000:.0f} ms")
+    summary = {k: sum(o[k] for o in outs) for k in ("ok", "wrong", "unavailable", "timeouts", "outages", "reattaches")}
+    print(
+        f"\n[restarts] {restarts} restarts in {time.monotonic() - began:.0f} s, {summary}; max over timeout "
+        f"{max(o['max_over'] for o in outs) * 1000:.0f} ms ("
+        f"{max(o['max_excess'] for o in outs) * 1000:.0f} ms beyond the CPU the load denied); "
+        f"outage kill->first good answer p50 {np.median(outage) * 1000:.0f} ms, max "
+        f"{max(outage) * 1000:.0f} ms; READY->serving max {max(late) * 1000:.0f} ms"
+    )
     assert summary["wrong"] == 0
     assert not any(o["other"] for o in outs), [o["other"] for o in outs]
     assert max(o["max_excess"] for o in outs) <= 0.1
@@ -197,10 +211,13 @@ async def main():
 asyncio.run(main())
 """
     early = [run_py(code, name) for _ in range(2)]
-    blocking = run_py("import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
-                      "print('opening', flush=True)\n"
-                      "with RecallClient(sys.argv[1], connect_timeout=60) as c:\n"
-                      "    print(len(c.recall(np.ones(16, np.float32), k=3)), flush=True)", name)
+    blocking = run_py(
+        "import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
+        "print('opening', flush=True)\n"
+        "with RecallClient(sys.argv[1], connect_timeout=60) as c:\n"
+        "    print(len(c.recall(np.ones(16, np.float32), k=3)), flush=True)",
+        name,
+    )
     for p in early + [blocking]:  # however long their start takes on a loaded machine
         assert p.stdout.readline().strip() == b"opening", p.stderr.read().decode()
     time.sleep(1.0)  # the pools are waiting for objects that do not exist yet
@@ -258,8 +275,9 @@ async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
             proc.kill()
             proc.wait()
             t0 = time.monotonic()
-            restarted = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args],
-                                         stderr=subprocess.DEVNULL)
+            restarted = subprocess.Popen(
+                [sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, *args], stderr=subprocess.DEVNULL
+            )
             proc = restarted
             try:  # posted before the pool noticed the kill: in flight, so it fails
                 h = await pool.recall(q, k=3, timeout=30)
@@ -272,9 +290,21 @@ async def test_slow_start_and_a_start_with_another_dim(tmp_path, rng):
             print(f"\n[slow start] answered {waited:.2f} s after the kill (load included)")
             proc.kill()
             proc.wait()
-            proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name,
-                                     "--ephemeral", "--dim", "16", "--backend", "numpy"],
-                                    stderr=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kalos.sidecar_cuda",
+                    "--name",
+                    name,
+                    "--ephemeral",
+                    "--dim",
+                    "16",
+                    "--backend",
+                    "numpy",
+                ],
+                stderr=subprocess.DEVNULL,
+            )
             with pytest.raises((ProtocolError, BrokerUnavailable)):
                 await pool.recall(q, k=3, timeout=30)  # maybe in flight at the kill
             with pytest.raises(ProtocolError, match="another geometry"):
@@ -334,11 +364,11 @@ def test_a_forked_child_cannot_use_the_parents_pool(sidecar_factory):
 UNSHARE = shutil.which("unshare")
 
 
-@pytest.mark.skipif(os.geteuid() != 0 or UNSHARE is None,
-                    reason="needs root and unshare(1) for a client in its own PID namespace")
+@pytest.mark.skipif(
+    os.geteuid() != 0 or UNSHARE is None, reason="needs root and unshare(1) for a client in its own PID namespace"
+)
 def test_client_in_another_pid_namespace_is_served_and_reaped(sidecar_factory, seed):
-    h = sidecar_factory("pidns", "--dim", "16", "--random-rows", "3000", "--seed", str(seed),
-                        "--backend", "numpy")
+    h = sidecar_factory("pidns", "--dim", "16", "--random-rows", "3000", "--seed", str(seed), "--backend", "numpy")
     code = """
 import asyncio, os, sys, numpy as np
 sys.path.insert(0, sys.argv[3])
@@ -356,9 +386,23 @@ async def main():
         await asyncio.sleep(3600)
 asyncio.run(main())
 """
-    p = subprocess.Popen([UNSHARE, "--pid", "--fork", "--kill-child", "--mount-proc",
-                          sys.executable, "-c", code,
-                          h.name, str(seed), HERE], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = subprocess.Popen(
+        [
+            UNSHARE,
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            sys.executable,
+            "-c",
+            code,
+            h.name,
+            str(seed),
+            HERE,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     line = p.stdout.readline().decode()
     if not line:
         err = p.stderr.read().decode()

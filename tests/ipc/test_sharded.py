@@ -45,8 +45,20 @@ def _check(q, live: dict[int, np.ndarray], ids, scores, k, allowed=None):
 @pytest.mark.asyncio
 async def test_sharded_sidecar_concurrent_writes_filters_and_restart(sidecar_factory, rng, tmp_path):
     port = _port()
-    args = ("--dim", str(DIM), "--backend", "numpy", "--shards", "3", "--max-k", "64",
-            "--data-dir", str(tmp_path), "--metrics-port", str(port))
+    args = (
+        "--dim",
+        str(DIM),
+        "--backend",
+        "numpy",
+        "--shards",
+        "3",
+        "--max-k",
+        "64",
+        "--data-dir",
+        str(tmp_path),
+        "--metrics-port",
+        str(port),
+    )
     h = sidecar_factory("shd", *args, ephemeral=False)
     labels = "cpu0,cpu1,cpu2" if TEST_BACKEND == "numpy" else None
     got = _placement(port)
@@ -64,14 +76,19 @@ async def test_sharded_sidecar_concurrent_writes_filters_and_restart(sidecar_fac
             vec = rng.standard_normal((len(new), DIM)).astype(np.float32)
             col = rng.integers(0, 4, len(new))
             pls = [{"c": int(c)} for c in col]
-            gone = (np.array(rng.choice(sorted(live), len(live) // 3, replace=False), np.int64)
-                    if live else np.empty(0, np.int64))
+            gone = (
+                np.array(rng.choice(sorted(live), len(live) // 3, replace=False), np.int64)
+                if live
+                else np.empty(0, np.int64)
+            )
             # writes and recalls in flight together: each recall must see the rows of one moment,
             # so they are checked only against rows untouched by this round
             deleting = [pool.delete(gone, namespace="m")] if len(gone) else []
-            await asyncio.gather(pool.upsert(new, vec, pls, namespace="m"), *deleting,
-                                 *(pool.recall(rng.standard_normal(DIM).astype(np.float32), 10,
-                                               namespace="m") for _ in range(16)))
+            await asyncio.gather(
+                pool.upsert(new, vec, pls, namespace="m"),
+                *deleting,
+                *(pool.recall(rng.standard_normal(DIM).astype(np.float32), 10, namespace="m") for _ in range(16)),
+            )
             order = {}  # upsert and delete ran concurrently: ask the sidecar which happened last
             for i in gone.tolist():
                 live.pop(i, None)

@@ -33,7 +33,6 @@ from typing import IO, Any
 
 import numpy as np
 import pytest
-
 from conftest import assert_topk, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +61,7 @@ def _tools() -> None:
         if os.environ.get("KALOS_REQUIRE_IMAGE_TEST") == "1":
             pytest.fail(f"{reason}; KALOS_REQUIRE_IMAGE_TEST=1 says this test must run")
         pytest.skip(reason)
+
 
 # One container: private mounts over the exported image, then the image's own programs as 10001.
 # It runs as pid 1 of a new PID namespace (unshare --pid --fork) and stays pid 1 through the execs.
@@ -157,8 +157,7 @@ def image() -> dict[str, Any]:
     """Build (or find built) the CPU image; its config (Env, Entrypoint, Cmd, User, ...)."""
     t0 = time.monotonic()
     r = _run("bash", str(BUILD), TAG, env={**os.environ, "VARIANT": "cpu"})
-    print(f"\n[image] {TAG} built in {time.monotonic() - t0:.1f} s; {r.stderr.count('Using cache')} "
-          "cached steps")
+    print(f"\n[image] {TAG} built in {time.monotonic() - t0:.1f} s; {r.stderr.count('Using cache')} cached steps")
     config: dict[str, Any] = json.loads(_run("podman", "image", "inspect", TAG).stdout)[0]["Config"]
     return config
 
@@ -251,23 +250,39 @@ class Pod:
         self.shm.mkdir()
         self.data.mkdir(mode=0o700)
         os.chown(self.data, UID, UID)
-        _run("mount", "-t", "tmpfs", "-o", f"size=64m,uid={UID},gid={UID},mode=0700", "tmpfs",
-             str(self.shm))
+        _run("mount", "-t", "tmpfs", "-o", f"size=64m,uid={UID},gid={UID},mode=0700", "tmpfs", str(self.shm))
         self.containers: list[Container] = []
 
-    def start(self, argv: list[str], env: dict[str, str], *, data: bool = False,
-              stdio: bool = False) -> Container:
+    def start(self, argv: list[str], env: dict[str, str], *, data: bool = False, stdio: bool = False) -> Container:
         """Run ``argv`` (resolved on the image's PATH) with the image's environment plus ``env``."""
         image_env = dict(e.split("=", 1) for e in self.image["Env"])
         full = [f"{k}={v}" for k, v in {**image_env, **env}.items()]
         log = self.work / f"c{len(self.containers)}.log"
         proc = subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount", "--propagation", "private",
-             "--", "sh", "-c", CONTAINER_SH, "container", str(self.rootfs), str(self.shm),
-             str(self.data) if data else "", self.image["WorkingDir"], *full, *argv],
+            [
+                "unshare",
+                "--pid",
+                "--fork",
+                "--mount",
+                "--propagation",
+                "private",
+                "--",
+                "sh",
+                "-c",
+                CONTAINER_SH,
+                "container",
+                str(self.rootfs),
+                str(self.shm),
+                str(self.data) if data else "",
+                self.image["WorkingDir"],
+                *full,
+                *argv,
+            ],
             stdin=subprocess.PIPE if stdio else subprocess.DEVNULL,
             stdout=subprocess.PIPE if stdio else subprocess.DEVNULL,
-            stderr=log.open("w"), text=True)
+            stderr=log.open("w"),
+            text=True,
+        )
         c = Container(proc, log)
         self.containers.append(c)
         return c
@@ -281,8 +296,7 @@ class Pod:
 def _metrics(port: int) -> dict[str, float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r"^(kalos_[a-z_]+)(?:\{[^}]*\})? (\S+)$", text, re.M)}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(kalos_[a-z_]+)(?:\{[^}]*\})? (\S+)$", text, re.M)}
 
 
 def _wait_ready(c: Container, port: int, timeout: float = 60) -> None:
@@ -317,8 +331,7 @@ def test_image_is_the_containerfile(image: dict[str, Any]) -> None:
     assert env["KALOS_DATA_DIR"] == "/var/lib/kalos/default"
 
 
-def test_sidecar_and_two_clients_from_the_image(rootfs: Path, image: dict[str, Any],
-                                                tmp_path: Path, seed: int) -> None:
+def test_sidecar_and_two_clients_from_the_image(rootfs: Path, image: dict[str, Any], tmp_path: Path, seed: int) -> None:
     """Sidecar and two clients, each in its own PID and mount namespace, share only /dev/shm and
     the uid: recalls are exact; a client killed with -9 leaves the other working and its slots
     reclaimed; a restarted sidecar reloads the durable store and both old and new clients get
@@ -327,8 +340,12 @@ def test_sidecar_and_two_clients_from_the_image(rootfs: Path, image: dict[str, A
     matrix = rng.standard_normal((2000, DIM), dtype=np.float32)
     queries = rng.standard_normal((8, DIM), dtype=np.float32)
     port = _free_port()
-    sidecar_env = {"KALOS_DIM": str(DIM), "KALOS_BACKEND": "numpy", "KALOS_METRICS_HOST": "127.0.0.1",
-                   "KALOS_METRICS_PORT": str(port)}
+    sidecar_env = {
+        "KALOS_DIM": str(DIM),
+        "KALOS_BACKEND": "numpy",
+        "KALOS_METRICS_HOST": "127.0.0.1",
+        "KALOS_METRICS_PORT": str(port),
+    }
     sidecar_argv = image["Entrypoint"] + image["Cmd"]
     client_argv = ["python", "-c", CLIENT_PY]
     pod = Pod(rootfs, image, tmp_path)

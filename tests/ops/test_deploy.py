@@ -62,12 +62,13 @@ def _unit_entries(text: str) -> list[tuple[str, str, str]]:
 def test_systemd_unit_verifies() -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.skip("systemd-analyze not installed (apt-get install systemd)")
-    r = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(["systemd-analyze", "verify", str(UNIT)], capture_output=True, text=True, timeout=60)
     out = r.stdout + r.stderr
-    problems = [ln for ln in out.splitlines()
-                if any(w in ln.lower() for w in ("unknown", "ignoring", "not executable", "failed",
-                                                 "invalid"))]
+    problems = [
+        ln
+        for ln in out.splitlines()
+        if any(w in ln.lower() for w in ("unknown", "ignoring", "not executable", "failed", "invalid"))
+    ]
     assert r.returncode == 0 and not problems, out
 
 
@@ -82,9 +83,14 @@ def test_systemd_unit_settings() -> None:
     assert one["ExecStart"] == "/usr/bin/env kalos serve"
     assert not any("/opt/" in value or ".venv" in value for _, _, value in entries)
     assert one["Type"] == "notify"
-    for key, value in [("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes"),
-                       ("ProtectHome", "yes"), ("StateDirectoryMode", "0700"),
-                       ("RuntimeDirectoryMode", "0700")]:
+    for key, value in [
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("PrivateTmp", "yes"),
+        ("ProtectHome", "yes"),
+        ("StateDirectoryMode", "0700"),
+        ("RuntimeDirectoryMode", "0700"),
+    ]:
         assert one.get(key) == value, key
     assert one.get("StateDirectory") and one.get("RuntimeDirectory")
     # /dev/shm must stay the host's: each of these would hide or delete the broker's objects.
@@ -108,9 +114,16 @@ def test_sidecar_notifies_ready_and_stopping_to_a_real_socket(tmp_path: Path) ->
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(sock_path)
     sock.settimeout(60)
-    env = {**os.environ, "NOTIFY_SOCKET": sock_path, "KALOS_NAME": name, "KALOS_DIM": "16",
-           "KALOS_EPHEMERAL": "1", "KALOS_BACKEND": "numpy", "KALOS_SLOTS": "4",
-           "KALOS_RANDOM_ROWS": "1000"}
+    env = {
+        **os.environ,
+        "NOTIFY_SOCKET": sock_path,
+        "KALOS_NAME": name,
+        "KALOS_DIM": "16",
+        "KALOS_EPHEMERAL": "1",
+        "KALOS_BACKEND": "numpy",
+        "KALOS_SLOTS": "4",
+        "KALOS_RANDOM_ROWS": "1000",
+    }
     proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda"], env=env)
     try:
         msg = sock.recv(4096).decode()
@@ -150,8 +163,7 @@ def _kubectl() -> str:
 def _render(overlay: str) -> list[dict[str, Any]]:
     import yaml
 
-    r = subprocess.run([_kubectl(), "kustomize", str(K8S / overlay)], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run([_kubectl(), "kustomize", str(K8S / overlay)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
@@ -160,7 +172,7 @@ def _models() -> Any:
     return pytest.importorskip("kubernetes.client.models", reason="the kubernetes client (dev extra)")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _required_attrs(cls: type) -> frozenset[str]:
     """The required attributes of a model: pydantic's own flag (client >= 35), else those whose
     setter refuses None under client-side validation (older clients)."""
@@ -250,17 +262,31 @@ def validate_object(obj: dict[str, Any]) -> list[str]:
 
 
 def test_the_validator_catches_what_the_api_server_would_refuse() -> None:
-    bad = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "x"},
-           "spec": {"selector": {"matchLabels": {"a": "b"}}, "replicas": "2",
-                    "template": {"spec": {"containers": [{"image": "i", "volumeMount": []}],
-                                          "securityContext": {"runAsUser": True}}}}}
+    bad = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "x"},
+        "spec": {
+            "selector": {"matchLabels": {"a": "b"}},
+            "replicas": "2",
+            "template": {
+                "spec": {"containers": [{"image": "i", "volumeMount": []}], "securityContext": {"runAsUser": True}}
+            },
+        },
+    }
     errors = validate_object(bad)
     assert any("replicas: expected int" in e for e in errors), errors
     assert any("volumeMount: unknown field of V1Container" in e for e in errors), errors
     assert any("required field name of V1Container missing" in e for e in errors), errors
     assert any("runAsUser: expected int" in e for e in errors), errors
-    assert validate_object({"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-                            "metadata": {"name": "m"}, "spec": {"selector": {}}})
+    assert validate_object(
+        {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PodMonitor",
+            "metadata": {"name": "m"},
+            "spec": {"selector": {}},
+        }
+    )
     assert validate_object({"apiVersion": "v1", "kind": "Nonsense", "metadata": {"name": "n"}})
 
 
@@ -269,8 +295,11 @@ def test_manifests_render_and_match_the_api_schema(overlay: str) -> None:
     objs = _render(overlay)
     kinds = sorted(o["kind"] for o in objs)
     assert "PodMonitor" in kinds
-    assert ("Deployment" in kinds and "PersistentVolumeClaim" in kinds) if overlay != "daemonset" \
+    assert (
+        ("Deployment" in kinds and "PersistentVolumeClaim" in kinds)
+        if overlay != "daemonset"
         else ("DaemonSet" in kinds and "Deployment" in kinds)
+    )
     errors = [e for o in objs for e in validate_object(o)]
     assert not errors, "\n".join(errors)
 
@@ -297,8 +326,8 @@ def _check_sidecar(pod: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
     env = _env(c)
     p = argparse.ArgumentParser(exit_on_error=False)
     add_serve_arguments(p, environ={k: v for k, v in env.items() if k.startswith("KALOS_")})
-    cfg = config_from_args(p.parse_args([]))   # every value converts; data dir or ephemeral given
-    assert c.get("args") == ["serve"] and "command" not in c   # the image's ENTRYPOINT is kalos
+    cfg = config_from_args(p.parse_args([]))  # every value converts; data dir or ephemeral given
+    assert c.get("args") == ["serve"] and "command" not in c  # the image's ENTRYPOINT is kalos
     ports = {port["name"]: port["containerPort"] for port in c["ports"]}
     assert cfg.metrics_port is not None and ports["metrics"] == cfg.metrics_port
     assert cfg.metrics_host == "0.0.0.0"
@@ -315,8 +344,7 @@ def _segment_limit(env: dict[str, str]) -> int:
     p = argparse.ArgumentParser(exit_on_error=False)
     add_serve_arguments(p, environ={k: v for k, v in env.items() if k.startswith("KALOS_")})
     a = p.parse_args(["--ephemeral"])
-    return shm_size.recommended_limit(shm_size.segment_bytes(a.slots, a.dim, a.max_k, a.max_queries,
-                                                             a.blob_bytes))
+    return shm_size.recommended_limit(shm_size.segment_bytes(a.slots, a.dim, a.max_k, a.max_queries, a.blob_bytes))
 
 
 def _same_identity(pod_a: dict[str, Any], a: dict[str, Any], pod_b: dict[str, Any], b: dict[str, Any]) -> None:
@@ -448,7 +476,7 @@ def test_containerfile_has_the_required_instructions() -> None:
     # CPU and CUDA from one file: VARIANT picks the cuda12 extra; the package itself is installed.
     assert any(w == "ARG" and a.startswith("VARIANT=cpu") for w, a in ins)
     run = " ".join(a for w, a in ins if w == "RUN")
-    assert "cuda12) extra=\"[cuda12,postgres]\"" in run and "pip install \"/src${extra}\"" in run
+    assert 'cuda12) extra="[cuda12,postgres]"' in run and 'pip install "/src${extra}"' in run
     copied = " ".join(a for w, a in ins if w == "COPY")
     for pkg in ("broker", "clients", "sidecar_cuda", "kalos", "pyproject.toml"):
         assert re.search(rf"(^|\s){pkg}(\s|$)", copied), pkg
@@ -472,10 +500,16 @@ def test_local_workers_script_serves_recalls_and_stops_cleanly() -> None:
     pytest.importorskip("uvicorn")
     name = f"t{os.getpid()}-local"
     port, metrics = _free_port(), _free_port()
-    env = {**os.environ, "KALOS_NAME": name, "KALOS_METRICS_PORT": str(metrics), "PORT": str(port),
-           "PROMETHEUS": "0", "PYTHON": sys.executable, "KALOS_BACKEND": "numpy"}
-    proc = subprocess.Popen(["bash", str(DEPLOY / "local-workers.sh"), "2"], env=env, cwd=ROOT,
-                            start_new_session=True)
+    env = {
+        **os.environ,
+        "KALOS_NAME": name,
+        "KALOS_METRICS_PORT": str(metrics),
+        "PORT": str(port),
+        "PROMETHEUS": "0",
+        "PYTHON": sys.executable,
+        "KALOS_BACKEND": "numpy",
+    }
+    proc = subprocess.Popen(["bash", str(DEPLOY / "local-workers.sh"), "2"], env=env, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
         body = None
@@ -498,8 +532,9 @@ def test_local_workers_script_serves_recalls_and_stops_cleanly() -> None:
             assert time.monotonic() < deadline, f"only {leased} slots leased by the workers"
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
                 text = r.read().decode()
-            leased = next(float(line.split()[1]) for line in text.splitlines()
-                          if line.startswith("kalos_slots_leased "))
+            leased = next(
+                float(line.split()[1]) for line in text.splitlines() if line.startswith("kalos_slots_leased ")
+            )
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGTERM)  # what Ctrl-C in a terminal does to the group
         proc.wait(timeout=30)

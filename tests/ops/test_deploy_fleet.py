@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 
 import pytest
-
 from test_deploy import _pod, _render, validate_object
 
 from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args

@@ -14,30 +14,18 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from bisect import bisect_left
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
+from conftest import free_port, wait_until
 from rich.console import Console
 
-from kalos.broker.errors import ConfigError, UnknownNamespace
-from kalos.broker.layout import (
-    LATENCY_BOUNDS_NS, RING_LEN, S_BUSY, S_POSTED, Layout, SegmentView, SidecarState, Status,
-)
+from kalos.broker.errors import UnknownNamespace
 from kalos.clients import RecallPool
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
-from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
-from kalos.sidecar_cuda.metrics import (
-    OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
-    SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
-    ring_take_all, slots_matrix, top_namespaces,
-)
 from kalos.sidecar_cuda.objects import cleanup
-from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
-from conftest import free_port, wait_until
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.top import Scrape, compute_view, fetch, parse_metrics, render
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -70,9 +58,21 @@ def start_with_metrics(name: str, *extra: str) -> tuple[subprocess.Popen[bytes],
     for attempt in range(3):  # another process may take the free port before the sidecar binds it
         port = free_port()
         try:
-            proc = start_sidecar_process(["--ephemeral", "--dim", "32", "--random-rows", "1000",
-                                          "--backend", "numpy", "--metrics-port", str(port), *extra],
-                                         name)
+            proc = start_sidecar_process(
+                [
+                    "--ephemeral",
+                    "--dim",
+                    "32",
+                    "--random-rows",
+                    "1000",
+                    "--backend",
+                    "numpy",
+                    "--metrics-port",
+                    str(port),
+                    *extra,
+                ],
+                name,
+            )
             return proc, port
         except RuntimeError:
             if attempt == 2:
@@ -99,8 +99,11 @@ def scrape(url: str) -> Scrape:
 def histogram_quantile(scr: Scrape, name: str, q: float, **labels: str) -> float:
     """Prometheus' histogram_quantile on one scrape (linear inside the bucket), over the series
     with ``labels``."""
-    buckets = sorted((float(dict(lb)["le"]), v) for lb, v in scr.series(name + "_bucket").items()
-                     if labels.items() <= dict(lb).items())
+    buckets = sorted(
+        (float(dict(lb)["le"]), v)
+        for lb, v in scr.series(name + "_bucket").items()
+        if labels.items() <= dict(lb).items()
+    )
     total = buckets[-1][1]
     rank = q * total
     lo_b, lo_c = 0.0, 0.0
@@ -122,6 +125,7 @@ async def test_end_to_end_metrics_match_what_the_client_measured(metrics_sidecar
     client_ns: list[int] = []
     qs = rng.standard_normal((n_tasks, per_task, 32)).astype(np.float32)
     async with RecallPool(h.name, size=4) as pool:
+
         async def task(t: int) -> None:
             for j in range(per_task):
                 t0 = time.perf_counter_ns()
@@ -183,9 +187,11 @@ def test_counters_add_up_across_clients_and_owner_changes(metrics_sidecar, rng):
 
     asyncio.run(burst(120, 3))
     seen.append(scrape(h.url).get("kalos_client_latency_seconds_count", op="recall"))
-    code = ("import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
-            "with RecallClient(sys.argv[1]) as c:\n"
-            "    for _ in range(50): c.recall(np.ones(32, np.float32), k=2)\n")
+    code = (
+        "import sys, numpy as np\nfrom kalos.clients import RecallClient\n"
+        "with RecallClient(sys.argv[1]) as c:\n"
+        "    for _ in range(50): c.recall(np.ones(32, np.float32), k=2)\n"
+    )
     p = subprocess.run([sys.executable, "-c", code, h.name], timeout=60, capture_output=True)
     assert p.returncode == 0, p.stderr.decode()
     seen.append(scrape(h.url).get("kalos_client_latency_seconds_count", op="recall"))
@@ -201,9 +207,25 @@ def test_counters_add_up_across_clients_and_owner_changes(metrics_sidecar, rng):
 def test_readyz_is_503_while_memory_loads():
     name = broker_name()
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral",
-                             "--dim", "32", "--random-rows", "400000", "--backend", "numpy",
-                             "--metrics-port", str(port)], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kalos.sidecar_cuda",
+            "--name",
+            name,
+            "--ephemeral",
+            "--dim",
+            "32",
+            "--random-rows",
+            "400000",
+            "--backend",
+            "numpy",
+            "--metrics-port",
+            str(port),
+        ],
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         statuses = []
@@ -246,6 +268,7 @@ def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
                 while not stop.is_set():
                     await pool.recall(q, k=4)
                     done[0] += 1
+
         asyncio.run(go())
 
     t = threading.Thread(target=load, daemon=True)
@@ -270,8 +293,7 @@ def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
         stop.set()
         t.join(timeout=10)
     out = capsys.readouterr().out
-    for want in ("kalos top", h.name, "READY", "end to end", "sidecar queue wait", "batch compute",
-                 "default", "P99"):
+    for want in ("kalos top", h.name, "READY", "end to end", "sidecar queue wait", "batch compute", "default", "P99"):
         assert want in out, want
 
 
@@ -308,16 +330,20 @@ def test_a_bulk_upsert_stays_out_of_recall_latency(metrics_sidecar, rng):
     assert s.get("kalos_client_latency_seconds_count", **up) == chunks
     assert s.get("kalos_client_requests_total", outcome="ok", **up) == chunks
     chunk_sum = s.get("kalos_client_latency_seconds_sum", **up)
-    print(f"upsert of {rows} rows: {call_s:.2f} s; its {chunks} chunks add up to {chunk_sum:.2f} s, "
-          f"p99 {s.get('kalos_client_latency_window_seconds', quantile='0.99', **up) * 1e3:.1f} ms")
+    print(
+        f"upsert of {rows} rows: {call_s:.2f} s; its {chunks} chunks add up to {chunk_sum:.2f} s, "
+        f"p99 {s.get('kalos_client_latency_window_seconds', quantile='0.99', **up) * 1e3:.1f} ms"
+    )
     # At most `slots` chunks in flight at once, each within the call.
     assert chunk_sum <= slots * call_s * 1.01
     rec = np.asarray(rec_ns, np.float64) / 1e9
     assert s.get("kalos_client_latency_seconds_count", op="recall") == len(qs)
     p99 = s.get("kalos_client_latency_window_seconds", op="recall", quantile="0.99")
     p95 = s.get("kalos_client_latency_window_seconds", op="recall", quantile="0.95")
-    print(f"recalls after it: client max {rec.max() * 1e6:.0f} us; exported p95 {p95 * 1e6:.0f} us, "
-          f"p99 {p99 * 1e6:.0f} us")
+    print(
+        f"recalls after it: client max {rec.max() * 1e6:.0f} us; exported p95 {p95 * 1e6:.0f} us, "
+        f"p99 {p99 * 1e6:.0f} us"
+    )
     assert p95 <= p99 <= rec.max() * 1.05  # the same recalls, timed a little inside the client's clock
     assert histogram_quantile(s, "kalos_client_latency_seconds", 0.99, op="recall") <= rec.max() * 2.5
     v = compute_view(s)

@@ -10,14 +10,13 @@ under the generic names (issue 22, items 3 and 4).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
-import re
 import zipfile
 from pathlib import Path
 
 import pytest
-
 from conftest import unique_name
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,11 +39,19 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Built from a copy of the tracked files, so the checkout gets no build/ folder.
     src = tmp_path_factory.mktemp("src")
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-c", "--null", "-T", "-", "-f", "-"], cwd=ROOT, input=files, check=True,
-                   stdout=open(src / "src.tar", "wb"))
+    subprocess.run(
+        ["tar", "-c", "--null", "-T", "-", "-f", "-"],
+        cwd=ROOT,
+        input=files,
+        check=True,
+        stdout=open(src / "src.tar", "wb"),
+    )
     subprocess.run(["tar", "-x", "-f", "src.tar"], cwd=src, check=True)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out),
-                    str(src)], check=True, cwd=out)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)],
+        check=True,
+        cwd=out,
+    )
     (whl,) = out.glob("kalos_recall-*.whl")
     return whl
 
@@ -53,7 +60,12 @@ def test_wheel_holds_one_import_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert tops == {"kalos"}
-    for sub in ("broker/layout.py", "clients/pool.py", "sidecar_cuda/server.py", "sidecar_cuda/backends/cuda/kalos_topk.cu"):
+    for sub in (
+        "broker/layout.py",
+        "clients/pool.py",
+        "sidecar_cuda/server.py",
+        "sidecar_cuda/backends/cuda/kalos_topk.cu",
+    ):
         assert f"kalos/{sub}" in names, sub
 
 
@@ -62,8 +74,14 @@ def test_wheel_beside_a_project_with_its_own_clients_and_broker(wheel: Path, tmp
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"
     subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
-    site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     for generic in ("broker", "clients", "sidecar_cuda"):
         assert not (site / generic).exists(), f"{generic} installed at the top of site-packages"
     # The user's project: generic package names of its own, on sys.path first (cwd).
@@ -73,8 +91,11 @@ def test_wheel_beside_a_project_with_its_own_clients_and_broker(wheel: Path, tmp
         (project / pkg / "__init__.py").write_text(f"USER_{pkg.upper()} = True\n")
     name = unique_name("wheel")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    sidecar = subprocess.Popen([str(py), "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral", "--dim", "8",
-                                "--backend", "numpy"], cwd=project, env=env)
+    sidecar = subprocess.Popen(
+        [str(py), "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral", "--dim", "8", "--backend", "numpy"],
+        cwd=project,
+        env=env,
+    )
     try:
         code = """
 import asyncio, numpy as np

@@ -24,11 +24,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import free_port
 
 from kalos.clients import RecallPool
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.sidecar_cuda.objects import cleanup
-from conftest import free_port
+from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -42,8 +42,7 @@ def _install_prometheus() -> str | None:
     if found:
         return found
     if os.geteuid() != 0:
-        pytest.skip("prometheus is not installed and installing it needs root "
-                    "(apt-get install prometheus)")
+        pytest.skip("prometheus is not installed and installing it needs root (apt-get install prometheus)")
     if shutil.which("apt-get") is None:
         pytest.skip("prometheus is not installed and there is no apt-get to install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -54,8 +53,7 @@ def _install_prometheus() -> str | None:
         r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     found = shutil.which("prometheus")
     if r.returncode != 0 or not found:
-        pytest.skip(f"apt-get install prometheus failed (exit {r.returncode}): "
-                    f"{(r.stderr or r.stdout).strip()[-400:]}")
+        pytest.skip(f"apt-get install prometheus failed (exit {r.returncode}): {(r.stderr or r.stdout).strip()[-400:]}")
     return found
 
 
@@ -91,14 +89,29 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         shutil.copy(DEPLOY / "kalos-alerts.yml", workdir / "kalos-alerts.yml")
         cfg = workdir / "prometheus.yml"
-        cfg.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
-            "rule_files": ["kalos-alerts.yml"], "scrape_configs": scrape_configs}, indent=1))
+        cfg.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "900ms", "evaluation_interval": "1s"},
+                    "rule_files": ["kalos-alerts.yml"],
+                    "scrape_configs": scrape_configs,
+                },
+                indent=1,
+            )
+        )
         self.log = open(workdir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=workdir)
+            [
+                binary,
+                f"--config.file={cfg}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            cwd=workdir,
+        )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         def ready() -> bool:
@@ -106,6 +119,7 @@ class Prometheus:
                 raise AssertionError(f"prometheus exited with {self.proc.returncode}")
             with urllib.request.urlopen(self.url + "/-/ready", timeout=2) as r:
                 return r.status == 200
+
         assert wait_for(ready, timeout), "prometheus not ready"
 
     def query(self, expr: str) -> list[dict]:
@@ -134,9 +148,22 @@ def sidecar_with_metrics():
     for attempt in range(3):
         port = free_port()
         try:
-            proc = start_sidecar_process(["--ephemeral", "--dim", "32", "--random-rows", "1000",
-                                          "--backend", "numpy", "--slots", "16",
-                                          "--metrics-port", str(port)], name)
+            proc = start_sidecar_process(
+                [
+                    "--ephemeral",
+                    "--dim",
+                    "32",
+                    "--random-rows",
+                    "1000",
+                    "--backend",
+                    "numpy",
+                    "--slots",
+                    "16",
+                    "--metrics-port",
+                    str(port),
+                ],
+                name,
+            )
             break
         except RuntimeError:
             if attempt == 2:
@@ -207,8 +234,15 @@ def _yaml(path: Path) -> dict:
 
 
 PODMONITORS = sorted((DEPLOY / "kubernetes").glob("*/podmonitor.yaml"))
-_RELABEL_KEYS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "separator": "separator",
-                 "regex": "regex", "replacement": "replacement", "action": "action", "modulus": "modulus"}
+_RELABEL_KEYS = {
+    "sourceLabels": "source_labels",
+    "targetLabel": "target_label",
+    "separator": "separator",
+    "regex": "regex",
+    "replacement": "replacement",
+    "action": "action",
+    "modulus": "modulus",
+}
 
 
 def _host_job(targets: list[str]) -> dict:
@@ -233,12 +267,23 @@ def _podmonitor_job(path: Path, k8s_namespace: str, targets: list[str]) -> dict:
         if "action" in conv:
             conv["action"] = conv["action"].lower()
         relabel.append(conv)
-    return {"job_name": f"podMonitor/{k8s_namespace}/{pm['metadata']['name']}/{path.parent.name}",
-            "honor_labels": bool(ep.get("honorLabels", False)), "metrics_path": ep.get("path", "/metrics"),
-            "static_configs": [{"targets": targets, "labels": {
-                "namespace": k8s_namespace, "pod": f"{path.parent.name}-0", "container": "kalos-sidecar",
-                "endpoint": ep["port"]}}],
-            "relabel_configs": relabel}
+    return {
+        "job_name": f"podMonitor/{k8s_namespace}/{pm['metadata']['name']}/{path.parent.name}",
+        "honor_labels": bool(ep.get("honorLabels", False)),
+        "metrics_path": ep.get("path", "/metrics"),
+        "static_configs": [
+            {
+                "targets": targets,
+                "labels": {
+                    "namespace": k8s_namespace,
+                    "pod": f"{path.parent.name}-0",
+                    "container": "kalos-sidecar",
+                    "endpoint": ep["port"],
+                },
+            }
+        ],
+        "relabel_configs": relabel,
+    }
 
 
 @pytest.mark.timeout(900)  # includes installing prometheus on a fresh machine
@@ -257,8 +302,10 @@ def test_real_prometheus_scrapes_the_sidecar(prometheus_bin, sidecar_with_metric
     for path in PODMONITORS:
         targets = [dead[path.parent.name]] + ([live] if path.parent.name == "base" else [])
         jobs.append(_podmonitor_job(path, "kalos-system", targets))
-    jobs += [{"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
-             {"job_name": "something-else", "static_configs": [{"targets": [dead["other"]]}]}]
+    jobs += [
+        {"job_name": "prometheus", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]},
+        {"job_name": "something-else", "static_configs": [{"targets": [dead["other"]]}]},
+    ]
     prom = Prometheus(prometheus_bin, tmp_path, port, jobs)
     try:
         prom.wait_ready()
@@ -284,11 +331,14 @@ def test_real_prometheus_scrapes_the_sidecar(prometheus_bin, sidecar_with_metric
         # The shipped alert's own query: recalls only, whatever the bulk upsert before them took.
         alert_q = _alerts()["KalosRecallLatencyHigh"].split(" > 0.005")[0]
         a99 = prom.scalar(alert_q)
-        u99 = prom.scalar('histogram_quantile(0.99, sum(rate(kalos_client_latency_seconds_bucket'
-                          '{op="upsert"}[5m])) by (le))')
-        print(f"client p50 {c50 * 1e6:.0f} us p99 {c99 * 1e6:.0f} us; prometheus histogram p50 "
-              f"{h50 * 1e6:.0f} us p99 {h99 * 1e6:.0f} us; summary p99 {g99 * 1e6:.0f} us; alert "
-              f"query {a99 * 1e6:.0f} us; upsert chunks p99 {u99 * 1e6:.0f} us")
+        u99 = prom.scalar(
+            'histogram_quantile(0.99, sum(rate(kalos_client_latency_seconds_bucket{op="upsert"}[5m])) by (le))'
+        )
+        print(
+            f"client p50 {c50 * 1e6:.0f} us p99 {c99 * 1e6:.0f} us; prometheus histogram p50 "
+            f"{h50 * 1e6:.0f} us p99 {h99 * 1e6:.0f} us; summary p99 {g99 * 1e6:.0f} us; alert "
+            f"query {a99 * 1e6:.0f} us; upsert chunks p99 {u99 * 1e6:.0f} us"
+        )
         # Same requests measured from both sides; bucket interpolation and clocks differ a little.
         assert c99 / 3 <= h99 <= c99 * 3, (h99, c99)
         assert c99 / 3 <= g99 <= c99 * 3, (g99, c99)
@@ -316,16 +366,19 @@ def test_real_prometheus_scrapes_the_sidecar(prometheus_bin, sidecar_with_metric
         assert {r["metric"].get("namespace") for r in prom.query(rows)} == {"default", "bulk"}
         # KalosDown finds the dead Kalos targets of every shipped config, and nothing else.
         down = prom.query(_alerts()["KalosDown"])
-        assert sorted(r["metric"]["instance"] for r in down) == sorted(
-            v for k, v in dead.items() if k != "other"), down
+        assert sorted(r["metric"]["instance"] for r in down) == sorted(v for k, v in dead.items() if k != "other"), down
 
         # The shipped alert rules load and evaluate; on a healthy sidecar none fires but KalosDown
         # (pending or firing for the dead targets).
         def rules_evaluated() -> list[dict] | None:
             groups = http_json(prom.url + "/api/v1/rules")["data"]["groups"]
             rules = [r for g in groups for r in g["rules"]]
-            return rules if rules and all(r.get("lastEvaluation", "").startswith("20")
-                                          and r["health"] == "ok" for r in rules) else None
+            return (
+                rules
+                if rules and all(r.get("lastEvaluation", "").startswith("20") and r["health"] == "ok" for r in rules)
+                else None
+            )
+
         rules = wait_for(rules_evaluated, 15)
         assert rules, http_json(prom.url + "/api/v1/rules")
         states = {r["name"]: r.get("state") for r in rules}
@@ -338,6 +391,7 @@ def test_real_prometheus_scrapes_the_sidecar(prometheus_bin, sidecar_with_metric
 
 # --------------------------------------------------------------------------- deploy files
 
+
 def _promtool(prometheus_bin: str) -> str:
     """promtool ships beside prometheus in Debian's package (installed by the fixture as root)."""
     promtool = shutil.which("promtool") or str(Path(prometheus_bin).with_name("promtool"))
@@ -348,11 +402,13 @@ def _promtool(prometheus_bin: str) -> str:
 
 def test_deploy_prometheus_config_and_rules_are_valid(prometheus_bin):
     promtool = _promtool(prometheus_bin)
-    r = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus.yml")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [promtool, "check", "config", str(DEPLOY / "prometheus.yml")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run([promtool, "check", "rules", str(DEPLOY / "kalos-alerts.yml")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [promtool, "check", "rules", str(DEPLOY / "kalos-alerts.yml")], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -416,8 +472,7 @@ def test_dashboard_and_alerts_hard_code_no_job_and_recall_ones_select_op_recall(
     for path in PODMONITORS:
         (ep,) = _yaml(path)["spec"]["podMetricsEndpoints"]
         assert {"targetLabel": label, "replacement": value} in ep["relabelings"], path
-    latency = (_panel_exprs("recall() latency") + _panel_exprs("recall() P99")
-               + [_alerts()["KalosRecallLatencyHigh"]])
+    latency = _panel_exprs("recall() latency") + _panel_exprs("recall() P99") + [_alerts()["KalosRecallLatencyHigh"]]
     assert len(latency) == 5
     for e in latency:
         for sel in re.findall(r"kalos_client_latency_\w+\{[^}]*\}|kalos_client_latency_\w+\[", e):
@@ -425,17 +480,18 @@ def test_dashboard_and_alerts_hard_code_no_job_and_recall_ones_select_op_recall(
 
 
 def test_dashboard_uses_microsecond_histograms_and_known_metrics():
-    from prometheus_client import CollectorRegistry
-
     import importlib.util
+
+    from prometheus_client import CollectorRegistry
 
     from kalos.broker.layout import LatencyOp
     from kalos.sidecar_cuda.metrics import SidecarCollector
 
     # The unit tests' fake sidecar, loaded by path (tests/unit is on sys.path only when pytest
     # collected a file from it first).
-    spec = importlib.util.spec_from_file_location("unit_test_metrics",
-                                                  Path(__file__).parents[1] / "unit" / "test_metrics.py")
+    spec = importlib.util.spec_from_file_location(
+        "unit_test_metrics", Path(__file__).parents[1] / "unit" / "test_metrics.py"
+    )
     assert spec is not None and spec.loader is not None
     unit = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(unit)
@@ -454,11 +510,20 @@ def test_dashboard_uses_microsecond_histograms_and_known_metrics():
     exprs = _dashboard_exprs()
     used = set()
     for e in exprs:
-        used.update(n for n in re.findall(r"\b([a-z_]+_(?:total|bucket|sum|count|seconds|info|rows|slots|"
-                                          r"leased|flight|ready|size))\b", e))
+        used.update(
+            n
+            for n in re.findall(
+                r"\b([a-z_]+_(?:total|bucket|sum|count|seconds|info|rows|slots|"
+                r"leased|flight|ready|size))\b",
+                e,
+            )
+        )
     assert used and used <= exported, used - exported
     for q in ("0.5", "0.95", "0.99"):
-        assert any(f"histogram_quantile({q}, sum by (le) (rate(kalos_client_latency_seconds_bucket"
-                   '{op="recall",' in e and "[1m]" in e for e in exprs), q
+        assert any(
+            f'histogram_quantile({q}, sum by (le) (rate(kalos_client_latency_seconds_bucket{{op="recall",' in e
+            and "[1m]" in e
+            for e in exprs
+        ), q
     for stage in ("kalos_queue_wait_seconds", "kalos_batch_compute_seconds", "kalos_service_seconds"):
         assert sum(f"rate({stage}_bucket" in e for e in exprs) == 3, stage

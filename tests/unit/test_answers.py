@@ -28,13 +28,22 @@ class RecordingSem:
         ctl = self.seg.slots[self.slot]
         sv = self.seg.slot[self.slot]
         n = int(ctl["n_results"])
-        self.log.append((self.slot, {
-            "state": int(ctl["state"]), "status": int(ctl["status"]), "n_results": n,
-            "resp_generation": int(ctl["resp_generation"]), "batch_size": int(ctl["batch_size"]),
-            "t_done_ns": int(ctl["t_done_ns"]),
-            "blob": sv.blob[: int(ctl["blob_len"])].tobytes(),
-            "ids": sv.result_ids[0, :n].copy(), "scores": sv.result_scores[0, :n].copy(),
-        }))
+        self.log.append(
+            (
+                self.slot,
+                {
+                    "state": int(ctl["state"]),
+                    "status": int(ctl["status"]),
+                    "n_results": n,
+                    "resp_generation": int(ctl["resp_generation"]),
+                    "batch_size": int(ctl["batch_size"]),
+                    "t_done_ns": int(ctl["t_done_ns"]),
+                    "blob": sv.blob[: int(ctl["blob_len"])].tobytes(),
+                    "ids": sv.result_ids[0, :n].copy(),
+                    "scores": sv.result_scores[0, :n].copy(),
+                },
+            )
+        )
 
 
 @pytest.fixture
@@ -103,7 +112,7 @@ def test_a_uniform_batch_answer_is_complete_when_posted(world):
 
 
 def test_the_single_route_answer_is_complete_when_posted(world):
-    seg, writer, posts, errors = world
+    _seg, writer, posts, errors = world
     t_done = writer.answer_single(3, np.array([[5, 6, 7]]), np.array([[1.5, 1.0, 0.5]], np.float32))
     [(slot, seen)] = posts
     assert slot == 3 and seen["state"] == S_DONE and seen["status"] == Status.OK

@@ -15,7 +15,13 @@ import pytest
 from kalos.broker.errors import BrokerUnavailable, ProtocolError, SlotsExhausted
 from kalos.broker.layout import Layout
 from kalos.clients._attach import (
-    BACKOFF_MAX_S, BACKOFF_MIN_S, Attacher, Attachment, drive, drive_async, geometry_error,
+    BACKOFF_MAX_S,
+    BACKOFF_MIN_S,
+    Attacher,
+    Attachment,
+    drive,
+    drive_async,
+    geometry_error,
 )
 from kalos.clients.fake import FakeConnection
 
@@ -56,6 +62,7 @@ def test_end_gives_idle_slots_back_and_leaves_busy_ones_to_the_reaper():
     class Vanished(FakeConnection):
         def give_back(self, idle, busy) -> None:
             raise BrokerUnavailable("its objects went away")
+
     v = Vanished(LAY)
     Attachment(v, v.lease(1)).end()  # not an error: the leases went with the sidecar
     assert v.closed
@@ -63,8 +70,9 @@ def test_end_gives_idle_slots_back_and_leaves_busy_ones_to_the_reaper():
 
 @pytest.mark.parametrize("field", ["dim", "max_k", "max_queries", "blob_bytes"])
 def test_another_geometry_is_a_protocol_error_naming_old_and_new(field):
-    assert geometry_error("b", LAY, Layout(n_slots=9, dim=8, max_k=8, max_queries=4,
-                                           blob_bytes=1024), "the pool") is None
+    assert (
+        geometry_error("b", LAY, Layout(n_slots=9, dim=8, max_k=8, max_queries=4, blob_bytes=1024), "the pool") is None
+    )
     changed = {"n_slots": 4, "dim": 8, "max_k": 8, "max_queries": 4, "blob_bytes": 1024}
     changed[field] *= 2
     new = Layout(**changed)
@@ -93,8 +101,7 @@ def test_a_pool_reattaches_patiently_with_a_backoff_before_every_attempt(seed):
             conn.seg.slots["owner_pid"] = [7, 7, 0, 0]  # two came free
         return conn
 
-    a = Attacher(connect, "b", None, size=2, min_size=1, for_pool=True,
-                 rng=random.Random(seed), clock=clock)
+    a = Attacher(connect, "b", None, size=2, min_size=1, for_pool=True, rng=random.Random(seed), clock=clock)
     steps = a.reattach(LAY)
     assert next(steps) > 0 and tries == []  # a pause first: no stampede on a starting sidecar
     att, pauses = run(steps, clock)
@@ -105,14 +112,16 @@ def test_a_pool_reattaches_patiently_with_a_backoff_before_every_attempt(seed):
 
 def test_a_reattach_to_another_geometry_gives_the_new_leases_back():
     other = FakeConnection(Layout(n_slots=4, dim=16, max_k=8, max_queries=4, blob_bytes=1024))
-    a = Attacher(lambda name, uid: other, "b", None, size=2, min_size=1, for_pool=True,
-                 rng=random.Random(1), clock=Clock())
+    a = Attacher(
+        lambda name, uid: other, "b", None, size=2, min_size=1, for_pool=True, rng=random.Random(1), clock=Clock()
+    )
     with pytest.raises(ProtocolError, match="dim 16.*was dim 8.*reopen the pool"):
         run(a.reattach(LAY), Clock())
     assert other.closed and other.seg.slots["owner_pid"].tolist() == [0, 0, 0, 0]
     same = FakeConnection(LAY)
-    b = Attacher(lambda name, uid: same, "b", None, size=1, min_size=1, for_pool=False,
-                 rng=random.Random(1), clock=Clock())
+    b = Attacher(
+        lambda name, uid: same, "b", None, size=1, min_size=1, for_pool=False, rng=random.Random(1), clock=Clock()
+    )
     att, _ = run(b.attach(None, True, ""), Clock())
     assert b.check_geometry(att, LAY) is att and not same.closed
 
@@ -122,8 +131,9 @@ def test_slots_held_by_others_fail_a_blocking_attach_at_once():
     with SlotsExhausted (its budget is the caller's)."""
     conn = FakeConnection(LAY)
     conn.seg.slots["owner_pid"] = [7, 7, 7, 7]
-    a = Attacher(lambda name, uid: conn, "b", None, size=1, min_size=1, for_pool=False,
-                 rng=random.Random(1), clock=Clock())
+    a = Attacher(
+        lambda name, uid: conn, "b", None, size=1, min_size=1, for_pool=False, rng=random.Random(1), clock=Clock()
+    )
     with pytest.raises(SlotsExhausted, match="a RecallClient needs one"):
         run(a.attach(Clock().now + 5, True, "within 5 s"), Clock())
 
@@ -153,6 +163,7 @@ async def test_drive_async_awaits_the_pauses_and_closes_a_cancelled_attach():
                 yield 10.0
         finally:
             log.append("half-made attachment closed")
+
     task = asyncio.ensure_future(drive_async(forever()))
     await asyncio.sleep(0.01)
     task.cancel()

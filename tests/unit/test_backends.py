@@ -14,9 +14,9 @@ import pytest
 
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends import blas
 from kalos.sidecar_cuda.backends.base import PolledFuture, completed
 from kalos.sidecar_cuda.backends.cuda import WARP_K, Storage, kernels, planner
-from kalos.sidecar_cuda.backends import blas
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
 from kalos.sidecar_cuda.store import MemoryStore
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.timeout(30)
 
 
 # --------------------------------------------------------------------------- futures
+
 
 class Device(PolledFuture[int]):
     """A polled search whose device is a flag the test sets."""
@@ -125,11 +126,10 @@ def test_small_searches_run_at_once_and_large_ones_on_the_worker(rng):
         m._search_ids = spy  # type: ignore[method-assign]
         q = rng.standard_normal((64, dim)).astype(np.float32)
         for n, where in ((n_big - 1, threading.current_thread().name), (n_big, "kalos-search")):
-            rows, scores = m.search_async(q, n, 10).result(timeout=30)
+            rows, _scores = m.search_async(q, n, 10).result(timeout=30)
             assert names[-1].startswith(where)
             ref = q.astype(np.float64) @ x[:n].astype(np.float64).T
-            np.testing.assert_array_equal(np.sort(rows, axis=1),
-                                          np.sort(np.argsort(-ref, axis=1)[:, :10], axis=1))
+            np.testing.assert_array_equal(np.sort(rows, axis=1), np.sort(np.argsort(-ref, axis=1)[:, :10], axis=1))
         bad = m.search_async(np.zeros((2, dim + 1), np.float32), 10, 3)  # wrong width: fails
         assert bad.done() and isinstance(bad.exception(), ValueError)
     finally:
@@ -151,7 +151,8 @@ def test_loaded_openblas_reads_the_process_maps(tmp_path):
         "7f02-7f03 r-xp 00000000 08:01 13 /site/numpy.libs/libscipy_openblas64_-32a4b2a6.so\n"
         "7f03-7f04 r--p 00001000 08:01 13 /site/numpy.libs/libscipy_openblas64_-32a4b2a6.so\n"
         "7f05-7f06 rw-p 00000000 00:00 0 \n"
-        "7f07-7f08 r-xp 00000000 08:01 14 /opt/openblas/include/openblas_config.h\n")
+        "7f07-7f08 r-xp 00000000 08:01 14 /opt/openblas/include/openblas_config.h\n"
+    )
     assert blas.loaded_openblas(str(maps)) == ["/site/numpy.libs/libscipy_openblas64_-32a4b2a6.so"]
     assert blas.loaded_openblas(str(tmp_path / "missing")) == []
 
@@ -209,8 +210,12 @@ def _library_threads(ctl: blas.BlasThreads) -> int:
     import ctypes
 
     lib = ctypes.CDLL(ctl.library)
-    for name in ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
-                 "scipy_openblas_get_num_threads", "openblas_get_num_threads"):
+    for name in (
+        "scipy_openblas_get_num_threads64_",
+        "openblas_get_num_threads64_",
+        "scipy_openblas_get_num_threads",
+        "openblas_get_num_threads",
+    ):
         f = getattr(lib, name, None)
         if f is not None:
             return int(f())
@@ -256,8 +261,9 @@ def rows(dpad: int, storage: Storage = F16, *, l2: bool = False, max_norm: float
     return planner.Rows(storage, dpad, l2, max_norm)
 
 
-def plan(b: int, n: int, k: int, dpad: int, *, half: bool = False, wgmma: bool = False,
-         **limits: int) -> tuple[str, int]:
+def plan(
+    b: int, n: int, k: int, dpad: int, *, half: bool = False, wgmma: bool = False, **limits: int
+) -> tuple[str, int]:
     """The plan as (path label, qt): ``half`` picks float16 rows (else float32), ``wgmma`` says
     the wgmma kernels are built."""
     lim = dataclasses.replace(LIMITS, wgmma_built=wgmma, **limits)
@@ -301,11 +307,21 @@ def test_the_cuda_planner_picks_the_wgmma_path_where_it_was_measured_to_win():
     for dpad in (384, 1024, 1536):
         assert plan(32, 2 * big, 10, dpad, half=True, wgmma=True) == ("wgmma", 0)
     # Outside the measured range the other paths decide exactly as without it.
-    outside = [(33, 1_000_000, 10, 768), (64, 1_000_000, 10, 768),
-               (256, 1_000_000, 10, 768), (16, big - 1, 10, 768), (16, 1_000_000, 17, 768),
-               (16, 1_000_000, 32, 768), (16, 1_000_000, 10, 776), (32, 1_000_000, 10, 100),
-               (17, 2 * big - 1, 10, 768), (32, 1_000_000, 10, 768),  # the 32-query tile: 2x rows
-               (1, 1_000_000, 10, 768), (16, 2000, 10, 64), (2, big - 1, 10, 768)]
+    outside = [
+        (33, 1_000_000, 10, 768),
+        (64, 1_000_000, 10, 768),
+        (256, 1_000_000, 10, 768),
+        (16, big - 1, 10, 768),
+        (16, 1_000_000, 17, 768),
+        (16, 1_000_000, 32, 768),
+        (16, 1_000_000, 10, 776),
+        (32, 1_000_000, 10, 100),
+        (17, 2 * big - 1, 10, 768),
+        (32, 1_000_000, 10, 768),  # the 32-query tile: 2x rows
+        (1, 1_000_000, 10, 768),
+        (16, 2000, 10, 64),
+        (2, big - 1, 10, 768),
+    ]
     for b, n, k, dpad in outside:
         want = plan(b, n, k, dpad, half=True)
         assert plan(b, n, k, dpad, half=True, wgmma=True) == want, (b, n, k, dpad)
@@ -357,8 +373,7 @@ def test_redo_paths_and_the_cheap_overfetch_k_follow_the_proving_paths():
 
 
 def test_storage_traits_and_parsing():
-    assert [(s.code, s.itemsize, s.vec, s.cuda_type) for s in Storage] == [
-        (0, 4, 4, 0), (1, 2, 8, 2), (2, 2, 8, 14)]
+    assert [(s.code, s.itemsize, s.vec, s.cuda_type) for s in Storage] == [(0, 4, 4, 0), (1, 2, 8, 2), (2, 2, 8, 14)]
     assert Storage.parse("float16") is Storage.FLOAT16 and Storage.parse(Storage.BFLOAT16) is Storage.BFLOAT16
     assert np.dtype(Storage.FLOAT32.bits) == np.float32 and np.dtype(Storage.BFLOAT16.bits) == np.uint16
     with pytest.raises(ConfigError, match="float32, float16 or bfloat16"):
@@ -392,11 +407,17 @@ def test_kernel_constants_come_from_python_only():
     src = kernels.kernel_source()
     opts = kernels.compile_options(Storage.FLOAT16)
     defined = dict(o[2:].split("=") for o in opts if o.startswith("-D"))
-    assert defined == {"KALOS_STORAGE": "1", "KALOS_VEC": "8", "KALOS_BLOCK": str(kernels.BLOCK),
-                       "KALOS_HEADER_INTS": str(kernels.HEADER_BYTES // 4),
-                       "KALOS_HC": str(kernels.HALF_CAND)}
-    assert dict(o[2:].split("=") for o in kernels.compile_options(Storage.FLOAT32)
-                if o.startswith("-D"))["KALOS_VEC"] == "4"
+    assert defined == {
+        "KALOS_STORAGE": "1",
+        "KALOS_VEC": "8",
+        "KALOS_BLOCK": str(kernels.BLOCK),
+        "KALOS_HEADER_INTS": str(kernels.HEADER_BYTES // 4),
+        "KALOS_HC": str(kernels.HALF_CAND),
+    }
+    assert (
+        dict(o[2:].split("=") for o in kernels.compile_options(Storage.FLOAT32) if o.startswith("-D"))["KALOS_VEC"]
+        == "4"
+    )
     for name in defined:
         assert not re.search(rf"^\s*#\s*define\s+{name}\b", src, re.M), name
         assert f"!defined({name})" in src, name
@@ -405,6 +426,13 @@ def test_kernel_constants_come_from_python_only():
     assert tuple(instantiated) == kernels.SMALL_QT
     unrolls = [int(x) for x in re.findall(r"^KALOS_HSCORES_KERNEL\((\d+)\)", src, re.M)]
     assert unrolls == [kernels.HSCORE_UNROLL]
-    for fn in ("kalos_scores_topk_w", "kalos_scores_topk_b", "kalos_prep_queries",
-               "kalos_prep_queries_h", "kalos_rescore_h", "kalos_write_rows", "kalos_move_rows"):
+    for fn in (
+        "kalos_scores_topk_w",
+        "kalos_scores_topk_b",
+        "kalos_prep_queries",
+        "kalos_prep_queries_h",
+        "kalos_rescore_h",
+        "kalos_write_rows",
+        "kalos_move_rows",
+    ):
         assert re.search(rf"\b{fn}\(", src), fn

@@ -44,8 +44,14 @@ def slot_ref(blob: bytes = b"", **fields: object) -> SlotRef:
     seg = SegmentView(memoryview(mem), layout)
     seg.slots[1] = records(1, **fields)[0]
     seg.slot[1].blob[: len(blob)] = np.frombuffer(blob, np.uint8)
-    return SlotRef(SlotWords(memoryview(mem), layout), mem, 1, slot_field_offset(layout, 1, "namespace"),
-                   layout.data_base(1) + layout.blob_offset, layout.blob_bytes)
+    return SlotRef(
+        SlotWords(memoryview(mem), layout),
+        mem,
+        1,
+        slot_field_offset(layout, 1, "namespace"),
+        layout.data_base(1) + layout.blob_offset,
+        layout.blob_bytes,
+    )
 
 
 def queries(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -117,16 +123,20 @@ def test_pipelining_follows_the_work_of_the_batch(rng):
         assert plan.route is Route.UNIFORM and plan.pipelined is expect, min_work
 
 
-@pytest.mark.parametrize("fields,reason", [
-    (dict(namespace=[b"default", b"other", b"default"], ns_len=[7, 5, 7]), "2 namespaces"),
-    (dict(namespace=[b"other", b"other", b"other"], ns_len=5), None),
-    (dict(ns_len=[7, 7, 6]), "2 namespaces"),  # same bytes, another length: another field
-    (dict(flags=[0, int(Flag.WITH_PAYLOAD), 0]), "payloads requested"),
-    (dict(k=[3, 0, 4]), "k=0 out of range 1..16"),  # unsigned: k - 1 wraps for 0
-    (dict(op=[int(Op.RECALL), int(Op.RECALL), int(Op.DELETE)]), "op DELETE is not a recall"),
-    (dict(nq=[1, 2, 1]), "nq=2: not one query"),
-    (dict(namespace=b"nowhere"), "unknown namespace"),
-], ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize(
+    "fields,reason",
+    [
+        (dict(namespace=[b"default", b"other", b"default"], ns_len=[7, 5, 7]), "2 namespaces"),
+        (dict(namespace=[b"other", b"other", b"other"], ns_len=5), None),
+        (dict(ns_len=[7, 7, 6]), "2 namespaces"),  # same bytes, another length: another field
+        (dict(flags=[0, int(Flag.WITH_PAYLOAD), 0]), "payloads requested"),
+        (dict(k=[3, 0, 4]), "k=0 out of range 1..16"),  # unsigned: k - 1 wraps for 0
+        (dict(op=[int(Op.RECALL), int(Op.RECALL), int(Op.DELETE)]), "op DELETE is not a recall"),
+        (dict(nq=[1, 2, 1]), "nq=2: not one query"),
+        (dict(namespace=b"nowhere"), "unknown namespace"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
 def test_a_batch_off_the_uniform_route_says_why(rng, fields, reason):
     plan = classify(records(3, **fields), queries(3, rng), lookup, LIMITS)
     if reason is None:
@@ -145,7 +155,7 @@ def _filtered(n: int, blobs: list[bytes], **fields: object) -> tuple[np.ndarray,
     sel = np.arange(2, 2 * n + 2, 2)
     for j, b in enumerate(blobs):
         areas[sel[j], : len(b)] = np.frombuffer(b, np.uint8)
-        areas[sel[j], len(b):] = 7  # bytes past blob_len are not the filter's
+        areas[sel[j], len(b) :] = 7  # bytes past blob_len are not the filter's
     rec = records(n, flags=int(Flag.WHERE), blob_len=[len(b) for b in blobs], **fields)
     return rec, Blobs(areas, sel)
 
@@ -171,15 +181,18 @@ def test_a_lone_filtered_recall_is_a_uniform_batch_of_one(rng):
     assert classify(rec, queries(1, rng), lookup, LIMITS, blobs).route is Route.GENERAL
 
 
-@pytest.mark.parametrize("blobs,fields,reason", [
-    ([b'{"c":1}', b'{"c":2}', b'{"c":1}'], {}, "filtered, with different filters"),
-    ([b'{"c":1}', b'{"c":11}', b'{"c":1}'], {}, "filtered, with different filters"),  # lengths
-    ([b'{"c":1}'] * 3, dict(flags=[int(Flag.WHERE)] * 2 + [0]), "filtered"),  # mixed
-    ([b'{"c":1}'] * 3, dict(flags=int(Flag.WHERE | Flag.WITH_PAYLOAD)), "filtered"),
-    ([b''] * 3, {}, "filtered, with different filters"),  # no filter bytes at all
-    ([b'{"c":1}'] * 3, dict(blob_len=10**6), "filtered, with different filters"),
-    ([b'{"c":1}'] * 3, dict(nq=[1, 2, 1]), "filtered"),
-])
+@pytest.mark.parametrize(
+    "blobs,fields,reason",
+    [
+        ([b'{"c":1}', b'{"c":2}', b'{"c":1}'], {}, "filtered, with different filters"),
+        ([b'{"c":1}', b'{"c":11}', b'{"c":1}'], {}, "filtered, with different filters"),  # lengths
+        ([b'{"c":1}'] * 3, dict(flags=[int(Flag.WHERE)] * 2 + [0]), "filtered"),  # mixed
+        ([b'{"c":1}'] * 3, dict(flags=int(Flag.WHERE | Flag.WITH_PAYLOAD)), "filtered"),
+        ([b""] * 3, {}, "filtered, with different filters"),  # no filter bytes at all
+        ([b'{"c":1}'] * 3, dict(blob_len=10**6), "filtered, with different filters"),
+        ([b'{"c":1}'] * 3, dict(nq=[1, 2, 1]), "filtered"),
+    ],
+)
 def test_filtered_batches_that_are_not_uniform_say_why(rng, blobs, fields, reason):
     rec, bl = _filtered(3, blobs)
     for name, value in fields.items():
@@ -215,11 +228,14 @@ def test_recalls_of_several_rows_each_are_one_uniform_batch(rng):
     assert not classify(records(3, nq=[2, 1, 2]), queries(5, rng), lookup, at).pipelined
 
 
-@pytest.mark.parametrize("nq,rows,reason", [
-    ([1, 5, 1], 3, "nq=5 outside 1..4"),          # too many rows: first rows only were gathered
-    ([1, 0, 1], 3, "nq=0 outside 1..4"),
-    ([2, 1, 3], 3, "query rows not gathered"),    # rows and nq disagree: never searched short
-])
+@pytest.mark.parametrize(
+    "nq,rows,reason",
+    [
+        ([1, 5, 1], 3, "nq=5 outside 1..4"),  # too many rows: first rows only were gathered
+        ([1, 0, 1], 3, "nq=0 outside 1..4"),
+        ([2, 1, 3], 3, "query rows not gathered"),  # rows and nq disagree: never searched short
+    ],
+)
 def test_a_batch_of_several_rows_off_the_uniform_route_says_why(rng, nq, rows, reason):
     plan = classify(records(3, nq=nq), queries(rows, rng), lookup, MULTI)
     assert plan.route is Route.GENERAL and plan.reason == reason, plan
@@ -232,7 +248,6 @@ def test_a_non_finite_row_anywhere_sends_the_batch_to_the_general_route(rng):
     assert plan.route is Route.GENERAL and plan.reason == "non-finite query"
 
 
-
 def test_a_lone_filtered_recall_takes_the_single_route_with_its_filter_bytes(rng):
     f = b'{"c":{"$gte":2}}'
     plan = classify(slot_ref(f, flags=int(Flag.WHERE), blob_len=len(f), k=9), queries(1, rng), lookup, LIMITS)
@@ -240,12 +255,15 @@ def test_a_lone_filtered_recall_takes_the_single_route_with_its_filter_bytes(rng
     assert classify(slot_ref(k=9), queries(1, rng), lookup, LIMITS).where is None
 
 
-@pytest.mark.parametrize("blob_len,flags", [
-    (0, int(Flag.WHERE)),                       # no filter bytes
-    (65, int(Flag.WHERE)),                      # past the blob area (a broken client)
-    (2**32 - 1, int(Flag.WHERE)),
-    (8, int(Flag.WHERE | Flag.WITH_PAYLOAD)),   # payloads: the general route
-])
+@pytest.mark.parametrize(
+    "blob_len,flags",
+    [
+        (0, int(Flag.WHERE)),  # no filter bytes
+        (65, int(Flag.WHERE)),  # past the blob area (a broken client)
+        (2**32 - 1, int(Flag.WHERE)),
+        (8, int(Flag.WHERE | Flag.WITH_PAYLOAD)),  # payloads: the general route
+    ],
+)
 def test_a_lone_filtered_recall_the_single_route_cannot_take(rng, blob_len, flags):
     plan = classify(slot_ref(b'{"c":1}', flags=flags, blob_len=blob_len), queries(1, rng), lookup, LIMITS)
     assert plan.route is Route.GENERAL and plan.reason == "filtered", plan

@@ -14,12 +14,12 @@ import termios
 import numpy as np
 import pytest
 
+from kalos.broker.errors import ConfigError
 from kalos.cli import build_parser
 from kalos.progress import RowProgress
 from kalos.sidecar_cuda.__main__ import build_parser as sidecar_parser
 from kalos.top import Keys, listening_sockets, metrics_url
 from kalos.transfer import NpyAppender, check_export_target
-from kalos.broker.errors import ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -45,8 +45,11 @@ def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     top = build_parser()
-    return [("kalos", top), *(("kalos " + n, s) for n, s in _subparsers(top).items()),
-            ("python -m kalos.sidecar_cuda", sidecar_parser())]
+    return [
+        ("kalos", top),
+        *(("kalos " + n, s) for n, s in _subparsers(top).items()),
+        ("python -m kalos.sidecar_cuda", sidecar_parser()),
+    ]
 
 
 def test_every_option_of_every_command_has_help_with_its_default() -> None:
@@ -201,17 +204,23 @@ def _tcp_line(sl: int, ip: str, port: int, state: str, inode: int, v6: bool = Fa
     # /proc/net/tcp prints each 32-bit word of the address as a host-order integer
     words = struct.unpack(f"={len(raw) // 4}I", raw)
     hexaddr = "".join(f"{w:08X}" for w in words)
-    return (f"{sl:4d}: {hexaddr}:{port:04X} 00000000:0000 {state} 00000000:00000000 00:00000000 "
-            f"00000000     0        0 {inode} 1 0000000000000000 100 0 0 10 0")
+    return (
+        f"{sl:4d}: {hexaddr}:{port:04X} 00000000:0000 {state} 00000000:00000000 00:00000000 "
+        f"00000000     0        0 {inode} 1 0000000000000000 100 0 0 10 0"
+    )
 
 
 def test_listening_sockets_of_a_proc_table() -> None:
     head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode"
-    table = "\n".join([head,
-                       _tcp_line(0, "127.0.0.1", 9464, "0A", 111),
-                       _tcp_line(1, "0.0.0.0", 19000, "0A", 222),
-                       _tcp_line(2, "127.0.0.1", 40000, "01", 111),  # established: not a listener
-                       _tcp_line(3, "10.1.2.3", 8080, "0A", 999)])  # another process's socket
+    table = "\n".join(
+        [
+            head,
+            _tcp_line(0, "127.0.0.1", 9464, "0A", 111),
+            _tcp_line(1, "0.0.0.0", 19000, "0A", 222),
+            _tcp_line(2, "127.0.0.1", 40000, "01", 111),  # established: not a listener
+            _tcp_line(3, "10.1.2.3", 8080, "0A", 999),
+        ]
+    )  # another process's socket
     assert listening_sockets(table, {111, 222}) == [("127.0.0.1", 9464), ("0.0.0.0", 19000)]
     table6 = "\n".join([head, _tcp_line(0, "::", 9500, "0A", 333, v6=True)])
     assert listening_sockets(table6, {333}) == [("::", 9500)]

@@ -8,35 +8,57 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import assert_topk
+from fake_sidecar import topk
 
 from kalos.broker.errors import AcquireTimeout, ClosedError, ResponseTimeout
 from kalos.broker.layout import Flag, Layout, SlotView, Status
 from kalos.clients import RecallPool
 from kalos.clients._coalesce import (
-    Key, Path, Share, Waiting, coalesce_key, k_class, pick_group, route, split,
+    Key,
+    Path,
+    Share,
+    Waiting,
+    coalesce_key,
+    k_class,
+    pick_group,
+    route,
+    split,
 )
 from kalos.clients.fake import FakeConnection
 from kalos.clients.results import Hits
-from conftest import assert_topk
-from fake_sidecar import topk
 
 # --------------------------------------------------------------------------- pure decisions
 
 
-@pytest.mark.parametrize("coalesce,queued,free,in_flight,path", [
-    (True, 0, 3, 0, Path.DIRECT),   # a lone caller: today's path
-    (True, 0, 3, 1, Path.QUEUE),    # the pool already waits for the sidecar
-    (True, 0, 0, 0, Path.QUEUE),    # no free slot (all leased slots busy or being re-attached)
-    (True, 2, 3, 0, Path.QUEUE),    # others are queued: join them, never overtake them
-    (False, 5, 0, 9, Path.DIRECT),  # coalescing off
-])
+@pytest.mark.parametrize(
+    "coalesce,queued,free,in_flight,path",
+    [
+        (True, 0, 3, 0, Path.DIRECT),  # a lone caller: today's path
+        (True, 0, 3, 1, Path.QUEUE),  # the pool already waits for the sidecar
+        (True, 0, 0, 0, Path.QUEUE),  # no free slot (all leased slots busy or being re-attached)
+        (True, 2, 3, 0, Path.QUEUE),  # others are queued: join them, never overtake them
+        (False, 5, 0, 9, Path.DIRECT),  # coalescing off
+    ],
+)
 def test_route(coalesce, queued, free, in_flight, path):
     assert route(coalesce, queued, free, in_flight) is path
 
 
 def test_k_class_rounds_up_to_a_power_of_two_within_max_k():
-    assert [k_class(k, False, 128) for k in (1, 2, 3, 4, 5, 9, 10, 16, 17, 100, 128)] == \
-        [1, 2, 4, 4, 8, 16, 16, 16, 32, 128, 128]
+    assert [k_class(k, False, 128) for k in (1, 2, 3, 4, 5, 9, 10, 16, 17, 100, 128)] == [
+        1,
+        2,
+        4,
+        4,
+        8,
+        16,
+        16,
+        16,
+        32,
+        128,
+        128,
+    ]
     assert k_class(40, False, 50) == 50  # never beyond what the broker serves
     assert k_class(50, False, 50) == 50
     assert k_class(10, True, 128) == 10  # with payloads: the same k only
@@ -50,8 +72,9 @@ def test_coalesce_key_separates_what_cannot_share_a_slot():
     assert base != coalesce_key(b"a", int(Flag.WITH_PAYLOAD), b"", 10, 64)
     w = int(Flag.WHERE)
     assert coalesce_key(b"a", w, b'{"g":1}', 10, 64) != coalesce_key(b"a", w, b'{"g":2}', 10, 64)
-    assert coalesce_key(b"a", int(Flag.WITH_PAYLOAD), b"", 9, 64) != \
-        coalesce_key(b"a", int(Flag.WITH_PAYLOAD), b"", 10, 64)
+    assert coalesce_key(b"a", int(Flag.WITH_PAYLOAD), b"", 9, 64) != coalesce_key(
+        b"a", int(Flag.WITH_PAYLOAD), b"", 10, 64
+    )
 
 
 A = Key(b"a", 0, b"", 16)
@@ -77,16 +100,21 @@ def test_pick_group_sends_a_recall_marked_alone_alone():
 
 
 def _hits(rows: int, n: int, payloads: bool = False) -> list[Hits]:
-    return [Hits(np.arange(n, dtype=np.int64) + 100 * r, -np.arange(n, dtype=np.float32),
-                 [f"p{r}.{j}" for j in range(n)] if payloads else None) for r in range(rows)]
+    return [
+        Hits(
+            np.arange(n, dtype=np.int64) + 100 * r,
+            -np.arange(n, dtype=np.float32),
+            [f"p{r}.{j}" for j in range(n)] if payloads else None,
+        )
+        for r in range(rows)
+    ]
 
 
 def test_split_scatters_rows_and_cuts_each_to_its_k():
     out = split(_hits(4, 8), [Share(1, 3, True), Share(2, 8, False), Share(1, 5, True)])
     a, b, c = out
     assert isinstance(a, Hits) and a.ids.tolist() == [0, 1, 2]
-    assert isinstance(b, list) and [h.ids.tolist() for h in b] == [list(range(100, 108)),
-                                                                   list(range(200, 208))]
+    assert isinstance(b, list) and [h.ids.tolist() for h in b] == [list(range(100, 108)), list(range(200, 208))]
     assert isinstance(c, Hits) and c.ids.tolist() == [300, 301, 302, 303, 304]
     assert c.scores.tolist() == [0, -1, -2, -3, -4]
 
@@ -105,7 +133,6 @@ def test_split_refuses_a_row_count_that_does_not_add_up():
 # --------------------------------------------------------------------------- the pool, on the fake
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=8, blob_bytes=4096)
-
 
 
 async def serve_forever(conn: FakeConnection, answer) -> None:
@@ -214,8 +241,7 @@ async def test_cancelled_and_timed_out_members_of_a_sent_slot_leave_the_others_a
     qs = rng.standard_normal((6, 8)).astype(np.float32)
     first = asyncio.ensure_future(pool.recall(qs[0], k=3, timeout=5))
     await asyncio.sleep(0)  # posted alone
-    tasks = [asyncio.ensure_future(pool.recall(q, k=3, timeout=0.2 if i == 1 else 5))
-             for i, q in enumerate(qs[1:])]
+    tasks = [asyncio.ensure_future(pool.recall(q, k=3, timeout=0.2 if i == 1 else 5)) for i, q in enumerate(qs[1:])]
     await asyncio.sleep(0.01)
     assert (pool.statistics().in_flight, pool.statistics().queued) == (1, 5)
     assert conn.serve(topk(matrix)) == 1
@@ -323,6 +349,7 @@ async def test_an_error_answer_reaches_every_member(rng):
     server = asyncio.ensure_future(serve_forever(conn, lambda v, op, k, nq: Status.UNKNOWN_NAMESPACE))
     out = await asyncio.gather(*calls, return_exceptions=True)
     from kalos.broker.errors import UnknownNamespace
+
     assert all(isinstance(e, UnknownNamespace) for e in out)
     assert len({id(e) for e in out}) == 4  # each caller its own exception object
     st = pool.statistics()

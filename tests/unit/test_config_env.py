@@ -8,7 +8,13 @@ import pytest
 
 from kalos.broker.errors import ConfigError
 from kalos.sidecar_cuda.config import (
-    Origin, ServeConfig, Source, add_serve_arguments, config_from_args, env_var, origin,
+    Origin,
+    ServeConfig,
+    Source,
+    add_serve_arguments,
+    config_from_args,
+    env_var,
+    origin,
 )
 
 pytestmark = pytest.mark.timeout(10)
@@ -43,10 +49,20 @@ def test_every_option_is_named_in_help() -> None:
 
 
 def test_environment_fills_the_config_with_converted_types() -> None:
-    env = {"KALOS_NAME": "agents", "KALOS_DIM": "768", "KALOS_SLOTS": "256", "KALOS_DTYPE": "float16",
-           "KALOS_DATA_DIR": "/var/lib/kalos/agents", "KALOS_METRICS_PORT": "9464",
-           "KALOS_METRICS_HOST": "0.0.0.0", "KALOS_SPIN_US": "12.5", "KALOS_SHM_MODE": "0660",
-           "KALOS_BACKEND": "numpy", "KALOS_PIPELINE": "off", "KALOS_METRIC": "cosine"}
+    env = {
+        "KALOS_NAME": "agents",
+        "KALOS_DIM": "768",
+        "KALOS_SLOTS": "256",
+        "KALOS_DTYPE": "float16",
+        "KALOS_DATA_DIR": "/var/lib/kalos/agents",
+        "KALOS_METRICS_PORT": "9464",
+        "KALOS_METRICS_HOST": "0.0.0.0",
+        "KALOS_SPIN_US": "12.5",
+        "KALOS_SHM_MODE": "0660",
+        "KALOS_BACKEND": "numpy",
+        "KALOS_PIPELINE": "off",
+        "KALOS_METRIC": "cosine",
+    }
     cfg = _config(env)
     assert (cfg.name, cfg.dim, cfg.slots, cfg.storage_dtype) == ("agents", 768, 256, "float16")
     assert cfg.data_dir == "/var/lib/kalos/agents" and cfg.metrics_port == 9464
@@ -75,8 +91,10 @@ def test_a_bad_variable_is_ignored_when_the_option_is_given() -> None:
     assert cfg.dim == 64
 
 
-@pytest.mark.parametrize("raw, expected", [("1", True), ("true", True), ("YES", True), ("on", True),
-                                           ("0", False), ("false", False), ("off", False)])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("1", True), ("true", True), ("YES", True), ("on", True), ("0", False), ("false", False), ("off", False)],
+)
 def test_ephemeral_flag_from_environment(raw: str, expected: bool) -> None:
     ns = _parser({"KALOS_EPHEMERAL": raw}).parse_args([])
     assert ns.ephemeral is expected
@@ -94,13 +112,16 @@ def test_empty_variable_is_unset() -> None:
     assert cfg.dim == 128 and cfg.metrics_port is None
 
 
-@pytest.mark.parametrize("var, raw, needle", [
-    ("KALOS_DIM", "abc", "is not an integer"),
-    ("KALOS_SPIN_US", "fast", "is not a number"),
-    ("KALOS_BACKEND", "gpu", "choose from auto, numpy, cuda"),
-    ("KALOS_SHM_MODE", "0644", "choose from 0600, 0660"),
-    ("KALOS_EPHEMERAL", "maybe", "is not 1/true/yes/on or 0/false/no/off"),
-])
+@pytest.mark.parametrize(
+    "var, raw, needle",
+    [
+        ("KALOS_DIM", "abc", "is not an integer"),
+        ("KALOS_SPIN_US", "fast", "is not a number"),
+        ("KALOS_BACKEND", "gpu", "choose from auto, numpy, cuda"),
+        ("KALOS_SHM_MODE", "0644", "choose from 0600, 0660"),
+        ("KALOS_EPHEMERAL", "maybe", "is not 1/true/yes/on or 0/false/no/off"),
+    ],
+)
 def test_bad_value_names_the_variable(var: str, raw: str, needle: str) -> None:
     with pytest.raises(argparse.ArgumentError) as exc:
         _parser({var: raw, "KALOS_DATA_DIR": "/x"}).parse_args([])
@@ -161,8 +182,7 @@ def test_host_search_work_is_checked_and_passed_on() -> None:
 
 @pytest.mark.parametrize("ephemeral_from_env", [False, True], ids=["ephemeral-flag", "ephemeral-env"])
 @pytest.mark.parametrize("data_dir_from_env", [False, True], ids=["dir-flag", "dir-env"])
-def test_ephemeral_and_a_data_dir_conflict_from_any_source(ephemeral_from_env: bool,
-                                                           data_dir_from_env: bool) -> None:
+def test_ephemeral_and_a_data_dir_conflict_from_any_source(ephemeral_from_env: bool, data_dir_from_env: bool) -> None:
     """A stray KALOS_EPHEMERAL (or --ephemeral) beside a data dir must not make a durable sidecar
     forget everything at its next restart: any such combination is refused, naming both sources."""
     env: dict[str, str] = {}

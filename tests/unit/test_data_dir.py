@@ -14,8 +14,8 @@ from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.select import choose_backend
 from kalos.sidecar_cuda.persist import Persistence, prepare_data_dir
-from kalos.sidecar_cuda.writes import Write, WriteOp
 from kalos.sidecar_cuda.store import MemoryStore
+from kalos.sidecar_cuda.writes import Write, WriteOp
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -46,20 +46,25 @@ def test_a_data_dir_of_another_user_names_both_users(tmp_path) -> None:
     with pytest.raises(ConfigError) as exc:
         prepare_data_dir(str(d))
     me = pwd.getpwuid(os.geteuid()).pw_name
-    assert str(exc.value) == (f"data dir {d} is owned by uid {nobody.pw_uid} (nobody) but the sidecar "
-                              f"runs as uid {os.geteuid()} ({me}); chown it or pick another dir")
+    assert str(exc.value) == (
+        f"data dir {d} is owned by uid {nobody.pw_uid} (nobody) but the sidecar "
+        f"runs as uid {os.geteuid()} ({me}); chown it or pick another dir"
+    )
     assert (d.stat().st_mode & 0o777) == 0o700 and d.stat().st_uid == nobody.pw_uid  # untouched
     with pytest.raises(ConfigError, match="owned by uid"):
         Persistence(str(d), 8, "dot")
     assert os.listdir(d) == []  # no store file made in it
 
 
-def test_start_up_load_reports_progress(tmp_path, rng: np.random.Generator,
-                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_start_up_load_reports_progress(tmp_path, rng: np.random.Generator, caplog: pytest.LogCaptureFixture) -> None:
     p = Persistence(str(tmp_path), 8, "dot")
     vecs = rng.standard_normal((250, 8), dtype=np.float32)
-    p.commit([Write(WriteOp.UPSERT, "a", np.arange(250, dtype=np.int64), vecs, None),
-              Write(WriteOp.UPSERT, "b", np.arange(50, dtype=np.int64), vecs[:50], None)])
+    p.commit(
+        [
+            Write(WriteOp.UPSERT, "a", np.arange(250, dtype=np.int64), vecs, None),
+            Write(WriteOp.UPSERT, "b", np.arange(50, dtype=np.int64), vecs[:50], None),
+        ]
+    )
     p.close()
     p = Persistence(str(tmp_path), 8, "dot")
     store = MemoryStore(choose_backend("numpy"), 8, Metric.DOT)
@@ -69,8 +74,10 @@ def test_start_up_load_reports_progress(tmp_path, rng: np.random.Generator,
     assert rows == 300 and store.counts() == {"a": 250, "b": 50}
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == f"loading 300 rows in 2 namespaces from {p.path}"
-    assert lines[1:] == ["loading: 100 of 300 rows (33%), namespace 'a'",
-                         "loading: 200 of 300 rows (67%), namespace 'a'",
-                         "loading: 250 of 300 rows (83%), namespace 'a'",
-                         "loading: 300 of 300 rows (100%), namespace 'b'"]
+    assert lines[1:] == [
+        "loading: 100 of 300 rows (33%), namespace 'a'",
+        "loading: 200 of 300 rows (67%), namespace 'a'",
+        "loading: 250 of 300 rows (83%), namespace 'a'",
+        "loading: 300 of 300 rows (100%), namespace 'b'",
+    ]
     np.testing.assert_array_equal(store.get("a").get(np.arange(250))[1], vecs)  # type: ignore[union-attr]

@@ -9,19 +9,22 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import assert_topk
+from fake_sidecar import topk
 
 from kalos.broker.errors import (
-    BrokerUnavailable, ClosedError, ForkedPoolError, ProtocolError, ResponseTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    ForkedPoolError,
+    ProtocolError,
+    ResponseTimeout,
 )
 from kalos.broker.layout import L_RECALL, Layout
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients.fake import FakeConnection
 from kalos.clients.pool import PoolState, refusal
-from conftest import assert_topk
-from fake_sidecar import topk
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
-
 
 
 def test_refusal_says_what_a_call_on_each_state_raises():
@@ -70,8 +73,7 @@ async def test_the_pools_states_from_open_to_closed():
 @pytest.mark.asyncio
 async def test_a_broken_pool_raises_its_cause_until_closed():
     conn = FakeConnection(LAY)
-    pool = await RecallPool("fake", size=2, reconnect=False, spin_us=50,
-                            connect=lambda name, uid: conn).open()
+    pool = await RecallPool("fake", size=2, reconnect=False, spin_us=50, connect=lambda name, uid: conn).open()
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
     await asyncio.sleep(0.02)
     conn.alive = False
@@ -117,6 +119,7 @@ def test_a_blocking_clients_timed_out_request_is_finished_before_its_next_one(rn
         while not stop.is_set():
             conn.serve(topk(matrix))
             stop.wait(0.001)
+
     t = threading.Thread(target=sidecar, daemon=True)
     t.start()
     try:

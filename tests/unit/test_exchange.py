@@ -8,12 +8,27 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import assert_topk
+from fake_sidecar import topk
 
 from kalos.broker.errors import (
-    AcquireTimeout, BrokerUnavailable, KalosError, PartialWrite, PayloadTooLarge, ServerError,
+    AcquireTimeout,
+    BrokerUnavailable,
+    KalosError,
+    PartialWrite,
+    PayloadTooLarge,
+    ServerError,
 )
 from kalos.broker.layout import (
-    L_RECALL, L_RECALL_MANY, L_UPSERT, S_FREE, S_POSTED, Flag, Layout, Op, Status,
+    L_RECALL,
+    L_RECALL_MANY,
+    L_UPSERT,
+    S_FREE,
+    S_POSTED,
+    Flag,
+    Layout,
+    Op,
+    Status,
 )
 from kalos.clients import _requests
 from kalos.clients._coalesce import Share
@@ -21,11 +36,8 @@ from kalos.clients._exchange import Completion, Exchange, resend_after_outage
 from kalos.clients._writes import Fate, WriteCall, out_of_budget, settle
 from kalos.clients.fake import FakeConnection
 from kalos.clients.results import Hits
-from conftest import assert_topk
-from fake_sidecar import topk
 
 LAY = Layout(n_slots=2, dim=8, max_k=8, max_queries=4, blob_bytes=1024)
-
 
 
 def recall(x: np.ndarray, k: int, single: bool = True, where: dict | None = None):
@@ -53,7 +65,7 @@ def test_send_writes_the_request_then_posts_it(rng):
     assert (int(rec["op"]), int(rec["k"]), int(rec["nq"])) == (Op.RECALL, 5, 3)
     assert int(rec["flags"]) == Flag.WHERE and int(rec["blob_len"]) == len(p.blob)
     np.testing.assert_array_equal(slot.view.queries[:3], q)
-    assert bytes(slot.view.blob[:len(p.blob)]) == p.blob
+    assert bytes(slot.view.blob[: len(p.blob)]) == p.blob
     assert conn.req[slot.index].value == 1  # posted once
     assert p.posted and ex.t0 > 0  # a call timed from its sending (t0 was 0)
 
@@ -70,6 +82,7 @@ def test_a_failed_write_or_post_leaves_the_slot_free_and_raises():
     class Broken:
         def release(self) -> None:
             raise BrokerUnavailable("request semaphore vanished")
+
     slot.req = Broken()  # type: ignore[assignment]
     p = recall(np.ones(8, np.float32), 2)
     with pytest.raises(BrokerUnavailable, match="vanished"):
@@ -194,10 +207,19 @@ def test_discard_frees_the_slot_without_reading_or_recording(rng):
     assert int(np.asarray(conn.seg.stats[slot.index]["err_count"]).sum()) == 0
 
 
-@pytest.mark.parametrize("op,read", [(Op.RECALL, True), (Op.GET, True), (Op.COUNT, True),
-                                     (Op.EXPORT, True), (Op.LIST_NAMESPACES, True),
-                                     (Op.UPSERT, False), (Op.DELETE, False),
-                                     (Op.DROP_NAMESPACE, False)])
+@pytest.mark.parametrize(
+    "op,read",
+    [
+        (Op.RECALL, True),
+        (Op.GET, True),
+        (Op.COUNT, True),
+        (Op.EXPORT, True),
+        (Op.LIST_NAMESPACES, True),
+        (Op.UPSERT, False),
+        (Op.DELETE, False),
+        (Op.DROP_NAMESPACE, False),
+    ],
+)
 def test_only_reads_are_sent_again_after_an_outage_and_only_within_the_budget(op, read):
     p = _requests.Prepared(op, b"ns")
     assert resend_after_outage(p, None, 5.0) is read

@@ -31,8 +31,11 @@ def test_encoding_is_canonical_and_decodes_to_the_same_filter():
 def ns_with(payloads: list[object]) -> Namespace:
     ns = Namespace("t", NumpyBackend(), 4, Metric.DOT, capacity=2)
     n = len(payloads)
-    ns.upsert(np.arange(n, dtype=np.int64), np.eye(n, 4, dtype=np.float32),
-              [None if p is None else json.dumps(p).encode() for p in payloads])
+    ns.upsert(
+        np.arange(n, dtype=np.int64),
+        np.eye(n, 4, dtype=np.float32),
+        [None if p is None else json.dumps(p).encode() for p in payloads],
+    )
     return ns
 
 
@@ -41,8 +44,7 @@ def ids_of(ns: Namespace, where: dict) -> list[int]:
 
 
 def test_index_semantics_types_and_missing_fields():
-    ns = ns_with([{"a": 1}, {"a": 1.0}, {"a": True}, {"a": "1"}, {"a": None}, {}, None, [1],
-                  {"a": [1]}, {"a": 2.5}])
+    ns = ns_with([{"a": 1}, {"a": 1.0}, {"a": True}, {"a": "1"}, {"a": None}, {}, None, [1], {"a": [1]}, {"a": 2.5}])
     assert ids_of(ns, {"a": 1}) == [0, 1]
     assert ids_of(ns, {"a": True}) == [2]
     assert ids_of(ns, {"a": None}) == [4]
@@ -79,15 +81,25 @@ def test_eq_operator_is_bare_equality():
     assert ids_of(ns, {"tag": {"$eq": "a"}}) == ids_of(ns, {"tag": "a"}) == [0]
 
 
-@pytest.mark.parametrize("where,want", [
-    ({"a": 1}, [7]), ({"a": {"$eq": 1}}, [7]), ({"a": None}, []), ({"a": {"$in": [1, None, "a"]}}, [7]),
-    ({"a": {"$gte": 0}}, [7]), ({"a": {"$lt": 5}}, [7]), ({"a": {"$exists": True}}, [7]),
-    # a payload that is not an object has no fields: it matches what an object lacking the field matches
-    ({"a": {"$ne": 1}}, [0, 1, 2, 3, 4, 5, 6]), ({"a": {"$ne": None}}, [0, 1, 2, 3, 4, 5, 6, 7]),
-    ({"a": {"$nin": [1, "a"]}}, [0, 1, 2, 3, 4, 5, 6]), ({"a": {"$exists": False}}, [0, 1, 2, 3, 4, 5, 6]),
-    ({"$or": [{"a": 1}, {"b": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 7]),
-    ({"$and": [{"a": {"$ne": 2}}, {"a": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 6]),
-])
+@pytest.mark.parametrize(
+    "where,want",
+    [
+        ({"a": 1}, [7]),
+        ({"a": {"$eq": 1}}, [7]),
+        ({"a": None}, []),
+        ({"a": {"$in": [1, None, "a"]}}, [7]),
+        ({"a": {"$gte": 0}}, [7]),
+        ({"a": {"$lt": 5}}, [7]),
+        ({"a": {"$exists": True}}, [7]),
+        # a payload that is not an object has no fields: it matches what an object lacking the field matches
+        ({"a": {"$ne": 1}}, [0, 1, 2, 3, 4, 5, 6]),
+        ({"a": {"$ne": None}}, [0, 1, 2, 3, 4, 5, 6, 7]),
+        ({"a": {"$nin": [1, "a"]}}, [0, 1, 2, 3, 4, 5, 6]),
+        ({"a": {"$exists": False}}, [0, 1, 2, 3, 4, 5, 6]),
+        ({"$or": [{"a": 1}, {"b": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 7]),
+        ({"$and": [{"a": {"$ne": 2}}, {"a": {"$exists": False}}]}, [0, 1, 2, 3, 4, 5, 6]),
+    ],
+)
 def test_payloads_that_are_not_objects_have_no_fields(where, want):
     """Ids 0..5: no payload, JSON null, a list, a string, a number, a bool; 6: an object without
     the field; 7: an object with it."""
@@ -102,8 +114,11 @@ def test_random_filters_on_payloads_of_every_kind_match_the_reference(seed):
     r = random.Random(seed)
     docs = [random_payload(r) for _ in range(400)]
     ns = Namespace("t", NumpyBackend(), 4, Metric.DOT, capacity=2)
-    ns.upsert(np.arange(len(docs), dtype=np.int64), np.ones((len(docs), 4), np.float32),
-              [None if d is None else json.dumps(d).encode() for d in docs])
+    ns.upsert(
+        np.arange(len(docs), dtype=np.int64),
+        np.ones((len(docs), 4), np.float32),
+        [None if d is None else json.dumps(d).encode() for d in docs],
+    )
     ns.delete(np.arange(0, len(docs), 7))  # compaction moves rows (and their columns)
     live = [i for i in range(len(docs)) if i % 7]
     sizes = []
@@ -157,15 +172,18 @@ def test_writes_are_cut_before_each_delete_by_filter():
     assert write_segments([dw, up]) == [[dw, up]]
 
 
-@pytest.mark.parametrize("k,matches,n,want", [
-    (10, 500, 1000, [32, 64]),   # half match: 16 expected in 32 (>= 1.25 k), then 2 x 10 x 2 -> 64
-    (10, 1000, 1000, [32]),      # all match: 32 expected in 32, and 2 x 10 = 20 needs no more
-    (10, 249, 1000, []),         # under a quarter: gathered
-    (10, 300, 1000, [128]),      # 32 x 0.3 = 9.6 < 12.5: straight to 67 -> 128
-    (200, 500, 1000, []),        # k' = 512 > 256: gathered
-    (30, 40, 50, []),            # k' = 64 > n: gathered
-    (40, 1000, 1000, [128]),     # k > 32: no fused round; 80 -> 128
-])
+@pytest.mark.parametrize(
+    "k,matches,n,want",
+    [
+        (10, 500, 1000, [32, 64]),  # half match: 16 expected in 32 (>= 1.25 k), then 2 x 10 x 2 -> 64
+        (10, 1000, 1000, [32]),  # all match: 32 expected in 32, and 2 x 10 = 20 needs no more
+        (10, 249, 1000, []),  # under a quarter: gathered
+        (10, 300, 1000, [128]),  # 32 x 0.3 = 9.6 < 12.5: straight to 67 -> 128
+        (200, 500, 1000, []),  # k' = 512 > 256: gathered
+        (30, 40, 50, []),  # k' = 64 > n: gathered
+        (40, 1000, 1000, [128]),  # k > 32: no fused round; 80 -> 128
+    ],
+)
 def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want):
     from kalos.sidecar_cuda.backends.cuda.planner import filtered_plan
 
@@ -176,12 +194,15 @@ def test_filtered_plan_overfetches_only_when_many_rows_match(k, matches, n, want
         assert got[-1] * matches / n >= 2 * k  # the last round expects twice the need
 
 
-@pytest.mark.parametrize("k,matches,n,kept,want", [
-    (10, 500, 1000, True, []),         # 16 x 0.5 = 8 < 12.5 and the gathered rows are kept: gather
-    (10, 500, 1000, False, [64]),      # ... not kept: over-fetch, but not in the cheap round
-    (10, 900, 1000, True, [16, 32]),   # 16 x 0.9 = 14.4 >= 12.5: the cheap round, then 23 -> 32
-    (20, 1000, 1000, True, []),        # k > the cheap k' and kept: gather
-])
+@pytest.mark.parametrize(
+    "k,matches,n,kept,want",
+    [
+        (10, 500, 1000, True, []),  # 16 x 0.5 = 8 < 12.5 and the gathered rows are kept: gather
+        (10, 500, 1000, False, [64]),  # ... not kept: over-fetch, but not in the cheap round
+        (10, 900, 1000, True, [16, 32]),  # 16 x 0.9 = 14.4 >= 12.5: the cheap round, then 23 -> 32
+        (20, 1000, 1000, True, []),  # k > the cheap k' and kept: gather
+    ],
+)
 def test_filtered_plan_of_a_half_score_batch_keeps_its_path_or_gathers(k, matches, n, kept, want):
     from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, filtered_plan
 

@@ -13,6 +13,7 @@ from kalos import Position, PositionTimeout, ResponseTimeout, Written
 from kalos.broker.errors import ConfigError, InvalidRequest
 from kalos.broker.layout import Metric, Status, error_for_status
 from kalos.broker.positions import BEYOND, ORIGIN, as_position
+from kalos.broker.validation import decode_where
 from kalos.clients.results import written
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args
@@ -20,7 +21,6 @@ from kalos.sidecar_cuda.persist import StoreKind, store_kind
 from kalos.sidecar_cuda.store import MemoryStore
 from kalos.sidecar_cuda.waits import Held, sort_held
 from kalos.sidecar_cuda.writes import Write, WriteOp, apply_write
-from kalos.broker.validation import decode_where
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -52,8 +52,12 @@ def test_not_applied_is_a_position_timeout() -> None:
 
 
 def test_sort_held_ready_expired_waiting() -> None:
-    h = [Held(0, 1, Position(5, 1), 0), Held(1, 1, Position(9, 1), 100),
-         Held(2, 1, Position(9, 1), 0), Held(3, 1, Position(4, 9), 50)]
+    h = [
+        Held(0, 1, Position(5, 1), 0),
+        Held(1, 1, Position(9, 1), 100),
+        Held(2, 1, Position(9, 1), 0),
+        Held(3, 1, Position(4, 9), 50),
+    ]
     ready, expired, waiting = sort_held(h, Position(5, 1), now_ns=100)
     assert [x.slot for x in ready] == [0, 3]
     assert [x.slot for x in expired] == [1]
@@ -89,8 +93,10 @@ def test_store_option_rules_and_no_password_in_the_config_repr() -> None:
     assert cfg.store is not None and cfg.data_dir is None
     assert secret not in repr(cfg)
     assert _cfg(["--store", "postgresql://u@h/db", "--store-retention", "30"]).store_retention_s == 30
-    for argv in (["--store", "postgresql://u@h/db", "--data-dir", "/d"],
-                 ["--store", "postgresql://u@h/db", "--ephemeral"]):
+    for argv in (
+        ["--store", "postgresql://u@h/db", "--data-dir", "/d"],
+        ["--store", "postgresql://u@h/db", "--ephemeral"],
+    ):
         with pytest.raises(ConfigError, match="conflicts with"):
             _cfg(argv)
     with pytest.raises(ConfigError) as e:
@@ -105,8 +111,10 @@ def test_targets_are_shown_without_password_and_errors_scrubbed(monkeypatch) -> 
     t = pg.parse_target("postgresql://alice:hunter2@db.example:5433/mem?sslmode=require")
     assert t.shown == "postgresql://alice@db.example:5433/mem"
     assert "hunter2" not in repr(t) and "hunter2" not in t.shown
-    assert pg.scrub("auth failed for hunter2 in postgresql://alice:hunter2@db/x", t) == \
-        "auth failed for *** in postgresql://alice:***@db/x"
+    assert (
+        pg.scrub("auth failed for hunter2 in postgresql://alice:hunter2@db/x", t)
+        == "auth failed for *** in postgresql://alice:***@db/x"
+    )
     monkeypatch.setenv("PGPASSWORD", "envsecret")
     assert "envsecret" not in pg.scrub("bad envsecret", t)
     for bad in ("mysql://a:b@h/d", "host=a password=junk junk"):
@@ -120,9 +128,16 @@ def test_every_psycopg_error_maps_to_ours_without_the_password() -> None:
     import psycopg
 
     t = pg.parse_target("postgresql://alice:hunter2@db/mem")
-    classes = [psycopg.Error, psycopg.OperationalError, psycopg.InterfaceError,
-               psycopg.DatabaseError, psycopg.ProgrammingError, psycopg.errors.QueryCanceled,
-               psycopg.errors.UndefinedTable, psycopg.errors.InvalidPassword]
+    classes = [
+        psycopg.Error,
+        psycopg.OperationalError,
+        psycopg.InterfaceError,
+        psycopg.DatabaseError,
+        psycopg.ProgrammingError,
+        psycopg.errors.QueryCanceled,
+        psycopg.errors.UndefinedTable,
+        psycopg.errors.InvalidPassword,
+    ]
     for cls in classes:
         with pytest.raises(pg.StoreUnavailable) as e:
             with pg.pg_errors(t, "doing X"):
@@ -137,8 +152,7 @@ def test_change_rows_decode_and_bad_rows_are_refused() -> None:
     pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
     ids = np.array([3, 1], np.int64)
     vecs = np.arange(8, dtype=np.float32).reshape(2, 4)
-    c = pg.decode_change((7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(),
-                          b'{"a":1}\nnull', 12.5), 4)
+    c = pg.decode_change((7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(), b'{"a":1}\nnull', 12.5), 4)
     assert c.position == Position(7, 2) and c.at == 12.5 and c.write.op is WriteOp.UPSERT
     assert c.write.ids.tolist() == [3, 1] and c.write.payloads == [b'{"a":1}', None]
     np.testing.assert_array_equal(c.write.vectors, vecs)
@@ -153,10 +167,12 @@ def test_change_rows_decode_and_bad_rows_are_refused() -> None:
 def test_apply_is_idempotent_and_deletes_by_filter_resolve_against_the_store(rng) -> None:  # type: ignore[no-untyped-def]
     store = MemoryStore(NumpyBackend(), 4, Metric.DOT)
     vecs = rng.standard_normal((3, 4)).astype(np.float32)
-    changes = [Write(WriteOp.UPSERT, "a", np.array([1, 2, 3]), vecs, [b'{"t":1}', b'{"t":2}', None]),
-               Write(WriteOp.DELETE, "a", np.array([2, 9])),
-               Write(WriteOp.UPSERT, "b", np.array([5]), vecs[:1], None),
-               Write(WriteOp.DROP, "b")]
+    changes = [
+        Write(WriteOp.UPSERT, "a", np.array([1, 2, 3]), vecs, [b'{"t":1}', b'{"t":2}', None]),
+        Write(WriteOp.DELETE, "a", np.array([2, 9])),
+        Write(WriteOp.UPSERT, "b", np.array([5]), vecs[:1], None),
+        Write(WriteOp.DROP, "b"),
+    ]
     for w in changes:
         apply_write(store, w)
     once = {n: sorted(ns.id_row) for n, ns in store.namespaces.items()}

@@ -82,9 +82,8 @@ def imports_of(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
                 anchor = package.split(".")
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
-            plain = base[len("kalos."):] if base.split(".")[:2][-1] in MOUNTED and base.startswith("kalos.") else base
-            targets = [base] + [f"{base}.{alias.name}" for alias in node.names
-                                if f"{plain}.{alias.name}" in modules]
+            plain = base[len("kalos.") :] if base.split(".")[:2][-1] in MOUNTED and base.startswith("kalos.") else base
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names if f"{plain}.{alias.name}" in modules]
         else:
             continue
         for target in targets:
@@ -169,7 +168,7 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "broker/cli.py": "import sidecar_cuda.server\n",
         "clients/__init__.py": "from clients.pool import RecallPool\n",
         "clients/pool.py": "from clients import _requests\nfrom typing import TYPE_CHECKING\n"
-                           "if TYPE_CHECKING:\n    from kalos import x\n",
+        "if TYPE_CHECKING:\n    from kalos import x\n",
         "clients/_requests.py": "from . import pool\n",
         "sidecar_cuda/__init__.py": "",
         "sidecar_cuda/server.py": "from . import objects\n",
@@ -182,9 +181,15 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     graph = import_graph(tmp_path)
-    assert layer_violations(graph) == ["broker.cli imports sidecar_cuda.server", "clients.fake imports kalos",
-                                       "clients.pool imports kalos", "sidecar_cuda.objects imports clients.pool"]
+    assert layer_violations(graph) == [
+        "broker.cli imports sidecar_cuda.server",
+        "clients.fake imports kalos",
+        "clients.pool imports kalos",
+        "sidecar_cuda.objects imports clients.pool",
+    ]
     assert graph["kalos.cli"] == {"clients", "clients.pool", "sidecar_cuda", "sidecar_cuda.server"}
     assert "broker.errors" in graph["clients.fake"]
-    assert import_circles(graph) == [["broker.errors", "broker.layout"],
-                                     ["clients", "clients._requests", "clients.pool"]]
+    assert import_circles(graph) == [
+        ["broker.errors", "broker.layout"],
+        ["clients", "clients._requests", "clients.pool"],
+    ]

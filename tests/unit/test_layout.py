@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 
@@ -20,7 +21,7 @@ def _spans(fields, itemsize):
         assert off + size <= itemsize, f"{name} past the block"
         out.append((off, off + size, name))
     out.sort()
-    for (a0, a1, an), (b0, _b1, bn) in zip(out, out[1:]):
+    for (_a0, a1, an), (b0, _b1, bn) in itertools.pairwise(out):
         assert a1 <= b0, f"{an} overlaps {bn}"
 
 
@@ -32,8 +33,9 @@ def test_header_control_and_stats_fields_do_not_overlap():
     assert L.RING_OFFSET + 8 * L.RING_LEN <= L.STATS_BYTES
 
 
-@pytest.mark.parametrize("n,dim,k,q,blob", [(1, 1, 1, 1, 1024), (64, 128, 128, 32, 262144),
-                                            (7, 1536, 1024, 3, 5000), (300, 3, 10, 64, 4096)])
+@pytest.mark.parametrize(
+    "n,dim,k,q,blob", [(1, 1, 1, 1, 1024), (64, 128, 128, 32, 262144), (7, 1536, 1024, 3, 5000), (300, 3, 10, 64, 4096)]
+)
 def test_regions_are_disjoint_and_aligned(n, dim, k, q, blob):
     lay = L.Layout(n_slots=n, dim=dim, max_k=k, max_queries=q, blob_bytes=blob)
     lay.check()
@@ -42,10 +44,14 @@ def test_regions_are_disjoint_and_aligned(n, dim, k, q, blob):
     assert lay.data_offset >= lay.stats_offset + n * L.STATS_BYTES
     assert lay.stats_offset % L.PAGE == 0 and lay.data_offset % L.PAGE == 0
     assert lay.slot_bytes % L.PAGE == 0
-    areas = [(lay.query_offset, 4 * q * dim), (lay.ids_offset, 8 * q),
-             (lay.result_ids_offset, 8 * q * k), (lay.result_scores_offset, 4 * q * k),
-             (lay.blob_offset, blob)]
-    for (o, size), (o2, _s2) in zip(areas, areas[1:]):
+    areas = [
+        (lay.query_offset, 4 * q * dim),
+        (lay.ids_offset, 8 * q),
+        (lay.result_ids_offset, 8 * q * k),
+        (lay.result_scores_offset, 4 * q * k),
+        (lay.blob_offset, blob),
+    ]
+    for (o, size), (o2, _s2) in itertools.pairwise(areas):
         assert o % 64 == 0 and o + size <= o2
     assert lay.blob_offset + blob <= lay.slot_bytes
     assert lay.total_bytes == lay.data_offset + n * lay.slot_bytes
@@ -94,10 +100,17 @@ def test_c_header_matches_and_compiles(tmp_path):
         assert int(defs[f"KALOS_STATS_{name.upper()}"]) == off
     for op in L.LatencyOp:
         assert int(defs[f"KALOS_LATENCYOP_{op.name}"]) == op
-    for name in ("HIST_OFFSET", "HIST_BUCKETS", "RING_OFFSET", "RING_LEN", "RING_OP_SHIFT",
-                 "LATENCY_OPS", "STATS_BYTES"):
-        assert int(defs[f"KALOS_{name}"].rstrip("ULL"), 0) == getattr(L, name), name
-    assert int(defs["KALOS_RING_NS_MAX"].rstrip("ULL"), 0) == L.RING_NS_MAX
+    for name in (
+        "HIST_OFFSET",
+        "HIST_BUCKETS",
+        "RING_OFFSET",
+        "RING_LEN",
+        "RING_OP_SHIFT",
+        "LATENCY_OPS",
+        "STATS_BYTES",
+    ):
+        assert int(defs[f"KALOS_{name}"].rstrip("UL"), 0) == getattr(L, name), name
+    assert int(defs["KALOS_RING_NS_MAX"].rstrip("UL"), 0) == L.RING_NS_MAX
     assert int(defs["KALOS_PROTOCOL_VERSION"]) == L.PROTOCOL_VERSION
     # The committed copy for other languages is the generated one.
     import pathlib
@@ -141,4 +154,3 @@ def test_decode_namespace_rejects_garbage():
     assert names.decode_namespace(b"\xff\xfe", 2) is None
     assert names.decode_namespace(b"a b", 3) is None
     assert names.decode_namespace(b"x" * 64, 65) is None
-

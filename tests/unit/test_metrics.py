@@ -9,9 +9,6 @@ import itertools
 import math
 import os
 import socket
-import subprocess
-import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,24 +21,53 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from kalos.broker.errors import ConfigError, UnknownNamespace
+from kalos.broker.errors import ConfigError
 from kalos.broker.layout import (
-    HIST_BUCKETS, L_DELETE, L_GET, L_RECALL, L_RECALL_MANY, L_UPSERT, LATENCY_BOUNDS_NS, LATENCY_OPS,
-    RING_LEN, RING_NS_MAX, RING_OP_SHIFT, S_BUSY, S_POSTED, STATS_BYTES, Layout, LatencyOp,
-    SegmentView, SidecarState, SlotView, Status,
+    HIST_BUCKETS,
+    L_DELETE,
+    L_GET,
+    L_RECALL,
+    L_RECALL_MANY,
+    L_UPSERT,
+    LATENCY_BOUNDS_NS,
+    LATENCY_OPS,
+    RING_LEN,
+    RING_NS_MAX,
+    RING_OP_SHIFT,
+    S_BUSY,
+    S_POSTED,
+    STATS_BYTES,
+    LatencyOp,
+    Layout,
+    SegmentView,
+    SidecarState,
+    SlotView,
+    Status,
 )
 from kalos.clients import RecallPool
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
-from kalos.top import Scrape, compute_view, fetch, parse_metrics, render, run_top
 from kalos.sidecar_cuda.metrics import (
-    OTHER_NAMESPACES, QUANTILES, STAGE_BOUNDS_NS, MetricsServer, MonotonicTotals, SidecarCollector,
-    SlidingWindow, StageAggregator, bucket_counts, cumulative_buckets, encode_text, nearest_rank_quantiles,
-    TextEncoder, ring_take_all, slots_matrix, split_ring_entries, top_namespaces,
+    OTHER_NAMESPACES,
+    QUANTILES,
+    STAGE_BOUNDS_NS,
+    MetricsServer,
+    MonotonicTotals,
+    SidecarCollector,
+    SlidingWindow,
+    StageAggregator,
+    TextEncoder,
+    bucket_counts,
+    cumulative_buckets,
+    encode_text,
+    nearest_rank_quantiles,
+    ring_take_all,
+    slots_matrix,
+    split_ring_entries,
+    top_namespaces,
 )
-from kalos.sidecar_cuda.objects import cleanup
 from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.top import compute_view, parse_metrics, render, run_top
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,14 +87,17 @@ def rng(request: pytest.FixtureRequest) -> np.random.Generator:
 
 # --------------------------------------------------------------------------- pure aggregation
 
+
 def test_bucket_counts_match_prometheus_le_semantics(rng):
     bounds = LATENCY_BOUNDS_NS
-    vals = np.concatenate([
-        np.asarray(bounds),  # exactly on a bound: that bucket (le is "<=")
-        np.asarray(bounds) + 1,  # just above: the next one
-        [0, 1, bounds[-1] * 10],  # below the first bound, beyond the last (+Inf)
-        rng.integers(0, 2 * bounds[-1], 5000),
-    ])
+    vals = np.concatenate(
+        [
+            np.asarray(bounds),  # exactly on a bound: that bucket (le is "<=")
+            np.asarray(bounds) + 1,  # just above: the next one
+            [0, 1, bounds[-1] * 10],  # below the first bound, beyond the last (+Inf)
+            rng.integers(0, 2 * bounds[-1], 5000),
+        ]
+    )
     counts = bucket_counts(vals, bounds)
     assert counts.sum() == len(vals)
     cum = cumulative_buckets(counts, [b / 1e9 for b in bounds])
@@ -123,9 +152,12 @@ def test_monotonic_totals_reject_a_layout_change():
 
 def ring_take(ring: np.ndarray, last: int, count: int, count_after: int) -> tuple[np.ndarray, int, int]:
     """:func:`ring_take_all` for one slot whose count after the copy is already known."""
-    vals, new_last, lost = ring_take_all(ring.reshape(1, -1), np.array([last], np.int64),
-                                         np.array([count], np.int64),
-                                         lambda: np.array([count_after], np.int64))
+    vals, new_last, lost = ring_take_all(
+        ring.reshape(1, -1),
+        np.array([last], np.int64),
+        np.array([count], np.int64),
+        lambda: np.array([count_after], np.int64),
+    )
     return vals, int(new_last[0]), lost
 
 
@@ -153,7 +185,7 @@ def test_ring_take_reads_new_entries_and_counts_losses():
     vals, last, lost = ring_take(w.ring, last, w.count, w.count)
     assert len(vals) == 0 and last == 5 and lost == 0
     for v in range(200, 220):  # 20 more than the ring holds: the 12 oldest are gone, and the
-        w.write(v)             # oldest left (217) is the one a busy writer overwrites next
+        w.write(v)  # oldest left (217) is the one a busy writer overwrites next
     vals, last, lost = ring_take(w.ring, last, w.count, w.count)
     assert vals.tolist() == list(range(213, 220)) and last == 25 and lost == 13
 
@@ -189,7 +221,7 @@ def test_ring_take_never_returns_a_value_twice_or_a_wrong_one(rng):
     last = 0
     got: list[int] = []
     lost_total = 0
-    for step in range(2000):
+    for _step in range(2000):
         for _ in range(int(rng.integers(0, 24))):
             w.write(len(w.values) + 1)  # value == 1-based record number
         vals, last, lost = ring_take(w.ring, last, w.count, w.count)
@@ -234,8 +266,9 @@ def test_ring_take_all_rereads_the_counts_after_copying():
         w.ring[:] = 999  # what a writer did after our copy must not be in it
         return np.array([w.count], np.int64)
 
-    vals, last, lost = ring_take_all(w.ring.reshape(1, -1), np.zeros(1, np.int64),
-                                     np.array([w.count], np.int64), reread)
+    vals, last, lost = ring_take_all(
+        w.ring.reshape(1, -1), np.zeros(1, np.int64), np.array([w.count], np.int64), reread
+    )
     assert vals.tolist() == [3, 4, 5, 6, 7, 8, 9] and last.tolist() == [10] and lost == 3
 
 
@@ -296,13 +329,19 @@ def test_stage_aggregator_derives_service_time():
     agg = StageAggregator(60.0, 1000)
     recs = [
         # posted at 990_000 and 980_000, picked at 1_000_000, results written at 1_040_000
-        (BatchRecord(size=2, compute_ns=30_000, t_post_ns=[990_000, 980_000], t_pick_ns=1_000_000,
-                     t_done_ns=1_040_000), 1_090_000),
+        (
+            BatchRecord(
+                size=2, compute_ns=30_000, t_post_ns=[990_000, 980_000], t_pick_ns=1_000_000, t_done_ns=1_040_000
+            ),
+            1_090_000,
+        ),
         # no done time: until the observer ran
         (BatchRecord(size=1, compute_ns=5_000, t_post_ns=[1_999_000], t_pick_ns=2_000_000), 2_008_000),
         # the sidecar's one-request fast path: one posting time as a plain int
-        (BatchRecord(size=1, compute_ns=4_000, t_post_ns=(2_995_000,), t_pick_ns=3_000_000,
-                     t_done_ns=3_015_000), 3_020_000),
+        (
+            BatchRecord(size=1, compute_ns=4_000, t_post_ns=(2_995_000,), t_pick_ns=3_000_000, t_done_ns=3_015_000),
+            3_020_000,
+        ),
     ]
     agg.add(recs, now=1.0)
     assert sorted(agg.windows["queue_wait"].values(1.0).tolist()) == [1_000, 5_000, 10_000, 20_000]
@@ -313,6 +352,7 @@ def test_stage_aggregator_derives_service_time():
 
 
 # --------------------------------------------------------------------------- the collector
+
 
 class FakeStore:
     def __init__(self, counts: dict[str, int]) -> None:
@@ -327,24 +367,38 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
     layout = Layout(n_slots=n_slots, dim=8, max_k=4, max_queries=2, blob_bytes=1024)
     buf = bytearray(layout.total_bytes)
     seg = SegmentView(memoryview(buf), layout)
-    seg.init_header(metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns() - 5 * 10**9, payload_limit=16384)
+    seg.init_header(
+        metric=1, backend=1, pid=os.getpid(), start_epoch_ns=time.time_ns() - 5 * 10**9, payload_limit=16384
+    )
     seg.header["state"] = SidecarState.READY
     return SimpleNamespace(
-        layout=layout, seg=seg, stats=SidecarStats(n_slots), ready=True, _buf=buf,
+        layout=layout,
+        seg=seg,
+        stats=SidecarStats(n_slots),
+        ready=True,
+        _buf=buf,
         store=FakeStore(counts if counts is not None else {"default": 1000}),
         backend=SimpleNamespace(name="numpy", description="numpy (CPU)", placement="cpu"),
         cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8),
     )
 
 
-def client_record(sc: SimpleNamespace, i: int, latency_ns: int, ok: bool = True,
-                  timed_out: bool = False, op: int = L_RECALL) -> None:
+def client_record(
+    sc: SimpleNamespace, i: int, latency_ns: int, ok: bool = True, timed_out: bool = False, op: int = L_RECALL
+) -> None:
     """What a slot's lease owner writes after a finished request: the real ClientSlot.record."""
     writers = sc.__dict__.setdefault("writers", {})
     if i not in writers:
         buf = sc._buf
-        conn = SimpleNamespace(layout=sc.layout, name="unit", seg=sc.seg, bell=None, mm=buf,
-                               w32=memoryview(buf).cast("I"), w64=memoryview(buf).cast("Q"))
+        conn = SimpleNamespace(
+            layout=sc.layout,
+            name="unit",
+            seg=sc.seg,
+            bell=None,
+            mm=buf,
+            w32=memoryview(buf).cast("I"),
+            w64=memoryview(buf).cast("Q"),
+        )
         writers[i] = ClientSlot(conn, i, None, None)  # type: ignore[arg-type]
     writers[i].record(latency_ns, ok, timed_out, op=op)
 
@@ -366,9 +420,13 @@ def test_collector_aggregates_client_stats_of_every_slot(rng):
     R = {"op": "recall"}
     assert sample(reg, "kalos_client_latency_seconds_count", **R) == len(lat)
     assert sample(reg, "kalos_client_latency_seconds_sum", **R) == pytest.approx(lat.sum() / 1e9)
-    buckets = {float(s.labels["le"]): s.value for m in reg.collect()
-               if m.name == "kalos_client_latency_seconds" for s in m.samples
-               if s.name.endswith("_bucket") and s.labels["op"] == "recall"}
+    buckets = {
+        float(s.labels["le"]): s.value
+        for m in reg.collect()
+        if m.name == "kalos_client_latency_seconds"
+        for s in m.samples
+        if s.name.endswith("_bucket") and s.labels["op"] == "recall"
+    }
     assert len(buckets) == len(LATENCY_BOUNDS_NS) + 1
     for b in LATENCY_BOUNDS_NS:
         assert buckets[b / 1e9] == np.count_nonzero(lat <= b), b
@@ -425,8 +483,9 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     reg.register(col)
     col.attach()
     t = time.monotonic_ns()
-    sc.stats.record_batch(BatchRecord(size=3, compute_ns=40_000, t_post_ns=[t - 5_000, t - 6_000, t - 7_000],
-                                      t_pick_ns=t))
+    sc.stats.record_batch(
+        BatchRecord(size=3, compute_ns=40_000, t_post_ns=[t - 5_000, t - 6_000, t - 7_000], t_pick_ns=t)
+    )
     sc.stats.record_batch(BatchRecord(size=1, compute_ns=20_000, t_post_ns=[t - 4_000], t_pick_ns=t), "single")
     col.detach()
     sc.stats.record_batch(BatchRecord(size=1, compute_ns=1, t_post_ns=[t - 1], t_pick_ns=t))  # not observed any more
@@ -448,24 +507,39 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
     assert sample(reg, "kalos_stage_latency_window_seconds_count", stage="queue_wait") == 4
     assert sample(reg, "kalos_stage_latency_window_samples", stage="service") == 4
     assert sample(reg, "kalos_batches_total") == 3 and sample(reg, "kalos_requests_total") == 5
-    assert [sample(reg, "kalos_batches_by_route_total", route=r) for r in ("single", "uniform", "general")] \
-        == [1, 0, 2]
+    assert [sample(reg, "kalos_batches_by_route_total", route=r) for r in ("single", "uniform", "general")] == [1, 0, 2]
     assert sample(reg, "kalos_errors_total", kind="DIM_MISMATCH") == 2
     assert sample(reg, "kalos_errors_total", kind="BACKEND_ERROR") == 1
     assert sample(reg, "kalos_errors_total", kind="OK") is None
-    kinds = [s.labels["kind"] for m in reg.collect() if m.name == "kalos_errors" for s in m.samples
-             if s.name == "kalos_errors_total"]
+    kinds = [
+        s.labels["kind"]
+        for m in reg.collect()
+        if m.name == "kalos_errors"
+        for s in m.samples
+        if s.name == "kalos_errors_total"
+    ]
     assert sorted(kinds) == sorted(s.name for s in Status if s != Status.OK)
     assert sample(reg, "kalos_slots") == 8 and sample(reg, "kalos_slots_leased") == 3
     assert sample(reg, "kalos_slots_in_flight") == 2
     assert sample(reg, "kalos_slots_by_state", state="free") == 6
-    rows = {s.labels["namespace"]: s.value for m in reg.collect() if m.name == "kalos_memory_rows"
-            for s in m.samples}
+    rows = {s.labels["namespace"]: s.value for m in reg.collect() if m.name == "kalos_memory_rows" for s in m.samples}
     assert len(rows) == 6 and rows[OTHER_NAMESPACES] == sum(100 * i for i in range(1, 26))
     assert rows["ns30"] == 3000 and sum(rows.values()) == sum(counts.values())
     assert sample(reg, "kalos_namespaces") == 30
-    assert sample(reg, "kalos_backend_info", broker="unit", backend="numpy", description="numpy (CPU)",
-                  dtype="float32", metric="dot", dim="8", device="cpu") == 1
+    assert (
+        sample(
+            reg,
+            "kalos_backend_info",
+            broker="unit",
+            backend="numpy",
+            description="numpy (CPU)",
+            dtype="float32",
+            metric="dot",
+            dim="8",
+            device="cpu",
+        )
+        == 1
+    )
     assert sample(reg, "kalos_ready") == 1
     assert 4.0 < sample(reg, "kalos_uptime_seconds") < 60.0
     sc.seg.header["state"] = SidecarState.STOPPING
@@ -554,7 +628,7 @@ def test_client_record_starts_over_on_a_slot_left_at_the_counter_ceiling():
     for ok, timed_out in ((True, False), (False, False), (False, True)):
         client_record(sc, 1, 60_000, ok=ok, timed_out=timed_out)  # must not raise
     start = sc.layout.stats_base(1)
-    assert bytes(sc._buf[start:start + STATS_BYTES]).count(0) >= STATS_BYTES - 64  # started over
+    assert bytes(sc._buf[start : start + STATS_BYTES]).count(0) >= STATS_BYTES - 64  # started over
     client_record(sc, 1, 70_000)
     client_record(sc, 1, 0, ok=False, op=L_UPSERT)
     assert int(st["lat_count"][1]) == 1 and int(st["err_count"][1][L_UPSERT]) == 1
@@ -669,11 +743,13 @@ def test_encode_text_equals_prometheus_client_generate_latest(rng):
         assert [x for x in pe if x[1] not in drop] == [x for x in pr if x[1] not in drop]
     assert len(pf) > 200
     # the same HELP/TYPE lines, in the same order
-    assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == \
-           [ln for ln in ref.decode().splitlines() if ln.startswith("#")]
+    assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == [
+        ln for ln in ref.decode().splitlines() if ln.startswith("#")
+    ]
 
 
 # --------------------------------------------------------------------------- HTTP endpoint
+
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
     try:
@@ -702,13 +778,16 @@ def test_metrics_server_endpoints_and_readiness():
         assert {"kalos_client_latency_seconds", "kalos_ready", "kalos_batch_size"} <= names
         assert "process_cpu_seconds" not in names  # the caller's registry: nothing added to it
         assert http_get(srv.url + "/nope")[0] == 404
-        om = urllib.request.Request(srv.url + "/metrics",
-                                    headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+        om = urllib.request.Request(
+            srv.url + "/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"}
+        )
         with urllib.request.urlopen(om, timeout=5) as r:
             assert r.headers["Content-Type"].startswith("application/openmetrics-text")
             assert r.read().decode().endswith("# EOF\n")
-        prom = urllib.request.Request(srv.url + "/metrics", headers={"Accept": (
-            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")})
+        prom = urllib.request.Request(
+            srv.url + "/metrics",
+            headers={"Accept": ("application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5,*/*;q=0.1")},
+        )
         with urllib.request.urlopen(prom, timeout=5) as r:
             assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
         with pytest.raises(ConfigError):
@@ -727,6 +806,7 @@ def test_metrics_server_default_registry_is_private_and_has_process_metrics():
 
 
 # --------------------------------------------------------------------------- kalos top, pure
+
 
 def _exposition(ok: float, served: float, batches: float, bsum: float, errs: float) -> str:
     return f"""
@@ -786,8 +866,7 @@ def test_top_reports_an_unreachable_endpoint():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens here once closed
     out = io.StringIO()
-    assert run_top(f"http://127.0.0.1:{port}/metrics", 0.1, once=True,
-                   console=Console(file=out, width=100)) == 1
+    assert run_top(f"http://127.0.0.1:{port}/metrics", 0.1, once=True, console=Console(file=out, width=100)) == 1
     assert "cannot read" in out.getvalue()
 
 

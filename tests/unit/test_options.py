@@ -13,7 +13,11 @@ from kalos.broker.errors import ConfigError
 from kalos.sidecar_cuda.backends.select import choose_backend
 from kalos.sidecar_cuda.batching import Route
 from kalos.sidecar_cuda.config import (
-    FusedKernel, Pipelining, ServeConfig, add_serve_arguments, config_from_args,
+    FusedKernel,
+    Pipelining,
+    ServeConfig,
+    add_serve_arguments,
+    config_from_args,
 )
 from kalos.sidecar_cuda.stats import ROUTES
 
@@ -39,10 +43,15 @@ def test_the_options_become_enums_wherever_they_come_from():
     assert ServeConfig().pipeline is Pipelining.AUTO
 
 
-@pytest.mark.parametrize("field,value,flag", [("pipeline", "sometimes", "--pipeline must be auto, on or off"),
-                                              ("fused_kernel", "on", "--fused-kernel must be auto or off"),
-                                              ("pipeline", None, "--pipeline"),
-                                              ("fused_kernel", 1, "--fused-kernel")])
+@pytest.mark.parametrize(
+    "field,value,flag",
+    [
+        ("pipeline", "sometimes", "--pipeline must be auto, on or off"),
+        ("fused_kernel", "on", "--fused-kernel must be auto or off"),
+        ("pipeline", None, "--pipeline"),
+        ("fused_kernel", 1, "--fused-kernel"),
+    ],
+)
 def test_a_bad_value_is_a_config_error_naming_the_option(field, value, flag):
     with pytest.raises(ConfigError, match=flag):
         ServeConfig(**{field: value})

@@ -9,20 +9,25 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import assert_topk
+from fake_sidecar import topk as topk_answer
 
 from kalos.broker.errors import (
-    AcquireTimeout, BrokerUnavailable, ClosedError, PartialWrite, PayloadTooLarge, ProtocolError,
-    ResponseTimeout, ServerError,
+    AcquireTimeout,
+    BrokerUnavailable,
+    ClosedError,
+    PartialWrite,
+    PayloadTooLarge,
+    ProtocolError,
+    ResponseTimeout,
+    ServerError,
 )
 from kalos.broker.layout import Layout, SlotView, Status
 from kalos.clients import RecallPool
 from kalos.clients.fake import FakeConnection
-from conftest import assert_topk
-from fake_sidecar import topk as topk_answer
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 pytestmark = pytest.mark.asyncio
-
 
 
 async def open_pool(conn: FakeConnection, size: int = 3, **kw) -> RecallPool:
@@ -77,6 +82,7 @@ async def test_free_slots_are_lifo_and_waiters_fifo():
     async def want(tag):
         s = await pool._acquire(None)
         order.append((tag, s.index))
+
     w1 = asyncio.ensure_future(want("first"))
     await asyncio.sleep(0)
     w2 = asyncio.ensure_future(want("second"))
@@ -130,6 +136,7 @@ async def test_error_status_reaches_the_caller_and_is_counted():
     pool = await open_pool(conn)
     server = asyncio.ensure_future(serve_soon(conn, lambda v, op, k, nq: Status.BACKEND_ERROR))
     from kalos.broker.errors import ServerError
+
     with pytest.raises(ServerError, match="BACKEND_ERROR"):
         await pool.recall(np.ones(8, np.float32), k=2, timeout=2)
     await server
@@ -358,6 +365,7 @@ async def test_writes_and_the_vector_rule_in_the_blocking_client(rng):
         while not stop.is_set():
             conn.serve(side)
             stop.wait(0.0005)
+
     t = threading.Thread(target=sidecar, daemon=True)
     t.start()
     try:
@@ -406,8 +414,9 @@ def two_threads_one_client() -> None:
     def slow() -> None:
         try:
             c.recall(np.ones(8, np.float32), k=2, timeout=1.5)  # nobody answers
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             first.append(e)
+
     t = threading.Thread(target=slow)
     t.start()
     assert wait_posted(conn)

@@ -10,7 +10,13 @@ from kalos.broker.layout import Layout, Metric, Op, Status
 from kalos.broker.validation import VectorsFor, as_ids, as_vectors, check_k, payload_lines
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
 from kalos.sidecar_cuda.batching import (
-    Rejection, Request, SlotFields, pack_offsets, parse_request, plan_batch, posted_slots,
+    Rejection,
+    Request,
+    SlotFields,
+    pack_offsets,
+    parse_request,
+    plan_batch,
+    posted_slots,
 )
 from kalos.sidecar_cuda.store import MemoryStore, compaction_moves, last_wins
 
@@ -18,8 +24,7 @@ LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 
 
 def fields(**kw):
-    base = dict(op=1, k=5, nq=1, flags=0, blob_len=0, ns_len=7, namespace=b"default",
-                generation=3, t_post_ns=10)
+    base = dict(op=1, k=5, nq=1, flags=0, blob_len=0, ns_len=7, namespace=b"default", generation=3, t_post_ns=10)
     base.update(kw)
     return SlotFields(**base)
 
@@ -35,9 +40,15 @@ def test_as_vectors_accepts_and_refuses():
         big = np.full(8, top, np.float32)
         with np.errstate(over="ignore"):
             assert as_vectors(big, 8, R, 4).shape == (1, 8)
-    for bad, use in [(np.ones(7), R), (np.ones((2, 8)), R), (np.ones((5, 8)), M),
-                     (np.ones((0, 8)), M), (np.array([True] * 8), R),
-                     (np.array(["x"] * 8), R), (np.ones((2, 2, 8)), M)]:
+    for bad, use in [
+        (np.ones(7), R),
+        (np.ones((2, 8)), R),
+        (np.ones((5, 8)), M),
+        (np.ones((0, 8)), M),
+        (np.array([True] * 8), R),
+        (np.array(["x"] * 8), R),
+        (np.ones((2, 2, 8)), M),
+    ]:
         with pytest.raises(InvalidRequest):
             as_vectors(bad, 8, use, 4)
     for val in (np.nan, np.inf, -np.inf):
@@ -81,14 +92,18 @@ def test_posted_slots_and_parse():
         assert isinstance(rej, Rejection) and rej.status == status and rej.generation == 3
     assert isinstance(parse_request(0, fields(k=10), LAY, backend_max_k=8), Rejection)
     assert isinstance(parse_request(0, fields(blob_len=5000), LAY, 1000), Rejection)
-    assert isinstance(parse_request(0, fields(op=int(Op.LIST_NAMESPACES), ns_len=0, namespace=b""),
-                                     LAY, 1000), Request)
+    assert isinstance(parse_request(0, fields(op=int(Op.LIST_NAMESPACES), ns_len=0, namespace=b""), LAY, 1000), Request)
 
 
 def test_plan_batch_orders_writes_by_post_time_and_groups_recalls():
-    reqs = [Request(0, Op.RECALL, "a", 5, 1, 0, 30, 1), Request(1, Op.UPSERT, "a", 0, 1, 0, 20, 1),
-            Request(2, Op.DELETE, "a", 0, 1, 0, 10, 1), Request(3, Op.RECALL, "b", 5, 1, 0, 5, 1),
-            Request(4, Op.RECALL, "a", 5, 2, 0, 1, 1), Request(5, Op.LIST_NAMESPACES, "", 0, 0, 0, 2, 1)]
+    reqs = [
+        Request(0, Op.RECALL, "a", 5, 1, 0, 30, 1),
+        Request(1, Op.UPSERT, "a", 0, 1, 0, 20, 1),
+        Request(2, Op.DELETE, "a", 0, 1, 0, 10, 1),
+        Request(3, Op.RECALL, "b", 5, 1, 0, 5, 1),
+        Request(4, Op.RECALL, "a", 5, 2, 0, 1, 1),
+        Request(5, Op.LIST_NAMESPACES, "", 0, 0, 0, 2, 1),
+    ]
     plan = plan_batch(reqs)
     assert [r.slot for r in plan.writes] == [2, 1]
     assert {ns: [r.slot for r in g] for ns, g in plan.recalls.items()} == {"a": [4, 0], "b": [3]}
@@ -131,7 +146,7 @@ def test_store_upsert_delete_search_match_reference(rng, metric):
     store = MemoryStore(NumpyBackend(), 6, metric)
     ns = store.get_or_create("x", capacity=4)
     ref: dict[int, np.ndarray] = {}
-    for step in range(60):
+    for _step in range(60):
         if rng.random() < 0.6 or not ref:
             ids = rng.integers(0, 300, size=int(rng.integers(1, 20)))
             vecs = rng.standard_normal((len(ids), 6)).astype(np.float32)

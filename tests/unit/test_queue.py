@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import assert_topk
+from fake_sidecar import topk
 
 from kalos.broker.errors import BrokerUnavailable, ClosedError, KalosError, ResponseTimeout
 from kalos.broker.layout import Layout
@@ -18,12 +20,9 @@ from kalos.clients._exchange import Completion, Exchange
 from kalos.clients._queue import CoalescingQueue, NotSent, Waiting
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
-from conftest import assert_topk
-from fake_sidecar import topk
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 pytestmark = pytest.mark.asyncio
-
 
 
 class Pool:
@@ -39,11 +38,18 @@ class Pool:
         self.post_error: BaseException | None = None
         self.bugs: list[Exception] = []
         self.queue = CoalescingQueue(
-            asyncio.get_running_loop(), max_rows=LAY.max_queries, max_k=LAY.max_k,
-            take_slot=lambda: self.free.pop() if self.free else None, release=self.free.append,
-            wait_for_slot=self.line.append, withdraw=self.withdraw,
-            usable=lambda s: s in self.slots, post=self.post, refusal=lambda: self.refuse,
-            on_bug=self.bugs.append)
+            asyncio.get_running_loop(),
+            max_rows=LAY.max_queries,
+            max_k=LAY.max_k,
+            take_slot=lambda: self.free.pop() if self.free else None,
+            release=self.free.append,
+            wait_for_slot=self.line.append,
+            withdraw=self.withdraw,
+            usable=lambda s: s in self.slots,
+            post=self.post,
+            refusal=lambda: self.refuse,
+            on_bug=self.bugs.append,
+        )
 
     def withdraw(self, fut: asyncio.Future[ClientSlot]) -> None:
         if fut in self.line:
@@ -100,8 +106,7 @@ async def test_queued_recalls_go_out_at_the_end_of_the_turn_packed_by_key(rng):
     pool = Pool(FakeConnection(LAY), free=2)
     qs = rng.standard_normal((6, 8)).astype(np.float32)
     ks = [3, 4, 9, 2, 4, 3]  # k classes 4, 4, 16, 2, 4, 4
-    calls = [asyncio.ensure_future(pool.queue.submit(recall(q, k), 1, None, None))
-             for q, k in zip(qs, ks)]
+    calls = [asyncio.ensure_future(pool.queue.submit(recall(q, k), 1, None, None)) for q, k in zip(qs, ks)]
     many = rng.standard_normal((2, 8)).astype(np.float32)
     calls.append(asyncio.ensure_future(pool.queue.submit(recall(many, 4, False), 1, None, None)))
     await asyncio.sleep(0)
@@ -132,8 +137,7 @@ async def test_queued_recalls_go_out_at_the_end_of_the_turn_packed_by_key(rng):
 async def test_a_caller_still_queued_when_its_budget_runs_out_is_not_sent():
     pool = Pool(FakeConnection(LAY), free=0)
     loop = asyncio.get_running_loop()
-    t = asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, 0.02,
-                                                loop.time() + 0.02))
+    t = asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, 0.02, loop.time() + 0.02))
     await turn()
     assert len(pool.line) == 1  # in line for a slot
     with pytest.raises(NotSent) as e:
@@ -163,6 +167,7 @@ async def test_callers_of_an_overflowing_slot_go_again_alone_first_in_line(rng):
     calls[1].cancel()
     await asyncio.sleep(0)
     from kalos.broker.layout import Status
+
     pool.conn.serve(lambda v, op, k, nq: Status.PAYLOAD_TOO_LARGE)
     assert pool.complete() == [Completion.RESEND_ALONE]
     assert [m.resent and m.key is None for m in members] == [True, False, True]
@@ -182,8 +187,9 @@ async def test_callers_of_an_overflowing_slot_go_again_alone_first_in_line(rng):
 
 async def test_a_pool_that_no_longer_serves_fails_its_queued_callers():
     pool = Pool(FakeConnection(LAY), free=0)
-    calls = [asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None,
-                                                     None)) for _ in range(3)]
+    calls = [
+        asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None, None)) for _ in range(3)
+    ]
     await turn()
     assert len(pool.line) == 1
     pool.refuse = ClosedError("pool is closed")
@@ -197,8 +203,9 @@ async def test_a_pool_that_no_longer_serves_fails_its_queued_callers():
 async def test_a_failed_post_fails_its_group_and_the_queue_goes_on():
     pool = Pool(FakeConnection(LAY), free=2)
     pool.post_error = BrokerUnavailable("sidecar found dead before posting")
-    first = [asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None,
-                                                     None)) for _ in range(2)]
+    first = [
+        asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None, None)) for _ in range(2)
+    ]
     await turn()
     for c in first:
         with pytest.raises(BrokerUnavailable, match="found dead"):
@@ -213,11 +220,12 @@ async def test_an_unexpected_error_while_dispatching_is_reported_not_swallowed()
     handler = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
     try:
+
         def broken() -> ClientSlot | None:
             raise RuntimeError("free stack corrupted")
+
         pool.queue._take_slot = broken  # the injected callable fails
-        t = asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, 0.05,
-                                                    loop.time() + 0.05))
+        t = asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, 0.05, loop.time() + 0.05))
         await turn()
         assert [type(e) for e in pool.bugs] == [RuntimeError]  # the pool would break
         assert seen and isinstance(seen[0]["exception"], RuntimeError)  # and it is logged
@@ -229,8 +237,9 @@ async def test_an_unexpected_error_while_dispatching_is_reported_not_swallowed()
 
 async def test_fail_and_forget():
     pool = Pool(FakeConnection(LAY), free=0)
-    calls = [asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None,
-                                                     None)) for _ in range(2)]
+    calls = [
+        asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, None, None)) for _ in range(2)
+    ]
     await turn()
     pool.queue.fail(ClosedError("pool terminated"))
     out = await asyncio.gather(*calls, return_exceptions=True)

@@ -35,19 +35,22 @@ class CountingSem:
         self.value -= 1
 
 
-@pytest.mark.parametrize("pid,state,held,want", [
-    (0, S_FREE, False, False),        # free and unowned
-    (0, S_POSTED, False, True),       # a request without an owner (a broken client)
-    (0, S_DONE, True, True),
-    (1234, S_FREE, True, False),      # a live owner, idle
-    (1234, S_BUSY, True, False),      # a live owner, in flight
-    (1234, S_POSTED, False, True),    # its lock byte is gone: dead
-    (1234, S_FREE, False, True),
-    (OWNER_ABANDONED, S_DONE, True, True),  # given up (the byte says nothing then)
-    (OWNER_ABANDONED, S_FREE, False, True),
-    (-7, S_FREE, True, False),        # any other value a client wrote: the byte decides
-    (-7, S_FREE, False, True),
-])
+@pytest.mark.parametrize(
+    "pid,state,held,want",
+    [
+        (0, S_FREE, False, False),  # free and unowned
+        (0, S_POSTED, False, True),  # a request without an owner (a broken client)
+        (0, S_DONE, True, True),
+        (1234, S_FREE, True, False),  # a live owner, idle
+        (1234, S_BUSY, True, False),  # a live owner, in flight
+        (1234, S_POSTED, False, True),  # its lock byte is gone: dead
+        (1234, S_FREE, False, True),
+        (OWNER_ABANDONED, S_DONE, True, True),  # given up (the byte says nothing then)
+        (OWNER_ABANDONED, S_FREE, False, True),
+        (-7, S_FREE, True, False),  # any other value a client wrote: the byte decides
+        (-7, S_FREE, False, True),
+    ],
+)
 def test_needs_reaping(pid, state, held, want):
     assert needs_reaping(pid, state, held) is want
 

@@ -15,7 +15,14 @@ from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.backends.select import choose_backend
 from kalos.sidecar_cuda.backends.sharded import (
-    BLOCK, ShardedBackend, global_rows, live_rows, local_capacity, merge_top, parse_devices, place,
+    BLOCK,
+    ShardedBackend,
+    global_rows,
+    live_rows,
+    local_capacity,
+    merge_top,
+    parse_devices,
+    place,
 )
 from kalos.sidecar_cuda.store import Namespace
 
@@ -40,7 +47,7 @@ def test_placement_round_trips_and_stays_balanced(shards):
 
 def test_merge_top_is_the_top_of_the_union(rng):
     parts = []
-    for s in range(4):
+    for _s in range(4):
         sc = -np.sort(-rng.standard_normal((5, 7)).astype(np.float32), axis=1)
         parts.append((rng.integers(0, 10**6, (5, 7)), sc))
     rows, scores = merge_top(parts, 10)
@@ -55,8 +62,7 @@ def test_parse_devices():
     assert parse_devices("all", 2) == [0, 1]
     assert parse_devices("1", 2) == [1]
     assert parse_devices(" 1,0 ", 2) == [1, 0]
-    for bad, why in [("2", "no CUDA device 2"), ("0,0", "twice"), ("x", "comma list"),
-                     (",", "names no device")]:
+    for bad, why in [("2", "no CUDA device 2"), ("0,0", "twice"), ("x", "comma list"), (",", "names no device")]:
         with pytest.raises(ConfigError, match=why):
             parse_devices(bad, 2)
     with pytest.raises(ConfigError, match="no CUDA device is visible"):
@@ -97,15 +103,14 @@ def _check(q, ids, scores, ref_ids, ref, k):
 @pytest.mark.parametrize("shards,block", [(2, BLOCK), (3, 64), (4, 1)])
 def test_sharded_namespace_matches_unsharded_and_float64(rng, shards, block):
     dim = 12
-    be = ShardedBackend([NumpyBackend() for _ in range(shards)], [f"cpu{i}" for i in range(shards)],
-                        block)
+    be = ShardedBackend([NumpyBackend() for _ in range(shards)], [f"cpu{i}" for i in range(shards)], block)
     plain = NumpyBackend()
     try:
         sh = Namespace("s", be, dim, Metric.DOT, capacity=16)
         un = Namespace("u", plain, dim, Metric.DOT, capacity=16)
         live: dict[int, np.ndarray] = {}
         pls: dict[int, int] = {}
-        for step in range(12):
+        for _step in range(12):
             new = rng.integers(0, 6000, rng.integers(200, 900)).astype(np.int64)
             vec = rng.standard_normal((len(new), dim)).astype(np.float32)
             col = rng.integers(0, 5, len(new))
@@ -125,7 +130,7 @@ def test_sharded_namespace_matches_unsharded_and_float64(rng, shards, block):
             ids, scores = sh.search(q, k)
             ref_ids, ref = _reference(live, q, k)
             _check(q, ids, scores, ref_ids, ref, k)
-            u_ids, u_scores = un.search(q, k)
+            _u_ids, u_scores = un.search(q, k)
             np.testing.assert_allclose(scores, u_scores, rtol=1e-5, atol=1e-5)
             fut = sh.search_start(q, k)  # the pipeline's way: started on every shard, merged
             a_ids, a_scores = fut.result()

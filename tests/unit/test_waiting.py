@@ -26,10 +26,8 @@ def reference_window_ns(spin_us: float, max_spin_us: float | None, round_trips: 
     return int(min(cap, max(spin_us * 1000, 2 * typical)))
 
 
-@pytest.mark.parametrize("spin_us,max_spin_us", [(250, 2000), (50, 50), (250, None), (0, 2000),
-                                                 (10, 5)])
-def test_the_window_follows_twice_the_typical_round_trip_within_its_bounds(rng, spin_us,
-                                                                           max_spin_us):
+@pytest.mark.parametrize("spin_us,max_spin_us", [(250, 2000), (50, 50), (250, None), (0, 2000), (10, 5)])
+def test_the_window_follows_twice_the_typical_round_trip_within_its_bounds(rng, spin_us, max_spin_us):
     p = SpinThenBlock(spin_us, max_spin_us)
     seen: list[float] = []
     for scale in (1e3, 1e5, 1e6, 1e7, 1e4):  # microseconds to tens of milliseconds, and back
@@ -75,8 +73,7 @@ async def test_the_pools_window_widens_with_its_round_trips(rng):
     from kalos.clients.fake import FakeConnection
 
     conn = FakeConnection(Layout(n_slots=2, dim=8, max_k=4, max_queries=2, blob_bytes=1024))
-    pool = await RecallPool("fake", size=1, spin_us=50, max_spin_us=1500,
-                            connect=lambda name, uid: conn).open()
+    pool = await RecallPool("fake", size=1, spin_us=50, max_spin_us=1500, connect=lambda name, uid: conn).open()
     assert pool.spin_window_ns() == 50_000
     ids = np.zeros((1, 3), np.int64)
     scores = np.zeros((1, 3), np.float32)

@@ -7,5 +7,16 @@ from .matrix import CupyMatrix
 from .planner import HALF_K, Plan, SearchPath
 from .search import CudaSearch
 
-__all__ = ["CudaSearch", "CupyBackend", "CupyMatrix", "HALF_K", "MAX_K", "Plan", "SearchPath", "Storage",
-           "WARP_K", "cuda_available", "device_count"]
+__all__ = [
+    "CudaSearch",
+    "CupyBackend",
+    "CupyMatrix",
+    "HALF_K",
+    "MAX_K",
+    "Plan",
+    "SearchPath",
+    "Storage",
+    "WARP_K",
+    "cuda_available",
+    "device_count",
+]

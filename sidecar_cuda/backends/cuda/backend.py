@@ -118,19 +118,31 @@ class CupyBackend:
     code = 2
     max_k = MAX_K
 
-    def __init__(self, storage_dtype: Storage | str = Storage.FLOAT32, device: int = 0, *,
-                 use_graphs: bool = True, timeout_s: float = 30.0, small_batch_max: int = 1,
-                 small_work_max: int = 1 << 12, host_work: int = HOST_WORK,
-                 fused_kernel: FusedKernel = FusedKernel.AUTO,
-                 wgmma_min_rows: int = WGMMA_MIN_ROWS) -> None:
+    def __init__(
+        self,
+        storage_dtype: Storage | str = Storage.FLOAT32,
+        device: int = 0,
+        *,
+        use_graphs: bool = True,
+        timeout_s: float = 30.0,
+        small_batch_max: int = 1,
+        small_work_max: int = 1 << 12,
+        host_work: int = HOST_WORK,
+        fused_kernel: FusedKernel = FusedKernel.AUTO,
+        wgmma_min_rows: int = WGMMA_MIN_ROWS,
+    ) -> None:
         storage = Storage.parse(storage_dtype)
         self.storage_dtype = storage.value
         self.fused_kernel = fused_kernel
-        limits = Limits(smem_optin=0, small_batch_max=small_batch_max, small_work_max=small_work_max,
-                        host_work=host_work, wgmma_min_rows=wgmma_min_rows)
+        limits = Limits(
+            smem_optin=0,
+            small_batch_max=small_batch_max,
+            small_work_max=small_work_max,
+            host_work=host_work,
+            wgmma_min_rows=wgmma_min_rows,
+        )
         try:
-            self.device = Device(device, storage, use_graphs=use_graphs, timeout_s=timeout_s,
-                                 limits=limits)
+            self.device = Device(device, storage, use_graphs=use_graphs, timeout_s=timeout_s, limits=limits)
             self.device.stream.synchronize()
             t0 = time.perf_counter()
             self._warm_up()
@@ -138,13 +150,16 @@ class CupyBackend:
         except ConfigError:
             raise
         except Exception as e:
-            raise ConfigError(f"the CUDA backend failed to start on device {device}: "
-                              f"{type(e).__name__}: {e}") from None
+            raise ConfigError(f"the CUDA backend failed to start on device {device}: {type(e).__name__}: {e}") from None
         self.placement = f"cuda:{device}"
         self.description = self.device.description
         self.compile_s = self.device.compile_s
-        log.info("CUDA backend: %s; kernels compiled/loaded in %.2f s, every path warmed up in %.2f s",
-                 self.description, self.compile_s, self.warm_s)
+        log.info(
+            "CUDA backend: %s; kernels compiled/loaded in %.2f s, every path warmed up in %.2f s",
+            self.description,
+            self.compile_s,
+            self.warm_s,
+        )
 
     # ------------------------------------------------------------------ what tests and tools read
     @property
@@ -200,8 +215,7 @@ class CupyBackend:
         rng = np.random.default_rng(0)
         m.write_rows(np.arange(64), rng.standard_normal((64, 64), dtype=np.float32))
         q = rng.standard_normal((2, 64), dtype=np.float32)
-        runs = [(SearchPath.HOST, 1, 10), (SearchPath.FUSED, 1, 10), (SearchPath.GEMM, 2, 10),
-                (SearchPath.GEMM, 2, 64)]
+        runs = [(SearchPath.HOST, 1, 10), (SearchPath.FUSED, 1, 10), (SearchPath.GEMM, 2, 10), (SearchPath.GEMM, 2, 64)]
         if half_ok(m.traits, HALF_K):
             runs.append((SearchPath.HALF_GEMM, 2, 10))
         for path, b, k in runs:

@@ -47,8 +47,7 @@ class Buffer:
         v = self._views.get(key)
         if v is None:
             itemsize = np.dtype(dtype).itemsize
-            v = self._views[key] = np.frombuffer(self.mem, dtype, (self.nbytes - offset) // itemsize,
-                                                 offset)
+            v = self._views[key] = np.frombuffer(self.mem, dtype, (self.nbytes - offset) // itemsize, offset)
         return v[:count]
 
 

@@ -104,8 +104,7 @@ class Device:
     device's shared memory (filled in here). Raises ConfigError when the device cannot be used.
     The kernels of the wgmma path are not built here (:meth:`set_wgmma`)."""
 
-    def __init__(self, ordinal: int, storage: Storage, *, use_graphs: bool, timeout_s: float,
-                 limits: Limits) -> None:
+    def __init__(self, ordinal: int, storage: Storage, *, use_graphs: bool, timeout_s: float, limits: Limits) -> None:
         try:
             import cupy as cp
         except Exception as e:
@@ -136,16 +135,19 @@ class Device:
         self.cuda.use()
         props = rt.getDeviceProperties(ordinal)
         if not rt.deviceGetAttribute(rt.cudaDevAttrUnifiedAddressing, ordinal):
-            raise ConfigError("the CUDA device lacks unified addressing (needed to write results "
-                              "into pinned host memory)")
+            raise ConfigError(
+                "the CUDA device lacks unified addressing (needed to write results into pinned host memory)"
+            )
         self.sms = int(rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, ordinal))
         self.smem_optin = int(rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, ordinal))
         self.cc_major = int(props["major"])
         self.limits = replace(limits, smem_optin=self.smem_optin, wgmma_built=False)
         gpu = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         mem_gib = props["totalGlobalMem"] / 2**30
-        self.description = (f"CUDA {gpu} (sm_{props['major']}{props['minor']}, {self.sms} SMs, "
-                            f"{mem_gib:.0f} GiB), {storage.value} storage, CuPy {cp.__version__}")
+        self.description = (
+            f"CUDA {gpu} (sm_{props['major']}{props['minor']}, {self.sms} SMs, "
+            f"{mem_gib:.0f} GiB), {storage.value} storage, CuPy {cp.__version__}"
+        )
         self.stream: Any = cp.cuda.Stream(non_blocking=True)
         t0 = time.perf_counter()
         self.kernels = Kernels(cp, storage, self.smem_optin)
@@ -226,8 +228,9 @@ class Device:
         under ``key``; at least 1)."""
         occ = self._occupancy.get(key)
         if occ is None:
-            occ = self._occupancy[key] = max(1, int(
-                self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, smem)))
+            occ = self._occupancy[key] = max(
+                1, int(self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads, smem))
+            )
         return occ
 
     def close(self) -> None:

@@ -24,8 +24,9 @@ from .rows import DeviceRows, gather
 from .search import plan_for, run
 
 
-def search_rows(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
-                candidates: np.ndarray, key: Hashable = None) -> SearchResult:
+def search_rows(
+    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, key: Hashable = None
+) -> SearchResult:
     """Exact top-k of ``queries`` over the rows ``candidates`` (distinct, ascending, each < n; at
     least one) of rows [0, n) of ``m``; see the module docstring and ``Matrix.search_rows``."""
     c = len(candidates)
@@ -52,21 +53,22 @@ def search_rows(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
             return out_r, out_s
     if len(todo) == b:
         return _search_gathered(dev, m, queries, k, candidates, key)
-    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k,
-                                                candidates, key)
+    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k, candidates, key)
     return out_r, out_s
 
 
-def _search_gathered(dev: Device, m: DeviceRows, queries: np.ndarray, k: int, candidates: np.ndarray,
-                     key: Hashable) -> SearchResult:
+def _search_gathered(
+    dev: Device, m: DeviceRows, queries: np.ndarray, k: int, candidates: np.ndarray, key: Hashable
+) -> SearchResult:
     m.filter_stats["gathered"] += len(queries)
     sub = m.gathered.get(key) if key is not None else None
     if sub is None:
         sub = gather(dev, m, candidates)
         if key is not None and sub.data.nbytes <= _gather_budget(dev, m):
             # (the budget is asked again after each eviction: freed rows raise the free memory)
-            while m.gathered and (sum(g.data.nbytes for g in m.gathered.values())
-                                  + sub.data.nbytes > _gather_budget(dev, m)):
+            while m.gathered and (
+                sum(g.data.nbytes for g in m.gathered.values()) + sub.data.nbytes > _gather_budget(dev, m)
+            ):
                 m.gathered.popitem(last=False)
             m.gathered[key] = sub
     else:

@@ -75,12 +75,14 @@ _CUDA_TYPE = {Storage.FLOAT32: 0, Storage.FLOAT16: 2, Storage.BFLOAT16: 14}  # C
 
 def compile_options(storage: Storage) -> tuple[str, ...]:
     """The NVRTC options of the module for ``storage``: every shared constant as ``-D``."""
-    return ("-std=c++17",
-            f"-DKALOS_STORAGE={storage.code}",
-            f"-DKALOS_VEC={storage.vec}",
-            f"-DKALOS_BLOCK={BLOCK}",
-            f"-DKALOS_HEADER_INTS={HEADER_BYTES // 4}",
-            f"-DKALOS_HC={HALF_CAND}")
+    return (
+        "-std=c++17",
+        f"-DKALOS_STORAGE={storage.code}",
+        f"-DKALOS_VEC={storage.vec}",
+        f"-DKALOS_BLOCK={BLOCK}",
+        f"-DKALOS_HEADER_INTS={HEADER_BYTES // 4}",
+        f"-DKALOS_HC={HALF_CAND}",
+    )
 
 
 def kernel_source() -> str:

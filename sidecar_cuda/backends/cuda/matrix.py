@@ -43,13 +43,15 @@ class CupyMatrix(DeviceRows):
         benchmarks; ValueError where it cannot serve the search)."""
         return run(self.device, self, queries, n, k, path)
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None,
-                     path: SearchPath | None = None) -> PendingSearch:
+    def search_async(
+        self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None, path: SearchPath | None = None
+    ) -> PendingSearch:
         """``Matrix.search_async`` (a ``search.CudaSearch``); ``path`` as for :meth:`search`."""
         return start(self.device, self, queries, n, k, path, row_ids)
 
-    def search_rows(self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *,
-                    key: Hashable = None) -> SearchResult:
+    def search_rows(
+        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+    ) -> SearchResult:
         return search_rows(self.device, self, queries, n, k, candidates, key)
 
     def plan(self, b: int, n: int, k: int) -> Plan:

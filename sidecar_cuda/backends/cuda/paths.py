@@ -18,8 +18,15 @@ from .buffers import BufferSet
 from .device import Device
 from .kernels import BLOCK, HALF_CAND, HEADER_BYTES, WARP_K, Storage
 from .planner import (
-    GEMM_BLOCKS, HALF_SCORE_BYTES, ROWS_PER_BLOCK, SCORE_BUFFER_FLOATS, ZERO_COPY_BLOCKS, Plan,
-    SearchPath, next_pow2, small_smem,
+    GEMM_BLOCKS,
+    HALF_SCORE_BYTES,
+    ROWS_PER_BLOCK,
+    SCORE_BUFFER_FLOATS,
+    ZERO_COPY_BLOCKS,
+    Plan,
+    SearchPath,
+    next_pow2,
+    small_smem,
 )
 from .rows import DeviceRows, host_copy
 from .wgmma import KC as WGMMA_KC
@@ -48,8 +55,7 @@ def search_host(dev: Device, m: DeviceRows, q: np.ndarray, n: int, k: int) -> Se
     return topk_rows(scores, k)
 
 
-def enqueue(dev: Device, bufs: BufferSet, plan: Plan, m: DeviceRows, q: np.ndarray, n: int, k: int,
-            kk: int) -> None:
+def enqueue(dev: Device, bufs: BufferSet, plan: Plan, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int) -> None:
     """Enqueue the search of float32 queries ``q`` (b, dim) over rows [0, n) of ``m`` on
     ``plan``'s path (not HOST), writing into ``bufs``, and record ``bufs.done`` after it."""
     dev.seq += 1
@@ -97,8 +103,7 @@ def _host_queries(dev: Device, bufs: BufferSet, q: np.ndarray, dpad: int) -> int
     return src
 
 
-def search_fused(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int,
-                 qt: int) -> None:
+def search_fused(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, qt: int) -> None:
     """The fused kernel, ``qt`` queries per block; captured into a CUDA graph per launch shape
     and replayed when the device's graphs are on."""
     b = len(q)
@@ -130,8 +135,17 @@ def search_fused(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: 
     kern = dev.kernels.small[qt]
     out = bufs.h_out
     cand_r = bufs.d_cand.ptr + 4 * tiles * qt * parts * k
-    args = (m.data, m.sqn, np.int32(dpad), bufs.h_req.ptr if zero_copy else bufs.d_req.ptr,
-            bufs.d_cand.ptr, cand_r, bufs.d_counters.ptr, out.ptr + 4 * b * kk, out.ptr)
+    args = (
+        m.data,
+        m.sqn,
+        np.int32(dpad),
+        bufs.h_req.ptr if zero_copy else bufs.d_req.ptr,
+        bufs.d_cand.ptr,
+        cand_r,
+        bufs.d_counters.ptr,
+        out.ptr + 4 * b * kk,
+        out.ptr,
+    )
     rt = dev.rt
 
     def launch() -> None:
@@ -161,15 +175,15 @@ def _capture(dev: Device, launch: Callable[[], None]) -> Any:
             g = s.end_capture()
         return g
     except Exception as e:
-        log.warning("CUDA graph capture failed (%s: %s); launching directly from now on",
-                    type(e).__name__, e)
+        log.warning("CUDA graph capture failed (%s: %s); launching directly from now on", type(e).__name__, e)
         dev.graphs.enabled = False
         launch()
         return None
 
 
-def search_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int,
-                *, exact: bool = False) -> None:
+def search_gemm(
+    dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int, *, exact: bool = False
+) -> None:
     """The GEMM path; ``exact`` (float16 storage, the wgmma path's redo of the queries it could not
     prove): the scores are the float32 queries times the stored rows, accumulated in float32 by
     kw_exact instead of cuBLAS with the queries rounded to float16."""
@@ -178,7 +192,7 @@ def search_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: i
     if exact:
         assert dev.wgmma is not None and dev.wgmma.shapes, "the wgmma kernels are not built"
         exact_fn = next(iter(dev.wgmma.shapes.values())).exact
-    b, d = q.shape
+    b, _d = q.shape
     dpad = m.dpad
     s = dev.stream
     src = _host_queries(dev, bufs, q, dpad)
@@ -205,8 +219,9 @@ def search_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: i
     out_s = out_r + 4 * b * kk
     l2 = m.l2
     rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
-    dev.kernels.prep((-(-b * 32 // BLOCK),), (BLOCK,),
-                     (q32, 0 if f32 else qs, qn, np.int32(b), np.int32(dpad)), stream=s)
+    dev.kernels.prep(
+        (-(-b * 32 // BLOCK),), (BLOCK,), (q32, 0 if f32 else qs, qn, np.int32(b), np.int32(dpad)), stream=s
+    )
     a_q = q32 if f32 else qs
     handle = cp.cuda.device.get_cublas_handle()
     from cupy_backends.cuda.libs import cublas
@@ -219,32 +234,64 @@ def search_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: i
             nc = c1 - c0
             if exact_fn is not None:  # scores[q][r] as cuBLAS would write them
                 blocks = max(1, min(-(-nc // (WGMMA_PREP_THREADS // 32)), 4 * dev.sms))
-                exact_fn((blocks, b), (WGMMA_PREP_THREADS,),
-                         (m.data.data.ptr + c0 * dpad * isz, np.int32(nc), np.int32(dpad), q32,
-                          bufs.d_scores.ptr), stream=s)
+                exact_fn(
+                    (blocks, b),
+                    (WGMMA_PREP_THREADS,),
+                    (m.data.data.ptr + c0 * dpad * isz, np.int32(nc), np.int32(dpad), q32, bufs.d_scores.ptr),
+                    stream=s,
+                )
             else:
-                cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
-                              dev.alpha.ctypes.data, m.data.data.ptr + c0 * dpad * isz,
-                              dev.storage.cuda_type, dpad, a_q, dev.storage.cuda_type, dpad,
-                              dev.beta.ctypes.data, bufs.d_scores.ptr, 0, nc,
-                              _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-            args = (bufs.d_scores.ptr, np.int32(nc), np.int64(c0), m.sqn, qn, np.int32(l2),
-                    np.int32(k), np.int32(kk), np.int32(pc), np.int32(p_off), np.int32(total),
-                    cand_s, cand_r, bufs.d_counters.ptr, out_s, out_r)
+                cublas.gemmEx(
+                    handle,
+                    _CUBLAS_OP_T,
+                    _CUBLAS_OP_N,
+                    nc,
+                    b,
+                    dpad,
+                    dev.alpha.ctypes.data,
+                    m.data.data.ptr + c0 * dpad * isz,
+                    dev.storage.cuda_type,
+                    dpad,
+                    a_q,
+                    dev.storage.cuda_type,
+                    dpad,
+                    dev.beta.ctypes.data,
+                    bufs.d_scores.ptr,
+                    0,
+                    nc,
+                    _CUBLAS_COMPUTE_32F,
+                    _CUBLAS_GEMM_DEFAULT,
+                )
+            args = (
+                bufs.d_scores.ptr,
+                np.int32(nc),
+                np.int64(c0),
+                m.sqn,
+                qn,
+                np.int32(l2),
+                np.int32(k),
+                np.int32(kk),
+                np.int32(pc),
+                np.int32(p_off),
+                np.int32(total),
+                cand_s,
+                cand_r,
+                bufs.d_counters.ptr,
+                out_s,
+                out_r,
+            )
             if big_k:
-                dev.kernels.scores_b((pc, b), (BLOCK,), (*args, np.int32(C)), shared_mem=8 * C + 16,
-                                     stream=s)
+                dev.kernels.scores_b((pc, b), (BLOCK,), (*args, np.int32(C)), shared_mem=8 * C + 16, stream=s)
             else:
                 dev.kernels.scores_w((pc, b), (BLOCK,), args, stream=s)
             p_off += pc
 
 
-def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int,
-                     kk: int) -> None:
+def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, kk: int) -> None:
     """The half-score GEMM (float16 storage, k <= 16): float16 scores of power-of-two scaled
     queries, the 32 best rows per query rescored in float32, with proof flags for the redo."""
     cp, rt = dev.cp, dev.rt
-    b, d = q.shape
+    b, _d = q.shape
     dpad = m.dpad
     s = dev.stream
     src = _host_queries(dev, bufs, q, dpad)
@@ -273,8 +320,9 @@ def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray,
     flags = out_s + 4 * b * kk
     xmax = np.float32(m.max_norm)
     rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
-    dev.kernels.prep_h((-(-b * 32 // BLOCK),), (BLOCK,),
-                       (q32, qs, qn, qscale, np.int32(b), np.int32(dpad), xmax), stream=s)
+    dev.kernels.prep_h(
+        (-(-b * 32 // BLOCK),), (BLOCK,), (q32, qs, qn, qscale, np.int32(b), np.int32(dpad), xmax), stream=s
+    )
     handle = cp.cuda.device.get_cublas_handle()
     from cupy_backends.cuda.libs import cublas
 
@@ -283,20 +331,72 @@ def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray,
         for (c0, c1), pc in zip(chunks, parts):
             nc = c1 - c0
             ld = -(-nc // 8) * 8
-            cublas.gemmEx(handle, _CUBLAS_OP_T, _CUBLAS_OP_N, nc, b, dpad,
-                          dev.alpha.ctypes.data, m.data.data.ptr + c0 * dpad * 2,
-                          dev.storage.cuda_type, dpad, qs, dev.storage.cuda_type, dpad,
-                          dev.beta.ctypes.data, bufs.d_scores.ptr, dev.storage.cuda_type, ld,
-                          _CUBLAS_COMPUTE_32F, _CUBLAS_GEMM_DEFAULT)
-            dev.kernels.hscores((pc, b), (BLOCK,),
-                                (bufs.d_scores.ptr, np.int32(nc), np.int32(ld), np.int64(c0), m.sqn,
-                                 qn, qscale, np.int32(m.l2), np.int32(pc), np.int32(p_off),
-                                 np.int32(total), cand_s, cand_r, bufs.d_counters.ptr, top_s, top_r),
-                                stream=s)
+            cublas.gemmEx(
+                handle,
+                _CUBLAS_OP_T,
+                _CUBLAS_OP_N,
+                nc,
+                b,
+                dpad,
+                dev.alpha.ctypes.data,
+                m.data.data.ptr + c0 * dpad * 2,
+                dev.storage.cuda_type,
+                dpad,
+                qs,
+                dev.storage.cuda_type,
+                dpad,
+                dev.beta.ctypes.data,
+                bufs.d_scores.ptr,
+                dev.storage.cuda_type,
+                ld,
+                _CUBLAS_COMPUTE_32F,
+                _CUBLAS_GEMM_DEFAULT,
+            )
+            dev.kernels.hscores(
+                (pc, b),
+                (BLOCK,),
+                (
+                    bufs.d_scores.ptr,
+                    np.int32(nc),
+                    np.int32(ld),
+                    np.int64(c0),
+                    m.sqn,
+                    qn,
+                    qscale,
+                    np.int32(m.l2),
+                    np.int32(pc),
+                    np.int32(p_off),
+                    np.int32(total),
+                    cand_s,
+                    cand_r,
+                    bufs.d_counters.ptr,
+                    top_s,
+                    top_r,
+                ),
+                stream=s,
+            )
             p_off += pc
-    dev.kernels.rescore((b,), (BLOCK,),
-                        (m.data, m.sqn, np.int32(dpad), q32, qn, qscale, np.int32(m.l2), xmax,
-                         np.int32(kk), top_s, top_r, out_s, out_r, flags), stream=s)
+    dev.kernels.rescore(
+        (b,),
+        (BLOCK,),
+        (
+            m.data,
+            m.sqn,
+            np.int32(dpad),
+            q32,
+            qn,
+            qscale,
+            np.int32(m.l2),
+            xmax,
+            np.int32(kk),
+            top_s,
+            top_r,
+            out_s,
+            out_r,
+            flags,
+        ),
+        stream=s,
+    )
 
 
 def search_wgmma(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, kk: int) -> None:
@@ -330,15 +430,35 @@ def search_wgmma(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: 
     flags = out_s + 4 * b * kk
     i32 = np.int32
     rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
-    sh.prep((bpad,), (WGMMA_PREP_THREADS,),
-            (q32, i32(b), i32(dpad), i32(bpad), qh, qn, qscale, gate), stream=s)
-    sh.fused((parts * qy,), (WGMMA_THREADS,),
-             (m.data, i32(n), i32(dpad), qh, i32(b), i32(qy), i32(parts), gate, cand_s, cand_r),
-             shared_mem=sh.smem, stream=s)
-    sh.merge((b,), (WGMMA_MERGE_THREADS,),
-             (cand_s, cand_r, i32(parts), m.data, i32(dpad), q32, qn, qscale,
-              np.float32(m.max_norm * (1.0 + 2.0**-20)), i32(kk), out_r, out_s, flags),
-             shared_mem=8 * parts * WGMMA_KC + 8 * WGMMA_KC, stream=s)
+    sh.prep((bpad,), (WGMMA_PREP_THREADS,), (q32, i32(b), i32(dpad), i32(bpad), qh, qn, qscale, gate), stream=s)
+    sh.fused(
+        (parts * qy,),
+        (WGMMA_THREADS,),
+        (m.data, i32(n), i32(dpad), qh, i32(b), i32(qy), i32(parts), gate, cand_s, cand_r),
+        shared_mem=sh.smem,
+        stream=s,
+    )
+    sh.merge(
+        (b,),
+        (WGMMA_MERGE_THREADS,),
+        (
+            cand_s,
+            cand_r,
+            i32(parts),
+            m.data,
+            i32(dpad),
+            q32,
+            qn,
+            qscale,
+            np.float32(m.max_norm * (1.0 + 2.0**-20)),
+            i32(kk),
+            out_r,
+            out_s,
+            flags,
+        ),
+        shared_mem=8 * parts * WGMMA_KC + 8 * WGMMA_KC,
+        stream=s,
+    )
 
 
 __all__ = ["enqueue", "search_fused", "search_gemm", "search_half_gemm", "search_host", "search_wgmma"]

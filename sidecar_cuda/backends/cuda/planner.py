@@ -125,8 +125,13 @@ def half_ok(rows: Rows, k: int) -> bool:
 def wgmma_ok(rows: Rows, k: int) -> bool:
     """Can the wgmma path (its kernels built) serve k over these rows? Float16 storage, inner
     product (dot, cosine), rows whose norms are bounded, whole 128-byte lines."""
-    return (rows.storage is Storage.FLOAT16 and k <= WGMMA_K and not rows.l2
-            and 0.0 < rows.max_norm < 1e30 and rows.dpad % WGMMA_ROW_ELEMS == 0)
+    return (
+        rows.storage is Storage.FLOAT16
+        and k <= WGMMA_K
+        and not rows.l2
+        and 0.0 < rows.max_norm < 1e30
+        and rows.dpad % WGMMA_ROW_ELEMS == 0
+    )
 
 
 def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
@@ -140,8 +145,12 @@ def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
             qt //= 2
         if small_smem(qt, dpad) <= limits.smem_optin:
             return _FUSED_PLANS[qt]
-    if (limits.wgmma_built and WGMMA_MIN_B <= b <= WGMMA_MAX_B
-            and n >= limits.wgmma_min_rows * (1 if b <= 16 else 2) and wgmma_ok(rows, k)):
+    if (
+        limits.wgmma_built
+        and WGMMA_MIN_B <= b <= WGMMA_MAX_B
+        and n >= limits.wgmma_min_rows * (1 if b <= 16 else 2)
+        and wgmma_ok(rows, k)
+    ):
         return _PLANS[SearchPath.WGMMA]
     if n * b >= HALF_WORK_MIN and half_ok(rows, k):
         return _PLANS[SearchPath.HALF_GEMM]
@@ -158,8 +167,10 @@ def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan
     if path is SearchPath.HALF_GEMM and not half_ok(rows, k):
         raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
     if path in (SearchPath.WGMMA, SearchPath.EXACT) and not (limits.wgmma_built and wgmma_ok(rows, k)):
-        raise ValueError(f"the {path.value} path serves a Hopper device (built), float16 storage, "
-                         f"dot or cosine, k <= {WGMMA_K} and a padded dim that is a multiple of 64")
+        raise ValueError(
+            f"the {path.value} path serves a Hopper device (built), float16 storage, "
+            f"dot or cosine, k <= {WGMMA_K} and a padded dim that is a multiple of 64"
+        )
     return _PLANS[path]
 
 
@@ -185,8 +196,9 @@ GATHER_CACHE_MIN_BYTES = 64 << 20  # gathered candidate rows kept per matrix: at
 GATHER_CACHE_FRACTION = 0.6  # ... and up to this fraction of the matrix (a quarter of free memory at most)
 
 
-def filtered_plan(k: int, matches: int, n: int, k_limit: int, *, cheap_k: int = WARP_K,
-                  gather_kept: bool = False) -> list[int]:
+def filtered_plan(
+    k: int, matches: int, n: int, k_limit: int, *, cheap_k: int = WARP_K, gather_kept: bool = False
+) -> list[int]:
     """The k' of each over-fetch round of a filtered search of ``matches`` rows out of ``n``
     (none: gather at once). ``cheap_k``: see above; ``gather_kept``: the gathered rows are
     cached or would be. Pure."""

@@ -82,15 +82,18 @@ def write(dev: Device, m: DeviceRows, rows: np.ndarray, vectors: np.ndarray) -> 
     norm = float(np.sqrt(np.einsum("ij,ij->i", vectors, vectors, dtype=np.float64).max()))
     # Rounding to a 16-bit format lengthens a row by a relative 2^-8 at most, plus 2^-25 per
     # element where float16 values are subnormal.
-    m.max_norm = max(m.max_norm, norm * (1.0 + 2.0 ** -7) + math.sqrt(m.dpad) * 2.0 ** -24)
+    m.max_norm = max(m.max_norm, norm * (1.0 + 2.0**-7) + math.sqrt(m.dpad) * 2.0**-24)
     cp = dev.cp
     with dev.guard("write_rows"), dev.stream:
         d_rows = cp.asarray(rows)
         d_vec = cp.asarray(vectors)
         r = len(rows)
-        dev.kernels.write((-(-r * 32 // BLOCK),), (BLOCK,),
-                          (m.data, m.sqn, np.int32(m.dpad), d_rows, d_vec, np.int32(r),
-                           np.int32(m.dim)), stream=dev.stream)
+        dev.kernels.write(
+            (-(-r * 32 // BLOCK),),
+            (BLOCK,),
+            (m.data, m.sqn, np.int32(m.dpad), d_rows, d_vec, np.int32(r), np.int32(m.dim)),
+            stream=dev.stream,
+        )
 
 
 def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
@@ -108,9 +111,12 @@ def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
     cp = dev.cp
     with dev.guard("move_rows"), dev.stream:
         r = len(src)
-        dev.kernels.move((-(-r * 32 // BLOCK),), (BLOCK,),
-                         (m.data, m.sqn, np.int32(m.dpad), cp.asarray(src), cp.asarray(dst),
-                          np.int32(r)), stream=dev.stream)
+        dev.kernels.move(
+            (-(-r * 32 // BLOCK),),
+            (BLOCK,),
+            (m.data, m.sqn, np.int32(m.dpad), cp.asarray(src), cp.asarray(dst), np.int32(r)),
+            stream=dev.stream,
+        )
 
 
 def grow(dev: Device, m: DeviceRows, capacity: int) -> None:

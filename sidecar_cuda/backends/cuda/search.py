@@ -26,8 +26,9 @@ class Launch:
 
     __slots__ = ("bufs", "m", "q", "n", "k", "kk", "path", "t0", "row_ids", "value")
 
-    def __init__(self, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int,
-                 path: SearchPath | None, t0: int) -> None:
+    def __init__(
+        self, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int, path: SearchPath | None, t0: int
+    ) -> None:
         self.bufs, self.m, self.q = bufs, m, q
         self.n, self.k, self.kk, self.path, self.t0 = n, k, kk, path, t0
         self.row_ids: np.ndarray | None = None  # rows come back as row_ids[rows]
@@ -56,8 +57,15 @@ def plan_for(dev: Device, m: DeviceRows, b: int, n: int, k: int) -> Plan:
     return plan(b, n, k, m.traits, dev.limits)
 
 
-def start(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
-          path: SearchPath | None = None, row_ids: np.ndarray | None = None) -> CudaSearch:
+def start(
+    dev: Device,
+    m: DeviceRows,
+    queries: np.ndarray,
+    n: int,
+    k: int,
+    path: SearchPath | None = None,
+    row_ids: np.ndarray | None = None,
+) -> CudaSearch:
     """Enqueue the exact top-k of float32 ``queries`` (b, dim) over rows [0, n) of ``m`` and
     return at once its Future; the host path answers here. ``path``: this path instead of the
     planner's (ValueError where it cannot serve the search). ``row_ids``: the answer's rows come
@@ -68,14 +76,14 @@ def start(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
     return CudaSearch(dev, launch)
 
 
-def run(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
-        path: SearchPath | None = None) -> SearchResult:
+def run(
+    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, path: SearchPath | None = None
+) -> SearchResult:
     """:func:`start` and :func:`collect` at once."""
     return collect(dev, _launch(dev, m, queries, n, k, path))
 
 
-def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int,
-            path: SearchPath | None) -> Launch:
+def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, path: SearchPath | None) -> Launch:
     dev.check_usable()
     q = queries
     if q.dtype != np.float32 or q.ndim != 2 or not q.flags.c_contiguous:
@@ -125,13 +133,12 @@ def collect(dev: Device, p: Launch) -> SearchResult:
         dev.wait(bufs.done)
         out = bufs.h_out
         rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
-        scores = out.view(np.float32, 2 * b * kk)[b * kk:].reshape(b, kk).copy()
+        scores = out.view(np.float32, 2 * b * kk)[b * kk :].reshape(b, kk).copy()
         redo_path = REDO.get(p.path)
         if redo_path is not None:
             # Flagged by the kernel, or with a row missing (scores beyond float16 even after
             # scaling, for queries of norm ~2^100 and more): the float32 path decides.
-            redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk:]
-                                  | (rows < 0).any(axis=1))
+            redo = np.flatnonzero(out.view(np.int32, 2 * b * kk + b)[2 * b * kk :] | (rows < 0).any(axis=1))
             if redo.size:
                 if p.path is SearchPath.HALF_GEMM:
                     dev.stats.half_fallbacks += int(redo.size)
@@ -142,7 +149,7 @@ def collect(dev: Device, p: Launch) -> SearchResult:
                     enqueue(dev, bufs, Plan(redo_path), p.m, qr, p.n, p.k, kk)
                 dev.wait(bufs.done)
                 rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
-                scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk:].reshape(-1, kk)
+                scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk :].reshape(-1, kk)
     except (KalosError, ValueError, IndexError, TypeError):
         raise
     except Exception as e:

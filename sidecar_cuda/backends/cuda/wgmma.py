@@ -76,7 +76,8 @@ def mma_source(bq: int) -> str:
         '        "p, 1, 1, 0, 0;\\n}\\n"\n'
         f"        : {outs}\n"
         '        : "l"(da), "l"(db), "r"(scd));\n'
-        "}\n")
+        "}\n"
+    )
 
 
 def kernel_source(bq: int) -> str:
@@ -89,10 +90,17 @@ def kernel_source(bq: int) -> str:
 
 def compile_options(bq: int, stages: int, kc: int = KC) -> tuple[str, ...]:
     """The NVRTC options of one shape: the target and every shared constant as -D."""
-    return (f"--gpu-architecture={ARCH}", "-std=c++17",
-            f"-DFW_BQ={bq}", f"-DFW_STAGES={stages}", f"-DFT_KC={kc}", f"-DFT_CAP={CAP}",
-            f"-DFT_WARPS={PREP_THREADS // 32}", f"-DFT_MTHREADS={MERGE_THREADS}",
-            f"-DFT_PF={L2_PREFETCH}")
+    return (
+        f"--gpu-architecture={ARCH}",
+        "-std=c++17",
+        f"-DFW_BQ={bq}",
+        f"-DFW_STAGES={stages}",
+        f"-DFT_KC={kc}",
+        f"-DFT_CAP={CAP}",
+        f"-DFT_WARPS={PREP_THREADS // 32}",
+        f"-DFT_MTHREADS={MERGE_THREADS}",
+        f"-DFT_PF={L2_PREFETCH}",
+    )
 
 
 def _cache_dir() -> Path:
@@ -173,8 +181,7 @@ class WgmmaKernels:
         cp = self._cp
         stages = stages_for(bq, self.smem_optin)
         if not stages:
-            raise RuntimeError(f"kw_fused with {bq} queries per CTA does not fit {self.smem_optin} B "
-                               "of shared memory")
+            raise RuntimeError(f"kw_fused with {bq} queries per CTA does not fit {self.smem_optin} B of shared memory")
         t0 = time.perf_counter()
         cubin = compile_cubin(kernel_source(bq), compile_options(bq, stages))
         self.compile_s += time.perf_counter() - t0
@@ -190,9 +197,29 @@ class WgmmaKernels:
         occ = int(drv.occupancyMaxActiveBlocksPerMultiprocessor(fused.ptr, THREADS, smem))
         if occ < 1:
             raise RuntimeError(f"kw_fused ({bq} queries per CTA, {smem} B) cannot be resident")
-        return Shape(bq, stages, smem, occ * self.sms, mod.get_function("kw_prep"), fused, merge,
-                     mod.get_function("kw_exact"), mod)
+        return Shape(
+            bq,
+            stages,
+            smem,
+            occ * self.sms,
+            mod.get_function("kw_prep"),
+            fused,
+            merge,
+            mod.get_function("kw_exact"),
+            mod,
+        )
 
 
-__all__ = ["WgmmaKernels", "Shape", "bq_for", "smem_fused", "stages_for", "parts_for",
-           "compile_options", "kernel_source", "mma_source", "KC", "SLICE_HALVES"]
+__all__ = [
+    "WgmmaKernels",
+    "Shape",
+    "bq_for",
+    "smem_fused",
+    "stages_for",
+    "parts_for",
+    "compile_options",
+    "kernel_source",
+    "mma_source",
+    "KC",
+    "SLICE_HALVES",
+]
