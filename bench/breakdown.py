@@ -5,7 +5,7 @@ blocking client (``RecallClient``) in this process doing recalls one after anoth
 
     end to end        RecallClient.recall, measured here (p50, p99)
     sidecar wait      posted by the client -> taken into a batch (the sidecar's
-                      ``kalos_stage_latency_quantile_seconds{stage="queue_wait"}``)
+                      ``kalos_stage_latency_window_seconds{stage="queue_wait"}``)
     sidecar serve     taken -> answered: the sidecar's ``service`` stage (posted -> answered)
                       less its wait
     client            end to end less the sidecar's service: validate, encode, write, post, then
@@ -65,9 +65,10 @@ def stage_quantiles(port: int) -> dict[tuple[str, str], float]:
         text = r.read().decode()
     out: dict[tuple[str, str], float] = {}
     for fam in text_string_to_metric_families(text):
-        if fam.name == "kalos_stage_latency_quantile_seconds":
+        if fam.name == "kalos_stage_latency_window_seconds":  # a summary: quantiles, _count, _sum
             for s in fam.samples:
-                out[(s.labels["stage"], s.labels["quantile"])] = s.value * 1e6
+                if "quantile" in s.labels:
+                    out[(s.labels["stage"], s.labels["quantile"])] = s.value * 1e6
     return out
 
 
