@@ -81,7 +81,9 @@ class FakeSemaphore:
 class FakeConnection(Connection):
     """A transport over a bytearray: same interface as :class:`Connection`, no OS objects."""
 
-    def __init__(self, layout: Layout, name: str = "fake", payload_limit: int = 16 * 1024) -> None:  # (super().__init__ not called: no OS objects)
+    def __init__(
+        self, layout: Layout, name: str = "fake", payload_limit: int = 16 * 1024
+    ) -> None:  # (super().__init__ not called: no OS objects)
         self.name = name
         self.layout = layout
         self.metric = "dot"
