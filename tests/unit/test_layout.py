@@ -115,8 +115,8 @@ def test_c_header_matches_and_compiles(tmp_path):
     # The committed copy for other languages is the generated one.
     import pathlib
 
-    committed = pathlib.Path(__file__).parents[2] / "docs" / "kalos_protocol.h"
-    assert committed.read_text() == text, "docs/kalos_protocol.h is stale: make protocol-header"
+    committed = pathlib.Path(__file__).parents[2] / "broker" / "kalos_protocol.h"
+    assert committed.read_text() == text, "broker/kalos_protocol.h is stale: make protocol-header"
     c = tmp_path / "t.c"
     c.write_text(f'#include "{committed}"\nint main(void){{return KALOS_SLOT_STATE;}}\n')
     try:
