@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -33,8 +34,7 @@ def test_distribution_name_is_ours_and_docs_use_it() -> None:
         assert "install 'kalos[" not in text and 'install "kalos[' not in text, doc
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _build_wheel(tmp_path_factory: pytest.TempPathFactory, env: dict[str, str]) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     # Built from a copy of the tracked files, so the checkout gets no build/ folder.
     src = tmp_path_factory.mktemp("src")
@@ -51,9 +51,60 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(src)],
         check=True,
         cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     (whl,) = out.glob("kalos_recall-*.whl")
     return whl
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build_wheel(tmp_path_factory, dict(os.environ))
+
+
+@pytest.fixture(scope="module")
+def wheel_without_compiler(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel a machine without a working C compiler builds: ``CC`` fails every compile."""
+    return _build_wheel(tmp_path_factory, {**os.environ, "CC": "/bin/false", "LDSHARED": "/bin/false"})
+
+
+def _venv_with(wheel: Path, where: Path) -> Path:
+    venv = where / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = venv / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    return py
+
+
+_CHOSEN = (
+    "import os; from kalos.broker.slotpath import choose; import importlib; "
+    "print(choose(os.environ, lambda: importlib.import_module('kalos.clients._cslot')).path.value, "
+    "choose(os.environ, lambda: importlib.import_module('kalos.sidecar_cuda._cserve')).path.value)"
+)
+_PLAIN_ENV = {
+    k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KALOS_PURE_PYTHON", "KALOS_REQUIRE_COMPILED")
+}
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the compiled wheel cannot be built")
+def test_the_wheel_carries_the_compiled_slot_path(wheel: Path, tmp_path: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    for ext in ("kalos/clients/_cslot", "kalos/sidecar_cuda/_cserve"):
+        assert any(n.startswith(ext) and n.endswith(".so") for n in names), ext
+    py = _venv_with(wheel, tmp_path)
+    r = subprocess.run([str(py), "-c", _CHOSEN], cwd=tmp_path, env=_PLAIN_ENV, capture_output=True, text=True)
+    assert r.stdout.split() == ["compiled", "compiled"], r.stderr
+
+
+def test_an_install_without_a_compiler_runs_the_python_slot_path(wheel_without_compiler: Path, tmp_path: Path) -> None:
+    names = zipfile.ZipFile(wheel_without_compiler).namelist()
+    assert not [n for n in names if n.endswith(".so")], names
+    py = _venv_with(wheel_without_compiler, tmp_path)
+    r = subprocess.run([str(py), "-c", _CHOSEN], cwd=tmp_path, env=_PLAIN_ENV, capture_output=True, text=True)
+    assert r.stdout.split() == ["python", "python"], r.stderr
+    _recall_beside_a_user_project(py, tmp_path)
 
 
 def test_wheel_holds_one_import_package(wheel: Path) -> None:
@@ -70,10 +121,10 @@ def test_wheel_holds_one_import_package(wheel: Path) -> None:
 
 
 def test_wheel_beside_a_project_with_its_own_clients_and_broker(wheel: Path, tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", str(wheel)], check=True)
+    _recall_beside_a_user_project(_venv_with(wheel, tmp_path), tmp_path)
+
+
+def _recall_beside_a_user_project(py: Path, tmp_path: Path) -> None:
     site = Path(
         subprocess.run(
             [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
@@ -90,7 +141,7 @@ def test_wheel_beside_a_project_with_its_own_clients_and_broker(wheel: Path, tmp
         (project / pkg).mkdir(parents=True)
         (project / pkg / "__init__.py").write_text(f"USER_{pkg.upper()} = True\n")
     name = unique_name("wheel")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env = _PLAIN_ENV
     sidecar = subprocess.Popen(
         [str(py), "-m", "kalos.sidecar_cuda", "--name", name, "--ephemeral", "--dim", "8", "--backend", "numpy"],
         cwd=project,
