@@ -9,6 +9,7 @@
 #   bash bench/gpu_session.sh wgmma   # the wgmma path vs the GEMM paths in the backend, 1M and 2M x
 #                                     # 768 fp16, batches 2-32 (bench/probe.py paths, ~1 min)
 #   bash bench/gpu_session.sh bench   # the full benchmark matrix (bench/bench_gpu.py, ~6 min)
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh ab  # old vs new checkout alternating (~6 min)
 #   bash bench/gpu_session.sh check table
 #
 # The device has no venv: python3 with PYTHONPATH=/tmp/site:. ; wheels for posix_ipc and the
@@ -66,12 +67,34 @@ bench() {
   grep '^inproc' "$OUT/bench.log" | cut -c1-240
 }
 
+# Old and new checkout alternating in one lease (issue 25's table): AB_OLD names a folder holding the
+# old checkout's files (carried: e.g. `git archive 85fb378 | tar -x -C .gpu_old`), AB_ROUNDS the
+# rounds. 256x128 f32 and 1M x 768 f16 at 1 and 256 tasks through the broker; the in-process
+# baselines once, from the new checkout.
+ab() {
+  local old=${AB_OLD:-.gpu_old} rounds=${AB_ROUNDS:-2} r side dir
+  [ -d "$old" ] || { echo "ab: no old checkout in $old"; return 1; }
+  for r in $(seq 1 "$rounds"); do
+    for side in old new; do
+      dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python3 bench/bench_gpu.py \
+        --sizes 256x128:float32,1Mx768:float16 --tasks ${AB_TASKS:-1,256} --seconds 2 --skip-inproc \
+        --out-dir "$OUT" --out-name "ab-$side-$r.json" > "$OUT/ab-$side-$r.log" 2>&1)
+      echo "== $side round $r"; grep -E 'tasks=' "$OUT/ab-$side-$r.log" | cut -c1-200
+    done
+  done
+  timeout 200 python3 bench/bench_gpu.py --sizes 256x128:float32,1Mx768:float16 --skip-broker --reps 300 \
+    --out-dir "$OUT" --out-name ab-inproc.json > "$OUT/ab-inproc.log" 2>&1
+  grep '^inproc' "$OUT/ab-inproc.log" | cut -c1-220
+}
+
 for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
     table) table ;;
     wgmma) wgmma ;;
     bench) bench ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench)"; exit 2 ;;
+    ab) ab ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ab)"; exit 2 ;;
   esac
 done
