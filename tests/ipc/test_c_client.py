@@ -327,7 +327,7 @@ def test_example_program(sidecar_factory, rng, build):
 def test_writes_from_c_are_seen_by_python(sidecar_factory, rng, build, drivers):
     """Upserts (chunked: more rows than a slot holds) and deletes from C, read back by Python;
     what a failed write left (the chunks before it) as the header says."""
-    h, matrix = sidecar_with_rows(sidecar_factory, rng, rows=50)
+    h, matrix = sidecar_with_rows(sidecar_factory, rng, "--blob-bytes", "1024", rows=50)
     d = new_driver(drivers, build)
     d.open(h.name)
     ids = np.arange(1000, 1037)  # 5 chunks of at most 8 rows
@@ -352,6 +352,16 @@ def test_writes_from_c_are_seen_by_python(sidecar_factory, rng, build, drivers):
         assert c.count(namespace="fresh") == 17
         assert c.get(ids, namespace="fresh").missing.tolist() == ids[:20].tolist()
         assert d.delete([1, 2], ns="never-made") == 0
+        # Payloads pack the chunks too: 3 of these fill a slot's 1024-byte blob area; one
+        # larger than the area is refused before anything is sent.
+        big = [json.dumps({"i": i, "pad": "x" * 290}).encode() for i in range(12)]
+        assert d.upsert(np.arange(3000, 3012), rng.standard_normal((12, DIM), dtype=np.float32), big, ns="big") == 12
+        read = [x for lo in range(3000, 3012, 3) for x in c.get(np.arange(lo, lo + 3), namespace="big").payloads]
+        assert read == [json.loads(p) for p in big]
+        with pytest.raises(CError, match="at most 1024") as e:
+            d.upsert([3100], rng.standard_normal((1, DIM), dtype=np.float32), [b'"' + b"y" * 1100 + b'"'], ns="big")
+        assert e.value.code == "KALOS_E_PAYLOAD_TOO_LARGE" and e.value.done == 0
+        assert c.count(namespace="big") == 12
         # A payload the sidecar refuses (not JSON) in the second chunk: the first chunk was
         # applied, the rest not, and the error says how many rows were.
         bad = [b'{"ok": 1}'] * 10 + [b"{not json"] + [b"1"] * 5
