@@ -118,8 +118,12 @@ static const char *status_name(int status) {
  * caching or reordering them. The state word is the protocol's hand-over: written last with
  * release, read first with acquire; the semaphore operations are the fences between processes. */
 
-static inline uint32_t ld32(const uint8_t *p) { return __atomic_load_n((const uint32_t *)(const void *)p, __ATOMIC_ACQUIRE); }
-static inline uint64_t ld64(const uint8_t *p) { return __atomic_load_n((const uint64_t *)(const void *)p, __ATOMIC_ACQUIRE); }
+static inline uint32_t ld32(const uint8_t *p) {
+    return __atomic_load_n((const uint32_t *)(const void *)p, __ATOMIC_ACQUIRE);
+}
+static inline uint64_t ld64(const uint8_t *p) {
+    return __atomic_load_n((const uint64_t *)(const void *)p, __ATOMIC_ACQUIRE);
+}
 static inline void st32(uint8_t *p, uint32_t v) { __atomic_store_n((uint32_t *)(void *)p, v, __ATOMIC_RELEASE); }
 static inline void st64(uint8_t *p, uint64_t v) { __atomic_store_n((uint64_t *)(void *)p, v, __ATOMIC_RELEASE); }
 
@@ -394,9 +398,11 @@ static int open_objects(kalos_client *c, uid_t expected, int group_ok) {
                     "broker '%s' speaks protocol version %u, this client speaks %u: build the client from the "
                     "kalos version matching the sidecar",
                     c->name, version, (unsigned)KALOS_PROTOCOL_VERSION);
-    if (ld32(hdr(c, KALOS_HDR_HEADER_BYTES)) != KALOS_HEADER_BYTES || ld32(hdr(c, KALOS_HDR_DTYPE)) != KALOS_DTYPE_FLOAT32)
+    if (ld32(hdr(c, KALOS_HDR_HEADER_BYTES)) != KALOS_HEADER_BYTES ||
+        ld32(hdr(c, KALOS_HDR_DTYPE)) != KALOS_DTYPE_FLOAT32)
         return fail(KALOS_E_PROTOCOL, "broker '%s': header size or dtype differs from this client's", c->name);
-    if (ld32(hdr(c, KALOS_HDR_HIST_BUCKETS)) != KALOS_HIST_BUCKETS || ld32(hdr(c, KALOS_HDR_RING_LEN)) != KALOS_RING_LEN)
+    if (ld32(hdr(c, KALOS_HDR_HIST_BUCKETS)) != KALOS_HIST_BUCKETS ||
+        ld32(hdr(c, KALOS_HDR_RING_LEN)) != KALOS_RING_LEN)
         return fail(KALOS_E_PROTOCOL, "broker '%s': latency layout differs from this client's", c->name);
     c->g.n_slots = ld32(hdr(c, KALOS_HDR_N_SLOTS));
     c->g.dim = ld32(hdr(c, KALOS_HDR_DIM));
@@ -456,7 +462,10 @@ static int open_objects(kalos_client *c, uid_t expected, int group_ok) {
  * (owner_pid = -1); then the lock bytes are released. With the claim lock held elsewhere only the
  * lock bytes are released: the reaper then frees the slots as a dead owner's. */
 static void give_back(kalos_client *c, kalos_slot *slots, unsigned n) {
+    char kept[sizeof detail_text]; /* the caller's detail outlives a busy claim lock's */
+    memcpy(kept, detail_text, sizeof kept);
     int locked = claim_lock(c) == KALOS_OK;
+    memcpy(detail_text, kept, sizeof kept);
     for (unsigned i = 0; i < n && locked; i++) {
         kalos_slot *s = &slots[i];
         if ((int64_t)ld64(s->ctl + KALOS_SLOT_OWNER_PID) != (int64_t)c->pid) continue;
@@ -518,7 +527,8 @@ static int lease(kalos_client *c, unsigned want) {
         snprintf(path, sizeof path, "/kalos.%s.%u.resp", c->name, s->index);
         s->resp = sem_open(path, 0);
         if (s->resp == SEM_FAILED) s->resp = NULL;
-        if (!s->req || !s->resp) rc = fail(KALOS_E_UNAVAILABLE, "broker '%s': slot %u: %s", c->name, s->index, strerror(errno));
+        if (!s->req || !s->resp)
+            rc = fail(KALOS_E_UNAVAILABLE, "broker '%s': slot %u: %s", c->name, s->index, strerror(errno));
     }
     if (rc) {
         give_back(c, c->slots, got);
@@ -891,7 +901,8 @@ static int roundtrip(kalos_client *c, request *r, uint64_t deadline) {
 static int check_common(const kalos_client *c, const char *ns, size_t *ns_len) {
     if (!c) return fail(KALOS_E_INVALID, "no client (NULL)");
     *ns_len = namespace_len(ns);
-    if (!*ns_len) return fail(KALOS_E_INVALID, "namespace must match ^[A-Za-z0-9_.:@-]{1,64}$, got '%s'", ns ? ns : "(null)");
+    if (!*ns_len)
+        return fail(KALOS_E_INVALID, "namespace must match ^[A-Za-z0-9_.:@-]{1,64}$, got '%s'", ns ? ns : "(null)");
     return KALOS_OK;
 }
 
@@ -909,7 +920,8 @@ static int check_vectors(const kalos_client *c, const float *v, size_t rows, siz
 static int check_ids(const int64_t *ids, size_t n, const char *what) {
     if (!ids) return fail(KALOS_E_INVALID, "%s: NULL ids", what);
     for (size_t i = 0; i < n; i++)
-        if (ids[i] < 0) return fail(KALOS_E_INVALID, "%s: ids must be >= 0, got %lld at %zu", what, (long long)ids[i], i);
+        if (ids[i] < 0)
+            return fail(KALOS_E_INVALID, "%s: ids must be >= 0, got %lld at %zu", what, (long long)ids[i], i);
     return KALOS_OK;
 }
 

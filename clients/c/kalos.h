@@ -119,26 +119,28 @@ KALOS_API kalos_client *kalos_open_with(const char *name, const kalos_options *o
  * reaper). NULL is fine. Must not race other calls on `c`. */
 KALOS_API void kalos_close(kalos_client *c);
 
-/* The sidecar's geometry and metric, from its header. */
-KALOS_API size_t kalos_dim(const kalos_client *c);         /* vector dimension */
-KALOS_API unsigned kalos_max_k(const kalos_client *c);     /* largest k */
-KALOS_API size_t kalos_max_queries(const kalos_client *c); /* rows of one recall_many */
-KALOS_API unsigned kalos_slots(const kalos_client *c);     /* slots this client leases */
-KALOS_API const char *kalos_metric(const kalos_client *c); /* "dot", "cosine" or "l2": what scores mean */
+/* The sidecar's geometry and metric, from its header: the vector dimension, the largest k, the
+ * rows of one recall_many, the slots this client leases, and what scores mean ("dot", "cosine" or
+ * "l2"). */
+KALOS_API size_t kalos_dim(const kalos_client *c);
+KALOS_API unsigned kalos_max_k(const kalos_client *c);
+KALOS_API size_t kalos_max_queries(const kalos_client *c);
+KALOS_API unsigned kalos_slots(const kalos_client *c);
+KALOS_API const char *kalos_metric(const kalos_client *c);
 
 /* Exact top-k of one vector `query` of `dim` floats (dim must be the sidecar's) in namespace
  * `ns` ([A-Za-z0-9_.:@-]{1,64}), k in 1..kalos_max_k. Writes the hits, best first, to
  * ids_out[0..n) and scores_out[0..n) (room for k each) and n = min(k, rows) to *n_out. Higher
  * scores are better in every metric. Errors: KALOS_E_INVALID, KALOS_E_UNKNOWN_NAMESPACE,
  * KALOS_E_TIMEOUT, KALOS_E_UNAVAILABLE, KALOS_E_PROTOCOL, KALOS_E_SERVER. */
-KALOS_API int kalos_recall(kalos_client *c, const char *ns, const float *query, size_t dim, unsigned k, int timeout_ms,
-                 int64_t *ids_out, float *scores_out, size_t *n_out);
+KALOS_API int kalos_recall(kalos_client *c, const char *ns, const float *query, size_t dim, unsigned k,
+                           int timeout_ms, int64_t *ids_out, float *scores_out, size_t *n_out);
 
 /* Top-k of `nq` vectors (row-major, nq x dim; nq in 1..kalos_max_queries) in one slot and one
  * round trip. Query j's hits are ids_out[j*k + 0..n) and scores_out[j*k + 0..n) (room for nq*k
  * each); *n_out = hits per query, the same for every query. Errors as kalos_recall. */
-KALOS_API int kalos_recall_many(kalos_client *c, const char *ns, const float *queries, size_t nq, size_t dim, unsigned k,
-                      int timeout_ms, int64_t *ids_out, float *scores_out, size_t *n_out);
+KALOS_API int kalos_recall_many(kalos_client *c, const char *ns, const float *queries, size_t nq, size_t dim,
+                                unsigned k, int timeout_ms, int64_t *ids_out, float *scores_out, size_t *n_out);
 
 /* Insert or replace `n` records (ids >= 0, vectors n x dim, row-major) in namespace `ns`, which
  * is created if new. `payloads`: NULL, or n JSON texts (one line each; NULL for none), each at
@@ -149,13 +151,13 @@ KALOS_API int kalos_recall_many(kalos_client *c, const char *ns, const float *qu
  * the failed chunk's were not, except after KALOS_E_TIMEOUT, KALOS_E_UNAVAILABLE or
  * KALOS_E_SERVER, when it may have been (docs/protocol.md, "A write answered with an error").
  * Duplicate ids: the last row wins. */
-KALOS_API int kalos_upsert(kalos_client *c, const char *ns, const int64_t *ids, const float *vectors, size_t n, size_t dim,
-                 const char *const *payloads, int timeout_ms, uint64_t *written_out);
+KALOS_API int kalos_upsert(kalos_client *c, const char *ns, const int64_t *ids, const float *vectors, size_t n,
+                           size_t dim, const char *const *payloads, int timeout_ms, uint64_t *written_out);
 
 /* Delete the records of `n` ids (>= 0) from namespace `ns`, in chunks of max_queries ids as for
  * kalos_upsert. *deleted_out (may be NULL) = records that existed (an unknown namespace: 0). */
 KALOS_API int kalos_delete(kalos_client *c, const char *ns, const int64_t *ids, size_t n, int timeout_ms,
-                 uint64_t *deleted_out);
+                           uint64_t *deleted_out);
 
 /* A short English description of a kalos_error. */
 KALOS_API const char *kalos_strerror(int err);
