@@ -107,3 +107,100 @@
 #define KALOS_LATENCYOP_DELETE 3
 #define KALOS_LATENCYOP_GET 4
 #define KALOS_LATENCYOP_OTHER 5
+
+/* Computed parts of the protocol (Layout in broker/layout.py). */
+#include <stdint.h>
+#define KALOS_PAGE_BYTES 4096
+#define KALOS_AREA_ALIGN 64
+#define KALOS_OWNER_ABANDONED (-1)
+#define KALOS_HEARTBEAT_NS 50000000ULL
+#define KALOS_HEARTBEAT_STALE_NS 2000000000ULL
+#define KALOS_DTYPE_FLOAT32 1
+#define KALOS_LIMIT_N_SLOTS_MIN 1ULL
+#define KALOS_LIMIT_N_SLOTS_MAX 4096ULL
+#define KALOS_LIMIT_DIM_MIN 1ULL
+#define KALOS_LIMIT_DIM_MAX 65536ULL
+#define KALOS_LIMIT_MAX_K_MIN 1ULL
+#define KALOS_LIMIT_MAX_K_MAX 16384ULL
+#define KALOS_LIMIT_MAX_QUERIES_MIN 1ULL
+#define KALOS_LIMIT_MAX_QUERIES_MAX 4096ULL
+#define KALOS_LIMIT_BLOB_BYTES_MIN 1024ULL
+#define KALOS_LIMIT_BLOB_BYTES_MAX 268435456ULL
+
+/* A broker's geometry, as its header gives it. Check it with kalos_geometry_ok before any other
+ * function below: within the limits no product of fields overflows. */
+typedef struct kalos_geometry {
+    uint64_t n_slots, dim, max_k, max_queries, blob_bytes;
+} kalos_geometry;
+
+static inline int kalos_geometry_ok(const kalos_geometry *g) {
+    return g->n_slots >= KALOS_LIMIT_N_SLOTS_MIN && g->n_slots <= KALOS_LIMIT_N_SLOTS_MAX &&
+           g->dim >= KALOS_LIMIT_DIM_MIN && g->dim <= KALOS_LIMIT_DIM_MAX &&
+           g->max_k >= KALOS_LIMIT_MAX_K_MIN && g->max_k <= KALOS_LIMIT_MAX_K_MAX &&
+           g->max_queries >= KALOS_LIMIT_MAX_QUERIES_MIN && g->max_queries <= KALOS_LIMIT_MAX_QUERIES_MAX &&
+           g->blob_bytes >= KALOS_LIMIT_BLOB_BYTES_MIN && g->blob_bytes <= KALOS_LIMIT_BLOB_BYTES_MAX;
+}
+
+static inline uint64_t kalos_align(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+/* The segment: header, control blocks, stats blocks (page aligned), data areas (page aligned). */
+static inline uint64_t kalos_control_base(uint64_t i) { return KALOS_HEADER_BYTES + i * KALOS_CONTROL_BYTES; }
+
+static inline uint64_t kalos_stats_offset(const kalos_geometry *g) {
+    return kalos_align(KALOS_HEADER_BYTES + g->n_slots * KALOS_CONTROL_BYTES, KALOS_PAGE_BYTES);
+}
+
+static inline uint64_t kalos_data_offset(const kalos_geometry *g) {
+    return kalos_align(kalos_stats_offset(g) + g->n_slots * KALOS_STATS_BYTES, KALOS_PAGE_BYTES);
+}
+
+static inline uint64_t kalos_stats_base(const kalos_geometry *g, uint64_t i) {
+    return kalos_stats_offset(g) + i * KALOS_STATS_BYTES;
+}
+
+/* Inside one slot's data area: queries f32[max_queries][dim], ids i64[max_queries], result ids
+ * i64[max_queries][max_k], result scores f32[max_queries][max_k], blob u8[blob_bytes]. */
+static inline uint64_t kalos_query_offset(const kalos_geometry *g) {
+    (void)g;
+    return 0;
+}
+
+static inline uint64_t kalos_ids_offset(const kalos_geometry *g) {
+    return kalos_align(kalos_query_offset(g) + 4 * g->max_queries * g->dim, KALOS_AREA_ALIGN);
+}
+
+static inline uint64_t kalos_result_ids_offset(const kalos_geometry *g) {
+    return kalos_align(kalos_ids_offset(g) + 8 * g->max_queries, KALOS_AREA_ALIGN);
+}
+
+static inline uint64_t kalos_result_scores_offset(const kalos_geometry *g) {
+    return kalos_align(kalos_result_ids_offset(g) + 8 * g->max_queries * g->max_k, KALOS_AREA_ALIGN);
+}
+
+static inline uint64_t kalos_blob_offset(const kalos_geometry *g) {
+    return kalos_align(kalos_result_scores_offset(g) + 4 * g->max_queries * g->max_k, KALOS_AREA_ALIGN);
+}
+
+/* The stride of the data areas (the header's slot_bytes). */
+static inline uint64_t kalos_slot_bytes(const kalos_geometry *g) {
+    return kalos_align(kalos_blob_offset(g) + g->blob_bytes, KALOS_PAGE_BYTES);
+}
+
+static inline uint64_t kalos_data_base(const kalos_geometry *g, uint64_t i) {
+    return kalos_data_offset(g) + i * kalos_slot_bytes(g);
+}
+
+/* The segment's size. */
+static inline uint64_t kalos_total_bytes(const kalos_geometry *g) {
+    return kalos_data_offset(g) + g->n_slots * kalos_slot_bytes(g);
+}
+
+/* The histogram bucket of a latency (ns): the first upper bound >= it; the last is +Inf. */
+static inline unsigned kalos_latency_bucket(uint64_t ns) {
+    static const uint64_t bounds[39] = {5000ULL, 10000ULL, 15000ULL, 20000ULL, 25000ULL, 30000ULL, 40000ULL, 50000ULL, 60000ULL, 75000ULL, 100000ULL, 125000ULL, 150000ULL, 200000ULL, 250000ULL, 300000ULL, 400000ULL, 500000ULL, 600000ULL, 750000ULL, 1000000ULL, 1250000ULL, 1500000ULL, 2000000ULL, 2500000ULL, 3000000ULL, 4000000ULL, 5000000ULL, 7500000ULL, 10000000ULL, 15000000ULL, 25000000ULL, 50000000ULL, 100000000ULL, 250000000ULL, 500000000ULL, 1000000000ULL, 2500000000ULL, 5000000000ULL};
+    unsigned j = 0;
+    while (j < 39 && bounds[j] < ns) {
+        j++;
+    }
+    return j;
+}

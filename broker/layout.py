@@ -385,6 +385,20 @@ HEARTBEAT_S = 0.05
 HEARTBEAT_STALE_S = 2.0
 
 
+#: The geometries a sidecar may serve: (field, lowest, highest). ``Layout.check`` holds a sidecar's
+#: options to them, and clients hold a header to them before computing an offset from it (the
+#: generated C header carries them as ``KALOS_LIMIT_*``), so no product of fields overflows.
+GEOMETRY_LIMITS: tuple[tuple[str, int, int], ...] = (
+    ("n_slots", 1, 4096),
+    ("dim", 1, 65536),
+    ("max_k", 1, 16384),
+    ("max_queries", 1, 4096),
+    ("blob_bytes", 1024, 1 << 28),
+)
+#: The alignment of the areas inside a slot's data area (``Layout.ids_offset`` and after).
+AREA_ALIGN = 64
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -445,19 +459,19 @@ class Layout:
 
     @property
     def ids_offset(self) -> int:
-        return _align(self.query_offset + 4 * self.max_queries * self.dim, 64)
+        return _align(self.query_offset + 4 * self.max_queries * self.dim, AREA_ALIGN)
 
     @property
     def result_ids_offset(self) -> int:
-        return _align(self.ids_offset + 8 * self.max_queries, 64)
+        return _align(self.ids_offset + 8 * self.max_queries, AREA_ALIGN)
 
     @property
     def result_scores_offset(self) -> int:
-        return _align(self.result_ids_offset + 8 * self.max_queries * self.max_k, 64)
+        return _align(self.result_ids_offset + 8 * self.max_queries * self.max_k, AREA_ALIGN)
 
     @property
     def blob_offset(self) -> int:
-        return _align(self.result_scores_offset + 4 * self.max_queries * self.max_k, 64)
+        return _align(self.result_scores_offset + 4 * self.max_queries * self.max_k, AREA_ALIGN)
 
     @property
     def slot_bytes(self) -> int:
@@ -478,13 +492,7 @@ class Layout:
         return self.data_offset + i * self.slot_bytes
 
     def check(self) -> None:
-        for field, lo, hi in (
-            ("n_slots", 1, 4096),
-            ("dim", 1, 65536),
-            ("max_k", 1, 16384),
-            ("max_queries", 1, 4096),
-            ("blob_bytes", 1024, 1 << 28),
-        ):
+        for field, lo, hi in GEOMETRY_LIMITS:
             v = getattr(self, field)
             if not isinstance(v, int) or not lo <= v <= hi:
                 raise ConfigError(f"{field} must be an integer in [{lo}, {hi}], got {v!r}")
@@ -619,6 +627,110 @@ def c_header() -> str:
     for enum in (SlotState, SidecarState, Op, Status, Flag, Metric, LatencyOp):
         for m in enum:
             lines.append(f"#define KALOS_{enum.__name__.upper()}_{m.name} {int(m)}")
+    return "\n".join(lines) + "\n" + _c_geometry()
+
+
+def _c_geometry() -> str:
+    """The part of the C header that computes: the constants a client needs besides offsets, and
+    ``static inline`` functions for :class:`Layout`'s offsets and the latency bucket of
+    ``LATENCY_BOUNDS_NS``, for a geometry read from a header (``tests/unit/test_layout_c.py``
+    compiles them and compares them with :class:`Layout` over random geometries)."""
+    lines = [
+        "",
+        "/* Computed parts of the protocol (Layout in broker/layout.py). */",
+        "#include <stdint.h>",
+        f"#define KALOS_PAGE_BYTES {PAGE}",
+        f"#define KALOS_AREA_ALIGN {AREA_ALIGN}",
+        f"#define KALOS_OWNER_ABANDONED ({OWNER_ABANDONED})",
+        f"#define KALOS_HEARTBEAT_NS {round(HEARTBEAT_S * 1e9)}ULL",
+        f"#define KALOS_HEARTBEAT_STALE_NS {round(HEARTBEAT_STALE_S * 1e9)}ULL",
+    ]
+    for m in Dtype:
+        lines.append(f"#define KALOS_DTYPE_{m.name} {int(m)}")
+    for field, lo, hi in GEOMETRY_LIMITS:
+        lines.append(f"#define KALOS_LIMIT_{field.upper()}_MIN {lo}ULL")
+        lines.append(f"#define KALOS_LIMIT_{field.upper()}_MAX {hi}ULL")
+    checks = " &&\n           ".join(
+        f"g->{field} >= KALOS_LIMIT_{field.upper()}_MIN && g->{field} <= KALOS_LIMIT_{field.upper()}_MAX"
+        for field, _lo, _hi in GEOMETRY_LIMITS
+    )
+    bounds = ", ".join(f"{b}ULL" for b in LATENCY_BOUNDS_NS)
+    lines.append(
+        f"""
+/* A broker's geometry, as its header gives it. Check it with kalos_geometry_ok before any other
+ * function below: within the limits no product of fields overflows. */
+typedef struct kalos_geometry {{
+    uint64_t n_slots, dim, max_k, max_queries, blob_bytes;
+}} kalos_geometry;
+
+static inline int kalos_geometry_ok(const kalos_geometry *g) {{
+    return {checks};
+}}
+
+static inline uint64_t kalos_align(uint64_t n, uint64_t a) {{ return (n + a - 1) / a * a; }}
+
+/* The segment: header, control blocks, stats blocks (page aligned), data areas (page aligned). */
+static inline uint64_t kalos_control_base(uint64_t i) {{ return KALOS_HEADER_BYTES + i * KALOS_CONTROL_BYTES; }}
+
+static inline uint64_t kalos_stats_offset(const kalos_geometry *g) {{
+    return kalos_align(KALOS_HEADER_BYTES + g->n_slots * KALOS_CONTROL_BYTES, KALOS_PAGE_BYTES);
+}}
+
+static inline uint64_t kalos_data_offset(const kalos_geometry *g) {{
+    return kalos_align(kalos_stats_offset(g) + g->n_slots * KALOS_STATS_BYTES, KALOS_PAGE_BYTES);
+}}
+
+static inline uint64_t kalos_stats_base(const kalos_geometry *g, uint64_t i) {{
+    return kalos_stats_offset(g) + i * KALOS_STATS_BYTES;
+}}
+
+/* Inside one slot's data area: queries f32[max_queries][dim], ids i64[max_queries], result ids
+ * i64[max_queries][max_k], result scores f32[max_queries][max_k], blob u8[blob_bytes]. */
+static inline uint64_t kalos_query_offset(const kalos_geometry *g) {{
+    (void)g;
+    return 0;
+}}
+
+static inline uint64_t kalos_ids_offset(const kalos_geometry *g) {{
+    return kalos_align(kalos_query_offset(g) + 4 * g->max_queries * g->dim, KALOS_AREA_ALIGN);
+}}
+
+static inline uint64_t kalos_result_ids_offset(const kalos_geometry *g) {{
+    return kalos_align(kalos_ids_offset(g) + 8 * g->max_queries, KALOS_AREA_ALIGN);
+}}
+
+static inline uint64_t kalos_result_scores_offset(const kalos_geometry *g) {{
+    return kalos_align(kalos_result_ids_offset(g) + 8 * g->max_queries * g->max_k, KALOS_AREA_ALIGN);
+}}
+
+static inline uint64_t kalos_blob_offset(const kalos_geometry *g) {{
+    return kalos_align(kalos_result_scores_offset(g) + 4 * g->max_queries * g->max_k, KALOS_AREA_ALIGN);
+}}
+
+/* The stride of the data areas (the header's slot_bytes). */
+static inline uint64_t kalos_slot_bytes(const kalos_geometry *g) {{
+    return kalos_align(kalos_blob_offset(g) + g->blob_bytes, KALOS_PAGE_BYTES);
+}}
+
+static inline uint64_t kalos_data_base(const kalos_geometry *g, uint64_t i) {{
+    return kalos_data_offset(g) + i * kalos_slot_bytes(g);
+}}
+
+/* The segment's size. */
+static inline uint64_t kalos_total_bytes(const kalos_geometry *g) {{
+    return kalos_data_offset(g) + g->n_slots * kalos_slot_bytes(g);
+}}
+
+/* The histogram bucket of a latency (ns): the first upper bound >= it; the last is +Inf. */
+static inline unsigned kalos_latency_bucket(uint64_t ns) {{
+    static const uint64_t bounds[{len(LATENCY_BOUNDS_NS)}] = {{{bounds}}};
+    unsigned j = 0;
+    while (j < {len(LATENCY_BOUNDS_NS)} && bounds[j] < ns) {{
+        j++;
+    }}
+    return j;
+}}"""
+    )
     return "\n".join(lines) + "\n"
 
 
