@@ -264,14 +264,16 @@ class PySlotIO:
 # --------------------------------------------------------------------------- the compiled one
 
 
-#: The slot fields the compiled code reads or writes, by name: its (offset, width) must be the
-#: layout's. Checked at load (:func:`load_compiled`) and by a test.
+#: An integer definition of the generated C header (:func:`kalos.broker.layout.c_header`).
 _HEADER_INT = re.compile(r"#define (KALOS_\w+) (0x[0-9a-f]+|\d+)")
 
 
 def layout_problems(compiled: Mapping[str, object]) -> list[str]:
     """How the values an extension was compiled with (``SlotIO.layout()``) differ from
-    :mod:`kalos.broker.layout`; empty when they agree. Pure."""
+    :mod:`kalos.broker.layout`; empty when they agree. Pure. ``compiled`` maps each header
+    definition the C code uses (``KALOS_...``) to its value, and each control-block field it
+    reads or writes to its (offset, width): a header not regenerated, or an extension not rebuilt,
+    after a layout change shows here (at load, :func:`load_compiled`, and in a test)."""
     header = {m[1]: int(m[2], 0) for m in _HEADER_INT.finditer(c_header())}
     fields = {name: (off, np.dtype(typ).itemsize) for name, typ, off in SLOT_FIELDS}
     problems = []

@@ -64,6 +64,9 @@ class World:
         ]
         choice = Choice(path, module if path is SlotPath.COMPILED else None, "test")  # type: ignore[arg-type]
         self.io: SlotIO = open_slot_io(choice, self.seg, self.words, memoryview(self.buf), self.req, self.resp)
+        # (what each world claims to run is what runs)
+        assert type(self.io).__name__ == ("SlotIO" if path is SlotPath.COMPILED else "PySlotIO"), type(self.io)
+        assert (type(self.io).__module__ == "kalos.sidecar_cuda._cserve") == (path is SlotPath.COMPILED)
 
     def values(self) -> tuple[list[int], list[int]]:
         return [s.value for s in self.req], [s.value for s in self.resp]
