@@ -14,41 +14,36 @@ Step 1 is :meth:`AnswerWriter.answer` and its relatives (a batch writes the answ
 slots first); steps 2-4 are :meth:`AnswerWriter.deliver`, called once the whole batch is written;
 :meth:`AnswerWriter.answer_single` does all four for the one request of the SINGLE route. Nothing
 else in the sidecar writes these fields or posts ``resp``.
+
+The calls every recall makes (a uniform batch's answers, the publishing of every batch, the SINGLE
+route's answer) are byte work of the sidecar's :class:`~kalos.sidecar_cuda.slotio.SlotIO`: compiled
+(``_cserve``) or its Python twin, in the same order. The rarer answers (errors, blobs, exported
+rows, the general route's hits) are written here in Python on either path.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable
 
 import numpy as np
 
-from ..broker.layout import S_DONE, Layout, SegmentView, SlotWords, Status
+from ..broker.layout import Layout, SegmentView, SlotWords, Status
 from ..broker.positions import Position
-
-_OK = int(Status.OK)
-
-
-class Poster(Protocol):
-    """A slot's response semaphore (``posix_ipc.Semaphore``): only ever posted here."""
-
-    def release(self) -> None: ...
+from .slotio import SlotIO
 
 
 class AnswerWriter:
     """Writes answers into a segment and posts them (see the module docstring for the order).
 
-    ``resp``: each slot's response semaphore; ``count_error``: called with the status of every
-    answer that is not OK (the sidecar's error counters)."""
+    ``io``: the slot path's byte work, which posts each slot's response semaphore (the only
+    posts of them); ``count_error``: called with the status of every answer that is not OK (the
+    sidecar's error counters)."""
 
-    def __init__(
-        self, seg: SegmentView, words: SlotWords, resp: Sequence[Poster], count_error: Callable[[int], None]
-    ) -> None:
+    def __init__(self, seg: SegmentView, words: SlotWords, io: SlotIO, count_error: Callable[[int], None]) -> None:
         self.seg = seg
         self.layout: Layout = seg.layout
         self._words = words
-        self._resp = resp
+        self._io = io
         self._count_error = count_error
 
     # ------------------------------------------------------------------ 1. the answer
@@ -94,21 +89,15 @@ class AnswerWriter:
         scores: np.ndarray,
         rows: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
-        """The OK answers of a UNIFORM batch in a fixed number of numpy calls: slots ``sel``, their
-        control blocks ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query
-        per slot, or the (slot, row) of each query in ``rows``."""
-        kk = ids.shape[1]
-        seg, slots = self.seg, self.seg.slots
+        """The OK answers of a UNIFORM batch in one call: slots ``sel``, their control blocks
+        ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query per slot, or the
+        (slot, row) of each query in ``rows``. ``n_results`` is min(k asked, kk)."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        scores = np.ascontiguousarray(scores, np.float32)
         if rows is None:
-            seg.all_result_ids[sel, 0, :kk] = ids
-            seg.all_result_scores[sel, 0, :kk] = scores
+            self._io.answer_recalls(sel, rec, ids, scores, None, None)
         else:
-            seg.all_result_ids[rows[0], rows[1], :kk] = ids
-            seg.all_result_scores[rows[0], rows[1], :kk] = scores
-        slots["status"][sel] = _OK
-        slots["n_results"][sel] = np.minimum(rec["k"], kk)
-        slots["blob_len"][sel] = 0
-        slots["resp_generation"][sel] = rec["generation"]
+            self._io.answer_recalls(sel, rec, ids, scores, rows[0], rows[1])
 
     def _fields(self, slot: int, generation: int, status: Status, n_results: int, blob_len: int) -> None:
         W = self._words
@@ -120,36 +109,15 @@ class AnswerWriter:
             self._count_error(status)
 
     # ------------------------------------------------------------------ 2-4. stamp, DONE, post
-    def deliver(self, sel: np.ndarray, slots: Sequence[int]) -> int:
-        """Publish the written answers of a batch (``sel``: the same slots as an index array).
-        Returns the ``t_done_ns`` stamped (CLOCK_MONOTONIC)."""
-        ctl = self.seg.slots
-        ctl["batch_size"][sel] = len(slots)
-        t_done = time.monotonic_ns()
-        ctl["t_done_ns"][sel] = t_done
-        ctl["state"][sel] = S_DONE  # last field written, then each post (the fence)
-        resp = self._resp
-        for i in slots:
-            resp[i].release()
-        return t_done
+    def deliver(self, sel: np.ndarray) -> int:
+        """Publish the written answers of a batch, slots ``sel`` (an int64 index array): stamps,
+        DONE, then each post. Returns the ``t_done_ns`` stamped (CLOCK_MONOTONIC)."""
+        return self._io.deliver(sel)
 
     # ------------------------------------------------------------------ 1-4 at once
     def answer_single(self, slot: int, ids: np.ndarray, scores: np.ndarray) -> int:
-        """Answer and publish one one-query recall (the SINGLE route), every field through word
-        views: ``ids``, ``scores`` (1, kk). Returns the ``t_done_ns`` stamped."""
-        W = self._words
-        u32, u64 = W.u32, W.u64
-        sv = self.seg.slot[slot]
-        kk = ids.shape[1]
-        sv.result_ids[0, :kk] = ids[0]  # 1. the answer
-        sv.result_scores[0, :kk] = scores[0]
-        u32[W.status[slot]] = _OK
-        u32[W.n_results[slot]] = kk
-        u32[W.blob_len[slot]] = 0
-        u64[W.resp_generation[slot]] = u64[W.generation[slot]]
-        u32[W.batch_size[slot]] = 1  # 2. the stamps
-        t_done = time.monotonic_ns()
-        u64[W.t_done_ns[slot]] = t_done
-        u32[W.state[slot]] = S_DONE  # 3. last field written, then 4. the post (the fence)
-        self._resp[slot].release()
-        return t_done
+        """Answer and publish one one-query recall (the SINGLE route) in one call: ``ids``,
+        ``scores`` (1, kk). Returns the ``t_done_ns`` stamped."""
+        return self._io.answer_single(
+            slot, np.ascontiguousarray(ids, np.int64), np.ascontiguousarray(scores, np.float32)
+        )

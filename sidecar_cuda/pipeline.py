@@ -12,7 +12,10 @@ batch, lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and ru
   answers leave in order), then the batch is served request by request (:mod:`kalos.sidecar_cuda.general`).
 
 At most :data:`PIPELINE_DEPTH` batches are in flight. Answers go through the
-:class:`~kalos.sidecar_cuda.answers.AnswerWriter`.
+:class:`~kalos.sidecar_cuda.answers.AnswerWriter`. The byte work (finding and taking the posted
+slots, the snapshot of their control blocks, gathering their queries, writing and publishing
+answers) is the :class:`~kalos.sidecar_cuda.slotio.SlotIO`'s, compiled or not; every decision is
+made here and in :mod:`~kalos.sidecar_cuda.batching`, on either path.
 """
 
 from __future__ import annotations
@@ -21,14 +24,12 @@ import logging
 import mmap
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
-import posix_ipc
 
-from ..broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_field_offset
+from ..broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_dtype, slot_field_offset
 from ..broker.names import decode_namespace
 from .answers import AnswerWriter
 from .backends.base import PendingSearch, completed
@@ -39,10 +40,10 @@ from .batching import (
     Route,
     SlotRef,
     classify,
-    posted_slots,
     query_rows,
 )
 from .general import GeneralRoute
+from .slotio import SlotIO
 from .stats import BatchRecord, SidecarStats
 from .store import MemoryStore, Namespace
 from .waits import HeldReads
@@ -55,12 +56,6 @@ PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds 
 # A batch in flight this long: wait for it in result(), where the backend's timeout applies (a
 # hung device then becomes BACKEND_ERROR answers instead of a loop polling forever).
 _BLOCK_AFTER_NS = 500_000_000
-
-
-class Acquirable(Protocol):
-    """A slot's request semaphore (``posix_ipc.Semaphore``)."""
-
-    def acquire(self, timeout: float | None = None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -81,8 +76,8 @@ class InFlight:
 class Pipeline:
     """Serves the posted slots of one segment (see the module docstring).
 
-    ``req``: each slot's request semaphore; ``mem``: the mapped segment (namespace bytes are read
-    from it); ``stagings``: :data:`PIPELINE_DEPTH` buffers for gathered queries (pinned on CUDA);
+    ``io``: the slot path's byte work (the same object the writer answers through); ``mem``: the
+    mapped segment (namespace bytes are read from it); ``stagings``: :data:`PIPELINE_DEPTH` buffers for gathered queries (pinned on CUDA);
     ``gather_ns``: the longest a pass waits for more callers (``--gather-us``);
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
@@ -91,7 +86,7 @@ class Pipeline:
         seg: SegmentView,
         words: SlotWords,
         mem: mmap.mmap,
-        req: Sequence[Acquirable],
+        io: SlotIO,
         writer: AnswerWriter,
         general: GeneralRoute,
         store: MemoryStore,
@@ -106,7 +101,7 @@ class Pipeline:
     ) -> None:
         self.seg = seg
         self._words = words
-        self._req = req
+        self._io = io
         self.writer = writer
         self.general = general
         self.store = store
@@ -117,7 +112,8 @@ class Pipeline:
         self._batches_word = batches_word
         self._on_unexpected = on_unexpected
         self.hold = hold  # reads waiting for a fleet position (after=)
-        self._states = seg.slots["state"]
+        self._posted = np.empty(seg.layout.n_slots, np.intp)  # scan's output, reused by every pass
+        self._rec_dtype = slot_dtype()
         self._ns_names: dict[tuple[bytes, int], str] = {}
         self._lookup = self._namespace  # (bound once: the SINGLE route runs per request)
         # Per slot, made once: its request read in place, and its first query row.
@@ -142,14 +138,14 @@ class Pipeline:
             served += self.finish_uniform(inflight.popleft())
         if len(inflight) >= PIPELINE_DEPTH:
             return served
-        idx = posted_slots(self._states)
+        n_posted = self._io.scan(self._posted)
         ready: list[int] = []
         if self.hold.held:
             ready, expired = self.hold.release()
             served += expired
-        if len(idx) == 0 and not ready:
+        if n_posted == 0 and not ready:
             return served
-        taken, t_pick = self._take(idx) if len(idx) else ([], 0)
+        taken, t_pick = self._take(n_posted) if n_posted else ([], 0)
         if taken:
             taken = self.hold.admit(taken, t_pick)
         if ready:  # held reads whose position is applied now join this batch
@@ -166,28 +162,26 @@ class Pipeline:
                 return served + self._serve_single(i, t_pick, plan, q)
             if self._words.u32[self._words.nq[i]] != 1:
                 plan = None  # several rows (recall_many): the batch route may still take it
-        # Every other route starts from the control blocks, read once.
-        slots = self.seg.slots
+        # Every other route starts from the control blocks, read once: the slots are marked BUSY
+        # and their blocks copied out (what the clients wrote, read once) in one call.
         sel = np.asarray(taken, np.intp)
-        slots["state"][sel] = S_BUSY
-        slots["t_pick_ns"][sel] = t_pick
-        rec = slots[sel]  # a copy of the control blocks: what the clients wrote, read once
+        rec = np.empty(len(sel), self._rec_dtype)
+        self._io.snapshot(sel, t_pick, rec)
         t0 = time.perf_counter_ns()
         if plan is None:
-            # Gather the first query of each request with one copy into a staging buffer no batch
-            # in flight uses (pinned: the CUDA backend copies it to the device from there). A
-            # fancy index then a contiguous copy: 2.7x faster than np.take(out=) here.
-            # Requests of several rows each (recall_many, coalescing clients): every row, in order.
+            # Gather the first query of each request into a staging buffer no batch in flight uses
+            # (pinned: the CUDA backend copies it to the device from there). Requests of several
+            # rows each (recall_many, coalescing clients): every row, in order.
             st = 1 - inflight[0].staging if inflight else 0
             rows = None  # (only plain recalls can take the uniform route: gather their rows)
             if (rec["op"] == _RECALL).all() and not (rec["flags"] & ~np.uint32(_WHERE)).any():
                 rows = query_rows(sel, rec["nq"], self.limits.max_queries)
             if rows is None:
                 q = self._stagings[st][: len(sel)]
-                q[...] = self.seg.all_queries[sel, 0]
+                self._io.gather(sel, None, q)
             else:
                 q = self._stagings[st][: len(rows[0])]
-                q[...] = self.seg.all_queries[rows]
+                self._io.gather(rows[0], rows[1], q)
             plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
             if plan.route is Route.UNIFORM:
                 if plan.where is not None:  # searched synchronously: answer the batch in flight first
@@ -202,39 +196,35 @@ class Pipeline:
         served += self.finish_inflight()
         return served + self._serve_general(sel, taken, rec, t_pick, t0, plan.reason)
 
-    def _take(self, idx: np.ndarray) -> tuple[list[int], int]:
-        """Of the posted slots ``idx``, those whose request semaphore could be taken (the
-        try-wait is the fence before reading the request), and when they were taken."""
+    def _take(self, n_posted: int) -> tuple[list[int], int]:
+        """Of the ``n_posted`` slots the last scan found posted, those whose request semaphore
+        could be taken (the try-wait is the fence before reading the request), and when they
+        were taken."""
         inflight = self.inflight
         if inflight:
             # One batch on the device: start the next right behind it once as many callers as
             # last time have posted, or as soon as the device is about to be idle.
-            if len(idx) < self._last_batch and not inflight[0].pending.done():
+            if n_posted < self._last_batch and not inflight[0].pending.done():
                 return [], 0
-        elif len(idx) < self._last_batch and self._gather_ns:
-            idx = self._gather()
+        elif n_posted < self._last_batch and self._gather_ns:
+            n_posted = self._gather()
         t_pick = time.monotonic_ns()
-        taken: list[int] = []
-        req = self._req
-        for i in idx.tolist():
-            try:
-                req[i].acquire(0)
-            except posix_ipc.BusyError:
-                continue  # client between writing POSTED and posting req; next scan brings it
-            taken.append(i)
-        return taken, t_pick
+        # Slots between writing POSTED and posting req are not taken: the next scan brings them.
+        n = self._io.take(self._posted, n_posted)
+        return self._posted[:n].tolist(), t_pick
 
-    def _gather(self) -> np.ndarray:
+    def _gather(self) -> int:
         """Fewer requests are posted than the last batch held: their callers are most likely
         re-posting right now. Wait a little for them (a quarter of the last batch's service time,
         at most ``gather_us``) so a steady set of callers keeps getting served in full batches
-        instead of a batch of one followed by the rest. Costs nothing with one caller."""
+        instead of a batch of one followed by the rest. Costs nothing with one caller. Returns
+        how many are posted (scanned into ``_posted``)."""
         end = time.monotonic_ns() + min(self._gather_ns, self._last_service_ns // 4)
         want = self._last_batch
         while True:
-            idx = posted_slots(self._states)
-            if len(idx) >= want or time.monotonic_ns() >= end:
-                return idx
+            n = self._io.scan(self._posted)
+            if n >= want or time.monotonic_ns() >= end:
+                return n
 
     def _namespace(self, key: tuple[bytes, int]) -> Namespace | None:
         """The namespace named by a slot's (raw bytes, length), decoded once per distinct key;
@@ -344,7 +334,7 @@ class Pipeline:
         t1 = time.perf_counter_ns()
         n = len(taken)
         self._last_batch, self._last_service_ns = n, t1 - t0
-        t_done = self.writer.deliver(sel, taken)
+        t_done = self.writer.deliver(sel)
         self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done), route)
         self._words.u64[self._batches_word] = self.stats.batches
         return n
@@ -365,5 +355,5 @@ class Pipeline:
         stranded = sorted(busy)
         for i in stranded:
             self.writer.answer(i, int(slots[i]["generation"]), Status.SERVER_ERROR, detail)
-        self.writer.deliver(np.asarray(stranded, np.intp), stranded)
+        self.writer.deliver(np.asarray(stranded, np.intp))
         return len(stranded)

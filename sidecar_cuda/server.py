@@ -31,6 +31,7 @@ from ..broker.errors import ConfigError
 from ..broker.layout import HEARTBEAT_S, SegmentView, SidecarState, SlotWords, header_field_offset
 from ..broker.names import validate_broker_name
 from ..broker.positions import BEYOND, Position
+from ..broker.slotpath import Choice, choose
 from ..broker.waiting import SpinThenBlock
 from .answers import AnswerWriter
 from .backends.base import Backend
@@ -45,6 +46,7 @@ from .objects import create as create_objects
 from .objects import unlink as unlink_objects
 from .persist import Durable, Persistence, StoreKind, store_kind
 from .pipeline import PIPELINE_DEPTH, Pipeline
+from .slotio import SlotIO, load_compiled, open_slot_io
 from .stats import SidecarStats
 from .store import MemoryStore
 from .waits import HeldReads
@@ -58,8 +60,14 @@ _REAP_WAIT_WARN_PASSES = 40  # reaper passes held off by the claim lock (10 s) b
 
 
 class Sidecar:
-    def __init__(self, cfg: ServeConfig, backend: Backend | None = None) -> None:
+    """One sidecar process's serving state. ``backend``: injected (tests, benchmarks), else
+    chosen from ``cfg``; ``slot_path``: the slot path's choice (:mod:`kalos.broker.slotpath`),
+    else made from this process's environment (``KALOS_PURE_PYTHON``, ``KALOS_REQUIRE_COMPILED``;
+    a ConfigError when the compiled path is required and not built)."""
+
+    def __init__(self, cfg: ServeConfig, backend: Backend | None = None, slot_path: Choice | None = None) -> None:
         validate_broker_name(cfg.name)
+        self.slot_path = slot_path or choose(os.environ, load_compiled)
         self.cfg = cfg
         self.layout = cfg.layout()
         self.metric = cfg.metric_enum()
@@ -92,6 +100,7 @@ class Sidecar:
             for _ in range(PIPELINE_DEPTH)
         ]
         self.pipeline: Pipeline | None = None  # built by start()
+        self._io: SlotIO | None = None  # the slot path's byte work, made by start()
         self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
         self._last_error_log = 0.0
@@ -159,13 +168,15 @@ class Sidecar:
         self.ready = True
         sd_notify(f"READY=1\nSTATUS=serving broker {cfg.name!r}")
         log.info(
-            "kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, %s",
+            "kalos sidecar %r ready: backend %s, dim %d, %d slots, max_k %d, metric %s, slot path %s (%s), %s",
             cfg.name,
             self.backend.description,
             cfg.dim,
             cfg.slots,
             cfg.max_k,
             self.metric.name.lower(),
+            self.slot_path.path.value,
+            self.slot_path.reason,
             f"replica of {self.fleet.target.shown}"
             if self.fleet is not None
             else "ephemeral"
@@ -228,8 +239,9 @@ class Sidecar:
 
     def _build_pipeline(self) -> Pipeline:
         assert self._objs is not None and self.seg is not None
-        cfg, seg = self.cfg, self.seg
-        writer = AnswerWriter(seg, self._words, self._objs.resp, self.stats.record_error)
+        cfg, seg, objs = self.cfg, self.seg, self._objs
+        self._io = open_slot_io(self.slot_path, seg, self._words, memoryview(objs.mm), objs.req, objs.resp)
+        writer = AnswerWriter(seg, self._words, self._io, self.stats.record_error)
         general = GeneralRoute(
             seg,
             writer,
@@ -251,7 +263,7 @@ class Sidecar:
             seg,
             self._words,
             self._objs.mm,
-            self._objs.req,
+            self._io,
             writer,
             general,
             self.store,
@@ -315,6 +327,8 @@ class Sidecar:
         if self.seg is not None and int(self.seg.header["state"]) != SidecarState.FAILED:
             self.seg.header["state"] = SidecarState.STOPPED
         objs, self._objs = self._objs, None
+        if self._io is not None:
+            self._io.close()  # (its semaphores are closed here; posix_ipc's handles below)
         unlink_objects(self.cfg.name, objs)
         if self.persist is not None:
             self.persist.close()

@@ -120,5 +120,4 @@ class HeldReads:
                 Status.NOT_APPLIED,
                 f"position {h.position} {why}: this sidecar has applied its fleet's change log up to {applied}",
             )
-        slots = [h.slot for h in held]
-        self._writer.deliver(np.asarray(slots, np.intp), slots)
+        self._writer.deliver(np.asarray([h.slot for h in held], np.intp))

@@ -70,7 +70,9 @@ def sidecar_factory():
     """Start real sidecar processes: ``start(tag, *args)``; all are stopped and cleaned at teardown."""
     handles: list[SidecarHandle] = []
 
-    def start(tag: str = "s", *args: str, name: str | None = None, ephemeral: bool = True) -> SidecarHandle:
+    def start(
+        tag: str = "s", *args: str, name: str | None = None, ephemeral: bool = True, env: dict[str, str] | None = None
+    ) -> SidecarHandle:
         name = name or unique_name(tag)
         full = (["--ephemeral"] if ephemeral else []) + list(args)
         if "--backend" in full:  # KALOS_TEST_BACKEND swaps numpy; a test naming cuda keeps it
@@ -87,7 +89,7 @@ def sidecar_factory():
             and "--host-search-work" not in full
         ):
             full += ["--host-search-work", TEST_HOST_SEARCH]
-        proc = start_sidecar_process(full, name, timeout=60)
+        proc = start_sidecar_process(full, name, timeout=60, env=env)
         h = SidecarHandle(name, proc, full)
         handles.append(h)
         backend = full[full.index("--backend") + 1]

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
 from kalos.broker.errors import BrokerUnavailable
@@ -19,13 +19,18 @@ def start_sidecar_process(
     timeout: float = 60.0,
     stderr: int | IO[Any] | None = None,
     python_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start ``python [PYTHON_ARGS] -m kalos.sidecar_cuda --name NAME ARGS`` and wait until it is ready.
 
-    ``timeout`` is in seconds; ``python_args`` e.g. ``-m cProfile -o FILE``. Raises RuntimeError
-    if the sidecar exits during start or is not ready within ``timeout`` (it is killed then)."""
+    ``timeout`` is in seconds; ``python_args`` e.g. ``-m cProfile -o FILE``; ``env``: the
+    sidecar's environment (default: this process's; e.g. ``KALOS_PURE_PYTHON=1`` for its slot
+    path alone). Raises RuntimeError if the sidecar exits during start or is not ready within
+    ``timeout`` (it is killed then)."""
     proc = subprocess.Popen(
-        [sys.executable, *python_args, "-m", "kalos.sidecar_cuda", "--name", name, *args], stderr=stderr
+        [sys.executable, *python_args, "-m", "kalos.sidecar_cuda", "--name", name, *args],
+        stderr=stderr,
+        env=None if env is None else dict(env),
     )
     deadline = time.monotonic() + timeout
     while True:

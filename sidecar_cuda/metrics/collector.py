@@ -35,6 +35,7 @@ from ...broker.layout import (
     SlotState,
     Status,
 )
+from ...broker.slotpath import Choice
 from ..stats import ROUTES, BatchRecord, SidecarStats
 from .aggregate import (
     BATCH_SIZE_BOUNDS,
@@ -111,6 +112,9 @@ class SidecarView(Protocol):
 
     @property
     def cfg(self) -> ConfigIdentity: ...
+
+    @property
+    def slot_path(self) -> Choice: ...
 
 
 #: Per-op client counters summed into the totals, after the histograms (``lat_count`` is only the
@@ -479,6 +483,14 @@ class SidecarCollector(Collector):
                 },
             )
         yield info
+        path = InfoMetricFamily(
+            "kalos_slot_path",
+            "The slot path the sidecar serves with: compiled (the C extension's byte work) or python, and why.",
+        )
+        if g:
+            choice = self._sc.slot_path
+            path.add_metric([], {"path": choice.path.value, "reason": choice.reason})
+        yield path
         ready = GaugeMetricFamily("kalos_ready", "1 when memory is loaded and the sidecar serves.")
         start = GaugeMetricFamily("kalos_start_time_seconds", "Sidecar start, seconds since the epoch.")
         up = GaugeMetricFamily("kalos_uptime_seconds", "Seconds since the sidecar started.")

@@ -1,6 +1,7 @@
 """A hostile client for the fuzz test: leases slots of a running sidecar and writes random and
 adversarial bytes into their control blocks, data areas and stats blocks, posts semaphores and the
-doorbell, and sends well-formed requests in between, checking each answer's generation echo.
+doorbell, and sends well-formed requests in between, checking each answer's generation echo; in
+bursts, every slot at once (recalls checked against float64, alone or among hostile requests).
 
 Run as a process: ``python tests/fuzz_client.py NAME SEED SECONDS METRICS_URL``. Prints one JSON
 line with what it did and saw, then exits without giving its slots back (as a crashed client
@@ -37,6 +38,9 @@ DEEP = b"[" * 20000 + b"]" * 20000  # beyond any JSON decoder's recursion limit
 class Fuzzer:
     def __init__(self, name: str, seed: int, metrics_url: str) -> None:
         self.rng = np.random.default_rng(seed)
+        # The sidecar's "default" namespace (--random-rows 500 --seed SEED, dim 16), which nothing
+        # here writes: the reference for the recalls of a burst.
+        self.matrix = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32).astype(np.float64)
         self.conn = Connection(name)
         self.L = self.conn.layout
         self.slots: list[ClientSlot] = self.conn.lease(N_SLOTS)
@@ -143,6 +147,11 @@ class Fuzzer:
 
     def garbage_fields(self, s: ClientSlot) -> None:
         """A plausible request with adversarial fields and data."""
+        self.hostile_fields(s)
+        self.posted_garbage(s)
+
+    def hostile_fields(self, s: ClientSlot) -> None:
+        """Write a plausible request with adversarial fields and data (not posted)."""
         rng, L, conn = self.rng, self.L, self.conn
         rec = conn.seg.slots
         i = s.index
@@ -178,7 +187,48 @@ class Fuzzer:
         blob = bytes(blob)[: L.blob_bytes]
         v.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
         rec[i]["blob_len"] = int(self.pick([len(blob), 0, L.blob_bytes, L.blob_bytes + 1, 2**32 - 1]))
-        self.posted_garbage(s)
+
+    def burst(self, _s: ClientSlot) -> None:
+        """Every slot posted at once, so that the requests meet in one batch: recalls of the
+        legitimate namespace only (the batch route: rows gathered, one search, answered in one
+        call), or mixed with hostile requests. Each recall's answer is checked against float64."""
+        rng, L, conn = self.rng, self.L, self.conn
+        hostile = rng.random() < 0.5
+        posted: list[tuple[ClientSlot, int, tuple[np.ndarray, int] | None]] = []
+        for s in self.slots:
+            if hostile and rng.random() < 0.5:
+                self.hostile_fields(s)
+                self.post_raw(s, bell=False)
+                posted.append((s, int(conn.seg.slots[s.index]["generation"]), None))
+                continue
+            nq, k = int(rng.integers(1, L.max_queries + 1)), int(rng.integers(1, L.max_k + 1))
+            q = rng.standard_normal((nq, L.dim)).astype(np.float32)
+            p = _requests.recall(L, q, k, b"default", False, single=False)
+            gen = s.post(p.op, p.ns, p.k, p.nq, p.flags, _requests.write(s.view, p), time.monotonic_ns())
+            posted.append((s, gen, (q, k)))
+        conn.bell.release()
+        for s, gen, asked in posted:
+            outcome = self.wait_answer(s, gen)
+            self.c[f"burst_{'recall' if asked else 'garbage'}_{outcome}"] += 1
+            if asked is not None and outcome == "answered":
+                self.c["burst_checked" if self.correct(s, *asked) else "burst_wrong"] += 1
+            if self.ours(s):
+                self.reset(s)
+        self.c["burst"] += 1
+
+    def correct(self, s: ClientSlot, q: np.ndarray, k: int) -> bool:
+        """An answer of status OK with k hits per query row, each a true top-k row by float64
+        scores (ties by score)."""
+        rec = self.conn.seg.slots[s.index]
+        if int(np.int32(rec["status"])) != Status.OK or int(rec["n_results"]) != k:
+            return False
+        for j, row in enumerate(q.astype(np.float64)):
+            ref = self.matrix @ row
+            kth = np.sort(ref)[-k]
+            ids = np.asarray(s.view.result_ids[j, :k])
+            if len(set(ids.tolist())) != k or not (0 <= ids).all() or not (ref[ids % 500] >= kth - 1e-4).all():
+                return False
+        return True
 
     def posted_garbage(self, s: ClientSlot) -> None:
         rng = self.rng
@@ -225,7 +275,13 @@ class Fuzzer:
 
     def enough(self) -> bool:
         c = self.c
-        return c["iterations"] > 50 and c["wellformed"] > 5 and c["garbage_posted"] > 5 and c["scrape_ok"] >= 1
+        return (
+            c["iterations"] > 50
+            and c["wellformed"] > 5
+            and c["garbage_posted"] > 5
+            and c["burst"] > 5
+            and c["scrape_ok"] >= 1
+        )
 
     def run(self, seconds: float) -> dict[str, object]:
         steps = [
@@ -235,8 +291,9 @@ class Fuzzer:
             self.garbage_stats,
             self.stray_posts,
             self.bad_owner,
+            self.burst,
         ]
-        weights = np.array([4, 3, 4, 1, 1, 0.3])
+        weights = np.array([4, 3, 4, 1, 1, 0.3, 1.5])
         weights /= weights.sum()
         t0 = time.monotonic()
         # ``seconds`` at least, and on (up to ten times as long) until each kind of attack has

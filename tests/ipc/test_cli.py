@@ -349,3 +349,44 @@ def test_an_export_past_its_timeout_stops_and_removes_its_files(sidecar_factory,
     assert not out.exists()
     with RecallClient(h.name, timeout=30) as c:  # the sidecar is unharmed
         assert c.count("default") == 400_000
+
+
+# ------------------------------------------------------------------ issue 25: the slot path
+def _serve_ready_line(name: str, env: dict[str, str]) -> str:
+    """Start ``kalos serve`` with ``env``, return its ready line, stop it."""
+    proc = subprocess.Popen(
+        [*KALOS, "serve", "--name", name, "--ephemeral", "--dim", "8", "--backend", "numpy"],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("KALOS_")}, **env},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "ready:" in line:
+                return line.strip()
+        raise AssertionError(f"kalos serve exited ({proc.wait()}) without a ready line")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        cleanup(name, force=True)
+
+
+def test_serve_logs_its_slot_path_and_refuses_two_at_once() -> None:
+    from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV
+    from kalos.sidecar_cuda.slotio import load_compiled
+
+    line = _serve_ready_line(unique_name("pypath"), {PURE_ENV: "1"})
+    assert "slot path python (KALOS_PURE_PYTHON=1)" in line, line
+    try:
+        load_compiled()
+        built = True
+    except ImportError:
+        built = False
+    if built or os.environ.get(REQUIRE_ENV, "") not in ("", "0"):  # (required: it must be built)
+        line = _serve_ready_line(unique_name("cpath"), {REQUIRE_ENV: "1"})
+        assert "slot path compiled (the extension is built)" in line, line
+    line = one_line_error(
+        kalos("serve", "--name", unique_name("both"), "--ephemeral", env={PURE_ENV: "1", REQUIRE_ENV: "1"})
+    )
+    assert "KALOS_PURE_PYTHON and KALOS_REQUIRE_COMPILED are both set: choose one slot path" in line, line

@@ -27,10 +27,12 @@ from kalos.broker.layout import (
 )
 from kalos.broker.names import bell_name, req_name, resp_name, shm_name
 from kalos.broker.owners import sem_path, shm_path
+from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, SlotPath
 from kalos.broker.validation import MAX_PAYLOAD_DEPTH
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
 from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.slotio import load_compiled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # where conftest.py lives
@@ -620,9 +622,39 @@ asyncio.run(main())
 """
 
 
-def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, seed, request):
+def slot_path_env(path: SlotPath) -> dict[str, str]:
+    """A sidecar environment that runs ``path`` and no other: the compiled path required (the
+    sidecar refuses to start without it), or the Python one forced. Skips the compiled path where
+    this run rules it out (KALOS_PURE_PYTHON=1) or it is not built and not required."""
+    env = {k: v for k, v in os.environ.items() if k not in (PURE_ENV, REQUIRE_ENV)}
+    if path is SlotPath.PYTHON:
+        return {**env, PURE_ENV: "1"}
+    if os.environ.get(PURE_ENV, "") not in ("", "0"):
+        pytest.skip(f"{PURE_ENV}=1 rules the compiled slot path out")
+    if os.environ.get(REQUIRE_ENV, "") in ("", "0"):
+        try:
+            load_compiled()
+        except ImportError as e:
+            pytest.skip(f"the compiled slot path is not built: {e}")
+    return {**env, REQUIRE_ENV: "1"}
+
+
+def slot_path_served(port: int) -> str:
+    """The ``path`` label of the sidecar's ``kalos_slot_path_info``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        body = r.read().decode()
+    line = next(ln for ln in body.splitlines() if ln.startswith("kalos_slot_path_info{"))
+    return line.split('path="', 1)[1].split('"', 1)[0]
+
+
+@pytest.mark.parametrize("path", [SlotPath.COMPILED, SlotPath.PYTHON], ids=lambda p: p.value)
+def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, seed, request, path):
+    """The fuzzer against a sidecar on each slot path (the one it served with is read back from
+    its metrics): every garbage request answered or reclaimed, every well-formed one answered
+    with its generation, a legitimate client's answers all correct, /metrics always up."""
     seconds = float(request.config.getoption("--fuzz-seconds"))
     port = free_port()
+    env = slot_path_env(path)
     h = sidecar_factory(
         "fuzz",
         "--dim",
@@ -645,7 +677,9 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
         str(port),
         "--backend",
         "numpy",
+        env=env,
     )
+    assert slot_path_served(port) == path.value
     legit = run_py(LEGIT, h.name, str(seed), str(seconds + 1.0), TESTS)
     assert json.loads(legit.stdout.readline()).get("ready")
     fuzz = subprocess.run(
@@ -672,6 +706,10 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
     assert f.get("garbage_echo", 0) == 0 and f.get("garbage_unanswered", 0) == 0, f
     assert f.get("garbage_answered", 0) + f.get("garbage_reclaimed", 0) == f["garbage_posted"], f
     assert f.get("scrape_bad", 0) == 0 and f.get("scrape_ok", 0) >= 2, f
+    # Bursts: every recall of a batch answered and right, whatever was posted beside it.
+    assert f["burst"] > 5 and f.get("burst_checked", 0) > 10 and f.get("burst_wrong", 0) == 0, f
+    assert f.get("burst_recall_answered", 0) == f["burst_checked"], f
+    assert not any(f.get(f"burst_{w}_{o}", 0) for w in ("recall", "garbage") for o in ("echo", "unanswered")), f
     assert g["wrong"] == 0 and not g["errors"] and g["recalls"] > 20, g
     # The fuzzer exited holding its slots, many in states a client should never leave: every one
     # is reclaimed and FREE (the legitimate pool has closed too).
@@ -683,6 +721,7 @@ def test_fuzzed_slots_cannot_hurt_the_sidecar_or_other_clients(sidecar_factory, 
     finally:
         c.close()
     assert scrape_status(port) == 200
+    assert slot_path_served(port) == path.value
     with RecallClient(h.name) as client:
         matrix = np.random.default_rng(seed).standard_normal((500, 16), dtype=np.float32)
         q = np.ones(16, np.float32)

@@ -12,6 +12,7 @@ import pytest
 
 from kalos.broker.layout import S_BUSY, S_DONE, Layout, SegmentView, SlotWords, Status
 from kalos.sidecar_cuda.answers import AnswerWriter
+from kalos.sidecar_cuda.slotio import PySlotIO
 
 LAYOUT = Layout(n_slots=6, dim=8, max_k=4, max_queries=2, blob_bytes=256)
 
@@ -54,7 +55,7 @@ def world():
     posts: list[tuple[int, dict[str, object]]] = []
     errors: list[int] = []
     sems = [RecordingSem(seg, i, posts) for i in range(LAYOUT.n_slots)]
-    writer = AnswerWriter(seg, words, sems, errors.append)
+    writer = AnswerWriter(seg, words, PySlotIO(seg, words, [], sems), errors.append)
     seg.slots["state"] = S_BUSY  # every slot taken into a batch
     seg.slots["generation"] = np.arange(LAYOUT.n_slots) + 100
     yield seg, writer, posts, errors
@@ -66,7 +67,7 @@ def test_an_error_answer_is_complete_when_posted(world):
     t0 = time.monotonic_ns()
     writer.answer(2, 102, Status.K_OUT_OF_RANGE, "k=0 outside 1..4")
     assert posts == [] and int(seg.slots["state"][2]) == S_BUSY  # written, not yet published
-    writer.deliver(np.array([2], np.intp), [2])
+    writer.deliver(np.array([2], np.intp))
     [(slot, seen)] = posts
     assert slot == 2 and seen["state"] == S_DONE and seen["status"] == Status.K_OUT_OF_RANGE
     assert seen["resp_generation"] == 102 and seen["blob"] == b"k=0 outside 1..4"
@@ -82,7 +83,7 @@ def test_a_batch_is_published_only_once_every_answer_is_written(world):
     writer.answer_blob(3, 103, 1, b'{"a":1}')
     writer.answer(5, 105, Status.NOT_FINITE, "query contains NaN or infinity")
     assert posts == []
-    writer.deliver(np.asarray(slots, np.intp), slots)
+    writer.deliver(np.asarray(slots, np.intp))
     assert [s for s, _ in posts] == slots
     for slot, seen in posts:
         assert seen["state"] == S_DONE and seen["batch_size"] == 3
@@ -102,7 +103,7 @@ def test_a_uniform_batch_answer_is_complete_when_posted(world):
     ids = np.array([[11, 12, 13], [21, 22, 23]])
     scores = np.array([[3, 2, 1], [6, 5, 4]], np.float32)
     writer.answer_recalls(sel, rec, ids, scores)
-    writer.deliver(sel, [1, 4])
+    writer.deliver(sel)
     (s1, a), (s4, b) = posts
     assert (s1, s4) == (1, 4)
     assert a["state"] == b["state"] == S_DONE and a["status"] == b["status"] == Status.OK
@@ -124,5 +125,5 @@ def test_the_single_route_answer_is_complete_when_posted(world):
 def test_a_long_detail_is_cut_to_the_blob_area(world):
     _seg, writer, posts, _errors = world
     writer.answer(0, 100, Status.BACKEND_ERROR, "x" * 1000 + os.urandom(4).hex())
-    writer.deliver(np.array([0], np.intp), [0])
+    writer.deliver(np.array([0], np.intp))
     assert posts[0][1]["blob"] == b"x" * LAYOUT.blob_bytes

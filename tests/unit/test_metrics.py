@@ -44,6 +44,7 @@ from kalos.broker.layout import (
     SlotView,
     Status,
 )
+from kalos.broker.slotpath import Choice, SlotPath
 from kalos.clients import RecallPool
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
@@ -380,6 +381,7 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
         store=FakeStore(counts if counts is not None else {"default": 1000}),
         backend=SimpleNamespace(name="numpy", description="numpy (CPU)", placement="cpu"),
         cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8),
+        slot_path=Choice(SlotPath.COMPILED, None, "the extension is built"),
     )
 
 
@@ -540,6 +542,7 @@ def test_collector_reports_stages_slots_errors_memory_and_identity():
         )
         == 1
     )
+    assert sample(reg, "kalos_slot_path_info", path="compiled", reason="the extension is built") == 1
     assert sample(reg, "kalos_ready") == 1
     assert 4.0 < sample(reg, "kalos_uptime_seconds") < 60.0
     sc.seg.header["state"] = SidecarState.STOPPING
