@@ -25,8 +25,8 @@ from typing import Any, Generic, TypeVar
 from ..broker.errors import KalosError, PayloadTooLarge
 from ..broker.layout import latency_op
 from ._coalesce import Share, split
-from ._requests import READS, Prepared, read, write
-from ._transport import ClientSlot
+from ._requests import READS, Prepared, hits_only, read, rows_only, write
+from ._transport import ClientSlot, CompiledSlot
 
 
 class Completion(enum.Enum):
@@ -66,11 +66,17 @@ class Exchange(Generic[W]):
 
     def send(self) -> None:
         """Write the request into the slot's data areas, then post it (header fields, POSTED, the
-        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``). If either
-        step fails the slot is FREE again and the error is raised; the driver keeps the slot."""
+        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``); on the
+        compiled slot path a recall of rows alone does both in one call (``post_rows``). If
+        either step fails the slot is FREE again and the error is raised; the driver keeps the
+        slot."""
         slot, p = self.slot, self.prep
         try:
-            slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
+            if isinstance(slot, CompiledSlot) and rows_only(p):
+                assert p.vectors is not None
+                slot.post_rows(p.vectors, p.k, p.ns, p.flags)
+            else:
+                slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
         except BaseException:
             slot.set_free()
             raise
@@ -87,7 +93,10 @@ class Exchange(Generic[W]):
         error: KalosError | None = None
         value: Any = None
         try:
-            value = read(slot.view, slot.outcome(), p)
+            if isinstance(slot, CompiledSlot) and hits_only(p):
+                value = slot.read_hits(p.nq, p.k, p.single)  # None: an error status, mapped below
+            if value is None:
+                value = read(slot.view, slot.outcome(), p)
         except KalosError as e:
             error = e
             if p.call is not None:
