@@ -535,14 +535,66 @@ static PyObject *make_hits(const char *ids, const char *scores, npy_intp n) {
     return h;
 }
 
-/* read_hits(generation, nq, k, single): the answer of a consumed recall without payloads.
- * Checks, in the order clients/_transport.py + clients/_requests.py check them: the generation
- * echo, blob_len within the blob area, the status (not OK: returns None, and Python maps the
- * status to its error), n_results <= k; then Hits (single) or a list of nq Hits, each with new
- * ids (int64) and scores (float32) arrays of n_results items. */
+typedef struct {
+    Py_ssize_t rows;
+    uint64_t k;
+    int single;
+} Share;
+
+/* shares: a sequence of clients._coalesce.Share (rows, k, single, ...), rows adding up to nq.
+ * Returns a PyMem array of their (rows, k, single), or NULL with an error set. */
+static Share *parse_shares(PyObject *obj, uint64_t nq, Py_ssize_t *count) {
+    PyObject *seq = PySequence_Fast(obj, "shares must be a sequence of (rows, k, single, ...)");
+    if (seq == NULL) return NULL;
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
+    Share *out = PyMem_New(Share, m > 0 ? m : 1);
+    if (out == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    uint64_t total = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(seq, i);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 3) {
+            PyErr_SetString(PyExc_TypeError, "shares must be a sequence of (rows, k, single, ...)");
+            goto fail;
+        }
+        uint64_t rows, k;
+        int single = PyObject_IsTrue(PyTuple_GET_ITEM(it, 2));
+        if (single < 0 || uarg(PyTuple_GET_ITEM(it, 0), nq, "rows", &rows) < 0 ||
+            uarg(PyTuple_GET_ITEM(it, 1), UINT32_MAX, "k", &k) < 0)
+            goto fail;
+        out[i].rows = (Py_ssize_t)rows;
+        out[i].k = k;
+        out[i].single = single;
+        total += rows;
+    }
+    if (total != nq) { /* clients._coalesce.split's error */
+        PyErr_Format(PyExc_ValueError, "%llu rows of hits for %llu rows asked", (unsigned long long)nq,
+                     (unsigned long long)total);
+        goto fail;
+    }
+    Py_DECREF(seq);
+    *count = m;
+    return out;
+fail:
+    Py_DECREF(seq);
+    PyMem_Free(out);
+    return NULL;
+}
+
+/* read_hits(generation, nq, k, single, shares=None): the answer of a consumed recall without
+ * payloads. Checks, in the order clients/_transport.py + clients/_requests.py check them: the
+ * generation echo, blob_len within the blob area, the status (not OK: returns None, and Python
+ * maps the status to its error), n_results <= k; then Hits (single) or a list of nq Hits, each
+ * with new ids (int64) and scores (float32) arrays of n_results items. With shares (a shared
+ * slot: clients._coalesce.Share per caller, in row order), the list is already split per caller
+ * as clients._coalesce.split splits it: one Hits (single) or a list per caller, each cut to the
+ * caller's own k. */
 static PyObject *Slot_read_hits(SlotObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "read_hits(generation, nq, k, single)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "read_hits(generation, nq, k, single, shares=None)");
         return NULL;
     }
     uint64_t gen, nq, k;
@@ -559,57 +611,94 @@ static PyObject *Slot_read_hits(SlotObject *self, PyObject *const *args, Py_ssiz
         PyErr_SetString(PyExc_ValueError, "nq out of range for its field");
         return NULL;
     }
+    Share *shares = NULL;
+    Py_ssize_t n_shares = 0;
+    if (nargs == 5 && args[4] != Py_None) {
+        shares = parse_shares(args[4], nq, &n_shares);
+        if (shares == NULL) return NULL;
+    }
+    PyObject *out = NULL;
     const char *c = self->ctl;
     uint64_t rgen = ld64(c + KALOS_SLOT_RESP_GENERATION);
     if (rgen != gen) {
-        return PyErr_Format(ProtocolError, "slot %ld: response for request %llu, expected %llu", self->index,
-                            (unsigned long long)rgen, (unsigned long long)gen);
+        PyErr_Format(ProtocolError, "slot %ld: response for request %llu, expected %llu", self->index,
+                     (unsigned long long)rgen, (unsigned long long)gen);
+        goto done;
     }
     uint32_t blob_len = ld32(c + KALOS_SLOT_BLOB_LEN);
     if (blob_len > self->blob_bytes) {
-        return PyErr_Format(ProtocolError, "slot %ld: blob_len %u beyond the blob area of %llu bytes", self->index,
-                            blob_len, (unsigned long long)self->blob_bytes);
+        PyErr_Format(ProtocolError, "slot %ld: blob_len %u beyond the blob area of %llu bytes", self->index, blob_len,
+                     (unsigned long long)self->blob_bytes);
+        goto done;
     }
     int32_t status = (int32_t)ld32(c + KALOS_SLOT_STATUS);
-    if (status != KALOS_STATUS_OK) Py_RETURN_NONE;
+    if (status != KALOS_STATUS_OK) {
+        Py_INCREF(Py_None);
+        out = Py_None;
+        goto done;
+    }
     uint32_t n = ld32(c + KALOS_SLOT_N_RESULTS);
     if (n > k) {
-        return PyErr_Format(ProtocolError, "slot %ld: %u results per query for k=%llu", self->index, n,
-                            (unsigned long long)k);
+        PyErr_Format(ProtocolError, "slot %ld: %u results per query for k=%llu", self->index, n,
+                     (unsigned long long)k);
+        goto done;
     }
     const char *rid = self->data + self->rid_off, *rs = self->data + self->rs_off;
     size_t row_ids = 8 * (size_t)self->max_k, row_scores = 4 * (size_t)self->max_k;
-    if (single) return make_hits(rid, rs, n);
-    PyObject *out = PyList_New((Py_ssize_t)nq);
-    if (out == NULL) return NULL;
-    for (uint64_t i = 0; i < nq; i++) {
-        PyObject *h = make_hits(rid + i * row_ids, rs + i * row_scores, n);
-        if (h == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, (Py_ssize_t)i, h);
+    if (single && shares == NULL) {
+        out = make_hits(rid, rs, n);
+        goto done;
     }
+    if (shares == NULL) {
+        out = PyList_New((Py_ssize_t)nq);
+        if (out == NULL) goto done;
+        for (uint64_t i = 0; i < nq; i++) {
+            PyObject *h = make_hits(rid + i * row_ids, rs + i * row_scores, n);
+            if (h == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyList_SET_ITEM(out, (Py_ssize_t)i, h);
+        }
+        goto done;
+    }
+    out = PyList_New(n_shares);
+    if (out == NULL) goto done;
+    uint64_t row = 0;
+    for (Py_ssize_t j = 0; j < n_shares; j++) {
+        npy_intp cut = shares[j].k < n ? (npy_intp)shares[j].k : (npy_intp)n;
+        PyObject *item;
+        if (shares[j].single) { /* its first row (a recall has one) */
+            item = shares[j].rows ? make_hits(rid + row * row_ids, rs + row * row_scores, cut) : NULL;
+            if (!shares[j].rows) PyErr_SetString(PyExc_ValueError, "a caller of one recall with no row");
+        } else {
+            item = PyList_New(shares[j].rows);
+            for (Py_ssize_t r = 0; item != NULL && r < shares[j].rows; r++) {
+                PyObject *h = make_hits(rid + (row + r) * row_ids, rs + (row + r) * row_scores, cut);
+                if (h == NULL) {
+                    Py_CLEAR(item);
+                    break;
+                }
+                PyList_SET_ITEM(item, r, h);
+            }
+        }
+        if (item == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, j, item);
+        row += (uint64_t)shares[j].rows;
+    }
+done:
+    PyMem_Free(shares);
     return out;
 }
 
-/* record(latency_ns, ok, timed_out, op): ClientSlot.record's effect on the stats block (see
- * docs/protocol.md, "Client stats block"). A counter that cannot be incremented (an earlier
- * owner left it at 2^64-1), or a negative latency, zeroes the whole block, as the Python path
- * does when its memoryview refuses the value. */
-static PyObject *Slot_record(SlotObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "record(latency_ns, ok, timed_out, op)");
-        return NULL;
-    }
-    int overflow = 0;
-    long long lat_in = PyLong_AsLongLongAndOverflow(args[0], &overflow);
-    if (lat_in == -1 && PyErr_Occurred()) return NULL;
-    int ok = PyObject_IsTrue(args[1]);
-    int timed_out = PyObject_IsTrue(args[2]);
-    if (ok < 0 || timed_out < 0) return NULL;
-    uint64_t op;
-    if (uarg(args[3], KALOS_LATENCY_OPS - 1, "op", &op) < 0) return NULL;
+/* ClientSlot.record's effect on the stats block (see docs/protocol.md, "Client stats block"):
+ * lat_in (with PyLong_AsLongLongAndOverflow's overflow) of a request of kind op (checked). A
+ * counter that cannot be incremented (an earlier owner left it at 2^64-1), or a negative latency,
+ * zeroes the whole block, as the Python path does when its memoryview refuses the value. */
+static void do_record(SlotObject *self, long long lat_in, int overflow, int ok, int timed_out, uint64_t op) {
     char *st = self->stats;
     if (!ok) {
         char *w = st + (timed_out ? KALOS_STATS_TIMEOUT_COUNT : KALOS_STATS_ERR_COUNT) + 8 * op;
@@ -618,11 +707,11 @@ static PyObject *Slot_record(SlotObject *self, PyObject *const *args, Py_ssize_t
             memset(st, 0, KALOS_STATS_BYTES);
         else
             st64(w, v + 1);
-        Py_RETURN_NONE;
+        return;
     }
     if (overflow < 0 || (!overflow && lat_in < 0)) { /* cannot be stored: the Python path resets */
         memset(st, 0, KALOS_STATS_BYTES);
-        Py_RETURN_NONE;
+        return;
     }
     uint64_t lat = (overflow > 0 || (uint64_t)lat_in >= KALOS_RING_NS_MAX) ? KALOS_RING_NS_MAX : (uint64_t)lat_in;
     int lo = 0, hi = N_BOUNDS; /* bisect_left(LATENCY_BOUNDS_NS, lat) */
@@ -639,14 +728,88 @@ static PyObject *Slot_record(SlotObject *self, PyObject *const *args, Py_ssize_t
     uint64_t h = ld64(hw), sum = ld64(sw), n = ld64(cw);
     if (h == UINT64_MAX || sum > UINT64_MAX - lat || n == UINT64_MAX) {
         memset(st, 0, KALOS_STATS_BYTES);
-        Py_RETURN_NONE;
+        return;
     }
     st64(hw, h + 1);
     st64(sw, sum + lat);
     st64(st + KALOS_RING_OFFSET + 8 * (n % KALOS_RING_LEN), op << KALOS_RING_OP_SHIFT | lat);
     /* last: the sidecar reads the ring up to this index */
     __atomic_store_n((uint64_t *)cw, n + 1, __ATOMIC_RELEASE);
+}
+
+/* record(latency_ns, ok, timed_out, op): one finished request. */
+static PyObject *Slot_record(SlotObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "record(latency_ns, ok, timed_out, op)");
+        return NULL;
+    }
+    int overflow = 0;
+    long long lat_in = PyLong_AsLongLongAndOverflow(args[0], &overflow);
+    if (lat_in == -1 && PyErr_Occurred()) return NULL;
+    int ok = PyObject_IsTrue(args[1]);
+    int timed_out = PyObject_IsTrue(args[2]);
+    if (ok < 0 || timed_out < 0) return NULL;
+    uint64_t op;
+    if (uarg(args[3], KALOS_LATENCY_OPS - 1, "op", &op) < 0) return NULL;
+    do_record(self, lat_in, overflow, ok, timed_out, op);
     Py_RETURN_NONE;
+}
+
+/* record_shares(now, shares, gone, ok, op_single, op_many): the callers of a shared slot, each as
+ * record(now - its t0, ...) of its own kind (op_single for a recall, op_many for recall_many),
+ * a caller that went away (gone[i]) as a timeout. shares: clients._coalesce.Share (rows, k,
+ * single, t0). */
+static PyObject *Slot_record_shares(SlotObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError, "record_shares(now, shares, gone, ok, op_single, op_many)");
+        return NULL;
+    }
+    long long now = PyLong_AsLongLong(args[0]);
+    if (now == -1 && PyErr_Occurred()) return NULL;
+    int ok = PyObject_IsTrue(args[3]);
+    if (ok < 0) return NULL;
+    uint64_t op_single, op_many;
+    if (uarg(args[4], KALOS_LATENCY_OPS - 1, "op", &op_single) < 0 ||
+        uarg(args[5], KALOS_LATENCY_OPS - 1, "op", &op_many) < 0)
+        return NULL;
+    PyObject *shares = PySequence_Fast(args[1], "shares must be a sequence");
+    if (shares == NULL) return NULL;
+    PyObject *gone = PySequence_Fast(args[2], "gone must be a sequence");
+    if (gone == NULL) {
+        Py_DECREF(shares);
+        return NULL;
+    }
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(shares);
+    PyObject *result = NULL;
+    if (PySequence_Fast_GET_SIZE(gone) != m) {
+        PyErr_SetString(PyExc_ValueError, "one gone flag per share");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) { /* all checked before any is recorded */
+        PyObject *it = PySequence_Fast_GET_ITEM(shares, i);
+        if (!PyTuple_Check(it) || PyTuple_GET_SIZE(it) < 4 || !PyLong_Check(PyTuple_GET_ITEM(it, 3))) {
+            PyErr_SetString(PyExc_TypeError, "shares must be a sequence of (rows, k, single, t0)");
+            goto done;
+        }
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(shares, i);
+        int single = PyObject_IsTrue(PyTuple_GET_ITEM(it, 2));
+        int left = PyObject_IsTrue(PySequence_Fast_GET_ITEM(gone, i));
+        long long t0 = PyLong_AsLongLong(PyTuple_GET_ITEM(it, 3));
+        if (single < 0 || left < 0 || (t0 == -1 && PyErr_Occurred())) goto done;
+        /* now - t0 as Python computes it: exact, then clamped as record() clamps it */
+        long long lat;
+        int overflow = 0;
+        if (__builtin_sub_overflow(now, t0, &lat)) overflow = (t0 < 0) ? 1 : -1;
+        do_record(self, lat, overflow, left ? 0 : ok, left, single ? op_single : op_many);
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    Py_DECREF(shares);
+    Py_DECREF(gone);
+    return result;
 }
 
 static PyMethodDef Slot_methods[] = {
@@ -659,9 +822,12 @@ static PyMethodDef Slot_methods[] = {
     {"answered", (PyCFunction)Slot_answered, METH_NOARGS, "DONE, and its response post consumed."},
     {"set_free", (PyCFunction)Slot_set_free, METH_NOARGS, "state = FREE"},
     {"read_hits", (PyCFunction)(void (*)(void))Slot_read_hits, METH_FASTCALL,
-     "read_hits(generation, nq, k, single) -> Hits | list[Hits] | None (None: an error status)."},
+     "read_hits(generation, nq, k, single, shares=None) -> Hits | list[Hits] | list[Hits | list[Hits]] "
+     "| None (None: an error status; shares: split per caller)."},
     {"record", (PyCFunction)(void (*)(void))Slot_record, METH_FASTCALL,
      "record(latency_ns, ok, timed_out, op): account one finished request in the stats block."},
+    {"record_shares", (PyCFunction)(void (*)(void))Slot_record_shares, METH_FASTCALL,
+     "record_shares(now, shares, gone, ok, op_single, op_many): record each caller of a shared slot."},
     {NULL, NULL, 0, NULL},
 };
 

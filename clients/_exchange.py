@@ -92,17 +92,20 @@ class Exchange(Generic[W]):
         slot, p = self.slot, self.prep
         error: KalosError | None = None
         value: Any = None
+        parts = self.parts
         try:
             if isinstance(slot, CompiledSlot) and hits_only(p):
-                value = slot.read_hits(p.nq, p.k, p.single)  # None: an error status, mapped below
+                # One call: the checks, the Hits, and a shared slot's split among its callers.
+                value = slot.read_hits(p.nq, p.k, p.single, parts)  # None: an error status, mapped below
             if value is None:
                 value = read(slot.view, slot.outcome(), p)
+                if parts is not None:
+                    value = split(value, parts)
         except KalosError as e:
             error = e
             if p.call is not None:
                 p.call.failed = True
         now = time.monotonic_ns()
-        parts = self.parts
         if parts is None:
             op = latency_op(p.op, p.single)
             if gone[0]:
@@ -113,19 +116,13 @@ class Exchange(Generic[W]):
             if error is None:
                 return _ANSWERED, value, None, now - self.t0
             return _FAILED, None, error, now - self.t0
-        if error is None:
-            value = split(value, parts)
         slot.set_free()
         if isinstance(error, PayloadTooLarge):
             # Together their payloads overflowed the slot; each alone may fit, as it would have
             # without coalescing. Nothing is recorded: each caller's request is not over.
             return _RESEND_ALONE, None, error, now - self.t0
-        for part, left in zip(parts, gone):
-            op = latency_op(p.op, part.single)
-            if left:
-                slot.record(now - part.t0, ok=False, timed_out=True, op=op)
-            else:
-                slot.record(now - part.t0, ok=error is None, op=op)
+        # Each caller's own latency and kind; a caller that went away, a timeout.
+        slot.record_shares(now, parts, gone, error is None, latency_op(p.op, True), latency_op(p.op, False))
         if error is None:
             return _ANSWERED, value, None, now - self.t0
         return _FAILED, None, error, now - self.t0

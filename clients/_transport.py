@@ -25,10 +25,10 @@ import os
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import posix_ipc
@@ -86,6 +86,7 @@ from ..broker.slotpath import Choice, SlotPath, choose
 from .results import Hits
 
 if TYPE_CHECKING:
+    from ._coalesce import Share
     from ._cslot import Sem as _Sem
     from ._cslot import Slot as _Slot
 
@@ -408,6 +409,20 @@ class ClientSlot:
             # untrusted): start the block over. The exporter takes a decrease for a new owner.
             self._mm[self._stats : self._stats + STATS_BYTES] = bytes(STATS_BYTES)
 
+    def record_shares(
+        self, now: int, shares: Sequence[Share], gone: Sequence[bool], ok: bool, op_single: int, op_many: int
+    ) -> None:
+        """Account each caller of a shared slot (``shares``: ``clients._coalesce.Share``, in
+        row order) as :meth:`record` accounts one: its latency from its own t0 to ``now``, of its
+        own kind (``op_single`` for a recall, ``op_many`` for recall_many), a caller that went
+        away (``gone``) as a timeout."""
+        for s, left in zip(shares, gone):
+            op = op_single if s.single else op_many
+            if left:
+                self.record(now - s.t0, ok=False, timed_out=True, op=op)
+            else:
+                self.record(now - s.t0, ok=ok, op=op)
+
     def close(self) -> None:
         self.req.close()
         self.resp.close()
@@ -469,11 +484,13 @@ class CompiledSlot(ClientSlot):
             raise BrokerUnavailable(f"{self._where}: {e}") from None
         return self.generation
 
-    def read_hits(self, nq: int, k: int, single: bool) -> Hits | list[Hits] | None:
+    def read_hits(self, nq: int, k: int, single: bool, shares: Sequence[Share] | None = None) -> Any:
         """The answer of a consumed recall without payloads: one Hits (``single``) or one per
         row, checked as :meth:`outcome` and ``_requests.read`` check it (ProtocolError); None
-        when the status is not OK (``_requests.read`` then maps it to its error)."""
-        return self.native.read_hits(self.generation, nq, k, single)
+        when the status is not OK (``_requests.read`` then maps it to its error). ``shares``
+        (a shared slot's callers, in row order): the answer split per caller as
+        ``clients._coalesce.split`` splits it, each cut to its own k."""
+        return self.native.read_hits(self.generation, nq, k, single, shares)
 
     def is_done(self) -> bool:
         return self.native.is_done()
@@ -489,6 +506,11 @@ class CompiledSlot(ClientSlot):
 
     def record(self, latency_ns: int, ok: bool, timed_out: bool = False, op: int = L_RECALL) -> None:
         self.native.record(latency_ns, ok, timed_out, op)
+
+    def record_shares(
+        self, now: int, shares: Sequence[Share], gone: Sequence[bool], ok: bool, op_single: int, op_many: int
+    ) -> None:
+        self.native.record_shares(now, shares, gone, ok, op_single, op_many)
 
 
 def make_slot(conn: Connection, index: int, req: AnySemaphore, resp: AnySemaphore) -> ClientSlot:

@@ -22,7 +22,7 @@ from kalos.broker.positions import Position
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath, choose
 from kalos.broker.validation import VectorsFor, as_vectors
 from kalos.clients import _exchange, _requests
-from kalos.clients._coalesce import Share
+from kalos.clients._coalesce import Share, split
 from kalos.clients._exchange import Completion, Exchange
 from kalos.clients._transport import (
     ClientSlot,
@@ -629,3 +629,36 @@ def test_closing_while_another_thread_waits_waits_for_it(cslot, named_semaphore)
     with pytest.raises(OSError):
         sem.post()
     assert theirs.value == 0
+
+
+def test_shares_that_do_not_add_up_are_refused_as_split_refuses_them(cslot):
+    _py, c = twins(cslot)
+    [slot] = c.lease(1)
+    assert isinstance(slot, CompiledSlot)
+    p = _requests.recall(LAY, np.ones((2, LAY.dim), np.float32), 3, b"ns", False, False, None, cslot)
+    Exchange(slot, p, None, 1).send()
+    c.serve(answer_for(np.random.default_rng(0)))
+    shares = [Share(1, 3, True, 0)]
+    with pytest.raises(ValueError) as compiled:
+        slot.read_hits(2, 3, False, shares)
+    with pytest.raises(ValueError) as python:
+        split(slot.read_hits(2, 3, False), shares)
+    assert str(compiled.value) == str(python.value) == "2 rows of hits for 1 rows asked"
+
+
+def test_the_callers_of_a_shared_slot_are_recorded_alike(cslot, rng):
+    py, c = twins(cslot)
+    [a], [b] = py.lease(1), c.lease(1)
+    now = 10**12
+    t0s = [now - 1, now - 7000, now, now + 5, 0, -(2**63), 2**63 - 1, *rng.integers(0, now, 40).tolist()]
+    for _ in range(60):
+        m = int(rng.integers(1, 8))
+        shares = [Share(1, 3, bool(rng.integers(2)), int(t0s[int(rng.integers(len(t0s)))])) for _ in range(m)]
+        gone = [bool(rng.integers(3) == 0) for _ in range(m)]
+        ok = bool(rng.integers(4))
+        ops = (int(rng.integers(L.LATENCY_OPS)), int(rng.integers(L.LATENCY_OPS)))
+        a.record_shares(now, shares, gone, ok, *ops)
+        b.record_shares(now, shares, gone, ok, *ops)
+        same_bytes(py, c, 0, 0)
+    with pytest.raises(ValueError):
+        b.record_shares(now, [Share(1, 3, True, 0)], [], True, 0, 1)
