@@ -662,3 +662,24 @@ def test_the_callers_of_a_shared_slot_are_recorded_alike(cslot, rng):
         same_bytes(py, c, 0, 0)
     with pytest.raises(ValueError):
         b.record_shares(now, [Share(1, 3, True, 0)], [], True, 0, 1)
+
+
+def test_the_module_refuses_misuse_with_clear_errors(cslot):
+    with pytest.raises(TypeError):
+        cslot.configure(ProtocolError)  # two classes
+    with pytest.raises(TypeError):
+        cslot.configure(1, 2)
+    with pytest.raises(TypeError):
+        cslot.as_row(np.ones(3, np.float32))
+    with pytest.raises(TypeError):
+        cslot.Sem(5)
+    _py, c = twins(cslot)
+    [slot] = c.lease(1)
+    assert isinstance(slot, CompiledSlot)
+    with pytest.raises(TypeError):
+        slot.native.post(1, 1, "ns", 1, 1, 0, 0)  # the namespace is bytes
+    with pytest.raises(ValueError):
+        slot.native.post(1, 1, b"ns", -1, 1, 0, 0)  # a u32 field
+    with pytest.raises(ValueError):
+        slot.native.post(1, 1, b"ns", 1, 2**32, 0, 0)
+    assert int(c.seg.slots[slot.index]["state"]) == L.S_FREE  # nothing written
