@@ -3,9 +3,11 @@
 Two C extensions do the byte work of the slot protocol (``docs/protocol.md``) under the Python API:
 ``kalos.clients._cslot`` (a client's encode + write + post and its answer's decode) and
 ``kalos.sidecar_cuda._cserve`` (the sidecar's scan, gather and answer writing). Both include the
-header generated from ``broker/layout.py`` (``broker/kalos_protocol.h``). They are optional: where
-no C compiler is found, or a build fails, the install goes on with a warning and Kalos runs the
-pure-Python slot path (``kalos.broker.slotpath``), which behaves identically.
+header generated from ``broker/layout.py`` (``broker/kalos_protocol.h``) and numpy's C API (numpy
+is a build requirement: the extensions make the result arrays themselves). They are optional: where
+no C compiler is found, numpy's headers are missing, or a build fails, the install goes on with a
+warning and Kalos runs the pure-Python slot path (``kalos.broker.slotpath``), which behaves
+identically.
 """
 
 from __future__ import annotations
@@ -46,11 +48,21 @@ class OptionalBuildExt(build_ext):
         )
 
 
+def _numpy_include() -> list[str]:
+    """numpy's C headers, if numpy is importable (else the build fails and is skipped, warned)."""
+    try:
+        import numpy
+    except ImportError:
+        print("kalos: numpy is not importable at build time: no compiled slot path", file=sys.stderr)
+        return []
+    return [numpy.get_include()]
+
+
 def _ext(name: str, source: str) -> Extension:
     return Extension(
         name,
         sources=[source],
-        include_dirs=["broker"],
+        include_dirs=["broker", *_numpy_include()],
         depends=["broker/kalos_protocol.h"],
         extra_compile_args=_FLAGS,
         libraries=["pthread"],  # sem_open and friends (glibc < 2.34 keeps them in libpthread)

@@ -5,6 +5,11 @@ same run. Prints a table and writes JSON to bench/results/.
 
     python bench/bench_broker.py                       # the issue's matrix on this machine
     python bench/bench_broker.py --sizes 256x128 --tasks 1 --procs 1 --seconds 2
+    python bench/bench_broker.py --sizes 256x128 --tasks 1,64 --procs 1,4 --paths compiled,python
+
+``--paths``: the clients' slot paths to compare (``compiled``: KALOS_REQUIRE_COMPILED=1,
+``python``: KALOS_PURE_PYTHON=1, in the client processes' environment; the path each ran is
+checked), measured one after the other for every configuration, against one sidecar.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from kalos.demo import inproc_numpy
-from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
+from kalos.testing.loadgen import LoadResult, LoadSpec, check_samples, environment, run_load
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 
@@ -30,6 +35,32 @@ def parse_size(s: str) -> tuple[int, int]:
     mult = {"k": 1000, "m": 1_000_000}
     n_i = int(float(n[:-1]) * mult[n[-1]]) if n[-1] in mult else int(n)
     return n_i, int(d)
+
+
+#: The environment that makes a client process run each slot path (broker.slotpath).
+PATH_ENV = {
+    "compiled": {"KALOS_REQUIRE_COMPILED": "1", "KALOS_PURE_PYTHON": ""},
+    "python": {"KALOS_PURE_PYTHON": "1", "KALOS_REQUIRE_COMPILED": ""},
+    "default": {},
+}
+
+
+def _load_on(path: str, spec: LoadSpec) -> LoadResult:
+    """``run_load`` with the client processes on slot path ``path`` (they are spawned: they take
+    this process's environment), checked."""
+    saved = {k: os.environ.get(k) for k in PATH_ENV[path]}
+    os.environ.update(PATH_ENV[path])
+    try:
+        res = run_load(spec)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    if path != "default" and set(res.slot_paths) != {path}:
+        raise RuntimeError(f"asked for the {path} slot path, the clients ran {res.slot_paths}")
+    return res
 
 
 def main() -> int:
@@ -44,6 +75,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--coalesce", action="store_true", help="clients' pools coalesce waiting recalls")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<backend>-<host>-<date>.json)")
+    ap.add_argument("--paths", default="default", help="client slot paths, comma-separated: compiled, python, default")
     a = ap.parse_args()
 
     seed = int.from_bytes(os.urandom(4), "little")
@@ -79,10 +111,11 @@ def main() -> int:
         try:
             for loop in a.loops.split(","):
                 for tasks in (int(t) for t in a.tasks.split(",")):
-                    for procs in (int(p) for p in a.procs.split(",")):
+                    for procs, path in ((int(p), path) for p in a.procs.split(",") for path in a.paths.split(",")):
                         if procs > tasks:
                             continue
-                        res = run_load(
+                        res = _load_on(
+                            path,
                             LoadSpec(
                                 name=name,
                                 dim=d,
@@ -95,7 +128,7 @@ def main() -> int:
                                 loop=loop,
                                 keep=50,
                                 coalesce=a.coalesce,
-                            )
+                            ),
                         )
                         checked, wrong = check_samples(res.samples, matrix, a.k)
                         p = res.percentiles_us()
@@ -106,6 +139,7 @@ def main() -> int:
                             "loop": loop,
                             "tasks": tasks,
                             "procs": procs,
+                            "slot_path": ",".join(sorted(set(res.slot_paths))),
                             **{kk: round(v, 1) for kk, v in p.items()},
                             "recalls_per_s": round(res.throughput),
                             "count": res.count,
@@ -121,7 +155,8 @@ def main() -> int:
                         }
                         rows.append(row)
                         print(
-                            f"{n:>8}x{d:<4} {loop:7} tasks={tasks:<3} procs={procs}  p50={p['p50_us']:8.1f}us "
+                            f"{n:>8}x{d:<4} {loop:7} tasks={tasks:<3} procs={procs} {row['slot_path']:8} "
+                            f"p50={p['p50_us']:8.1f}us "
                             f"p95={p['p95_us']:8.1f} p99={p['p99_us']:8.1f}  {res.throughput:10,.0f}/s  "
                             f"| numpy 1q p50 {base1['p50_us']:.1f}us, b64 {base64_tput:,.0f}/s  "
                             f"| overhead {row['overhead_p50_us']:+.1f}us, tput x{row['throughput_vs_b64']:.2f}"

@@ -72,12 +72,14 @@ def stage_quantiles(port: int) -> dict[tuple[str, str], float]:
     return out
 
 
-def lone_recalls(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> np.ndarray:
-    """End-to-end ns of ``n`` recalls made one after another (after ``warm`` more)."""
+def lone_recalls(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> tuple[np.ndarray, str]:
+    """End-to-end ns of ``n`` recalls made one after another (after ``warm`` more), and the
+    client's slot path (``KALOS_PURE_PYTHON=1`` in the environment: the Python one)."""
     rng = np.random.default_rng(seed)
     qs = rng.standard_normal((n + warm, dim), dtype=np.float32)
     e2e = np.zeros(n, np.int64)
     with RecallClient(name) as c:
+        path = c.slot_path
         for i in range(n + warm):
             t0 = time.perf_counter_ns()
             hits = c.recall(qs[i], k=k)
@@ -85,7 +87,7 @@ def lone_recalls(name: str, dim: int, k: int, n: int, warm: int, seed: int) -> n
             assert len(hits) == k
             if i >= warm:
                 e2e[i - warm] = t1 - t0
-    return e2e
+    return e2e, path
 
 
 def inprocess(
@@ -185,7 +187,7 @@ def main() -> int:
             args += ["--host-search-work", str(a.host_search_work)]
         proc = start_sidecar_process(args, name, timeout=600)
         try:
-            e2e = lone_recalls(name, dim, a.k, a.n, 300, a.seed + 1)
+            e2e, slot_path = lone_recalls(name, dim, a.k, a.n, 300, a.seed + 1)
             time.sleep(1.5)  # (the sidecar's harvest thread moves the last records into its windows)
             sq = stage_quantiles(port)
         finally:
@@ -209,7 +211,7 @@ def main() -> int:
                 "search (in-process wall)": ip["search wall"],
                 "sidecar Python (serve - search)": serve - ip["search wall"],
             }
-        print(f"\n{rows}x{dim} {dtype} backend={a.backend} k={a.k}: {a.n} lone recalls")
+        print(f"\n{rows}x{dim} {dtype} backend={a.backend} k={a.k}: {a.n} lone recalls, {slot_path} slot path")
         print(f"  {'stage':40s} {'p50 us':>9s} {'p99 us':>9s}")
         for s in STAGES:
             print(f"  {s:40s} {p50[s]:9.1f} {p99[s]:9.1f}")
@@ -229,6 +231,7 @@ def main() -> int:
                 "dtype": dtype,
                 "k": a.k,
                 "n": a.n,
+                "slot_path": slot_path,
                 "p50_us": p50,
                 "p99_us": p99,
                 "serve_split_us": split,

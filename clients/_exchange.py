@@ -25,8 +25,8 @@ from typing import Any, Generic, TypeVar
 from ..broker.errors import KalosError, PayloadTooLarge
 from ..broker.layout import latency_op
 from ._coalesce import Share, split
-from ._requests import READS, Prepared, read, write
-from ._transport import ClientSlot
+from ._requests import READS, Prepared, hits_only, read, rows_only, write
+from ._transport import ClientSlot, CompiledSlot
 
 
 class Completion(enum.Enum):
@@ -66,11 +66,17 @@ class Exchange(Generic[W]):
 
     def send(self) -> None:
         """Write the request into the slot's data areas, then post it (header fields, POSTED, the
-        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``). If either
-        step fails the slot is FREE again and the error is raised; the driver keeps the slot."""
+        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``); on the
+        compiled slot path a recall of rows alone does both in one call (``post_rows``). If
+        either step fails the slot is FREE again and the error is raised; the driver keeps the
+        slot."""
         slot, p = self.slot, self.prep
         try:
-            slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
+            if isinstance(slot, CompiledSlot) and rows_only(p):
+                assert p.vectors is not None
+                slot.post_rows(p.vectors, p.k, p.ns, p.flags)
+            else:
+                slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
         except BaseException:
             slot.set_free()
             raise
@@ -86,14 +92,20 @@ class Exchange(Generic[W]):
         slot, p = self.slot, self.prep
         error: KalosError | None = None
         value: Any = None
+        parts = self.parts
         try:
-            value = read(slot.view, slot.outcome(), p)
+            if isinstance(slot, CompiledSlot) and hits_only(p):
+                # One call: the checks, the Hits, and a shared slot's split among its callers.
+                value = slot.read_hits(p.nq, p.k, p.single, parts)  # None: an error status, mapped below
+            if value is None:
+                value = read(slot.view, slot.outcome(), p)
+                if parts is not None:
+                    value = split(value, parts)
         except KalosError as e:
             error = e
             if p.call is not None:
                 p.call.failed = True
         now = time.monotonic_ns()
-        parts = self.parts
         if parts is None:
             op = latency_op(p.op, p.single)
             if gone[0]:
@@ -104,19 +116,13 @@ class Exchange(Generic[W]):
             if error is None:
                 return _ANSWERED, value, None, now - self.t0
             return _FAILED, None, error, now - self.t0
-        if error is None:
-            value = split(value, parts)
         slot.set_free()
         if isinstance(error, PayloadTooLarge):
             # Together their payloads overflowed the slot; each alone may fit, as it would have
             # without coalescing. Nothing is recorded: each caller's request is not over.
             return _RESEND_ALONE, None, error, now - self.t0
-        for part, left in zip(parts, gone):
-            op = latency_op(p.op, part.single)
-            if left:
-                slot.record(now - part.t0, ok=False, timed_out=True, op=op)
-            else:
-                slot.record(now - part.t0, ok=error is None, op=op)
+        # Each caller's own latency and kind; a caller that went away, a timeout.
+        slot.record_shares(now, parts, gone, error is None, latency_op(p.op, True), latency_op(p.op, False))
         if error is None:
             return _ANSWERED, value, None, now - self.t0
         return _FAILED, None, error, now - self.t0

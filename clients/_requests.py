@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import numpy as np
 
@@ -112,11 +112,35 @@ class NamespaceCache(dict[str, bytes]):
         return b
 
 
+class FastRows(Protocol):
+    """The compiled slot path's check of float32 vectors (``clients/_cslot.c``: the module is
+    one): what ``broker.validation.as_vectors`` returns for a finite float32 vector of shape
+    ``(dim,)`` (``as_row``: a ``(1, dim)`` view) or matrix of shape ``(n, dim)`` with ``n`` in
+    ``1..max_rows`` (``as_rows``: the matrix itself), and None for anything else, which then
+    goes through ``as_vectors`` (and its errors)."""
+
+    def as_row(self, x: Any, dim: int, /) -> np.ndarray | None: ...
+
+    def as_rows(self, x: Any, dim: int, max_rows: int, /) -> np.ndarray | None: ...
+
+
 def recall(
-    layout: Layout, x: Any, k: int, namespace: bytes, with_payload: bool, single: bool, where: Any = None
+    layout: Layout,
+    x: Any,
+    k: int,
+    namespace: bytes,
+    with_payload: bool,
+    single: bool,
+    where: Any = None,
+    fast: FastRows | None = None,
 ) -> Prepared:
-    """``namespace`` is already validated and encoded (NamespaceCache.encode)."""
-    q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY, layout.max_queries)
+    """``namespace`` is already validated and encoded (NamespaceCache.encode); ``fast``: the
+    compiled check of the common vectors (None: ``as_vectors`` only; the result is the same)."""
+    q = None
+    if fast is not None:
+        q = fast.as_row(x, layout.dim) if single else fast.as_rows(x, layout.dim, layout.max_queries)
+    if q is None:
+        q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY, layout.max_queries)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
     p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single)
@@ -233,6 +257,20 @@ def list_namespaces() -> Prepared:
     return Prepared(Op.LIST_NAMESPACES, b"")
 
 
+def rows_only(p: Prepared) -> bool:
+    """Is the request its rows and header fields alone (a recall without a filter blob or a
+    fleet position)? Such a request may be written and posted in one compiled call
+    (``ClientSlot.post_rows``); any other goes through :func:`write`."""
+    return p.op is Op.RECALL and not p.blob and p.after is None
+
+
+def hits_only(p: Prepared) -> bool:
+    """Is the answer ids and scores alone (a recall without payloads)? Such an answer may be
+    checked and decoded in one compiled call (``ClientSlot.read_hits``); any other, and every
+    error status, goes through :func:`read`."""
+    return p.op is Op.RECALL and not p.flags & Flag.WITH_PAYLOAD
+
+
 def write(v: SlotView, p: Prepared) -> int:
     """Copy the request's arrays into the slot's data areas; returns blob_len."""
     if p.vectors is not None:
@@ -256,6 +294,8 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
         p.status = status
         raise error_for_status(status, _blob(v, blob_len).decode(errors="replace"))
     if p.op == Op.RECALL:
+        if n > p.k:  # (an untrusted word: never more hits than asked for, never beyond max_k)
+            raise ProtocolError(f"slot {v.index}: {n} results per query for k={p.k}")
         if p.single and not p.flags:  # the common case, with the fewest calls
             return Hits(v.result_ids[0, :n].copy(), v.result_scores[0, :n].copy())
         ids = v.result_ids[: p.nq, :n].copy()

@@ -6,19 +6,29 @@ here (BrokerUnavailable when the objects went away or broke), so the async pool 
 client above it never see posix_ipc. Clients never create or unlink anything: they open the
 segment and the semaphores, lease slots under an ``flock`` of the segment, and on close give the
 leases back.
+
+**Two slot paths** (``broker.slotpath``, chosen per connection): the pure-Python one
+(:class:`ClientSlot`, :class:`Semaphore` over posix_ipc) is the reference; the compiled one
+(:class:`CompiledSlot`, :class:`NativeSemaphore`) does the same byte work in
+``clients/_cslot.c``: a recall's rows written and posted in one call (``post_rows``), its answer
+checked and decoded into ``Hits`` in one call (``read_hits``), ``answered``, ``record``. The
+extension raises OSError; it becomes a Kalos error here, as posix_ipc's errors do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import fcntl
+import importlib
 import mmap
 import os
 import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import posix_ipc
@@ -26,6 +36,7 @@ import posix_ipc
 from ..broker import leases
 from ..broker.errors import BrokerUnavailable, ProtocolError, UntrustedBroker
 from ..broker.layout import (
+    CONTROL_BYTES,
     HEADER_BYTES,
     HEARTBEAT_S,
     HEARTBEAT_STALE_S,
@@ -33,7 +44,9 @@ from ..broker.layout import (
     HIST_OFFSET,
     L_RECALL,
     LATENCY_BOUNDS_NS,
+    LATENCY_OPS,
     MAGIC_U64,
+    NAMESPACE_BYTES,
     OWNER_ABANDONED,
     PROTOCOL_VERSION,
     RING_LEN,
@@ -44,11 +57,16 @@ from ..broker.layout import (
     S_FREE,
     S_POSTED,
     S_WRITING,
+    SLOT_FIELDS,
     STATS_BYTES,
+    STATS_FIELDS,
     Layout,
+    Op,
     SegmentView,
     SidecarState,
+    SlotState,
     SlotView,
+    Status,
     header_field_offset,
     metric_name,
     peek_header,
@@ -64,8 +82,64 @@ from ..broker.names import (
 )
 from ..broker.owners import sem_path, stat_problem
 from ..broker.procs import process_start_ticks
+from ..broker.slotpath import Choice, SlotPath, choose
+from .results import Hits
+
+if TYPE_CHECKING:
+    from ._coalesce import Share
+    from ._cslot import Sem as _Sem
+    from ._cslot import Slot as _Slot
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
+
+
+# -- the slot path -------------------------------------------------------------------------------
+def compiled_protocol() -> dict[str, int]:
+    """What ``clients/_cslot.c`` must have been compiled with (its ``PROTOCOL``), from
+    ``broker.layout``: an extension built against another header is refused, never run."""
+    want = {
+        "PROTOCOL_VERSION": PROTOCOL_VERSION,
+        "CONTROL_BYTES": CONTROL_BYTES,
+        "STATS_BYTES": STATS_BYTES,
+        "NAMESPACE_BYTES": NAMESPACE_BYTES,
+        "HIST_OFFSET": HIST_OFFSET,
+        "HIST_BUCKETS": HIST_BUCKETS,
+        "RING_OFFSET": RING_OFFSET,
+        "RING_LEN": RING_LEN,
+        "RING_OP_SHIFT": RING_OP_SHIFT,
+        "RING_NS_MAX": RING_NS_MAX,
+        "LATENCY_OPS": LATENCY_OPS,
+        "Op.RECALL": int(Op.RECALL),
+        "Status.OK": int(Status.OK),
+    }
+    fields = {f"slot.{name}": off for name, _t, off in SLOT_FIELDS}
+    fields.update({f"stats.{name}": off for name, _t, off in STATS_FIELDS})
+    for s in (SlotState.FREE, SlotState.WRITING, SlotState.POSTED, SlotState.DONE):
+        want[f"SlotState.{s.name}"] = int(s)
+    return {**want, **fields}
+
+
+def load_compiled() -> ModuleType:
+    """Import the compiled slot path (ImportError: not built, or built against another layout
+    than ``broker.layout``'s, which the caller treats as not built)."""
+    mod = importlib.import_module("._cslot", __package__)
+    want = compiled_protocol()
+    have = dict(mod.PROTOCOL)
+    wrong = sorted(k for k in have if want.get(k) != have[k])
+    if wrong:
+        raise ImportError(
+            f"kalos.clients._cslot was built against another protocol layout ({', '.join(wrong)} "
+            "differ from broker/layout.py): rebuild it (make ext)"
+        )
+    mod.configure(ProtocolError, Hits)
+    return mod
+
+
+def default_slot_path() -> Choice:
+    """The slot path of a new connection: ``broker.slotpath.choose`` over this process's
+    environment (``KALOS_PURE_PYTHON``, ``KALOS_REQUIRE_COMPILED``); ConfigError when the
+    compiled path is required and not built."""
+    return choose(os.environ, load_compiled)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,8 +197,56 @@ class Semaphore:
             pass
 
 
+class NativeSemaphore:
+    """:class:`Semaphore` on the compiled slot path: the same methods and errors over
+    ``_cslot.Sem`` (sem_open of the sidecar's semaphore, never created here), whose handle
+    (``sem``) the compiled slot posts and consumes without a Python call."""
+
+    __slots__ = ("sem", "_what")
+
+    def __init__(self, posix_name: str, what: str, module: ModuleType) -> None:
+        self._what = what
+        try:
+            self.sem: _Sem = module.Sem(posix_name)
+        except OSError as e:
+            raise BrokerUnavailable(f"{what}: {e}") from None
+
+    def try_acquire(self) -> bool:
+        try:
+            return self.sem.trywait()
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def acquire(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; False if no post came (or a signal interrupted)."""
+        try:
+            return self.sem.wait(timeout)
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def release(self) -> None:
+        try:
+            self.sem.post()
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._what}: {e}") from None
+
+    def close(self) -> None:
+        self.sem.close()
+
+
+#: A slot's semaphore: posix_ipc's or the compiled one (or a unit test's fake with their methods).
+AnySemaphore = Semaphore | NativeSemaphore
+
+
+def _native(sem: object) -> object:
+    """What a compiled slot posts or consumes: the native handle, else the object itself (the
+    unit tests' fake semaphores: it calls their ``release`` / ``try_acquire``)."""
+    return sem.sem if isinstance(sem, NativeSemaphore) else sem
+
+
 class ClientSlot:
-    """One leased slot: its views, its semaphores and the owner's bookkeeping."""
+    """One leased slot: its views, its semaphores and the owner's bookkeeping. Its byte work is
+    the pure-Python slot path, the reference :class:`CompiledSlot` is held to."""
 
     __slots__ = (
         "index",
@@ -156,11 +278,12 @@ class ClientSlot:
         "_ring0",
         "_stats",
         "_sleeping",
+        "_blob_bytes",
         "generation",
         "name",
     )
 
-    def __init__(self, conn: Connection, index: int, req: Semaphore, resp: Semaphore) -> None:
+    def __init__(self, conn: Connection, index: int, req: AnySemaphore, resp: AnySemaphore) -> None:
         L = conn.layout
         self.index = index
         self.name = conn.name
@@ -189,6 +312,7 @@ class ClientSlot:
         self._hist0 = (L.stats_base(index) + HIST_OFFSET) // 8
         self._ring0 = (L.stats_base(index) + RING_OFFSET) // 8
         self._stats = L.stats_base(index)
+        self._blob_bytes = L.blob_bytes
         self.generation = int(self._w64[self._gen])
 
     # -- request ---------------------------------------------------------------------------
@@ -241,12 +365,22 @@ class ClientSlot:
         return True
 
     def outcome(self) -> tuple[int, int, int]:
-        """(status, n_results, blob_len) of a consumed response; checks the generation echo."""
-        if self._w64[self._rgen] != self.generation:
+        """(status, n_results, blob_len) of a consumed response, each field read once (the
+        sidecar's words are untrusted): the generation echo checked, blob_len within the blob
+        area (ProtocolError otherwise)."""
+        w32 = self._w32
+        rgen = self._w64[self._rgen]
+        if rgen != self.generation:
+            raise ProtocolError(f"slot {self.index}: response for request {rgen}, expected {self.generation}")
+        blob_len = w32[self._blob_len]
+        if blob_len > self._blob_bytes:
             raise ProtocolError(
-                f"slot {self.index}: response for request {self._w64[self._rgen]}, expected {self.generation}"
+                f"slot {self.index}: blob_len {blob_len} beyond the blob area of {self._blob_bytes} bytes"
             )
-        return (int(np.int32(self._w32[self._status])), self._w32[self._nres], self._w32[self._blob_len])
+        status = w32[self._status]
+        if status >= 1 << 31:  # an i32 field
+            status -= 1 << 32
+        return (status, w32[self._nres], blob_len)
 
     def blob_text(self, n: int) -> bytes:
         return bytes(self.view.blob[:n].tobytes())
@@ -275,9 +409,115 @@ class ClientSlot:
             # untrusted): start the block over. The exporter takes a decrease for a new owner.
             self._mm[self._stats : self._stats + STATS_BYTES] = bytes(STATS_BYTES)
 
+    def record_shares(
+        self, now: int, shares: Sequence[Share], gone: Sequence[bool], ok: bool, op_single: int, op_many: int
+    ) -> None:
+        """Account each caller of a shared slot (``shares``: ``clients._coalesce.Share``, in
+        row order) as :meth:`record` accounts one: its latency from its own t0 to ``now``, of its
+        own kind (``op_single`` for a recall, ``op_many`` for recall_many), a caller that went
+        away (``gone``) as a timeout."""
+        for s, left in zip(shares, gone):
+            op = op_single if s.single else op_many
+            if left:
+                self.record(now - s.t0, ok=False, timed_out=True, op=op)
+            else:
+                self.record(now - s.t0, ok=ok, op=op)
+
     def close(self) -> None:
         self.req.close()
         self.resp.close()
+
+
+class CompiledSlot(ClientSlot):
+    """A :class:`ClientSlot` whose byte work runs compiled (``clients/_cslot.c``), with the same
+    effect on the segment byte for byte and the same errors (``tests/unit/test_cslot.py``).
+    Two operations exist only here, each one call for what the Python path does in several:
+    :meth:`post_rows` (a recall's rows, header fields, POSTED, the posts) and :meth:`read_hits`
+    (generation echo, bounds, status, the ``Hits``)."""
+
+    __slots__ = ("native", "_where")
+
+    def __init__(self, conn: Connection, index: int, req: AnySemaphore, resp: AnySemaphore) -> None:
+        super().__init__(conn, index, req, resp)
+        L = conn.layout
+        assert conn.cslot is not None
+        self._where = f"broker {conn.name!r}: slot {index}"
+        self.native: _Slot = conn.cslot.Slot(
+            buffer=conn.mm,
+            index=index,
+            control_base=L.control_base(index),
+            stats_base=L.stats_base(index),
+            data_base=L.data_base(index),
+            slot_bytes=L.slot_bytes,
+            query_offset=L.query_offset,
+            ids_offset=L.ids_offset,
+            result_ids_offset=L.result_ids_offset,
+            result_scores_offset=L.result_scores_offset,
+            blob_offset=L.blob_offset,
+            dim=L.dim,
+            max_k=L.max_k,
+            max_queries=L.max_queries,
+            blob_bytes=L.blob_bytes,
+            sleeping_offset=header_field_offset("sidecar_sleeping"),
+            bounds=LATENCY_BOUNDS_NS,
+            req=_native(req),
+            resp=_native(resp),
+            bell=_native(conn.bell),
+        )
+
+    def post(self, op: int, ns: bytes, k: int, nq: int, flags: int, blob_len: int, t0: int) -> int:
+        self.generation += 1
+        try:
+            self.native.post(self.generation, op, ns, k, nq, flags, blob_len)
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._where}: {e}") from None
+        return self.generation
+
+    def post_rows(self, rows: np.ndarray, k: int, ns: bytes, flags: int) -> int:
+        """Post a recall whose request is ``rows`` (C-contiguous float32 (n, dim), as
+        ``broker.validation.as_vectors`` returns them) and its header fields: no filter blob, no
+        fleet position. ValueError for rows of another shape or type (nothing written)."""
+        self.generation += 1
+        try:
+            self.native.post_rows(self.generation, rows, k, ns, flags)
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._where}: {e}") from None
+        return self.generation
+
+    def read_hits(self, nq: int, k: int, single: bool, shares: Sequence[Share] | None = None) -> Any:
+        """The answer of a consumed recall without payloads: one Hits (``single``) or one per
+        row, checked as :meth:`outcome` and ``_requests.read`` check it (ProtocolError); None
+        when the status is not OK (``_requests.read`` then maps it to its error). ``shares``
+        (a shared slot's callers, in row order): the answer split per caller as
+        ``clients._coalesce.split`` splits it, each cut to its own k."""
+        return self.native.read_hits(self.generation, nq, k, single, shares)
+
+    def is_done(self) -> bool:
+        return self.native.is_done()
+
+    def answered(self) -> bool:
+        try:
+            return self.native.answered()
+        except OSError as e:
+            raise BrokerUnavailable(f"{self._where}: {e}") from None
+
+    def set_free(self) -> None:
+        self.native.set_free()
+
+    def record(self, latency_ns: int, ok: bool, timed_out: bool = False, op: int = L_RECALL) -> None:
+        self.native.record(latency_ns, ok, timed_out, op)
+
+    def record_shares(
+        self, now: int, shares: Sequence[Share], gone: Sequence[bool], ok: bool, op_single: int, op_many: int
+    ) -> None:
+        self.native.record_shares(now, shares, gone, ok, op_single, op_many)
+
+
+def make_slot(conn: Connection, index: int, req: AnySemaphore, resp: AnySemaphore) -> ClientSlot:
+    """The slot object of the connection's slot path."""
+    if conn.cslot is not None:
+        return CompiledSlot(conn, index, req, resp)
+    return ClientSlot(conn, index, req, resp)
 
 
 class Connection:
@@ -288,8 +528,13 @@ class Connection:
     to other users, and to the group too unless ``sidecar_uid`` is given (a sidecar run as a
     dedicated user shares its objects with a group: ``--shm-mode 0660``); else UntrustedBroker."""
 
-    def __init__(self, name: str, *, sidecar_uid: int | None = None) -> None:
+    #: The slot path of this attachment (``slot_path.path``: compiled or python) and its module.
+    slot_path: Choice
+    cslot: ModuleType | None
+
+    def __init__(self, name: str, *, sidecar_uid: int | None = None, slot_path: Choice | None = None) -> None:
         self.name = validate_broker_name(name)
+        self._set_slot_path(slot_path)
         own = os.geteuid()
         self._expected_uid = own if sidecar_uid is None else int(sidecar_uid)
         self._group_ok = sidecar_uid is not None
@@ -349,7 +594,7 @@ class Connection:
                 except FileNotFoundError:
                     raise BrokerUnavailable(f"broker {name!r} is going away") from None
                 self._check_owner(sem, st, "semaphore")
-            self.bell = Semaphore(bell_name(name), f"broker {name!r}: doorbell")
+            self.bell = self._semaphore(bell_name(name), f"broker {name!r}: doorbell")
             try:
                 self.leases_fd = os.open(leases_path(name), os.O_RDWR | os.O_CLOEXEC)
             except FileNotFoundError:
@@ -376,6 +621,15 @@ class Connection:
         self.pid = os.getpid()
         self.start_ticks = process_start_ticks(self.pid)
         self.closed = False
+
+    def _set_slot_path(self, choice: Choice | None) -> None:
+        self.slot_path = default_slot_path() if choice is None else choice
+        self.cslot = self.slot_path.module if self.slot_path.path is SlotPath.COMPILED else None
+
+    def _semaphore(self, posix_name: str, what: str) -> Semaphore | NativeSemaphore:
+        if self.cslot is not None:
+            return NativeSemaphore(posix_name, what, self.cslot)
+        return Semaphore(posix_name, what)
 
     def _check_owner(self, obj: str, st: os.stat_result, what: str) -> None:
         problem = stat_problem(st, expected_uid=self._expected_uid, group_ok=self._group_ok)
@@ -445,8 +699,11 @@ class Connection:
             for i in got:
                 what = f"broker {self.name!r}: slot {i}"
                 out.append(
-                    ClientSlot(
-                        self, i, Semaphore(req_name(self.name, i), what), Semaphore(resp_name(self.name, i), what)
+                    make_slot(
+                        self,
+                        i,
+                        self._semaphore(req_name(self.name, i), what),
+                        self._semaphore(resp_name(self.name, i), what),
                     )
                 )
         except BrokerUnavailable:

@@ -31,6 +31,7 @@ from ._attach import Attacher, Attachment, Connect, drive
 from ._exchange import Exchange, resend_after_outage
 from ._requests import (
     DEFAULT,
+    FastRows,
     NamespaceCache,
     Prepared,
     Timeout,
@@ -114,6 +115,8 @@ class RecallClient:
 
     def _install(self, att: Attachment) -> None:
         self._conn, self._slot = att.conn, att.slots[0]
+        self._fast = cast("FastRows | None", att.conn.cslot)
+        self._slot_path = att.conn.slot_path.path
         self._metric = att.conn.metric
         self._payload_limit = att.conn.payload_limit
         self._pending = None
@@ -126,6 +129,12 @@ class RecallClient:
     def metric(self) -> str:
         """The sidecar's ``--metric`` (``"dot"``, ``"cosine"`` or ``"l2"``): what the scores mean."""
         return self._metric
+
+    @property
+    def slot_path(self) -> str:
+        """``"compiled"`` (``clients/_cslot.c``) or ``"python"``: who does this client's byte
+        work on the slot (``broker.slotpath``; ``KALOS_PURE_PYTHON=1`` forces Python)."""
+        return self._slot_path.value
 
     def __enter__(self) -> RecallClient:
         return self
@@ -158,7 +167,7 @@ class RecallClient:
     ) -> Hits:
         """Top-k of one vector; see RecallPool.recall for semantics (``after=`` too) and errors."""
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where)
+        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, self._call(p, timeout, t0))
@@ -175,7 +184,7 @@ class RecallClient:
         after: Position | str | None = None,
     ) -> list[Hits]:
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False, where)
+        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False, where, self._fast)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", self._call(p, timeout, t0))

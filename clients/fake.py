@@ -9,6 +9,10 @@ the sidecar with :meth:`FakeConnection.serve`::
     pool = RecallPool("fake", size=2, connect=lambda name, uid: conn)
     ...
     conn.serve(lambda view, op, k, nq: (ids, scores))   # answers every posted request
+
+Its slots run the slot path a real connection of this process would (``slot_path``: the
+environment's choice, ``broker.slotpath``), so the unit tests cover the compiled byte work where
+it is built, and the Python one with ``KALOS_PURE_PYTHON=1``; a test may name either.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from ..broker.layout import (
     Status,
     header_field_offset,
 )
-from ._transport import ClientSlot, Connection, SlotCensus, Waiter
+from ..broker.slotpath import Choice
+from ._transport import ClientSlot, Connection, SlotCensus, Waiter, make_slot
 
 #: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
 #: an int (rows affected) for a write, or a Status to answer with an error.
@@ -82,9 +87,10 @@ class FakeConnection(Connection):
     """A transport over a bytearray: same interface as :class:`Connection`, no OS objects."""
 
     def __init__(
-        self, layout: Layout, name: str = "fake", payload_limit: int = 16 * 1024
+        self, layout: Layout, name: str = "fake", payload_limit: int = 16 * 1024, slot_path: Choice | None = None
     ) -> None:  # (super().__init__ not called: no OS objects)
         self.name = name
+        self._set_slot_path(slot_path)
         self.layout = layout
         self.metric = "dot"
         self.payload_limit = payload_limit
@@ -117,7 +123,7 @@ class FakeConnection(Connection):
         for i in free:
             slots[i]["owner_pid"] = self.pid
         self.leased += free
-        return [ClientSlot(self, i, self.req[i], self.resp[i]) for i in free]
+        return [make_slot(self, i, self.req[i], self.resp[i]) for i in free]
 
     def census(self) -> SlotCensus:
         """Like the real one, with a slot's owner alive while ``owner_pid`` is not in ``dead``."""

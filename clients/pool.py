@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
+import logging
 import os
 import random
 import time
@@ -42,6 +43,7 @@ from ..broker.errors import (
 )
 from ..broker.layout import Layout, Op
 from ..broker.positions import Position
+from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
@@ -49,6 +51,7 @@ from ._exchange import Completion, Exchange, resend_after_outage
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT,
+    FastRows,
     NamespaceCache,
     Prepared,
     Timeout,
@@ -85,6 +88,7 @@ from ._writes import WriteCall, out_of_budget, settle
 from .results import Hits, Records, Written
 
 LIVENESS_S = 0.1
+log = logging.getLogger("kalos.clients.pool")
 
 
 class _Halted(Exception):
@@ -147,6 +151,7 @@ class PoolStatistics:
     queued: int = 0  # recalls waiting to be coalesced into a slot
     posted: int = 0  # requests written into a slot and posted (round trips to the sidecar)
     coalesced: int = 0  # completed recalls that shared their slot with other recalls
+    slot_path: str = "python"  # "compiled" (clients/_cslot.c) or "python": who does the byte work
 
 
 _POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
@@ -355,6 +360,8 @@ class RecallPool:
         self._ns = NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
         self._metric = "unknown"  # set by open()
+        self._slot_path = SlotPath.PYTHON  # set by open(): the connection's (broker.slotpath)
+        self._fast: FastRows | None = None  # the compiled path's vector check
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
@@ -379,6 +386,9 @@ class RecallPool:
         )
         self._layout = att.conn.layout
         self._metric = att.conn.metric
+        self._slot_path = att.conn.slot_path.path
+        self._fast = cast("FastRows | None", att.conn.cslot)
+        log.info("kalos pool %r: %s slot path (%s)", self.name, self._slot_path.value, att.conn.slot_path.reason)
         self._queue = CoalescingQueue(
             loop,
             max_rows=self._layout.max_queries,
@@ -522,6 +532,7 @@ class RecallPool:
             queued=self._queue.live() if self._queue is not None else 0,
             posted=self._posted,
             coalesced=self._coalesced,
+            slot_path=self._slot_path.value,
         )
 
     def spin_window_ns(self) -> int:
@@ -556,7 +567,9 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state is not _OPEN:
             self._check_usable()
-        p = encode_recall(self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True, where=where)
+        p = encode_recall(
+            self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True, where=where, fast=self._fast
+        )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, await self._execute(p, timeout, t0))
@@ -577,7 +590,16 @@ class RecallPool:
         :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = encode_recall(self._layout, vectors, k, self._ns.encode(namespace), with_payload, single=False, where=where)
+        p = encode_recall(
+            self._layout,
+            vectors,
+            k,
+            self._ns.encode(namespace),
+            with_payload,
+            single=False,
+            where=where,
+            fast=self._fast,
+        )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", await self._execute(p, timeout, t0))

@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:  # a pool's INFO lines (its slot path) are for applications' logs, not a command's stderr
+        logging.getLogger("kalos.clients").setLevel(logging.WARNING)
     where = f"kalos {args.cmd}"
     try:
         return int(args.func(args) or 0)

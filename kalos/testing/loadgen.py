@@ -45,6 +45,7 @@ class LoadResult:
     errors: int
     samples: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # (q, ids, scores)
     client_cpu_s: float = 0.0  # CPU time of the client processes in the measured window (all)
+    slot_paths: tuple[str, ...] = ()  # each client process's slot path ("compiled" or "python")
 
     @property
     def count(self) -> int:
@@ -118,7 +119,9 @@ async def _worker_main(spec: LoadSpec, n_tasks: int, rank: int, start_at: float,
         elapsed = time.perf_counter() - max(t0 + spec.warmup_s, t0)
         cpu_s = time.process_time() - cpu0[0] if marker.done() else 0.0
         marker.cancel()
+        slot_path = pool.statistics().slot_path
     return {
+        "slot_path": slot_path,
         "lat": np.asarray(lat, np.int64),
         "elapsed": min(elapsed, spec.duration_s),
         "errors": errors,
@@ -172,7 +175,14 @@ def run_load(spec: LoadSpec, progress_cb: Any = None) -> LoadResult:
     lat = np.concatenate([r["lat"] for r in results]) if results else np.empty(0, np.int64)
     elapsed = max(r["elapsed"] for r in results)
     samples = [s for r in results for s in r["samples"]]
-    return LoadResult(lat, elapsed, sum(r["errors"] for r in results), samples, sum(r["cpu_s"] for r in results))
+    return LoadResult(
+        lat,
+        elapsed,
+        sum(r["errors"] for r in results),
+        samples,
+        sum(r["cpu_s"] for r in results),
+        tuple(r["slot_path"] for r in results),
+    )
 
 
 def check_samples(

@@ -83,7 +83,9 @@ def test_a_failed_write_or_post_leaves_the_slot_free_and_raises():
         def release(self) -> None:
             raise BrokerUnavailable("request semaphore vanished")
 
-    slot.req = Broken()  # type: ignore[assignment]
+    conn = FakeConnection(LAY)
+    conn.req[0] = Broken()  # type: ignore[call-overload]  # (the slot posts what it was leased with)
+    slot = conn.lease(1)[0]
     p = recall(np.ones(8, np.float32), 2)
     with pytest.raises(BrokerUnavailable, match="vanished"):
         Exchange(slot, p, None).send()

@@ -37,11 +37,15 @@ MOUNTED = frozenset({"broker", "clients", "sidecar_cuda"})
 
 
 def find_modules(root: Path) -> dict[str, Path]:
-    """Dotted module name -> source file, for every ``.py`` file under the layered packages
-    (the symlinks under ``kalos/`` are not walked: their files are counted once, under their folder)."""
+    """Dotted module name -> source file, for every ``.py`` file under the layered packages, and
+    every ``.pyi`` stub without one (a compiled extension, e.g. ``clients/_cslot``: its stub's
+    imports are its edges) (the symlinks under ``kalos/`` are not walked: their files are counted
+    once, under their folder)."""
     modules: dict[str, Path] = {}
     for top in LAYERS:
-        for path in sorted((root / top).rglob("*.py")):
+        sources = sorted((root / top).rglob("*.py"))
+        sources += [p for p in sorted((root / top).rglob("*.pyi")) if not p.with_suffix(".py").exists()]
+        for path in sources:
             if any((root / d).is_symlink() for d in path.relative_to(root).parents):
                 continue
             parts = list(path.relative_to(root).with_suffix("").parts)
