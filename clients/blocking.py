@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
+from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -25,7 +26,6 @@ from ..broker.errors import (
     ProtocolError,
     ResponseTimeout,
 )
-from ..broker.clock import Recency
 from ..broker.layout import Layout, Op, latency_op
 from ..broker.positions import Position
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -40,7 +41,6 @@ from ..broker.errors import (
     KalosError,
     ResponseTimeout,
 )
-from ..broker.clock import Recency
 from ..broker.layout import Layout, Op
 from ..broker.positions import Position
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
@@ -61,12 +61,6 @@ from ._requests import (
     count as encode_count,
 )
 from ._requests import (
-    set_ttl as encode_set_ttl,
-)
-from ._requests import (
-    touch as encode_touch,
-)
-from ._requests import (
     delete as encode_delete,
 )
 from ._requests import (
@@ -83,6 +77,12 @@ from ._requests import (
 )
 from ._requests import (
     recall as encode_recall,
+)
+from ._requests import (
+    set_ttl as encode_set_ttl,
+)
+from ._requests import (
+    touch as encode_touch,
 )
 from ._requests import (
     upsert as encode_upsert,
