@@ -283,7 +283,10 @@ def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Reco
         vecs,
         [x for p in parts for x in p.payloads],
         np.concatenate([p.missing for p in parts]),
-        *(_joined([getattr(p, f) for p in parts]) for f in ("created_at", "updated_at", "expires_at")),
+        created_at=_joined([p.created_at for p in parts]),
+        updated_at=_joined([p.updated_at for p in parts]),
+        expires_at=_joined([p.expires_at for p in parts]),
+        served_at_ns=max((p.served_at_ns or 0 for p in parts), default=0) or None,
     )
 
 
@@ -360,6 +363,7 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
             hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
         else:
             rec = p.flags & Flag.RECENCY
+            served = int(v.ctl["now_ns"])
             hits = [
                 Hits(
                     ids[i],
@@ -369,6 +373,7 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
                     created_at=seconds(meta["created_at_ns"][i * n : (i + 1) * n]),
                     updated_at=seconds(meta["updated_at_ns"][i * n : (i + 1) * n]),
                     expires_at=expiry_seconds(meta["expires_at_ns"][i * n : (i + 1) * n]),
+                    served_at_ns=served,
                 )
                 for i in range(p.nq)
             ]
@@ -425,6 +430,7 @@ def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:
         seconds(meta["created_at_ns"]),
         seconds(meta["updated_at_ns"]),
         expiry_seconds(meta["expires_at_ns"]),
+        int(v.ctl["now_ns"]),
     )
 
 

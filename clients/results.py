@@ -76,10 +76,20 @@ class Hits(Sequence[Hit]):
     Timestamps (float64 seconds since the epoch, the sidecar's clock; None when the recall did not
     carry them: ``with_payload=True``, ``with_times=True`` and ``recency=`` recalls do):
     ``created_at`` (first write of the id), ``updated_at`` (last write), ``expires_at`` (``inf``:
-    never).
+    never); ``served_at_ns``: the sidecar's clock (int ns) the recall was served at.
     """
 
-    __slots__ = ("ids", "scores", "payloads", "similarity", "recency", "created_at", "updated_at", "expires_at")
+    __slots__ = (
+        "ids",
+        "scores",
+        "payloads",
+        "similarity",
+        "recency",
+        "created_at",
+        "updated_at",
+        "expires_at",
+        "served_at_ns",
+    )
 
     def __init__(
         self,
@@ -91,6 +101,7 @@ class Hits(Sequence[Hit]):
         created_at: np.ndarray | None = None,
         updated_at: np.ndarray | None = None,
         expires_at: np.ndarray | None = None,
+        served_at_ns: int | None = None,
     ) -> None:
         self.ids = ids
         self.scores = scores
@@ -100,6 +111,9 @@ class Hits(Sequence[Hit]):
         self.created_at = created_at
         self.updated_at = updated_at
         self.expires_at = expires_at
+        #: The sidecar's clock (CLOCK_REALTIME ns) the recall was served at: what expiry and ages
+        #: were decided at (None where the recall carried no timestamps).
+        self.served_at_ns = served_at_ns
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -152,6 +166,7 @@ class Records:
     created_at: np.ndarray | None = None
     updated_at: np.ndarray | None = None
     expires_at: np.ndarray | None = None
+    served_at_ns: int | None = None  # the sidecar's clock (CLOCK_REALTIME ns) it was served at
 
     def __len__(self) -> int:
         return len(self.ids)

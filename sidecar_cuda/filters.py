@@ -44,7 +44,10 @@ def time_bound(seconds: float) -> int:
     """A time field's bound (seconds since the epoch, a float) as integer nanoseconds, the
     columns' unit: exact to the float's own precision (about a microsecond today), clipped to
     int64 (a bound beyond it compares like one at its end). Pure."""
-    return max(-(2**63), min(2**63 - 2, round(seconds * 1e9)))
+    ns = seconds * 1e9  # (finite seconds; the product may not be: 1e300 s)
+    if not -(2.0**63) < ns < 2.0**63 - 2:
+        return -(2**63) if ns < 0 else 2**63 - 2
+    return round(ns)
 
 
 def value_key(v: Any) -> tuple[str, Any] | None:
