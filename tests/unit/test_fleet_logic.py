@@ -152,7 +152,9 @@ def test_change_rows_decode_and_bad_rows_are_refused() -> None:
     pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
     ids = np.array([3, 1], np.int64)
     vecs = np.arange(8, dtype=np.float32).reshape(2, 4)
-    c = pg.decode_change((7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(), b'{"a":1}\nnull', 12.5, None), 4)
+    c = pg.decode_change(
+        (7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(), b'{"a":1}\nnull', 12.5, None), 4
+    )
     assert c.position == Position(7, 2) and c.at == 12.5 and c.write.op is WriteOp.UPSERT
     assert c.write.ids.tolist() == [3, 1] and c.write.payloads == [b'{"a":1}', None]
     np.testing.assert_array_equal(c.write.vectors, vecs)
