@@ -45,6 +45,8 @@ from .writes import Write, WriteOp
 
 #: Flags whose answers carry the sidecar's clock (``now_ns``).
 _CLOCKED = int(Flag.TTL | Flag.TIMES | Flag.RECENCY | Flag.REFRESH)
+#: Flags whose answers carry a HIT_META record per hit or record (RECENCY implies TIMES).
+_TIMES = int(Flag.TIMES | Flag.RECENCY)
 #: Ops whose every answer carries it.
 _CLOCKED_OPS = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE, Op.TOUCH, Op.SET_TTL})
 
@@ -217,7 +219,7 @@ class GeneralRoute:
         flat = hit_ids.ravel()
         if r.flags & Flag.REFRESH and len(flat):
             self._refresh.append((r, ns.name, flat.copy()))  # (an answer that fails below too)
-        if r.flags & (Flag.WITH_PAYLOAD | Flag.TIMES):
+        if r.flags & (Flag.WITH_PAYLOAD | _TIMES):
             blob = self._records_blob(r, ns, flat, decay)
             if len(blob) > self.layout.blob_bytes:
                 self._answer(
@@ -238,7 +240,7 @@ class GeneralRoute:
         records first with Flag.TIMES (docs/protocol.md), then payload lines with WITH_PAYLOAD (or
         always: ``payload_lines`` ops)."""
         parts = []
-        if r.flags & Flag.TIMES:
+        if r.flags & _TIMES:
             meta = ns.meta(ids, self._now, decay) if rows is None else ns.meta_rows(rows, self._now, decay)
             parts.append(meta.tobytes())
         if r.flags & Flag.WITH_PAYLOAD or r.op in (Op.GET, Op.EXPORT):
