@@ -14,9 +14,10 @@ first: no write may move rows under a search.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
-from .persist import Durable, commit_and_apply
+from .persist import Durable, StoreError, commit_and_apply
 from .stats import SidecarStats
 from .store import MemoryStore
 from .writes import Write, WriteOp
@@ -27,6 +28,8 @@ log = logging.getLogger("kalos.sidecar")
 SWEEP_S = 0.2
 #: Records deleted per sweep at most (a pass is one commit; the rest go in the next passes).
 SWEEP_ROWS = 4096
+#: After a failed commit the next pass waits this long, doubling per failure up to the most.
+RETRY_S, RETRY_MAX_S = 1.0, 30.0
 
 
 def due(store: MemoryStore, now: int) -> list[str]:
@@ -54,10 +57,15 @@ class Sweeper:
         self.stats = stats
         self.clock = clock
         self.rows = rows
+        self.failures = 0  # failed commits in a row
+        self._retry_at = 0.0  # (time.monotonic) no pass before this after a failure
 
     def sweep(self) -> int:
         """One pass; returns the records deleted. Raises StoreError when the commit fails (the
-        records stay, hidden from every read, and the next pass tries again)."""
+        records stay, hidden from every read; the next pass that tries again is RETRY_S later,
+        doubling per failure up to RETRY_MAX_S, so a store that is away costs no commit a pass)."""
+        if self.failures and time.monotonic() < self._retry_at:
+            return 0
         now = self.clock()
         names = due(self.store, now)
         if not names:
@@ -75,7 +83,13 @@ class Sweeper:
         if not writes:
             return 0
         self.before_write()
-        _positions, outcomes = commit_and_apply(self.persist, self.store, writes)
+        try:
+            _positions, outcomes = commit_and_apply(self.persist, self.store, writes)
+        except StoreError:
+            self.failures += 1
+            self._retry_at = time.monotonic() + min(RETRY_MAX_S, RETRY_S * 2 ** (self.failures - 1))
+            raise
+        self.failures = 0
         gone = 0
         for w, n in zip(writes, outcomes):
             if isinstance(n, Exception):

@@ -444,7 +444,9 @@ class Sidecar:
         try:
             return self.sweeper.sweep()
         except StoreError as e:
-            log.error("sweeping expired records failed (they stay hidden; retrying): %s", e)
+            n = self.sweeper.failures
+            if n & (n - 1) == 0:  # (1st, 2nd, 4th, 8th ... failure in a row: the retries back off)
+                log.error("sweeping expired records failed %d time(s) (they stay hidden; retrying): %s", n, e)
         except Exception as e:
             self._log_unexpected("sweeping expired records failed", e)
         return 0

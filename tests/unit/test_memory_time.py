@@ -22,7 +22,7 @@ from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.backends.sharded import ShardedBackend
 from kalos.sidecar_cuda.batching import Rejection, Request, SlotFields, parse_request, write_segments
 from kalos.sidecar_cuda.expiry import Sweeper, due
-from kalos.sidecar_cuda.persist import Persistence, commit_and_apply
+from kalos.sidecar_cuda.persist import Persistence, StoreError, commit_and_apply
 from kalos.sidecar_cuda.stats import SidecarStats
 from kalos.sidecar_cuda.store import NO_EXPIRY, MemoryStore, Namespace, Stamps
 from kalos.sidecar_cuda.writes import Write, WriteOp
@@ -453,3 +453,36 @@ def test_a_namespace_without_ttls_never_reads_the_clock(rng: np.random.Generator
     ns.search_where(v[:2], 5, np.ones(20, bool))
     ns.get(np.arange(3))
     ns.export_page(-1, 5)
+
+
+class FailingStore:
+    """A durable store that is away (the sweeper's commit fails)."""
+
+    def __init__(self) -> None:
+        self.commits = 0
+
+    def commit(self, writes, store):  # type: ignore[no-untyped-def]
+        self.commits += 1
+        raise StoreError("the store is away")
+
+    def applied_through(self, position) -> None:  # type: ignore[no-untyped-def]
+        raise AssertionError("nothing was committed")
+
+
+def test_a_failed_sweep_leaves_the_records_hidden_and_backs_off(rng: np.random.Generator) -> None:
+    clock = FakeClock()
+    store = store_with(clock)
+    upsert(store, clock, "a", np.arange(5), rng.standard_normal((5, 8)), ttl_s=1.0)
+    clock.advance(2)
+    away = FailingStore()
+    sw = Sweeper(store, away, lambda: 0, SidecarStats(1), clock)  # type: ignore[arg-type]
+    with pytest.raises(StoreError):
+        sw.sweep()
+    assert sw.sweep() == 0 and away.commits == 1 and sw.failures == 1  # backing off: no commit
+    ns = store.get("a")
+    assert (
+        ns is not None and ns.n == 5 and ns.live_count(clock()) == 0 and len(ns.search(np.ones((1, 8)), 5)[0][0]) == 0
+    )
+    sw._retry_at = 0.0  # (the back-off has passed)
+    sw.persist = None
+    assert sw.sweep() == 5 and sw.failures == 0
