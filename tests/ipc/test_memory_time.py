@@ -345,3 +345,26 @@ def test_time_fields_written_by_hand_get_a_status_and_the_sidecar_serves_on(side
             c.close()
         assert h.proc.poll() is None
         assert client.count("x") == 2
+
+
+def test_the_integrations_doc_snippet_runs_as_written(sidecar_factory):
+    """docs/integrations.md, "Memory over time": its Python block against a real sidecar started
+    as the doc's `kalos serve` line says (dim 8, cosine); only the broker's name changes."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    section = doc.split("## Memory over time", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    assert code.count('RecallClient("docs-check")') == 1
+    h = sidecar_factory("docsnip", "--dim", "8", "--metric", "cosine", "--backend", "numpy")
+    run = code.replace('RecallClient("docs-check")', f'RecallClient("{h.name}")')
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4, r.stdout
+    first = lines[0].split(" ", 4)  # id, score, similarity, recency, text: the query's own note first
+    assert first[0] == "1" and float(first[1]) == pytest.approx(float(first[2]) + float(first[3]), abs=2e-3)
+    assert 0.19 < float(first[3]) <= 0.2 and first[4] == "asked about tea"
