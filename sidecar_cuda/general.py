@@ -159,7 +159,7 @@ class GeneralRoute:
             return
         kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
         try:
-            ids, scores = ns.search(q, kmax)
+            ids, scores = ns.search(q, kmax, now=self._now)
         except Exception as e:  # backend failure: every caller gets a clean error status
             self._backend_failed(group, e)
             return
@@ -287,7 +287,7 @@ class GeneralRoute:
         k = max(r.k for r in group)
         try:
             if node is None:
-                ids, scores = ns.search(q, k, decay=decay)
+                ids, scores = ns.search(q, k, decay=decay, now=self._now)
             else:
                 assert blob is not None
                 match = ns.filtered(node, blob)
@@ -295,7 +295,7 @@ class GeneralRoute:
                     for r in group:
                         self._answer(r, Status.OK, n_results=0)
                     return
-                ids, scores = ns.search_where(q, k, match, decay=decay)
+                ids, scores = ns.search_where(q, k, match, decay=decay, now=self._now)
         except Exception as e:
             self._backend_failed(group, e)
             return
