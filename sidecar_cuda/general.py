@@ -11,8 +11,10 @@ Time: one ``now`` (the store's clock, CLOCK_REALTIME ns) per batch decides expir
 every read and stamps every write of it; answers that ask for it (``_CLOCKED``) or write carry it
 in ``now_ns``. Recalls are grouped by (namespace, filter, recency): one search each. Reads with
 Flag.REFRESH touch what they answered, durably, once the batch's reads are written (a failed
-touch turns their answers into STORE_ERROR before anything is published). Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter`
-and published by the caller once the whole batch is written.
+touch turns their answers into STORE_ERROR before anything is published).
+
+Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter` and published
+by the caller once the whole batch is written.
 """
 
 from __future__ import annotations
