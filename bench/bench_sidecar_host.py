@@ -42,7 +42,7 @@ from kalos.broker.layout import S_DONE, S_FREE, S_POSTED, Layout, Metric, Op, Se
 from kalos.broker.names import req_name, resp_name, shm_name
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath, choose
 from kalos.demo import inproc_numpy
-from kalos.sidecar_cuda.backends.base import Matrix, PendingSearch, SearchResult
+from kalos.sidecar_cuda.backends.base import Decay, Matrix, PendingSearch, SearchResult
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
@@ -92,19 +92,29 @@ class TimedMatrix:
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         return self._inner.read_rows(rows)
 
-    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
+    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
+        self._inner.set_times(rows, times_s)
+
+    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
         t = time.perf_counter_ns()
         try:
-            return self._inner.search(queries, n, k)
+            return self._inner.search(queries, n, k, decay=decay)
         finally:
             self._clock.ns += time.perf_counter_ns() - t
 
     def search_rows(
-        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+        self,
+        queries: np.ndarray,
+        n: int,
+        k: int,
+        candidates: np.ndarray,
+        *,
+        key: Hashable = None,
+        decay: Decay | None = None,
     ) -> SearchResult:
         t = time.perf_counter_ns()
         try:
-            return self._inner.search_rows(queries, n, k, candidates, key=key)
+            return self._inner.search_rows(queries, n, k, candidates, key=key, decay=decay)
         finally:
             self._clock.ns += time.perf_counter_ns() - t
 

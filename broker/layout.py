@@ -97,7 +97,11 @@ MAGIC_U64 = int.from_bytes(MAGIC, "little")
 #:    tagged with the op (STATS_BYTES 2560 -> 8192); the header's payload_limit; fleet positions:
 #:    Flag.AFTER with after_xid/after_seq/after_until_ns, a write's position in pos_xid/pos_seq,
 #:    Status.NOT_APPLIED.
-PROTOCOL_VERSION = 5
+#: 6: memory over time: record timestamps and expiry (Op.TOUCH, Op.SET_TTL, Flag.TTL with ttl_ns),
+#:    the answer's timestamps (Flag.TIMES: a HIT_META record per hit or record at the start of the
+#:    blob), recency-weighted recall (Flag.RECENCY with half_life_s/recency_weight), refresh on
+#:    read (Flag.REFRESH), and the sidecar's clock of an answer (now_ns).
+PROTOCOL_VERSION = 6
 
 HEADER_BYTES = 4096
 CONTROL_BYTES = 256
@@ -211,6 +215,8 @@ class Op(IntEnum):
     EXPORT = 6  # page of records with id > ids[0], ascending: ids, vectors, payload lines
     GET = 7  # records of ids[0..nq) that exist, in the order asked: ids, vectors, payload lines
     COUNT = 8  # rows of a namespace (that match the filter, with Flag.WHERE): n_results
+    TOUCH = 9  # restart the expiry clock of ids[0..nq) (a new TTL with Flag.TTL): n_results touched
+    SET_TTL = 10  # the namespace's default TTL: ttl_ns (0: none), for upserts without Flag.TTL
 
 
 # Indexed by Op value (a tuple: hashing an IntEnum runs Python code, indexing does not).
@@ -285,6 +291,17 @@ class Flag(IntEnum):
     # (after_xid, after_seq); answer NOT_APPLIED at after_until_ns (CLOCK_MONOTONIC; 0: no limit).
     # The sidecar clears the bit before serving, so the routes never see it.
     AFTER = 4
+    # UPSERT, TOUCH: ttl_ns is the rows' time to live (ns; 0: never expire). An UPSERT without it
+    # takes the namespace's default TTL (Op.SET_TTL); a TOUCH without it restarts each row's own.
+    TTL = 8
+    # RECALL, GET, EXPORT: the blob of the answer starts with one HIT_META record (timestamps, and
+    # the recency part of the score) per hit or record, before any payload lines.
+    TIMES = 16
+    # RECALL: rank by score + recency_weight * 0.5 ** (age / half_life_s), age = now_ns - updated_at
+    # (at least 0), exactly over every matching row; implies TIMES (the answer carries each part).
+    RECENCY = 32
+    # RECALL, GET: the records answered are touched (their expiry restarts) before the answer.
+    REFRESH = 64
 
 
 class Dtype(IntEnum):
@@ -362,6 +379,11 @@ SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("after_until_ns", "<u8", 176),
     ("pos_xid", "<u8", 184),  # sidecar: position of a write's last change (0, 0: none)
     ("pos_seq", "<u8", 192),
+    # Memory over time (protocol 6): a write's TTL, a recall's recency, the sidecar's clock.
+    ("ttl_ns", "<i8", 200),  # client: Flag.TTL (UPSERT, TOUCH), Op.SET_TTL; 0: never, < 0 refused
+    ("half_life_s", "<f8", 208),  # client: Flag.RECENCY, finite and > 0
+    ("recency_weight", "<f8", 216),  # client: Flag.RECENCY, finite
+    ("now_ns", "<u8", 224),  # sidecar: CLOCK_REALTIME the request was served at (writes, flags above)
 )
 assert SLOT_FIELDS[-1][2] + 8 <= CONTROL_BYTES
 
@@ -375,6 +397,18 @@ STATS_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("timeout_count", f"({LATENCY_OPS},)<u8", 8 + 16 * LATENCY_OPS),
 )
 assert 8 + 24 * LATENCY_OPS <= HIST_OFFSET
+
+#: One record per hit (RECALL) or record (GET, EXPORT) at the start of an answer's blob with
+#: Flag.TIMES or Flag.RECENCY, before any payload lines: the record's timestamps (CLOCK_REALTIME
+#: ns of the sidecar that took the write; expires_at 0: never) and the recency part of the hit's
+#: score (0.0 without Flag.RECENCY; the similarity part is the score minus it).
+HIT_META_FIELDS: tuple[tuple[str, str, int], ...] = (
+    ("created_at_ns", "<i8", 0),
+    ("updated_at_ns", "<i8", 8),
+    ("expires_at_ns", "<i8", 16),
+    ("recency", "<f8", 24),
+)
+HIT_META_BYTES = 32
 
 #: ``owner_pid`` of a slot given up by a live client while its request may still be in flight
 #: (``RecallPool.terminate``); the sidecar's reaper frees it like the slot of a dead owner.
@@ -397,6 +431,11 @@ GEOMETRY_LIMITS: tuple[tuple[str, int, int], ...] = (
 )
 #: The alignment of the areas inside a slot's data area (``Layout.ids_offset`` and after).
 AREA_ALIGN = 64
+
+
+def hit_meta_dtype() -> np.dtype:
+    """The numpy dtype of one :data:`HIT_META_FIELDS` record (32 bytes, little-endian)."""
+    return _fields_dtype(HIT_META_FIELDS, HIT_META_BYTES)
 
 
 def _align(n: int, a: int) -> int:
@@ -620,8 +659,14 @@ def c_header() -> str:
         f"#define KALOS_RING_OP_SHIFT {RING_OP_SHIFT}",
         f"#define KALOS_RING_NS_MAX 0x{RING_NS_MAX:x}ULL",
         f"#define KALOS_LATENCY_OPS {LATENCY_OPS}",
+        f"#define KALOS_HIT_META_BYTES {HIT_META_BYTES}",
     ]
-    for prefix, fields in (("KALOS_HDR", HEADER_FIELDS), ("KALOS_SLOT", SLOT_FIELDS), ("KALOS_STATS", STATS_FIELDS)):
+    for prefix, fields in (
+        ("KALOS_HDR", HEADER_FIELDS),
+        ("KALOS_SLOT", SLOT_FIELDS),
+        ("KALOS_STATS", STATS_FIELDS),
+        ("KALOS_HIT_META", HIT_META_FIELDS),
+    ):
         for name, _t, off in fields:
             lines.append(f"#define {prefix}_{name.upper()} {off}")
     for enum in (SlotState, SidecarState, Op, Status, Flag, Metric, LatencyOp):

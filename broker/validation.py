@@ -215,6 +215,10 @@ MAX_WHERE_DEPTH = 8
 MAX_WHERE_TERMS = 256
 MAX_WHERE_VALUES = 1024
 _RANGE_OPS = {"$gt": "gt", "$gte": "gte", "$lt": "lt", "$lte": "lte"}
+#: A record's timestamps, as filter fields (range operators only, seconds since the epoch; a
+#: record that never expires has ``$expires_at`` +inf). Their names start with ``$``, so no
+#: payload field can shadow them.
+TIME_FIELDS = frozenset({"$created_at", "$updated_at", "$expires_at"})
 _FIELD_OPS = frozenset({"$eq", "$in", "$nin", "$ne", "$exists", *_RANGE_OPS})
 
 
@@ -247,8 +251,18 @@ def _parse_where(where: Any, depth: int, terms: list[int]) -> WhereNode:
                 raise InvalidRequest(f"{key} takes a non-empty list of filters")
             out.append((key[1:], tuple(_parse_where(c, depth + 1, terms) for c in cond)))
             continue
+        if key in TIME_FIELDS:
+            conds = _time_conditions(key, cond)
+            out.extend(conds)
+            terms[0] += len(conds)
+            if terms[0] > MAX_WHERE_TERMS:
+                raise InvalidRequest(f"a filter has at most {MAX_WHERE_TERMS} conditions")
+            continue
         if key.startswith("$"):
-            raise InvalidRequest(f"unknown filter operator {key!r} (at the top: $or, $and)")
+            raise InvalidRequest(
+                f"unknown filter operator {key!r} (at the top: $or, $and, or a time field: "
+                f"{', '.join(sorted(TIME_FIELDS))})"
+            )
         if isinstance(cond, dict):
             if not cond:
                 raise InvalidRequest(f"empty condition on {key!r}")
@@ -266,6 +280,23 @@ def _parse_where(where: Any, depth: int, terms: list[int]) -> WhereNode:
         if terms[0] > MAX_WHERE_TERMS:
             raise InvalidRequest(f"a filter has at most {MAX_WHERE_TERMS} conditions")
     return ("and", tuple(out))
+
+
+def _time_conditions(field: str, cond: Any) -> list[WhereNode]:
+    """The conditions on a record timestamp (``{"$updated_at": {"$gte": t, ...}}``): range
+    operators with a finite number of seconds since the epoch."""
+    if not isinstance(cond, dict) or not cond:
+        raise InvalidRequest(
+            f"{field} takes range operators on seconds since the epoch, e.g. {{{field!r}: {{'$gte': 1.7e9}}}}"
+        )
+    out: list[WhereNode] = []
+    for op, arg in cond.items():
+        if op not in _RANGE_OPS:
+            raise InvalidRequest(f"{field}: only {', '.join(sorted(_RANGE_OPS))} (seconds since the epoch), got {op!r}")
+        if isinstance(arg, bool) or not isinstance(arg, (int, float)) or not math.isfinite(arg):
+            raise InvalidRequest(f"{field}: {op} takes a finite number of seconds since the epoch")
+        out.append((_RANGE_OPS[op], field, float(arg)))
+    return out
 
 
 def _field_condition(field: str, op: Any, arg: Any) -> WhereNode:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Protocol, Union
+from typing import NamedTuple, Protocol, Union
 
 from ..broker.layout import Flag
 from .results import Hits
@@ -135,19 +135,12 @@ def split(hits: Sequence[Hits], shares: Sequence[Share]) -> list[Answer]:
     out: list[Answer] = []
     row = 0
     for s in shares:
-        mine = [_cut(h, s.k) for h in hits[row : row + s.rows]]
+        mine = [h.head(s.k) for h in hits[row : row + s.rows]]
         row += s.rows
         out.append(mine[0] if s.single else mine)
     if row != len(hits):
         raise ValueError(f"{len(hits)} rows of hits for {row} rows asked")
     return out
-
-
-def _cut(h: Hits, k: int) -> Hits:
-    if len(h.ids) <= k:
-        return h
-    payloads: list[Any] | None = None if h.payloads is None else h.payloads[:k]
-    return Hits(h.ids[:k], h.scores[:k], payloads)
 
 
 __all__ = [

@@ -14,8 +14,9 @@ from typing import Any, Final, Protocol
 
 import numpy as np
 
+from ..broker.clock import Recency, expiry_seconds, seconds, ttl_groups, ttl_ns
 from ..broker.errors import InvalidRequest, ProtocolError
-from ..broker.layout import Flag, Layout, Op, SlotView, Status, error_for_status
+from ..broker.layout import HIT_META_BYTES, Flag, Layout, Op, SlotView, Status, error_for_status, hit_meta_dtype
 from ..broker.names import validate_namespace
 from ..broker.positions import ORIGIN, Position, as_position
 from ..broker.validation import (
@@ -73,6 +74,8 @@ class Prepared:
     call: WriteCall | None = None  # a chunk sent with others: not posted once one has failed
     after: Position | None = None  # Flag.AFTER: served once the sidecar has applied this
     after_until_ns: int = 0  # ... or answered NOT_APPLIED at this CLOCK_MONOTONIC time (0: never)
+    ttl_ns: int | None = None  # ttl_ns field: Flag.TTL (UPSERT, TOUCH) or Op.SET_TTL; None: not written
+    recency: Recency | None = None  # Flag.RECENCY: half_life_s, recency_weight
 
 
 #: A read given after= asks the sidecar to give up this much before the caller's own deadline
@@ -133,9 +136,16 @@ def recall(
     single: bool,
     where: Any = None,
     fast: FastRows | None = None,
+    *,
+    recency: Recency | None = None,
+    with_times: bool = False,
+    refresh_ttl: bool = False,
 ) -> Prepared:
     """``namespace`` is already validated and encoded (NamespaceCache.encode); ``fast``: the
-    compiled check of the common vectors (None: ``as_vectors`` only; the result is the same)."""
+    compiled check of the common vectors (None: ``as_vectors`` only; the result is the same). A
+    recall with payloads carries the hits' timestamps too (Flag.TIMES), as does one
+    ``with_times``; a ``recency`` recall carries both parts of each score; ``refresh_ttl`` touches
+    the hits."""
     q = None
     if fast is not None:
         q = fast.as_row(x, layout.dim) if single else fast.as_rows(x, layout.dim, layout.max_queries)
@@ -147,7 +157,24 @@ def recall(
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags |= Flag.WHERE
+    if with_payload or with_times or recency is not None or refresh_ttl:
+        p.flags |= _time_flags(recency, with_payload or with_times, refresh_ttl)
+        p.recency = recency
     return p
+
+
+def _time_flags(recency: Any, with_times: bool, refresh_ttl: bool) -> int:
+    """The flags of a read's time options; InvalidRequest for a recency that is not a Recency."""
+    flags = 0
+    if recency is not None:
+        if not isinstance(recency, Recency):
+            raise InvalidRequest(f"recency takes a kalos.Recency(half_life=..., weight=...), got {recency!r}")
+        flags |= Flag.RECENCY | Flag.TIMES
+    if with_times:
+        flags |= Flag.TIMES
+    if refresh_ttl:
+        flags |= Flag.REFRESH
+    return flags
 
 
 def recall_group(preps: list[Prepared]) -> Prepared:
@@ -165,28 +192,68 @@ def recall_group(preps: list[Prepared]) -> Prepared:
     return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob)
 
 
-def upsert(layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str, payload_limit: int) -> list[Prepared]:
-    """One request per chunk of rows (sent concurrently by the pool): every row, id and payload
-    is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
+def upsert(
+    layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str, payload_limit: int, ttl: Any = None
+) -> list[Prepared]:
+    """One request per chunk of rows (sent concurrently by the pool): every row, id, payload and
+    TTL is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
     payload bytes as a slot's blob area; duplicate ids keep their last row (the chunks of a call
-    may be served in any order)."""
+    may be served in any order). ``ttl``: None (the namespace's default), seconds, math.inf
+    (never), or one of those per row: rows of one TTL share chunks (``broker.clock.ttl_groups``)."""
     ns = validate_namespace(namespace)
     v = as_vectors(vectors, layout.dim, VectorsFor.UPSERT)
     n = len(v)
     idarr = as_ids(ids, n)
     lines = None if payloads is None else payload_lines(payloads, n)
+    groups = ttl_groups(ttl, n)
     keep = last_wins(idarr)
     if keep is not None:
         v, idarr = v[keep], idarr[keep]
         if lines is not None:
             lines = [lines[i] for i in keep.tolist()]
+        if len(groups) > 1:  # each kept row stays in its TTL's group
+            slot_of = np.full(n, -1, np.intp)
+            slot_of[keep] = np.arange(len(keep))
+            groups = [(t, slot_of[rows][slot_of[rows] >= 0]) for t, rows in groups]
+            groups = [(t, np.sort(rows)) for t, rows in groups if len(rows)]
+        else:
+            groups = [(groups[0][0], np.arange(len(idarr)))]
     out = []
-    for lo, hi in pack(lines, len(idarr), layout.max_queries, layout.blob_bytes, payload_limit):
-        p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=v[lo:hi], ids=idarr[lo:hi])
-        if lines is not None:
-            p.blob = b"\n".join(lines[lo:hi])
+    for code, rows in groups:
+        gv, gid = v[rows], idarr[rows]
+        glines = None if lines is None else [lines[i] for i in rows.tolist()]
+        for lo, hi in pack(glines, len(gid), layout.max_queries, layout.blob_bytes, payload_limit):
+            p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=gv[lo:hi], ids=gid[lo:hi])
+            if glines is not None:
+                p.blob = b"\n".join(glines[lo:hi])
+            if code is not None:
+                p.ttl_ns, p.flags = code, Flag.TTL
+            out.append(p)
+    return out
+
+
+def touch(layout: Layout, ids: Any, namespace: str, ttl: Any = None) -> list[Prepared]:
+    """Restart the expiry clock of ``ids`` (``ttl``: None, each row's own TTL; seconds, a new
+    one; math.inf, never expire): one request per max_queries ids (duplicates dropped)."""
+    ns = validate_namespace(namespace)
+    code = None if ttl is None else ttl_ns(ttl)
+    idarr = as_ids(ids)
+    keep = last_wins(idarr)
+    if keep is not None:
+        idarr = idarr[keep]
+    step = layout.max_queries
+    out = []
+    for lo in range(0, len(idarr), step):
+        p = Prepared(Op.TOUCH, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step])
+        if code is not None:
+            p.ttl_ns, p.flags = code, Flag.TTL
         out.append(p)
     return out
+
+
+def set_ttl(namespace: str, ttl: Any) -> Prepared:
+    """The namespace's default TTL (seconds; None or math.inf: none)."""
+    return Prepared(Op.SET_TTL, validate_namespace(namespace), ttl_ns=0 if ttl is None else ttl_ns(ttl))
 
 
 def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared]:
@@ -207,13 +274,18 @@ def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[
     ]
 
 
-def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool) -> list[Prepared]:
-    """One request per slot-full of ids (answers come back in the slot's ids/queries areas)."""
+def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool, refresh_ttl: bool = False) -> list[Prepared]:
+    """One request per slot-full of ids (answers come back in the slot's ids/queries areas, each
+    record's timestamps at the start of the blob: Flag.TIMES); ``refresh_ttl``: the records
+    found are touched."""
     ns = validate_namespace(namespace)
     idarr = as_ids(ids)
     step = layout.max_queries
+    flags = Flag.TIMES | (Flag.REFRESH if refresh_ttl else 0)
     return [
-        Prepared(Op.GET, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step], with_vectors=with_vectors)
+        Prepared(
+            Op.GET, ns, nq=len(idarr[lo : lo + step]), flags=flags, ids=idarr[lo : lo + step], with_vectors=with_vectors
+        )
         for lo in range(0, len(idarr), step)
     ]
 
@@ -230,7 +302,15 @@ def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Reco
         vecs,
         [x for p in parts for x in p.payloads],
         np.concatenate([p.missing for p in parts]),
+        created_at=_joined([p.created_at for p in parts]),
+        updated_at=_joined([p.updated_at for p in parts]),
+        expires_at=_joined([p.expires_at for p in parts]),
+        served_at_ns=max((p.served_at_ns or 0 for p in parts), default=0) or None,
     )
+
+
+def _joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+    return None if any(a is None for a in arrays) else np.concatenate(arrays)  # type: ignore[arg-type]
 
 
 def drop(namespace: str) -> Prepared:
@@ -260,15 +340,20 @@ def list_namespaces() -> Prepared:
 def rows_only(p: Prepared) -> bool:
     """Is the request its rows and header fields alone (a recall without a filter blob or a
     fleet position)? Such a request may be written and posted in one compiled call
-    (``ClientSlot.post_rows``); any other goes through :func:`write`."""
-    return p.op is Op.RECALL and not p.blob and p.after is None
+    (``ClientSlot.post_rows``); any other goes through :func:`write` (a recency recall too: its
+    parameters are slot fields)."""
+    return p.op is Op.RECALL and not p.blob and p.after is None and p.recency is None
 
 
 def hits_only(p: Prepared) -> bool:
     """Is the answer ids and scores alone (a recall without payloads)? Such an answer may be
     checked and decoded in one compiled call (``ClientSlot.read_hits``); any other, and every
-    error status, goes through :func:`read`."""
-    return p.op is Op.RECALL and not p.flags & Flag.WITH_PAYLOAD
+    error status, goes through :func:`read` (one with timestamps too: its blob holds them)."""
+    return p.op is Op.RECALL and not p.flags & _BLOB_ANSWER
+
+
+#: Recall flags whose answer carries a blob (payload lines, HIT_META records).
+_BLOB_ANSWER: Final = Flag.WITH_PAYLOAD | Flag.TIMES | Flag.RECENCY
 
 
 def write(v: SlotView, p: Prepared) -> int:
@@ -283,6 +368,11 @@ def write(v: SlotView, p: Prepared) -> int:
         v.ctl["after_xid"] = p.after.xid
         v.ctl["after_seq"] = p.after.seq
         v.ctl["after_until_ns"] = p.after_until_ns
+    if p.ttl_ns is not None:
+        v.ctl["ttl_ns"] = p.ttl_ns
+    if p.recency is not None:
+        v.ctl["half_life_s"] = p.recency.half_life
+        v.ctl["recency_weight"] = p.recency.weight
     return len(p.blob)
 
 
@@ -301,12 +391,32 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
         ids = v.result_ids[: p.nq, :n].copy()
         scores = v.result_scores[: p.nq, :n].copy()
         payloads = None
+        meta, start = None, 0
+        if p.flags & Flag.TIMES:
+            meta, start = _meta(v, p.nq * n, blob_len)
         if p.flags & Flag.WITH_PAYLOAD:
-            flat = _json_lines(v, blob_len)
+            flat = _json_lines(v, blob_len, start)
             if len(flat) != p.nq * n:
                 raise ProtocolError(f"slot {v.index}: {len(flat)} payloads for {p.nq * n} hits")
             payloads = [flat[i * n : (i + 1) * n] for i in range(p.nq)]
-        hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
+        if meta is None:
+            hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
+        else:
+            rec = p.flags & Flag.RECENCY
+            served = int(v.ctl["now_ns"])
+            hits = [
+                Hits(
+                    ids[i],
+                    scores[i],
+                    None if payloads is None else payloads[i],
+                    recency=meta["recency"][i * n : (i + 1) * n].copy() if rec else None,
+                    created_at=seconds(meta["created_at_ns"][i * n : (i + 1) * n]),
+                    updated_at=seconds(meta["updated_at_ns"][i * n : (i + 1) * n]),
+                    expires_at=expiry_seconds(meta["expires_at_ns"][i * n : (i + 1) * n]),
+                    served_at_ns=served,
+                )
+                for i in range(p.nq)
+            ]
         return hits[0] if p.single else hits
     if p.op == Op.LIST_NAMESPACES:
         listing = _json_lines(v, blob_len)
@@ -322,7 +432,7 @@ def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
     return n
 
 
-_WRITES = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE})
+_WRITES = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE, Op.TOUCH, Op.SET_TTL})
 
 
 def _position(v: SlotView) -> Position | None:
@@ -341,25 +451,51 @@ def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:
     if n > p.nq:
         raise ProtocolError(f"slot {v.index}: {n} records for {p.nq} ids asked")
     ids = v.ids[:n].copy()
-    payloads = _json_lines(v, blob_len) if n else []
+    meta, start = _meta(v, n, blob_len) if p.flags & Flag.TIMES else (None, 0)
+    payloads = _json_lines(v, blob_len, start) if n else []
     if len(payloads) != n:
         raise ProtocolError(f"slot {v.index}: {len(payloads)} payloads for {n} records")
     found = set(ids.tolist())
     if not found <= set(p.ids.tolist()):
         raise ProtocolError(f"slot {v.index}: the answer holds ids that were not asked for")
     missing = np.array([i for i in p.ids.tolist() if i not in found], np.int64)
-    return Records(ids, v.queries[:n].copy() if p.with_vectors else None, payloads, missing)
+    vectors = v.queries[:n].copy() if p.with_vectors else None
+    if meta is None:
+        return Records(ids, vectors, payloads, missing)
+    return Records(
+        ids,
+        vectors,
+        payloads,
+        missing,
+        seconds(meta["created_at_ns"]),
+        seconds(meta["updated_at_ns"]),
+        expiry_seconds(meta["expires_at_ns"]),
+        int(v.ctl["now_ns"]),
+    )
+
+
+_META = hit_meta_dtype()
+
+
+def _meta(v: SlotView, m: int, blob_len: int) -> tuple[np.ndarray, int]:
+    """The ``m`` HIT_META records at the start of an answer's blob (a copy), and where the payload
+    lines start; ProtocolError if the blob is too short to hold them."""
+    size = m * HIT_META_BYTES
+    if size > blob_len:
+        raise ProtocolError(f"slot {v.index}: {blob_len} blob bytes cannot hold the timestamps of {m} records")
+    return np.frombuffer(v.blob[:size].tobytes(), _META), size
 
 
 def _blob(v: SlotView, n: int) -> bytes:
     return bytes(v.blob[:n].tobytes())
 
 
-def _json_lines(v: SlotView, blob_len: int) -> list[Any]:
-    """The JSON values of a response blob, one per line; ProtocolError if it is not JSON lines."""
-    if not blob_len:
+def _json_lines(v: SlotView, blob_len: int, start: int = 0) -> list[Any]:
+    """The JSON values of a response blob from byte ``start``, one per line; ProtocolError if it
+    is not JSON lines."""
+    if blob_len <= start:
         return []
     try:
-        return [json.loads(line) for line in _blob(v, blob_len).split(b"\n")]
+        return [json.loads(line) for line in _blob(v, blob_len)[start:].split(b"\n")]
     except (ValueError, RecursionError) as e:
         raise ProtocolError(f"slot {v.index}: response blob is not JSON lines: {e}") from None

@@ -170,7 +170,7 @@ def failure(op: Op, cause: KalosError, chunk_ids: Sequence[np.ndarray], fates: S
     written, unwritten, doubt = (tuple(by[f]) for f in (Fate.APPLIED, Fate.NOT_APPLIED, Fate.IN_DOUBT))
     total = len(written) + len(unwritten) + len(doubt)
     what = op.name.lower()
-    verb = "written" if op is Op.UPSERT else "deleted"
+    verb = {Op.UPSERT: "written", Op.TOUCH: "touched"}.get(op, "deleted")
     return partial_write(
         cause,
         f"{what} of {total} ids in {len(fates)} requests stopped part way: {len(written)} "

@@ -13,8 +13,10 @@ import os
 import random
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, cast
 
+from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -59,6 +61,12 @@ from ._requests import (
 )
 from ._requests import (
     recall as encode_recall,
+)
+from ._requests import (
+    set_ttl as encode_set_ttl,
+)
+from ._requests import (
+    touch as encode_touch,
 )
 from ._requests import (
     upsert as encode_upsert,
@@ -164,10 +172,29 @@ class RecallClient:
         with_payload: bool = False,
         where: dict[str, Any] | None = None,
         after: Position | str | None = None,
+        recency: Recency | None = None,
+        with_times: bool = False,
+        refresh_ttl: bool = False,
     ) -> Hits:
-        """Top-k of one vector; see RecallPool.recall for semantics (``after=`` too) and errors."""
+        """Top-k of one vector; see RecallPool.recall for semantics (``after=``, ``recency=``,
+        ``with_times``, ``refresh_ttl`` too) and errors."""
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast)
+        if recency is None and not with_times and not refresh_ttl:
+            p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast)
+        else:
+            p = encode_recall(
+                self.layout,
+                vector,
+                k,
+                self._ns.encode(namespace),
+                with_payload,
+                True,
+                where,
+                self._fast,
+                recency=recency,
+                with_times=with_times,
+                refresh_ttl=refresh_ttl,
+            )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, self._call(p, timeout, t0))
@@ -182,9 +209,25 @@ class RecallClient:
         with_payload: bool = False,
         where: dict[str, Any] | None = None,
         after: Position | str | None = None,
+        recency: Recency | None = None,
+        with_times: bool = False,
+        refresh_ttl: bool = False,
     ) -> list[Hits]:
+        """Top-k for each row; see RecallPool.recall_many."""
         t0 = time.monotonic_ns()
-        p = encode_recall(self.layout, vectors, k, self._ns.encode(namespace), with_payload, False, where, self._fast)
+        p = encode_recall(
+            self.layout,
+            vectors,
+            k,
+            self._ns.encode(namespace),
+            with_payload,
+            False,
+            where,
+            self._fast,
+            recency=recency,
+            with_times=with_times,
+            refresh_ttl=refresh_ttl,
+        )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast("list[Hits]", self._call(p, timeout, t0))
@@ -197,12 +240,23 @@ class RecallClient:
         *,
         namespace: str = "default",
         timeout: Timeout = DEFAULT,
+        ttl: float | Sequence[float | None] | None = None,
     ) -> Written:
-        """Insert or replace records; see RecallPool.upsert. Chunks go one after the other; after
-        a failure no further chunk is sent."""
+        """Insert or replace records (``ttl``: as for RecallPool.upsert); see RecallPool.upsert.
+        Chunks go one after the other; after a failure no further chunk is sent."""
         return self._write(
-            Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit), timeout
+            Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit, ttl), timeout
         )
+
+    def touch(
+        self, ids: Any, *, namespace: str = "default", ttl: float | None = None, timeout: Timeout = DEFAULT
+    ) -> Written:
+        """Restart the expiry clock of records; see RecallPool.touch."""
+        return self._write(Op.TOUCH, encode_touch(self.layout, ids, namespace, ttl), timeout)
+
+    def set_default_ttl(self, namespace: str, ttl: float | None, *, timeout: Timeout = DEFAULT) -> Written:
+        """The namespace's default TTL; see RecallPool.set_default_ttl."""
+        return cast(Written, self._call(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns()))
 
     def delete(
         self,
@@ -240,10 +294,11 @@ class RecallClient:
         with_vectors: bool = True,
         timeout: Timeout = DEFAULT,
         after: Position | str | None = None,
+        refresh_ttl: bool = False,
     ) -> Records:
         """Records by id; see RecallPool.get for semantics and errors."""
         t0 = time.monotonic_ns()
-        preps = encode_get(self.layout, ids, namespace, with_vectors)
+        preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
         if after is not None:
             wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
         parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]

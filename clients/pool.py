@@ -28,10 +28,11 @@ import random
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
+from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -79,6 +80,12 @@ from ._requests import (
 )
 from ._requests import (
     recall as encode_recall,
+)
+from ._requests import (
+    set_ttl as encode_set_ttl,
+)
+from ._requests import (
+    touch as encode_touch,
 )
 from ._requests import (
     upsert as encode_upsert,
@@ -550,26 +557,53 @@ class RecallPool:
         with_payload: bool = False,
         where: dict[str, Any] | None = None,
         after: Position | str | None = None,
+        recency: Recency | None = None,
+        with_times: bool = False,
+        refresh_ttl: bool = False,
     ) -> Hits:
-        """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first.
+        """Exact top-``k`` of one vector (shape (dim,)) in ``namespace``, best first. An expired
+        record is never returned (README, "Memory over time").
 
-        ``where``: only records whose payload matches the filter (README, "Filters"); fewer than
-        ``k`` hits when fewer match, none when nothing does.
+        ``where``: only records whose payload matches the filter (README, "Filters"; the record
+        timestamps ``$created_at``, ``$updated_at``, ``$expires_at`` too); fewer than ``k`` hits
+        when fewer match, none when nothing does.
+
+        ``recency``: rank by ``similarity + weight * 0.5 ** (age / half_life)`` (a
+        :class:`~kalos.broker.clock.Recency`; age since the record's last write, on the sidecar's
+        clock): the exact top-k under that score; each hit reports both parts and its timestamps.
+        ``with_times``: the hits carry their timestamps (``with_payload=True`` recalls always do).
+        ``refresh_ttl``: the hits' expiry restarts (their own TTL), durably, before the answer.
 
         ``after``: a write's ``Written.position`` (from any node of a fleet sharing one
         PostgreSQL store): served once this sidecar has applied the change log up to it, within
         ``timeout`` (then PositionTimeout, a ResponseTimeout). No wait without a fleet store.
 
         ``timeout`` (seconds, None = no limit; default: the pool's) covers waiting for a free slot
-        and for the answer. Raises InvalidRequest (bad vector/k/namespace name, before anything is
-        sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable, ClosedError.
+        and for the answer. Raises InvalidRequest (bad vector/k/namespace name/recency, before
+        anything is sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable,
+        ClosedError.
         """
         t0 = time.monotonic_ns()
         if self._state is not _OPEN:
             self._check_usable()
-        p = encode_recall(
-            self._layout, vector, k, self._ns.encode(namespace), with_payload, single=True, where=where, fast=self._fast
-        )
+        if recency is None and not with_times and not refresh_ttl:
+            p = encode_recall(
+                self._layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast
+            )
+        else:
+            p = encode_recall(
+                self._layout,
+                vector,
+                k,
+                self._ns.encode(namespace),
+                with_payload,
+                True,
+                where,
+                self._fast,
+                recency=recency,
+                with_times=with_times,
+                refresh_ttl=refresh_ttl,
+            )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, await self._execute(p, timeout, t0))
@@ -584,10 +618,13 @@ class RecallPool:
         with_payload: bool = False,
         where: dict[str, Any] | None = None,
         after: Position | str | None = None,
+        recency: Recency | None = None,
+        with_times: bool = False,
+        refresh_ttl: bool = False,
     ) -> list[Hits]:
         """Top-``k`` for each row of ``vectors`` (n, dim), n <= the broker's max_queries, in one
-        slot and one round trip (``where``: one filter for every row; ``after``: as in
-        :meth:`recall`). Same errors as :meth:`recall`."""
+        slot and one round trip (``where``, ``recency``, ``with_times``, ``refresh_ttl``: one for
+        every row; ``after``: as in :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
         p = encode_recall(
@@ -596,9 +633,12 @@ class RecallPool:
             k,
             self._ns.encode(namespace),
             with_payload,
-            single=False,
-            where=where,
-            fast=self._fast,
+            False,
+            where,
+            self._fast,
+            recency=recency,
+            with_times=with_times,
+            refresh_ttl=refresh_ttl,
         )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
@@ -612,9 +652,15 @@ class RecallPool:
         *,
         namespace: str = "default",
         timeout: Timeout = DEFAULT,
+        ttl: float | Sequence[float | None] | None = None,
     ) -> Written:
         """Insert or replace records (vector and payload together); returns the rows written
         (a :class:`Written`: an int with the fleet ``position`` of the write, for ``after=``).
+
+        ``ttl``: seconds each record lives after this write (then it is never returned again and
+        is deleted durably); None: the namespace's default (:meth:`set_default_ttl`; none unless
+        set); ``math.inf``: never expires, whatever the default; or one of those per row. The
+        sidecar stamps ``created_at`` (kept from an earlier write of the id) and ``updated_at``.
 
         ``vectors``: shape (n, dim), one row per id (README, "Vectors"); duplicate ids: the last
         wins. Every row, id and payload is checked before anything is sent (InvalidRequest;
@@ -628,8 +674,25 @@ class RecallPool:
         naming the ids written, not written and in doubt.
         """
         t0 = time.monotonic_ns()
-        preps = encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit)
+        preps = encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit, ttl)
         return await self._write(Op.UPSERT, preps, timeout, t0)
+
+    async def touch(
+        self, ids: Any, *, namespace: str = "default", ttl: float | None = None, timeout: Timeout = DEFAULT
+    ) -> Written:
+        """Restart the expiry clock of the records ``ids`` (durably): each expires its TTL after
+        now, ``ttl`` seconds after now if given (``math.inf``: never). Their ``updated_at`` does
+        not change (a touch is no write of the record). Returns the records touched (a
+        :class:`Written`): those that exist and have not expired; unknown ids: 0, no error. Chunks
+        and errors as for :meth:`delete`."""
+        t0 = time.monotonic_ns()
+        return await self._write(Op.TOUCH, encode_touch(self.layout, ids, namespace, ttl), timeout, t0)
+
+    async def set_default_ttl(self, namespace: str, ttl: float | None, *, timeout: Timeout = DEFAULT) -> Written:
+        """The TTL (seconds) of the records an upsert without ``ttl=`` writes into ``namespace``
+        from now on (None or ``math.inf``: none); records already written keep theirs. Durable,
+        kept until the namespace is dropped; creates the namespace if it does not exist."""
+        return cast(Written, await self._execute(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns()))
 
     async def delete(
         self,
@@ -654,14 +717,16 @@ class RecallPool:
         with_vectors: bool = True,
         timeout: Timeout = DEFAULT,
         after: Position | str | None = None,
+        refresh_ttl: bool = False,
     ) -> Records:
-        """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload),
-        and the ids that do not (``Records.missing``; not an error). More ids than max_queries are
-        sent in chunks, concurrently. Raises InvalidRequest (bad ids, before anything is sent),
-        UnknownNamespace, PayloadTooLarge (the payloads of one chunk exceed the slot's blob area),
-        and the errors of :meth:`recall`."""
+        """The records of ``ids`` that exist, in the order asked (id, vector as stored, payload,
+        timestamps), and the ids that do not (``Records.missing``; not an error; an expired
+        record does not exist). ``refresh_ttl``: the records found are touched (:meth:`touch`)
+        before the answer. More ids than max_queries are sent in chunks, concurrently. Raises
+        InvalidRequest (bad ids, before anything is sent), UnknownNamespace, PayloadTooLarge (the
+        payloads of one chunk exceed the slot's blob area), and the errors of :meth:`recall`."""
         t0 = time.monotonic_ns()
-        preps = encode_get(self.layout, ids, namespace, with_vectors)
+        preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
         if after is not None:  # (``after``: as in :meth:`recall`)
             wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
         parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
@@ -835,6 +900,7 @@ class RecallPool:
                     self._coalesce
                     and p.op is Op.RECALL
                     and p.after is None
+                    and p.recency is None  # (its parameters are not part of a slot's key)
                     and route(True, len(self._queue), self._free.qsize(), len(self._inflight)) is Path.QUEUE
                 ):
                     try:  # queued to be sent with others (the class docstring)

@@ -6,6 +6,7 @@ the checkout's top-level folders of those names. The applications live beside it
 ``kalos`` command; :mod:`kalos.testing`, helpers for tests and benchmarks).
 """
 
+from kalos.broker.clock import Recency
 from kalos.broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -38,6 +39,7 @@ __all__ = [
     "Hits",
     "Records",
     "Written",
+    "Recency",
     "Position",
     "AcquireTimeout",
     "BrokerUnavailable",

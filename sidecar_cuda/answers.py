@@ -68,6 +68,12 @@ class AnswerWriter:
         W.u64[W.pos_xid[slot]] = position.xid
         W.u64[W.pos_seq[slot]] = position.seq
 
+    def now(self, slot: int, now_ns: int) -> None:
+        """The sidecar's clock the request was served at (``now_ns``: expiry and ages were decided
+        at it, a write stamped it), for the answers that carry it (the status follows)."""
+        W = self._words
+        W.u64[W.now_ns[slot]] = now_ns
+
     def hits(self, slot: int, ids: np.ndarray, scores: np.ndarray) -> None:
         """Result ids and scores (nq, kr) of a recall (the status follows with :meth:`answer`)."""
         sv = self.seg.slot[slot]

@@ -30,6 +30,7 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
+from ..broker.clock import MAX_TTL_NS, check_recency
 from ..broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
 from ..broker.names import decode_namespace
 
@@ -259,10 +260,14 @@ def _field_problem(op: int, nq: int, flags: int, k: int, k_limit: int, max_queri
         return f"op {name} is not a recall"
     if flags & Flag.WHERE:
         return "filtered"
+    if flags & Flag.RECENCY:
+        return "recency-weighted"
     if not 1 <= nq <= max_queries:
         return f"nq={nq}: not one query" if max_queries == 1 else f"nq={nq} outside 1..{max_queries}"
     if flags & Flag.WITH_PAYLOAD:
         return "payloads requested"
+    if flags & (Flag.TIMES | Flag.REFRESH):
+        return "timestamps requested" if flags & Flag.TIMES else "refresh requested"
     if flags:
         return f"flags={flags:#x}"
     return f"k={k} out of range 1..{k_limit}"
@@ -291,6 +296,8 @@ class Request:
     flags: int
     t_post_ns: int
     generation: int
+    ttl_ns: int | None = None  # Flag.TTL (UPSERT, TOUCH) or SET_TTL: checked, ns (0: never/none)
+    recency: tuple[float, float] | None = None  # Flag.RECENCY: (half_life_s, weight), checked
 
 
 @dataclass(slots=True)
@@ -314,6 +321,13 @@ class SlotFields:
     namespace: bytes
     generation: int
     t_post_ns: int
+    ttl_ns: int = 0
+    half_life_s: float = 0.0
+    recency_weight: float = 0.0
+
+
+#: Writes that carry a TTL (with Flag.TTL) and SET_TTL, which always does.
+_TTL_OPS = frozenset({Op.UPSERT, Op.TOUCH})
 
 
 def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) -> Request | Rejection:
@@ -328,7 +342,7 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
     nq = f.nq
     k = f.k
     where_delete = op == Op.DELETE and f.flags & Flag.WHERE  # (its ids area is not read)
-    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT, Op.GET) and not where_delete:
+    if op in (Op.RECALL, Op.UPSERT, Op.DELETE, Op.EXPORT, Op.GET, Op.TOUCH) and not where_delete:
         if not 1 <= nq <= layout.max_queries:
             return Rejection(slot, Status.TOO_MANY_QUERIES, f"nq={nq} outside 1..{layout.max_queries}", gen)
     if op == Op.RECALL:
@@ -337,7 +351,18 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
             return Rejection(slot, Status.K_OUT_OF_RANGE, f"k={k} outside 1..{limit}", gen)
     if f.blob_len > layout.blob_bytes:
         return Rejection(slot, Status.BAD_REQUEST, f"blob_len={f.blob_len} > {layout.blob_bytes}", gen)
-    return Request(slot, op, ns or "", k, nq, f.flags, f.t_post_ns, gen)
+    ttl: int | None = None
+    if op == Op.SET_TTL or (op in _TTL_OPS and f.flags & Flag.TTL):
+        if not 0 <= f.ttl_ns <= MAX_TTL_NS:
+            return Rejection(slot, Status.BAD_REQUEST, f"ttl_ns={f.ttl_ns} outside 0..{MAX_TTL_NS}", gen)
+        ttl = f.ttl_ns
+    recency: tuple[float, float] | None = None
+    if op == Op.RECALL and f.flags & Flag.RECENCY:
+        problem = check_recency(f.half_life_s, f.recency_weight)
+        if problem is not None:
+            return Rejection(slot, Status.BAD_REQUEST, problem, gen)
+        recency = (f.half_life_s, f.recency_weight)
+    return Request(slot, op, ns or "", k, nq, f.flags, f.t_post_ns, gen, ttl, recency)
 
 
 @dataclass
@@ -347,15 +372,19 @@ class BatchPlan:
 
     writes: list[Request] = field(default_factory=list)
     recalls: dict[str, list[Request]] = field(default_factory=dict)
-    others: list[Request] = field(default_factory=list)  # filtered recalls among them
+    others: list[Request] = field(default_factory=list)  # filtered and recency recalls among them
+
+
+_WRITE_OPS = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE, Op.TOUCH, Op.SET_TTL})
+_SEARCH_ALONE = int(Flag.WHERE | Flag.RECENCY)  # recalls grouped by filter and recency instead
 
 
 def plan_batch(requests: list[Request]) -> BatchPlan:
     plan = BatchPlan()
     for r in sorted(requests, key=lambda r: r.t_post_ns):
-        if r.op == Op.RECALL and not r.flags & Flag.WHERE:
+        if r.op == Op.RECALL and not r.flags & _SEARCH_ALONE:
             plan.recalls.setdefault(r.namespace, []).append(r)
-        elif r.op in (Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE):
+        elif r.op in _WRITE_OPS:
             plan.writes.append(r)
         else:
             plan.others.append(r)
@@ -363,13 +392,16 @@ def plan_batch(requests: list[Request]) -> BatchPlan:
 
 
 def write_segments(writes: list[Request]) -> list[list[Request]]:
-    """Writes cut before each delete by filter: its matches are found once every write before it
-    is applied, so each segment is made durable and applied before the next is decoded. Pure."""
+    """Writes cut before each delete by filter and each touch (their ids are found once every
+    write before them is applied) and after each SET_TTL (the writes after it take its default),
+    so each segment is made durable and applied before the next is decoded. Pure."""
     out: list[list[Request]] = [[]]
+    cut_next = False
     for w in writes:
-        if w.op == Op.DELETE and w.flags & Flag.WHERE and out[-1]:
+        if out[-1] and (cut_next or w.op == Op.TOUCH or (w.op == Op.DELETE and w.flags & Flag.WHERE)):
             out.append([])
         out[-1].append(w)
+        cut_next = w.op == Op.SET_TTL
     return out
 
 

@@ -26,8 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from ..broker.validation import WhereNode
+from ..broker.validation import TIME_FIELDS, WhereNode
 
+#: The record timestamp column (int64 ns, rows [0, n)) of a time field such as ``$updated_at``.
+TimeColumns = Callable[[str], np.ndarray]
 MISSING = -1
 OTHER = -2
 _CMP: dict[str, Callable[[Any, Any], Any]] = {
@@ -36,6 +38,16 @@ _CMP: dict[str, Callable[[Any, Any], Any]] = {
     "lt": operator.lt,
     "lte": operator.le,
 }
+
+
+def time_bound(seconds: float) -> int:
+    """A time field's bound (seconds since the epoch, a float) as integer nanoseconds, the
+    columns' unit: exact to the float's own precision (about a microsecond today), clipped to
+    int64 (a bound beyond it compares like one at its end). Pure."""
+    ns = seconds * 1e9  # (finite seconds; the product may not be: 1e300 s)
+    if not -(2.0**63) < ns < 2.0**63 - 2:
+        return -(2**63) if ns < 0 else 2**63 - 2
+    return round(ns)
 
 
 def value_key(v: Any) -> tuple[str, Any] | None:
@@ -108,23 +120,30 @@ class PayloadIndex:
                 col[dst] = col[src]
 
     # ------------------------------------------------------------------ evaluation
-    def mask(self, node: WhereNode, n: int) -> np.ndarray:
-        """Rows [0, n) that match a parsed filter (``broker.validation.parse_where``), as bools."""
+    def mask(self, node: WhereNode, n: int, times: TimeColumns | None = None) -> np.ndarray:
+        """Rows [0, n) that match a parsed filter (``broker.validation.parse_where``), as bools.
+        ``times``: the record timestamp columns (int64 ns) of the time fields (``$updated_at``
+        ...); without it a condition on one matches nothing."""
         kind = node[0]
         if kind in ("and", "or"):
             parts = node[1]
             if not parts:
                 return np.ones(n, bool) if kind == "and" else np.zeros(n, bool)
-            out = self.mask(parts[0], n)
+            out = self.mask(parts[0], n, times)
             for p in parts[1:]:
                 if kind == "and":
                     if not out.any():
                         return out
-                    out &= self.mask(p, n)
+                    out &= self.mask(p, n, times)
                 else:
-                    out |= self.mask(p, n)
+                    out |= self.mask(p, n, times)
             return out
         field = node[1]
+        if field in TIME_FIELDS:  # (range operators only: parse_where makes sure)
+            if times is None:
+                return np.zeros(n, bool)
+            hit: np.ndarray = _CMP[kind](times(field)[:n], time_bound(node[2]))
+            return hit
         codes = self.codes.get(field)
         if kind == "exists":
             present = np.zeros(n, bool) if codes is None else codes[:n] != MISSING
@@ -133,7 +152,7 @@ class PayloadIndex:
             if codes is None:
                 return np.zeros(n, bool)
             with np.errstate(invalid="ignore"):
-                hit: np.ndarray = _CMP[kind](self.nums[field][:n], node[2])
+                hit = _CMP[kind](self.nums[field][:n], node[2])
             return hit
         values = node[2] if kind in ("in", "nin") else (node[2],)
         vals = self.values.get(field, {})

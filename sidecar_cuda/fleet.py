@@ -44,6 +44,7 @@ from .pgstore import (
     CHANNEL,
     Change,
     Conn,
+    Defaults,
     StoreUnavailable,
     Target,
     connect,
@@ -361,8 +362,12 @@ def bootstrap(conn: Conn, member: str, store: MemoryStore, dim: int) -> tuple[in
                 for ns_name, count in item.items():
                     store.get_or_create(ns_name, capacity=count)
                 continue
-            ns_name, ids, vecs, pls = item
-            store.get_or_create(ns_name).upsert(ids, vecs, pls)
+            if isinstance(item, Defaults):
+                for ns_name, ttl in item.ttl.items():
+                    store.get_or_create(ns_name).default_ttl = int(ttl)
+                continue
+            ns_name, ids, vecs, pls, stamps = item
+            store.get_or_create(ns_name).upsert(ids, vecs, pls, stamps)
             rows += len(ids)
         if pruned_through(conn) <= cursor:
             heartbeat(conn, member, cursor)

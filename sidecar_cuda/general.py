@@ -5,8 +5,16 @@ Each request is parsed (:func:`~kalos.sidecar_cuda.batching.parse_request`); a r
 at once with its status; the rest are grouped (:func:`~kalos.sidecar_cuda.batching.plan_batch`): writes
 first in posting order (made durable, then applied), then one search per namespace, then the other
 ops. An unexpected error in a group answers that group SERVER_ERROR (logged) and the rest of the
-batch is served as usual. Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter`
-and published by the caller once the whole batch is written.
+batch is served as usual.
+
+Time: one ``now`` (the store's clock, CLOCK_REALTIME ns) per batch decides expiry and ages for
+every read and stamps every write of it; answers that ask for it (``_CLOCKED``) or write carry it
+in ``now_ns``. Recalls are grouped by (namespace, filter, recency): one search each. Reads with
+Flag.REFRESH touch what they answered, durably, once the batch's reads are written (a failed
+touch turns their answers into STORE_ERROR before anything is published).
+
+Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter` and published
+by the caller once the whole batch is written.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from ..broker.layout import Flag, Op, SegmentView, Status
 from ..broker.positions import ORIGIN
 from ..broker.validation import WhereNode, decode_where, payload_problem
 from .answers import AnswerWriter
+from .backends.base import Decay
 from .batching import (
     Rejection,
     Request,
@@ -32,9 +41,16 @@ from .batching import (
     plan_batch,
     write_segments,
 )
-from .persist import Durable, StoreError
+from .persist import Durable, StoreError, commit_and_apply
 from .store import MemoryStore, Namespace
-from .writes import Write, WriteOp, apply_write
+from .writes import Write, WriteOp
+
+#: Flags whose answers carry the sidecar's clock (``now_ns``).
+_CLOCKED = int(Flag.TTL | Flag.TIMES | Flag.RECENCY | Flag.REFRESH)
+#: Flags whose answers carry a HIT_META record per hit or record (RECENCY implies TIMES).
+_TIMES = int(Flag.TIMES | Flag.RECENCY)
+#: Ops whose every answer carries it.
+_CLOCKED_OPS = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE, Op.TOUCH, Op.SET_TTL})
 
 log = logging.getLogger("kalos.sidecar")
 
@@ -66,6 +82,9 @@ class GeneralRoute:
         self._backend_max_k = backend_max_k
         self._payload_limit = payload_limit
         self._on_unexpected = on_unexpected
+        self._now = 0  # the batch's clock (CLOCK_REALTIME ns), read once per batch
+        # Reads with Flag.REFRESH answered in this batch: (request, namespace, the ids answered).
+        self._refresh: list[tuple[Request, str, np.ndarray]] = []
 
     def serve(self, taken: list[int], rec: np.ndarray) -> None:
         """Answer (not yet publish) the requests of slots ``taken``, whose control blocks were read
@@ -82,25 +101,36 @@ class GeneralRoute:
                 namespace=bytes(r["namespace"]),
                 generation=int(r["generation"]),
                 t_post_ns=int(r["t_post_ns"]),
+                ttl_ns=int(r["ttl_ns"]),
+                half_life_s=float(r["half_life_s"]),
+                recency_weight=float(r["recency_weight"]),
             )
             p = parse_request(i, f, self.layout, self._backend_max_k)
             if isinstance(p, Rejection):
                 self._answer(p, p.status, p.detail)
             else:
                 reqs.append(p)
+        self._now = now = self.store.clock()
+        self._refresh = []
+        for r in reqs:
+            if r.flags & _CLOCKED or r.op in _CLOCKED_OPS:
+                self.writer.now(r.slot, now)
         plan = plan_batch(reqs)
         for segment in write_segments(plan.writes) if plan.writes else []:
             self._guarded(segment, partial(self._serve_writes, segment))
         for ns, group in plan.recalls.items():
             self._guarded(group, partial(self._serve_recalls, ns, group))
-        filtered: dict[tuple[str, bytes], list[Request]] = {}
+        searched: dict[tuple[str, bytes | None, tuple[float, float] | None], list[Request]] = {}
         for r in plan.others:
-            if r.op == Op.RECALL:  # a filtered recall: grouped with those of the same filter
-                filtered.setdefault((r.namespace, self._blob(r)), []).append(r)
+            if r.op == Op.RECALL:  # filtered or recency-weighted: grouped by both
+                blob = self._blob(r) if r.flags & Flag.WHERE else None
+                searched.setdefault((r.namespace, blob, r.recency), []).append(r)
             else:
                 self._guarded([r], partial(self._serve_other, r))
-        for (ns, blob), group in filtered.items():
-            self._guarded(group, partial(self._serve_filtered, ns, blob, group))
+        for (ns, blob, recency), group in searched.items():
+            self._guarded(group, partial(self._serve_searched, ns, blob, recency, group))
+        if self._refresh:
+            self._guarded([r for r, _ns, _ids in self._refresh], self._serve_refresh)
 
     def _guarded(self, group: list[Request], serve: Callable[[], None]) -> None:
         """Serve a group of requests; an unexpected error answers the whole group SERVER_ERROR
@@ -131,11 +161,11 @@ class GeneralRoute:
             return
         kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
         try:
-            ids, scores = ns.search(q, kmax)
+            ids, scores = ns.search(q, kmax, now=self._now)
         except Exception as e:  # backend failure: every caller gets a clean error status
             self._backend_failed(group, e)
             return
-        self._answer_group(group, offs, ns, ids, scores)
+        self._answer_group(group, offs, ns, ids, scores, None)
 
     def _gather_queries(self, group: list[Request]) -> tuple[list[Request], np.ndarray, list[int]]:
         """The queries of a group of recalls as one matrix (read in place for a lone request),
@@ -167,31 +197,57 @@ class GeneralRoute:
             self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
 
     def _answer_group(
-        self, group: list[Request], offs: list[int], ns: Namespace, ids: np.ndarray, scores: np.ndarray
+        self,
+        group: list[Request],
+        offs: list[int],
+        ns: Namespace,
+        ids: np.ndarray,
+        scores: np.ndarray,
+        decay: Decay | None,
     ) -> None:
         """Each request's share of a group's hits (its rows, cut to its own k)."""
         kk = ids.shape[1]
         for r, o in zip(group, offs):
             kr = min(r.k, kk)
-            self._answer_hits(r, ns, ids[o : o + r.nq, :kr], scores[o : o + r.nq, :kr])
+            self._answer_hits(r, ns, ids[o : o + r.nq, :kr], scores[o : o + r.nq, :kr], decay)
 
-    def _answer_hits(self, r: Request, ns: Namespace, hit_ids: np.ndarray, scores: np.ndarray) -> None:
-        """A recall's OK answer: hits (nq, kr), and their payloads if asked for."""
+    def _answer_hits(
+        self, r: Request, ns: Namespace, hit_ids: np.ndarray, scores: np.ndarray, decay: Decay | None = None
+    ) -> None:
+        """A recall's OK answer: hits (nq, kr), then (Flag.TIMES, RECENCY) a HIT_META record per
+        hit and (WITH_PAYLOAD) their payload lines in the blob."""
         kr = hit_ids.shape[1]
         self.writer.hits(r.slot, hit_ids, scores)
-        if r.flags & Flag.WITH_PAYLOAD:
-            blob = b"\n".join(ns.payloads.get(i, b"null") for i in hit_ids.ravel().tolist())
+        flat = hit_ids.ravel()
+        if r.flags & Flag.REFRESH and len(flat):
+            self._refresh.append((r, ns.name, flat.copy()))  # (an answer that fails below too)
+        if r.flags & (Flag.WITH_PAYLOAD | _TIMES):
+            blob = self._records_blob(r, ns, flat, decay)
             if len(blob) > self.layout.blob_bytes:
                 self._answer(
                     r,
                     Status.PAYLOAD_TOO_LARGE,
-                    f"payloads of the hits take {len(blob)} bytes, the slot holds "
+                    f"payloads and timestamps of the hits take {len(blob)} bytes, the slot holds "
                     f"{self.layout.blob_bytes}; lower k or raise --blob-bytes",
                 )
                 return
             self.writer.answer_blob(r.slot, r.generation, kr, blob)
             return
         self._answer(r, Status.OK, n_results=kr)
+
+    def _records_blob(
+        self, r: Request, ns: Namespace, ids: np.ndarray, decay: Decay | None = None, rows: np.ndarray | None = None
+    ) -> bytes:
+        """The blob of an answer naming records ``ids`` (their ``rows`` when known): HIT_META
+        records first with Flag.TIMES (docs/protocol.md), then payload lines with WITH_PAYLOAD (or
+        always: ``payload_lines`` ops)."""
+        parts = []
+        if r.flags & _TIMES:
+            meta = ns.meta(ids, self._now, decay) if rows is None else ns.meta_rows(rows, self._now, decay)
+            parts.append(meta.tobytes())
+        if r.flags & Flag.WITH_PAYLOAD or r.op in (Op.GET, Op.EXPORT):
+            parts.append(b"\n".join(ns.payloads.get(i, b"null") for i in ids.tolist()))
+        return b"".join(parts)
 
     # ------------------------------------------------------------------ filters
     def _blob(self, r: Request) -> bytes:
@@ -206,16 +262,21 @@ class GeneralRoute:
             return None
         return decode_where(self._blob(r))
 
-    def _serve_filtered(self, ns_name: str, blob: bytes, group: list[Request]) -> None:
-        """Recalls of one namespace with the same filter (its bytes ``blob``): the filter is
-        evaluated once (and kept until the namespace's next write), then one search over the
-        rows it matches (exact; k clipped to the matches)."""
-        try:
-            node = decode_where(blob)
-        except InvalidRequest as e:
-            for r in group:
-                self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
-            return
+    def _serve_searched(
+        self, ns_name: str, blob: bytes | None, recency: tuple[float, float] | None, group: list[Request]
+    ) -> None:
+        """Recalls of one namespace with the same filter (its bytes ``blob``, None: none) and the
+        same recency (``(half_life_s, weight)``, None: none): the filter is evaluated once (and
+        kept until the namespace's next write), then one search over the rows it matches
+        (exact; k clipped to the matches), ranked with the recency part if asked."""
+        node: WhereNode | None = None
+        if blob is not None:
+            try:
+                node = decode_where(blob)
+            except InvalidRequest as e:
+                for r in group:
+                    self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
+                return
         ns = self.store.get(ns_name)
         if ns is None:
             for r in group:
@@ -224,24 +285,33 @@ class GeneralRoute:
         group, q, offs = self._gather_queries(group)
         if not group:
             return
-        match = ns.filtered(node, blob)
-        if len(match.rows) == 0:  # nothing matches: no search
-            for r in group:
-                self._answer(r, Status.OK, n_results=0)
-            return
+        decay = None if recency is None else Decay(self._now, recency[0], recency[1])
+        k = max(r.k for r in group)
         try:
-            ids, scores = ns.search_where(q, max(r.k for r in group), match)
+            if node is None:
+                ids, scores = ns.search(q, k, decay=decay, now=self._now)
+            else:
+                assert blob is not None
+                match = ns.filtered(node, blob)
+                if len(match.rows) == 0:  # nothing matches: no search
+                    for r in group:
+                        self._answer(r, Status.OK, n_results=0)
+                    return
+                ids, scores = ns.search_where(q, k, match, decay=decay, now=self._now)
         except Exception as e:
             self._backend_failed(group, e)
             return
-        self._answer_group(group, offs, ns, ids, scores)
+        self._answer_group(group, offs, ns, ids, scores, decay)
 
     # ------------------------------------------------------------------ writes
     def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
         """Read and check an upsert/delete/drop from its slot (a broken client may have written it)."""
         sv = self.seg.slot[r.slot]
+        now = self._now
         if r.op == Op.DROP_NAMESPACE:
-            return Write(WriteOp.DROP, r.namespace)
+            return Write(WriteOp.DROP, r.namespace, now_ns=now)
+        if r.op == Op.SET_TTL:
+            return Write(WriteOp.SET_TTL, r.namespace, now_ns=now, ttl_ns=r.ttl_ns)
         if r.op == Op.DELETE and r.flags & Flag.WHERE:
             try:
                 node = self._where(r)
@@ -250,12 +320,14 @@ class GeneralRoute:
             assert node is not None
             # Resolved to ids by the durable store, once the memory is the state it applies to
             # (in a fleet: after the changes other nodes committed before it).
-            return Write(WriteOp.DELETE_WHERE, r.namespace, where=node)
+            return Write(WriteOp.DELETE_WHERE, r.namespace, where=node, now_ns=now)
         ids = sv.ids[: r.nq].copy()
         if (ids < 0).any():
             return (Status.BAD_ID, "ids must be >= 0")
         if r.op == Op.DELETE:
-            return Write(WriteOp.DELETE, r.namespace, ids=ids)
+            return Write(WriteOp.DELETE, r.namespace, ids=ids, now_ns=now)
+        if r.op == Op.TOUCH:
+            return Write(WriteOp.TOUCH, r.namespace, ids=ids, now_ns=now, ttl_ns=r.ttl_ns)
         vecs = sv.queries[: r.nq].copy()
         if not np.isfinite(vecs).all():
             return (Status.NOT_FINITE, "vectors contain NaN or infinity")
@@ -276,7 +348,7 @@ class GeneralRoute:
                 if problem is not None:
                     return (Status.BAD_REQUEST, problem)
                 payloads.append(None if line == b"null" else line)
-        return Write(WriteOp.UPSERT, r.namespace, ids=ids, vectors=vecs, payloads=payloads)
+        return Write(WriteOp.UPSERT, r.namespace, ids=ids, vectors=vecs, payloads=payloads, now_ns=now, ttl_ns=r.ttl_ns)
 
     def _serve_writes(self, writes: list[Request]) -> None:
         accepted: list[tuple[Request, Write]] = []
@@ -303,34 +375,43 @@ class GeneralRoute:
             for r, _w in accepted:
                 self._answer(r, Status.CAPACITY, f"{type(e).__name__}: {e}")
             return
-        positions = None
-        if self.persist is not None:
-            try:
-                positions = self.persist.commit([w for _r, w in accepted], self.store)
-            except StoreError as e:
-                log.error("store commit failed: %s", e)
-                for r, _w in accepted:
-                    self._answer(r, Status.STORE_ERROR, str(e))
-                return
-        else:
-            for _r, w in accepted:
-                w.resolve(self.store)
-        failed = False
-        for j, (r, w) in enumerate(accepted):
-            try:
-                n = apply_write(self.store, w)
-            except Exception as e:
-                log.exception("applying a write failed")
-                self._answer(r, Status.BACKEND_ERROR, f"{type(e).__name__}: {e}")
-                failed = True
+        try:
+            positions, outcomes = commit_and_apply(self.persist, self.store, [w for _r, w in accepted])
+        except StoreError as e:
+            log.error("store commit failed: %s", e)
+            for r, _w in accepted:
+                self._answer(r, Status.STORE_ERROR, str(e))
+            return
+        for j, ((r, _w), n) in enumerate(zip(accepted, outcomes)):
+            if isinstance(n, Exception):
+                log.error("applying a write failed", exc_info=n)
+                self._answer(r, Status.BACKEND_ERROR, f"{type(n).__name__}: {n}")
                 continue
             # (before the status and state, like every part of an answer)
             self.writer.position(r.slot, positions[j] if positions else ORIGIN)
             self._answer(r, Status.OK, n_results=n)
-        if self.persist is not None:
-            # A write that failed to apply here is applied again from the change log (where
-            # there is one): the store's cursor then stays before this batch.
-            self.persist.applied_through(None if failed or not positions else positions[-1])
+
+    def _serve_refresh(self) -> None:
+        """Touch what the batch's reads with Flag.REFRESH answered (one touch per namespace),
+        durably, before their answers are published; if it cannot be made durable those reads
+        are answered STORE_ERROR instead (their caller asked for the refresh)."""
+        by_ns: dict[str, list[np.ndarray]] = {}
+        for _r, name, ids in self._refresh:
+            by_ns.setdefault(name, []).append(ids)
+        writes = [
+            Write(WriteOp.TOUCH, name, ids=np.unique(np.concatenate(parts)), now_ns=self._now)
+            for name, parts in by_ns.items()
+        ]
+        try:
+            _positions, outcomes = commit_and_apply(self.persist, self.store, writes)
+        except StoreError as e:
+            log.error("store commit of a refresh failed: %s", e)
+            for r, _name, _ids in self._refresh:
+                self._answer(r, Status.STORE_ERROR, f"the refresh of the records answered failed: {e}")
+            return
+        for n in outcomes:
+            if isinstance(n, Exception):
+                log.error("applying a refresh failed", exc_info=n)
 
     # ------------------------------------------------------------------ the rest
     def _serve_other(self, r: Request) -> None:
@@ -340,7 +421,7 @@ class GeneralRoute:
             self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
             return
         if r.op == Op.LIST_NAMESPACES:
-            blob = json.dumps(self.store.counts(), separators=(",", ":")).encode()
+            blob = json.dumps(self.store.counts(self._now), separators=(",", ":")).encode()
             if len(blob) > self.layout.blob_bytes:
                 self._answer(r, Status.PAYLOAD_TOO_LARGE, "namespace list exceeds the slot")
                 return
@@ -350,13 +431,17 @@ class GeneralRoute:
             if ns is None:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
-            ids, vecs, pls = ns.export_page(
-                int(self.seg.slot[r.slot].ids[0]), r.nq, None if node is None else ns.filtered(node, self._blob(r)).mask
+            ids, vecs, _pls, rows = ns.export_rows(
+                int(self.seg.slot[r.slot].ids[0]),
+                r.nq,
+                None if node is None else ns.filtered(node, self._blob(r)).mask,
+                self._now,
             )
-            blob = b"\n".join(pls)
+            blob = self._records_blob(r, ns, ids, rows=rows)
             while len(blob) > self.layout.blob_bytes and len(ids) > 1:  # fewer rows per page
-                ids, vecs, pls = ids[: len(ids) // 2], vecs[: len(ids) // 2], pls[: len(ids) // 2]
-                blob = b"\n".join(pls)
+                half = len(ids) // 2
+                ids, vecs, rows = ids[:half], vecs[:half], rows[:half]
+                blob = self._records_blob(r, ns, ids, rows=rows)
             if len(blob) > self.layout.blob_bytes:
                 self._answer(r, Status.PAYLOAD_TOO_LARGE, "a payload exceeds the slot's blob area")
                 return
@@ -369,7 +454,12 @@ class GeneralRoute:
             if ns is None:
                 self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
                 return
-            n = ns.n if node is None else len(ns.filtered(node, self._blob(r)).rows)
+            live = ns.live(self._now)
+            if node is None:
+                n = ns.n if live is None else len(live.rows)
+            else:
+                rows = ns.filtered(node, self._blob(r)).rows
+                n = len(rows) if live is None else int((~live.dead[rows]).sum())
             self._answer(r, Status.OK, n_results=n)
         else:
             self._answer(r, Status.UNKNOWN_OP, f"op {int(r.op)} not served")
@@ -385,8 +475,10 @@ class GeneralRoute:
         if (asked < 0).any():
             self._answer(r, Status.BAD_ID, "ids must be >= 0")
             return
-        ids, vecs, pls = ns.get(asked)
-        blob = b"\n".join(pls)
+        ids, vecs, _pls, rows = ns.get_rows(asked, self._now)
+        blob = self._records_blob(r, ns, ids, rows=rows)
+        if r.flags & Flag.REFRESH and len(ids):
+            self._refresh.append((r, ns.name, ids))
         if len(blob) > self.layout.blob_bytes:
             self._answer(
                 r,

@@ -8,6 +8,11 @@ and acknowledged, so every acknowledged write survives kill -9 and power loss (a
 On start every namespace is loaded back to the backend. The store is never overwritten or
 "repaired": a store that cannot be opened, is corrupt, or was made for another dim/metric stops the
 sidecar with a clear message.
+
+Schema 2 (protocol 6) keeps each record's timestamps and TTL beside it and each namespace's default
+TTL in a table of its own. A schema-1 store (written before) is migrated when opened, in one
+transaction, without rewriting a row: its records get ``created_at = updated_at =`` the time of
+the migration and no expiry (docs/operations.md, "Upgrading to protocol 6").
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ import numpy as np
 
 from ..broker.errors import ConfigError
 from ..broker.positions import Position
-from .store import MemoryStore
-from .writes import Write, WriteOp
+from .store import MemoryStore, Stamps
+from .writes import Write, WriteOp, apply_write
 
 log = logging.getLogger("kalos.sidecar")
 DB_FILE = "kalos.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: The columns schema 2 added to ``records`` (a schema-1 store gets them when it is opened).
+_STAMP_COLUMNS = ("created_at", "updated_at", "expires_at", "ttl")
 #: Seconds between the start-up load's progress lines.
 LOAD_REPORT_S = 5.0
 
@@ -74,6 +81,35 @@ class Durable(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def commit_and_apply(
+    persist: Durable | None, store: MemoryStore, writes: list[Write]
+) -> tuple[list[Position] | None, list[int | Exception]]:
+    """Make ``writes`` durable (resolved against ``store`` by the store's ``commit``; resolved
+    here without one), then apply them to ``store`` in order. Returns the positions ``commit``
+    gave (None: no change log) and each write's count, or the exception applying it raised (then
+    durable but not applied here: the change log brings it again where there is one). Raises
+    StoreError when the commit fails (nothing applied). The serving thread's one way to write:
+    the general route, refreshes on read and the sweeper."""
+    positions = None
+    if persist is not None:
+        positions = persist.commit(writes, store)
+    else:
+        for w in writes:
+            w.resolve(store)
+    out: list[int | Exception] = []
+    for w in writes:
+        try:
+            out.append(apply_write(store, w))
+        except Exception as e:
+            out.append(e)
+    if persist is not None:
+        # A write that failed to apply here is applied again from the change log (where there is
+        # one): the store's cursor then stays before this batch.
+        failed = any(isinstance(x, Exception) for x in out)
+        persist.applied_through(None if failed or not positions else positions[-1])
+    return positions, out
 
 
 #: Files SQLite keeps beside the database (it creates them with the database file's mode).
@@ -153,8 +189,11 @@ class Persistence:
             self.db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
             self.db.execute(
                 "CREATE TABLE IF NOT EXISTS records (ns TEXT NOT NULL, id INTEGER NOT NULL, "
-                "vec BLOB NOT NULL, payload BLOB, PRIMARY KEY (ns, id)) WITHOUT ROWID"
+                "vec BLOB NOT NULL, payload BLOB, created_at INTEGER NOT NULL DEFAULT 0, "
+                "updated_at INTEGER NOT NULL DEFAULT 0, expires_at INTEGER NOT NULL DEFAULT 0, "
+                "ttl INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (ns, id)) WITHOUT ROWID"
             )
+            self.db.execute("CREATE TABLE IF NOT EXISTS namespaces (ns TEXT PRIMARY KEY, default_ttl INTEGER NOT NULL)")
             self._check_meta(dim, metric)
         except sqlite3.DatabaseError as e:
             raise ConfigError(f"cannot open store {self.path}: {e}; nothing was changed") from None
@@ -168,12 +207,36 @@ class Persistence:
             with self._tx():
                 self.db.executemany("INSERT INTO meta VALUES (?, ?)", list(want.items()))
             return
+        if meta.get("schema") == "1" and meta.get("dim") == want["dim"] and meta.get("metric") == metric:
+            self._migrate_from_1()
+            meta["schema"] = str(SCHEMA_VERSION)
         for key, value in want.items():
             if meta.get(key) != value:
                 raise ConfigError(
                     f"store {self.path} was made with {key}={meta.get(key)}, "
                     f"this sidecar has {key}={value}; nothing was changed"
                 )
+
+    def _migrate_from_1(self, now_ns: int | None = None) -> None:
+        """Schema 1 -> 2 in one transaction: the stamp columns (constant defaults: SQLite rewrites
+        no row), the namespaces table, the version. Every record keeps its vector and payload and
+        gets ``created_at = updated_at = now_ns`` (the migration's clock) and no expiry."""
+        now = time.time_ns() if now_ns is None else now_ns
+        have = {row[1] for row in self.db.execute("PRAGMA table_info(records)").fetchall()}
+        with self._tx():
+            for col in _STAMP_COLUMNS:
+                if col not in have:
+                    default = now if col in ("created_at", "updated_at") else 0
+                    self.db.execute(f"ALTER TABLE records ADD COLUMN {col} INTEGER NOT NULL DEFAULT {int(default)}")
+            self.db.execute("UPDATE meta SET value = ? WHERE key = 'schema'", (str(SCHEMA_VERSION),))
+        rows = self.db.execute("SELECT count(*) FROM records").fetchone()[0]
+        log.warning(
+            "store %s migrated from schema 1 to %d: %d records kept, stamped created/updated now (%d ns), no expiry",
+            self.path,
+            SCHEMA_VERSION,
+            rows,
+            now,
+        )
 
     def _tx(self) -> _Tx:
         return _Tx(self.db)
@@ -184,26 +247,51 @@ class Persistence:
         if not writes:
             return None
         for w in writes:
-            if store is not None:
-                w.resolve(store)
+            w.resolve(store)
         try:
             with self._tx():
                 for w in writes:
                     if w.op is WriteOp.UPSERT:
-                        assert w.ids is not None and w.vectors is not None
+                        assert w.ids is not None and w.vectors is not None and w.stamps is not None
                         pls = w.payloads or [None] * len(w.ids)
+                        st = w.stamps
                         self.db.executemany(
-                            "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?)",
-                            [(w.namespace, int(i), v.tobytes(), p) for i, v, p in zip(w.ids.tolist(), w.vectors, pls)],
+                            "INSERT OR REPLACE INTO records VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            [
+                                (w.namespace, int(i), v.tobytes(), p, c, u, e, t)
+                                for i, v, p, c, u, e, t in zip(
+                                    w.ids.tolist(),
+                                    w.vectors,
+                                    pls,
+                                    st.created.tolist(),
+                                    st.updated.tolist(),
+                                    st.expires.tolist(),
+                                    st.ttl.tolist(),
+                                )
+                            ],
                         )
-                    elif w.op in (WriteOp.DELETE, WriteOp.DELETE_WHERE):
+                    elif w.op in (WriteOp.DELETE, WriteOp.DELETE_WHERE, WriteOp.EXPIRE):
                         assert w.ids is not None
                         self.db.executemany(
                             "DELETE FROM records WHERE ns = ? AND id = ?",
                             [(w.namespace, int(i)) for i in w.ids.tolist()],
                         )
+                    elif w.op is WriteOp.TOUCH:
+                        assert w.ids is not None and w.stamps is not None
+                        self.db.executemany(
+                            "UPDATE records SET expires_at = ?, ttl = ? WHERE ns = ? AND id = ?",
+                            [
+                                (e, t, w.namespace, i)
+                                for i, e, t in zip(w.ids.tolist(), w.stamps.expires.tolist(), w.stamps.ttl.tolist())
+                            ],
+                        )
+                    elif w.op is WriteOp.SET_TTL:
+                        self.db.execute(
+                            "INSERT OR REPLACE INTO namespaces VALUES (?, ?)", (w.namespace, int(w.ttl_ns or 0))
+                        )
                     elif w.op is WriteOp.DROP:
                         self.db.execute("DELETE FROM records WHERE ns = ?", (w.namespace,))
+                        self.db.execute("DELETE FROM namespaces WHERE ns = ?", (w.namespace,))
         except sqlite3.Error as e:
             raise StoreError(str(e)) from None
         return None
@@ -212,22 +300,36 @@ class Persistence:
         """Nothing to do: one host, no change log."""
 
     def namespaces(self) -> list[tuple[str, int]]:
-        return self.db.execute("SELECT ns, count(*) FROM records GROUP BY ns ORDER BY ns").fetchall()
+        """(namespace, records) of every namespace that holds records or a default TTL."""
+        counts = dict(self.db.execute("SELECT ns, count(*) FROM records GROUP BY ns").fetchall())
+        for (name,) in self.db.execute("SELECT ns FROM namespaces").fetchall():
+            counts.setdefault(name, 0)
+        return sorted(counts.items())
+
+    def default_ttls(self) -> dict[str, int]:
+        """The namespaces' default TTLs (ns) that were set."""
+        return dict(self.db.execute("SELECT ns, default_ttl FROM namespaces").fetchall())
 
     def scan(
         self, namespace: str, dim: int, chunk: int = 65536
-    ) -> Iterator[tuple[np.ndarray, np.ndarray, list[bytes | None]]]:
-        """Yield (ids, vectors, payloads) chunks of one namespace."""
-        cur = self.db.execute("SELECT id, vec, payload FROM records WHERE ns = ? ORDER BY id", (namespace,))
+    ) -> Iterator[tuple[np.ndarray, np.ndarray, list[bytes | None], Stamps]]:
+        """Yield (ids, vectors, payloads, stamps) chunks of one namespace."""
+        cur = self.db.execute(
+            "SELECT id, vec, payload, created_at, updated_at, expires_at, ttl FROM records WHERE ns = ? ORDER BY id",
+            (namespace,),
+        )
         while True:
             rows = cur.fetchmany(chunk)
             if not rows:
                 return
-            ids = np.fromiter((r[0] for r in rows), np.int64, len(rows))
-            vecs = np.frombuffer(b"".join(r[1] for r in rows), np.float32).reshape(len(rows), dim)
-            if vecs.shape[0] != len(rows):
+            m = len(rows)
+            ids = np.fromiter((r[0] for r in rows), np.int64, m)
+            raw = b"".join(r[1] for r in rows)
+            if len(raw) != 4 * dim * m:
                 raise ConfigError(f"store {self.path}: vector of wrong length in namespace {namespace!r}")
-            yield ids, vecs, [r[2] for r in rows]
+            vecs = np.frombuffer(raw, np.float32).reshape(m, dim)
+            stamps = Stamps(*(np.fromiter((r[c] for r in rows), np.int64, m) for c in range(3, 7)))
+            yield ids, vecs, [r[2] for r in rows], stamps
 
     def load_into(
         self,
@@ -247,10 +349,12 @@ class Persistence:
             want = sum(n for _ns, n in counts)
             log.info("loading %s rows in %d namespaces from %s", f"{want:,}", len(counts), self.path)
             last = clock()
+            defaults = self.default_ttls()
             for ns_name, count in counts:
                 ns = store.get_or_create(ns_name, capacity=count)
-                for ids, vecs, pls in self.scan(ns_name, store.dim, chunk):
-                    ns.upsert(ids, vecs, pls)
+                ns.default_ttl = int(defaults.get(ns_name, 0))
+                for ids, vecs, pls, stamps in self.scan(ns_name, store.dim, chunk):
+                    ns.upsert(ids, vecs, pls, stamps)
                     total += len(ids)
                     now = clock()
                     if now - last >= every_s:

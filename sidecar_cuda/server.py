@@ -38,13 +38,14 @@ from .backends.base import Backend
 from .backends.select import choose_backend
 from .batching import PIPELINE_MIN_WORK, Limits
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
+from .expiry import SWEEP_S, Sweeper
 from .general import GeneralRoute
 from .leases import REAP_S, ReapOutcome, reap_dead_owners
 from .notify import sd_notify
 from .objects import Objects
 from .objects import create as create_objects
 from .objects import unlink as unlink_objects
-from .persist import Durable, Persistence, StoreKind, store_kind
+from .persist import Durable, Persistence, StoreError, StoreKind, store_kind
 from .pipeline import PIPELINE_DEPTH, Pipeline
 from .slotio import SlotIO, load_compiled, open_slot_io
 from .stats import SidecarStats
@@ -101,6 +102,7 @@ class Sidecar:
         ]
         self.pipeline: Pipeline | None = None  # built by start()
         self._io: SlotIO | None = None  # the slot path's byte work, made by start()
+        self.sweeper: Sweeper | None = None  # built by start(): deletes expired records
         self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
         self._last_error_log = 0.0
@@ -153,6 +155,9 @@ class Sidecar:
                 )
             self._fill_initial()
             self.pipeline = self._build_pipeline()
+            self.sweeper = Sweeper(
+                self.store, self.persist, self.pipeline.finish_inflight, self.stats, self.store.clock
+            )
             self._pass = self.pipeline.serve_pending if self.fleet is None else self._fleet_pass
             if self.fleet is not None:
                 self.fleet.start_following(self._wake)
@@ -361,6 +366,8 @@ class Sidecar:
         clock = time.monotonic_ns
         reap_ns = int(REAP_S * 1e9)
         next_reap = clock() + reap_ns
+        sweep_ns = int(SWEEP_S * 1e9)
+        next_sweep = clock() + sweep_ns
         last_work = clock()
         try:
             while not self._stop.is_set():
@@ -371,6 +378,9 @@ class Sidecar:
                 if now >= next_reap:
                     self.reap_guarded()
                     next_reap = now + reap_ns
+                if now >= next_sweep:  # (expired records are hidden from reads meanwhile)
+                    self.sweep_guarded()
+                    next_sweep = now + sweep_ns
                 if served or inflight:
                     last_work = now
                     if not served and inflight and last_work - inflight[0].t_pick > _POLL_SLEEP_AFTER_NS:
@@ -399,7 +409,8 @@ class Sidecar:
         earliest limit of a read held for a fleet position."""
         assert self.pipeline is not None
         due = self.pipeline.hold.next_deadline_s()
-        return REAP_S if due is None else min(REAP_S, due)
+        most = min(REAP_S, SWEEP_S) if self.store.next_expiry() <= time.time_ns() + int(SWEEP_S * 1e9) else REAP_S
+        return most if due is None else min(most, due)
 
     def serve_pending(self) -> int:
         """One pass of the loop, unguarded (:meth:`Pipeline.serve_pending`)."""
@@ -437,6 +448,22 @@ class Sidecar:
     def _answer_stranded(self, e: BaseException) -> int:
         assert self.pipeline is not None
         return self.pipeline.answer_stranded(e)
+
+    def sweep_guarded(self) -> int:
+        """One pass of the sweeper (``expiry.Sweeper``): the records it deleted. A store that fails
+        is logged (the expired records stay hidden from reads, the next pass tries again), and so
+        is anything else: nothing ends the loop."""
+        if self.sweeper is None:
+            return 0
+        try:
+            return self.sweeper.sweep()
+        except StoreError as e:
+            n = self.sweeper.failures
+            if n & (n - 1) == 0:  # (1st, 2nd, 4th, 8th ... failure in a row: the retries back off)
+                log.error("sweeping expired records failed %d time(s) (they stay hidden; retrying): %s", n, e)
+        except Exception as e:
+            self._log_unexpected("sweeping expired records failed", e)
+        return 0
 
     def reap_guarded(self) -> int:
         try:

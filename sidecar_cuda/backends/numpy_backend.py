@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import PendingSearch, SearchResult
+from .base import Decay, PendingSearch, SearchResult
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -72,6 +72,10 @@ class NumpyMatrix:
         self.capacity = max(1, capacity)
         self.data = np.zeros((self.capacity, dim), np.float32)
         self.sqnorm = np.zeros(self.capacity, np.float32)  # l2 only
+        self.times = np.zeros(self.capacity, np.float64)  # each row's time, for a Decay
+
+    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
+        self.times[rows] = times_s
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         self.data[rows] = vectors
@@ -93,7 +97,9 @@ class NumpyMatrix:
         data[: self.capacity] = self.data
         sq = np.zeros(capacity, np.float32)
         sq[: self.capacity] = self.sqnorm
-        self.data, self.sqnorm, self.capacity = data, sq, capacity
+        times = np.zeros(capacity, np.float64)
+        times[: self.capacity] = self.times
+        self.data, self.sqnorm, self.times, self.capacity = data, sq, times, capacity
 
     def _scores(self, queries: np.ndarray, data: np.ndarray, sqnorm: np.ndarray) -> np.ndarray:
         self.backend.threads_for(len(queries) * len(data) * self.dim)
@@ -103,24 +109,39 @@ class NumpyMatrix:
             scores = 2.0 * scores - sqnorm[None, :] - qn[:, None]
         return scores
 
-    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
-        return topk_rows(self._scores(queries, self.data[:n], self.sqnorm[:n]), k)
+    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
+        scores = self._scores(queries, self.data[:n], self.sqnorm[:n])
+        if decay is not None:
+            scores += decay.bias(self.times[:n])
+        return topk_rows(scores, k)
 
     def search_rows(
-        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+        self,
+        queries: np.ndarray,
+        n: int,
+        k: int,
+        candidates: np.ndarray,
+        *,
+        key: Hashable = None,
+        decay: Decay | None = None,
     ) -> SearchResult:
         m = len(candidates)
         if m * DENSE_FRACTION >= n:
             # Many candidates: score every row and hide the others (no gather copy). A real score
             # of -inf (overflow) could tie with a hidden row: then the gathered search decides.
             scores = self._scores(queries, self.data[:n], self.sqnorm[:n])
+            if decay is not None:
+                scores += decay.bias(self.times[:n])
             hidden = np.ones(n, bool)
             hidden[candidates] = False
             scores[:, hidden] = -np.inf
             rows, best = topk_rows(scores, min(k, m))
             if not hidden[rows].any():
                 return rows, best
-        rows, best = topk_rows(self._scores(queries, self.data[candidates], self.sqnorm[candidates]), k)
+        scores = self._scores(queries, self.data[candidates], self.sqnorm[candidates])
+        if decay is not None:
+            scores += decay.bias(self.times[candidates])
+        rows, best = topk_rows(scores, k)
         return candidates[rows], best
 
     def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...broker.errors import ConfigError
 from ...broker.layout import Metric
-from .base import Backend, Matrix, PendingSearch, PolledFuture, SearchResult
+from .base import Backend, Decay, Matrix, PendingSearch, PolledFuture, SearchResult
 
 BLOCK = 1024  # rows per placement block
 
@@ -172,6 +172,12 @@ class ShardedMatrix:
         for s, pos, local in self._by_shard(rows):
             self.parts[s].write_rows(local, vectors[pos])
 
+    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
+        rows = self._check(rows)
+        times_s = np.asarray(times_s, np.float64).reshape(-1)
+        for s, pos, local in self._by_shard(rows):
+            self.parts[s].set_times(local, times_s[pos])
+
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = self._check(src), self._check(dst)
         if len(src) != len(dst):
@@ -187,6 +193,7 @@ class ShardedMatrix:
         if len(cross):
             vecs = self.read_rows(src[cross])  # every source read before any destination written
             self.write_rows(dst[cross], vecs)
+        # (times are not moved: Matrix.set_times, the store sets them again for the moved rows)
 
     def grow(self, capacity: int) -> None:
         if capacity <= self.capacity:
@@ -203,17 +210,42 @@ class ShardedMatrix:
             out[pos] = self.parts[s].read_rows(local)
         return out
 
-    def search(self, queries: np.ndarray, n: int, k: int) -> SearchResult:
-        return self.search_async(queries, n, k).result()
+    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
+        if decay is None:
+            return self.search_async(queries, n, k).result()
+        # A recency-weighted search: each shard's biased top-k (every row of the global top-k is
+        # in its own shard's), merged; one shard after the other.
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
+        got = []
+        for s, p in enumerate(self.parts):
+            ns = live_rows(n, s, self.shards, self.block)
+            if ns:
+                rows, scores = p.search(queries, ns, k, decay=decay)
+                got.append((global_rows(rows, s, self.shards, self.block), scores))
+        if not got:
+            return np.empty((len(queries), 0), np.int64), np.empty((len(queries), 0), np.float32)
+        return merge_top(got, k)
 
     def search_rows(
-        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+        self,
+        queries: np.ndarray,
+        n: int,
+        k: int,
+        candidates: np.ndarray,
+        *,
+        key: Hashable = None,
+        decay: Decay | None = None,
     ) -> SearchResult:
         got = []
         for s, _pos, local in self._by_shard(np.asarray(candidates, np.int64)):
-            rows, scores = self.parts[s].search_rows(
-                queries, live_rows(n, s, self.shards, self.block), k, local, key=None if key is None else (key, s)
-            )
+            ns = live_rows(n, s, self.shards, self.block)
+            skey = None if key is None else (key, s)
+            part = self.parts[s]
+            if decay is None:
+                rows, scores = part.search_rows(queries, ns, k, local, key=skey)
+            else:
+                rows, scores = part.search_rows(queries, ns, k, local, key=skey, decay=decay)
             got.append((global_rows(rows, s, self.shards, self.block), scores))
         return merge_top(got, k)
 

@@ -307,6 +307,7 @@ class SidecarCollector(Collector):
         s["batches"], s["requests"] = stats.batches, stats.requests
         s["routes"] = {r: stats.routes[r] for r in ROUTES}
         s["reclaimed"] = stats.slots_reclaimed
+        s["expired"] = stats.records_expired
         try:
             s["counts"] = dict(sc.store.counts())
         except RuntimeError:  # the serving thread added a namespace mid-copy: next scrape
@@ -394,6 +395,7 @@ class SidecarCollector(Collector):
             ("kalos_requests", "requests", "Requests served by the sidecar (every op)."),
             ("kalos_batches", "batches", "Batches served by the sidecar."),
             ("kalos_slots_reclaimed", "reclaimed", "Slots freed after their owner died or left."),
+            ("kalos_records_expired", "expired", "Records the sweeper deleted once their TTL ran out."),
         ):
             cm = CounterMetricFamily(name, doc)
             if g:

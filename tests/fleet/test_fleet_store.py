@@ -64,7 +64,7 @@ def test_wrong_password_missing_database_other_schema_are_clear(pg: PgServer, fl
     print(out.stderr[-500:])
     assert out.returncode == 2 and 'database "no_such_db" does not exist' in out.stderr
 
-    node = fleet("first")  # creates the schema (version 1, dim 16, dot)
+    node = fleet("first")  # creates the schema (version 2, dim 16, dot)
     node.stop()
     out = run_serve(_serve_args("--dim", "32"), {"KALOS_STORE": fleet_dsn})
     assert out.returncode == 2 and "was made with dim=16, this sidecar has dim=32" in out.stderr
@@ -72,7 +72,7 @@ def test_wrong_password_missing_database_other_schema_are_clear(pg: PgServer, fl
     out = run_serve(_serve_args(), {"KALOS_STORE": fleet_dsn})
     print(out.stderr[-500:])
     assert out.returncode == 2
-    assert "has kalos schema version 99, this sidecar speaks version 1" in out.stderr
+    assert "has kalos schema version 99, this sidecar speaks version 2" in out.stderr
     assert "nothing was changed" in out.stderr
     assert pg.psql("SELECT value FROM kalos.meta WHERE key = 'schema'", db) == "99"  # untouched
 

@@ -11,7 +11,7 @@ from conftest import wait_until
 
 import kalos.clients._requests as _requests
 from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError, UnknownNamespace
-from kalos.broker.layout import Flag, Layout, Op, SegmentView, Status
+from kalos.broker.layout import HIT_META_BYTES, Flag, Layout, Op, SegmentView, Status
 from kalos.clients import RecallClient, RecallPool, Records
 from kalos.clients._transport import ClientSlot, Connection
 
@@ -133,11 +133,14 @@ def test_get_written_by_hand_negative_ids_and_nq_out_of_range(small, rng):
         assert small.proc.poll() is None
 
 
-def _answer(ids_out: list[int], blob: bytes, asked: list[int]) -> object:
+def _answer(ids_out: list[int], blob: bytes, asked: list[int], meta: int | None = None) -> object:
+    """A GET answer read by the client: ``ids_out``, then ``meta`` HIT_META records (default:
+    one per id, as the sidecar writes them with Flag.TIMES) and the payload lines ``blob``."""
     L = Layout(n_slots=1, dim=2, max_k=2, max_queries=4, blob_bytes=1024)
     seg = SegmentView(memoryview(bytearray(L.total_bytes)), L)
     v = seg.slot[0]
     v.ids[: len(ids_out)] = ids_out
+    blob = bytes(HIT_META_BYTES * (len(ids_out) if meta is None else meta)) + blob
     v.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
     p = _requests.get(L, asked, "default", True)[0]
     return _requests.read(v, (int(Status.OK), len(ids_out), len(blob)), p)
@@ -149,11 +152,12 @@ def _answer(ids_out: list[int], blob: bytes, asked: list[int]) -> object:
         ([1, 2, 3], b"null\nnull\nnull", [1, 2]),  # more records than ids asked
         ([1, 2], b"null", [1, 2]),  # payload lines do not match
         ([1, 9], b"null\nnull", [1, 2]),  # an id that was not asked for
+        ([1, 2], b"", [1, 2]),  # timestamps cut short (below)
     ],
 )
 def test_get_answer_that_breaks_the_protocol(ids_out, blob, asked):
     with pytest.raises(ProtocolError):
-        _answer(ids_out, blob, asked)
+        _answer(ids_out, blob, asked, meta=None if blob else 1)
     ok = _answer([2], b'{"a":1}', [1, 2])
     assert isinstance(ok, Records) and ok.ids.tolist() == [2] and ok.missing.tolist() == [1]
 

@@ -152,16 +152,20 @@ def test_change_rows_decode_and_bad_rows_are_refused() -> None:
     pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
     ids = np.array([3, 1], np.int64)
     vecs = np.arange(8, dtype=np.float32).reshape(2, 4)
-    c = pg.decode_change((7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(), b'{"a":1}\nnull', 12.5), 4)
+    c = pg.decode_change(
+        (7, 2, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes(), b'{"a":1}\nnull', 12.5, None), 4
+    )
     assert c.position == Position(7, 2) and c.at == 12.5 and c.write.op is WriteOp.UPSERT
     assert c.write.ids.tolist() == [3, 1] and c.write.payloads == [b'{"a":1}', None]
     np.testing.assert_array_equal(c.write.vectors, vecs)
-    d = pg.decode_change((7, 3, int(WriteOp.DROP), "ns", None, None, None, 0.0), 4)
+    # (no stamps: a schema-1 writer's change, stamped with its commit time, never expiring)
+    assert c.write.stamps.updated.tolist() == [12_500_000_000] * 2 and c.write.stamps.expires.tolist() == [0, 0]
+    d = pg.decode_change((7, 3, int(WriteOp.DROP), "ns", None, None, None, 0.0, None), 4)
     assert d.write.op is WriteOp.DROP and d.write.ids is None
     with pytest.raises(ValueError):
-        pg.decode_change((7, 4, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes()[:-4], None, 0.0), 4)
+        pg.decode_change((7, 4, int(WriteOp.UPSERT), "ns", ids.tobytes(), vecs.tobytes()[:-4], None, 0.0, None), 4)
     with pytest.raises(ValueError):
-        pg.decode_change((7, 5, 99, "ns", None, None, None, 0.0), 4)
+        pg.decode_change((7, 5, 99, "ns", None, None, None, 0.0, None), 4)
 
 
 def test_apply_is_idempotent_and_deletes_by_filter_resolve_against_the_store(rng) -> None:  # type: ignore[no-untyped-def]

@@ -28,6 +28,7 @@ def _spans(fields, itemsize):
 def test_header_control_and_stats_fields_do_not_overlap():
     _spans(L.HEADER_FIELDS, L.HEADER_BYTES)
     _spans(L.SLOT_FIELDS, L.CONTROL_BYTES)
+    _spans(L.HIT_META_FIELDS, L.HIT_META_BYTES)
     _spans(L.STATS_FIELDS, L.HIST_OFFSET)
     assert L.HIST_OFFSET + 8 * L.LATENCY_OPS * L.HIST_BUCKETS <= L.RING_OFFSET
     assert L.RING_OFFSET + 8 * L.RING_LEN <= L.STATS_BYTES
@@ -98,6 +99,11 @@ def test_c_header_matches_and_compiles(tmp_path):
         assert int(defs[f"KALOS_HDR_{name.upper()}"]) == off
     for name, _t, off in L.STATS_FIELDS:
         assert int(defs[f"KALOS_STATS_{name.upper()}"]) == off
+    for name, _t, off in L.HIT_META_FIELDS:
+        assert int(defs[f"KALOS_HIT_META_{name.upper()}"]) == off
+    assert int(defs["KALOS_HIT_META_BYTES"]) == L.HIT_META_BYTES == L.hit_meta_dtype().itemsize
+    for f in L.Flag:
+        assert int(defs[f"KALOS_FLAG_{f.name}"]) == f
     for op in L.LatencyOp:
         assert int(defs[f"KALOS_LATENCYOP_{op.name}"]) == op
     for name in (

@@ -126,6 +126,7 @@ class Device:
         self.stats = SearchStats()
         self.seq = 0  # searches enqueued so far
         self.wgmma: WgmmaKernels | None = None  # the wgmma path's kernels (None: the path is off)
+        self.recency_kernel: Any = None  # recency.py's kernel, built by the first recency search
         self._pinned: list[tuple[int, int, Any]] = []  # (address, bytes, allocation)
         self._occupancy: dict[tuple[int, int], int] = {}
         # cuBLAS reads alpha and beta from host memory.

@@ -16,31 +16,39 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from ..base import SearchResult
+from ..base import Decay, SearchResult
 from .device import Device
 from .kernels import MAX_K
-from .planner import GATHER_CACHE_FRACTION, GATHER_CACHE_MIN_BYTES, HALF_K, cheap_k, filtered_plan
+from .planner import GATHER_CACHE_FRACTION, GATHER_CACHE_MIN_BYTES, HALF_K, SearchPath, cheap_k, filtered_plan
 from .rows import DeviceRows, gather
 from .search import plan_for, run
 
 
 def search_rows(
-    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, key: Hashable = None
+    dev: Device,
+    m: DeviceRows,
+    queries: np.ndarray,
+    n: int,
+    k: int,
+    candidates: np.ndarray,
+    key: Hashable = None,
+    decay: Decay | None = None,
 ) -> SearchResult:
     """Exact top-k of ``queries`` over the rows ``candidates`` (distinct, ascending, each < n; at
-    least one) of rows [0, n) of ``m``; see the module docstring and ``Matrix.search_rows``."""
+    least one) of rows [0, n) of ``m``; see the module docstring and ``Matrix.search_rows``.
+    ``decay``: recency-weighted (the proof of an over-fetch holds for any per-row score)."""
     c = len(candidates)
     if c == n:  # (candidates are sorted and unique: every row matches)
         m.filter_stats["all_rows"] = m.filter_stats.get("all_rows", 0) + len(queries)
-        return run(dev, m, queries, n, k)
+        return run(dev, m, queries, n, k, decay=decay)
     b = len(queries)
     kk = min(k, c)
     out_r = np.empty((b, kk), np.int64)
     out_s = np.empty((b, kk), np.float32)
     todo = np.arange(b)
-    cheap = cheap_k(plan_for(dev, m, b, n, HALF_K).path)
+    cheap = cheap_k(SearchPath.GEMM if decay is not None else plan_for(dev, m, b, n, HALF_K).path)
     for kp in filtered_plan(k, c, n, MAX_K, cheap_k=cheap, gather_kept=_gather_kept(dev, m, key, c)):
-        rows, scores = run(dev, m, np.ascontiguousarray(queries[todo]), n, kp)
+        rows, scores = run(dev, m, np.ascontiguousarray(queries[todo]), n, kp, decay=decay)
         pos = np.minimum(np.searchsorted(candidates, rows), c - 1)
         hit = candidates[pos] == rows
         proven = hit.sum(axis=1) >= kk
@@ -52,13 +60,19 @@ def search_rows(
         if len(todo) == 0:
             return out_r, out_s
     if len(todo) == b:
-        return _search_gathered(dev, m, queries, k, candidates, key)
-    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k, candidates, key)
+        return _search_gathered(dev, m, queries, k, candidates, key, decay)
+    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k, candidates, key, decay)
     return out_r, out_s
 
 
 def _search_gathered(
-    dev: Device, m: DeviceRows, queries: np.ndarray, k: int, candidates: np.ndarray, key: Hashable
+    dev: Device,
+    m: DeviceRows,
+    queries: np.ndarray,
+    k: int,
+    candidates: np.ndarray,
+    key: Hashable,
+    decay: Decay | None = None,
 ) -> SearchResult:
     m.filter_stats["gathered"] += len(queries)
     sub = m.gathered.get(key) if key is not None else None
@@ -74,7 +88,7 @@ def _search_gathered(
     else:
         m.gathered.move_to_end(key)
         m.filter_stats["gather_reused"] += len(queries)
-    rows, scores = run(dev, sub, queries, len(candidates), k)
+    rows, scores = run(dev, sub, queries, len(candidates), k, decay=decay)
     return np.asarray(candidates, np.int64)[rows], scores
 
 

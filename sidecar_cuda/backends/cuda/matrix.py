@@ -10,11 +10,11 @@ from collections.abc import Hashable
 import numpy as np
 
 from ....broker.layout import Metric
-from ..base import PendingSearch, SearchResult
+from ..base import Decay, PendingSearch, SearchResult
 from .device import Device
 from .filtered import search_rows
 from .planner import Plan, SearchPath
-from .rows import DeviceRows, move, read, write
+from .rows import DeviceRows, move, read, set_times, write
 from .rows import grow as grow_rows
 from .search import plan_for, run, start
 
@@ -29,6 +29,9 @@ class CupyMatrix(DeviceRows):
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         write(self.device, self, rows, vectors)
 
+    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
+        set_times(self.device, self, rows, times_s)
+
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         move(self.device, self, src, dst)
 
@@ -38,10 +41,12 @@ class CupyMatrix(DeviceRows):
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         return read(self.device, self, rows)
 
-    def search(self, queries: np.ndarray, n: int, k: int, *, path: SearchPath | None = None) -> SearchResult:
+    def search(
+        self, queries: np.ndarray, n: int, k: int, *, path: SearchPath | None = None, decay: Decay | None = None
+    ) -> SearchResult:
         """``Matrix.search``; ``path``: this path instead of the planner's choice (tests and
         benchmarks; ValueError where it cannot serve the search)."""
-        return run(self.device, self, queries, n, k, path)
+        return run(self.device, self, queries, n, k, path, decay)
 
     def search_async(
         self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None, path: SearchPath | None = None
@@ -50,9 +55,16 @@ class CupyMatrix(DeviceRows):
         return start(self.device, self, queries, n, k, path, row_ids)
 
     def search_rows(
-        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, *, key: Hashable = None
+        self,
+        queries: np.ndarray,
+        n: int,
+        k: int,
+        candidates: np.ndarray,
+        *,
+        key: Hashable = None,
+        decay: Decay | None = None,
     ) -> SearchResult:
-        return search_rows(self.device, self, queries, n, k, candidates, key)
+        return search_rows(self.device, self, queries, n, k, candidates, key, decay)
 
     def plan(self, b: int, n: int, k: int) -> Plan:
         """The path the planner picks for b queries over rows [0, n) with this k."""

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..base import SearchResult
+from ..base import Decay, SearchResult
 from ..numpy_backend import topk_rows
 from .buffers import BufferSet
 from .device import Device
@@ -28,7 +28,8 @@ from .planner import (
     next_pow2,
     small_smem,
 )
-from .rows import DeviceRows, host_copy
+from .recency import add_recency
+from .rows import DeviceRows, host_copy, host_times
 from .wgmma import KC as WGMMA_KC
 from .wgmma import MERGE_THREADS as WGMMA_MERGE_THREADS
 from .wgmma import PREP_THREADS as WGMMA_PREP_THREADS
@@ -42,27 +43,42 @@ _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_GEMM_DEFAULT = -1
 
 
-def search_host(dev: Device, m: DeviceRows, q: np.ndarray, n: int, k: int) -> SearchResult:
+def search_host(dev: Device, m: DeviceRows, q: np.ndarray, n: int, k: int, decay: Decay | None = None) -> SearchResult:
     """Exact top-k of float32 queries over rows [0, n), scored on the CPU from the host copy of
     the stored rows (work too small to pay a launch). The formulas are the kernels': q.x, or
-    2 q.x - |x|^2 - |q|^2 for l2."""
+    2 q.x - |x|^2 - |q|^2 for l2; ``decay``: plus each row's recency part."""
     with dev.guard("a search of the host copy"):
         stored, sqn = host_copy(dev, m, n)
     scores: np.ndarray = q.dot(stored[:n].T)
     if m.l2:
         qn = np.einsum("ij,ij->i", q, q)
         scores = 2.0 * scores - sqn[None, :n] - qn[:, None]
+    if decay is not None:
+        scores += decay.bias(host_times(dev, m, n))
     return topk_rows(scores, k)
 
 
-def enqueue(dev: Device, bufs: BufferSet, plan: Plan, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int) -> None:
+def enqueue(
+    dev: Device,
+    bufs: BufferSet,
+    plan: Plan,
+    m: DeviceRows,
+    q: np.ndarray,
+    n: int,
+    k: int,
+    kk: int,
+    decay: Decay | None = None,
+) -> None:
     """Enqueue the search of float32 queries ``q`` (b, dim) over rows [0, n) of ``m`` on
-    ``plan``'s path (not HOST), writing into ``bufs``, and record ``bufs.done`` after it."""
+    ``plan``'s path (not HOST), writing into ``bufs``, and record ``bufs.done`` after it.
+    ``decay``: a recency-weighted search (the GEMM path only: ``planner.plan_biased``)."""
     dev.seq += 1
     bufs.seq = dev.seq
     b = len(q)
     bufs.make_room(bufs.h_out, 8 * b * kk + 4 * b)
     path = plan.path
+    if decay is not None and path is not SearchPath.GEMM:
+        raise ValueError(f"a recency-weighted search does not take the {path.value} path")
     if path is SearchPath.FUSED:
         search_fused(dev, bufs, m, q, n, k, plan.qt)
     elif path is SearchPath.HALF_GEMM:
@@ -72,7 +88,7 @@ def enqueue(dev: Device, bufs: BufferSet, plan: Plan, m: DeviceRows, q: np.ndarr
     elif path is SearchPath.EXACT:
         search_gemm(dev, bufs, m, q, n, k, kk, exact=True)
     elif path is SearchPath.GEMM:
-        search_gemm(dev, bufs, m, q, n, k, kk)
+        search_gemm(dev, bufs, m, q, n, k, kk, decay=decay)
     else:
         raise ValueError(f"{path} is not enqueued on the device")
     bufs.done.record(dev.stream)
@@ -182,11 +198,21 @@ def _capture(dev: Device, launch: Callable[[], None]) -> Any:
 
 
 def search_gemm(
-    dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, k: int, kk: int, *, exact: bool = False
+    dev: Device,
+    bufs: BufferSet,
+    m: DeviceRows,
+    q: np.ndarray,
+    n: int,
+    k: int,
+    kk: int,
+    *,
+    exact: bool = False,
+    decay: Decay | None = None,
 ) -> None:
     """The GEMM path; ``exact`` (float16 storage, the wgmma path's redo of the queries it could not
     prove): the scores are the float32 queries times the stored rows, accumulated in float32 by
-    kw_exact instead of cuBLAS with the queries rounded to float16."""
+    kw_exact instead of cuBLAS with the queries rounded to float16. ``decay``: each chunk's scores
+    get the rows' recency parts added before its top-k kernel selects."""
     cp, rt = dev.cp, dev.rt
     exact_fn = None
     if exact:
@@ -262,6 +288,8 @@ def search_gemm(
                     _CUBLAS_COMPUTE_32F,
                     _CUBLAS_GEMM_DEFAULT,
                 )
+            if decay is not None:
+                add_recency(dev, bufs.d_scores.ptr, b, nc, c0, m.times, decay, bool(l2))
             args = (
                 bufs.d_scores.ptr,
                 np.int32(nc),

@@ -15,6 +15,11 @@ per block) from the batch, the matrix's traits and the device's :class:`Limits`:
 * ``EXACT``: never planned: the wgmma path's redo of the queries it could not prove (float32
   scores of every row); ``REDO`` names each proving path's redo.
 
+A recency-weighted search (a ``Decay``) takes :func:`plan_biased`'s path: the host copy when the
+work is that small, else the float32-score GEMM, whose score matrix gets each row's recency part
+added before its top-k kernel selects (``recency.py``): the other paths select inside the kernel
+that scores, where no bias is added.
+
 :func:`forced` checks a path a caller names (tests, benchmarks) instead. The thresholds were
 measured on an H200 (docs/gpu.md).
 """
@@ -154,6 +159,18 @@ def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
         return _PLANS[SearchPath.WGMMA]
     if n * b >= HALF_WORK_MIN and half_ok(rows, k):
         return _PLANS[SearchPath.HALF_GEMM]
+    return _PLANS[SearchPath.GEMM]
+
+
+#: The paths a recency-weighted search can take.
+BIASED_PATHS = (SearchPath.HOST, SearchPath.GEMM)
+
+
+def plan_biased(b: int, n: int, rows: Rows, limits: Limits) -> Plan:
+    """The path of a recency-weighted search of b queries over rows [0, n): the host copy for
+    work of at most ``host_work``, else the float32-score GEMM (module docstring)."""
+    if b * n * rows.dpad <= limits.host_work:
+        return _PLANS[SearchPath.HOST]
     return _PLANS[SearchPath.GEMM]
 
 

@@ -42,6 +42,7 @@ class DeviceRows:
         with dev.stream:
             self.data = dev.cp.zeros((self.capacity, self.dpad), dev.storage.bits)
             self.sqn = dev.cp.zeros(self.capacity, np.float32)
+            self.times = dev.cp.zeros(self.capacity, np.float64)  # seconds, for recency (set_times)
         self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
         # Rows [0, n) as stored, widened to float32, and their squared norms (l2): the host
         # path's copy, read back on first use and dropped by every write, move or growth.
@@ -96,6 +97,23 @@ def write(dev: Device, m: DeviceRows, rows: np.ndarray, vectors: np.ndarray) -> 
         )
 
 
+def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_s: np.ndarray) -> None:
+    """The times (float64 seconds) of rows ``rows``, which a recency-weighted search ages."""
+    rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
+    times_s = np.ascontiguousarray(times_s, np.float64).reshape(-1)
+    if len(times_s) != len(rows):
+        raise ValueError(f"{len(times_s)} times for {len(rows)} rows")
+    if len(rows) == 0:
+        return
+    if rows.min() < 0 or rows.max() >= m.capacity:
+        raise IndexError(f"row outside [0, {m.capacity})")
+    dev.check_usable()
+    m.gathered.clear()  # (gathered rows carry their times)
+    cp = dev.cp
+    with dev.guard("set_times"), dev.stream:
+        m.times[cp.asarray(rows)] = cp.asarray(times_s)
+
+
 def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
     """Copy rows ``src`` onto rows ``dst``."""
     src = np.ascontiguousarray(src, np.int64).reshape(-1)
@@ -131,9 +149,11 @@ def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
     with dev.guard(f"growing a matrix to {capacity} rows"), dev.stream:
         data = cp.zeros((capacity, m.dpad), dev.storage.bits)
         sqn = cp.zeros(capacity, np.float32)
+        times = cp.zeros(capacity, np.float64)
         data[: m.capacity] = m.data
         sqn[: m.capacity] = m.sqn
-        m.data, m.sqn, m.capacity = data, sqn, capacity
+        times[: m.capacity] = m.times
+        m.data, m.sqn, m.times, m.capacity = data, sqn, times, capacity
         m.ptrs = (int(data.data.ptr), int(sqn.data.ptr))
 
 
@@ -167,6 +187,7 @@ def gather(dev: Device, m: DeviceRows, rows: np.ndarray) -> DeviceRows:
             d_rows = dev.cp.asarray(rows)
             sub.data[...] = m.data[d_rows]
             sub.sqn[...] = m.sqn[d_rows]
+            sub.times[...] = m.times[d_rows]
     sub.max_norm = m.max_norm  # still a bound on every gathered row's norm
     return sub
 
@@ -186,4 +207,12 @@ def host_copy(dev: Device, m: DeviceRows, n: int) -> tuple[np.ndarray, np.ndarra
     return h
 
 
-__all__ = ["DeviceRows", "gather", "grow", "host_copy", "move", "read", "write"]
+def host_times(dev: Device, m: DeviceRows, n: int) -> np.ndarray:
+    """The times of rows [0, n), read back (the host path's recency; small n)."""
+    with dev.guard("reading times"), dev.stream:
+        t: np.ndarray = dev.cp.asnumpy(m.times[:n], stream=dev.stream)
+        dev.stream.synchronize()
+    return t
+
+
+__all__ = ["DeviceRows", "gather", "grow", "host_copy", "host_times", "move", "read", "set_times", "write"]

@@ -12,12 +12,12 @@ import time
 import numpy as np
 
 from ....broker.errors import KalosError, ServerError
-from ..base import PolledFuture, SearchResult
+from ..base import Decay, PolledFuture, SearchResult
 from .buffers import BufferSet
 from .device import Device
 from .kernels import MAX_K
 from .paths import enqueue, search_host
-from .planner import REDO, Plan, SearchPath, forced, plan
+from .planner import BIASED_PATHS, REDO, Plan, SearchPath, forced, plan, plan_biased
 from .rows import DeviceRows
 
 
@@ -65,25 +65,35 @@ def start(
     k: int,
     path: SearchPath | None = None,
     row_ids: np.ndarray | None = None,
+    decay: Decay | None = None,
 ) -> CudaSearch:
     """Enqueue the exact top-k of float32 ``queries`` (b, dim) over rows [0, n) of ``m`` and
     return at once its Future; the host path answers here. ``path``: this path instead of the
     planner's (ValueError where it cannot serve the search). ``row_ids``: the answer's rows come
-    back as ``row_ids[rows]``. Raises ValueError for a bad shape, k or n, RuntimeError when two
-    searches are pending already, ServerError when the device fails, ClosedError once closed."""
-    launch = _launch(dev, m, queries, n, k, path)
+    back as ``row_ids[rows]``. ``decay``: recency-weighted (``planner.plan_biased``). Raises
+    ValueError for a bad shape, k or n, RuntimeError when two searches are pending already,
+    ServerError when the device fails, ClosedError once closed."""
+    launch = _launch(dev, m, queries, n, k, path, decay)
     launch.row_ids = row_ids
     return CudaSearch(dev, launch)
 
 
 def run(
-    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, path: SearchPath | None = None
+    dev: Device,
+    m: DeviceRows,
+    queries: np.ndarray,
+    n: int,
+    k: int,
+    path: SearchPath | None = None,
+    decay: Decay | None = None,
 ) -> SearchResult:
     """:func:`start` and :func:`collect` at once."""
-    return collect(dev, _launch(dev, m, queries, n, k, path))
+    return collect(dev, _launch(dev, m, queries, n, k, path, decay))
 
 
-def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, path: SearchPath | None) -> Launch:
+def _launch(
+    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, path: SearchPath | None, decay: Decay | None
+) -> Launch:
     dev.check_usable()
     q = queries
     if q.dtype != np.float32 or q.ndim != 2 or not q.flags.c_contiguous:
@@ -103,15 +113,20 @@ def _launch(dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, pat
     if b == 0 or kk == 0:
         p.value = (np.empty((b, kk), np.int64), np.empty((b, kk), np.float32))
         return p
-    pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
+    if decay is not None:
+        if path is not None and path not in BIASED_PATHS:
+            raise ValueError(f"a recency-weighted search takes the {' or '.join(x.value for x in BIASED_PATHS)} path")
+        pl = plan_biased(b, n, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
+    else:
+        pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
     p.path = pl.path
     if pl.path is SearchPath.HOST:  # answered now, from the host copy (read back first if stale)
-        p.value = search_host(dev, m, q, n, k)
+        p.value = search_host(dev, m, q, n, k, decay)
         return p
     bufs.busy = True
     try:
         with dev.cuda:
-            enqueue(dev, bufs, pl, m, q, n, k, kk)
+            enqueue(dev, bufs, pl, m, q, n, k, kk, decay)
     except BaseException as e:
         bufs.busy = False
         if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
