@@ -139,6 +139,14 @@ def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | N
     return None if found is None else {i: r.payload for i, r in found.items()}
 
 
+#: The metadata keys under which the stores hand out a record's timestamps (seconds since the
+#: epoch, float, the sidecar's clock): first write and last write. Prefixed, so that they never
+#: hide a metadata key of a document's or node's own.
+CREATED_AT_KEY = "kalos_created_at"
+UPDATED_AT_KEY = "kalos_updated_at"
+TIME_KEYS = (CREATED_AT_KEY, UPDATED_AT_KEY)
+
+
 @dataclass(frozen=True)
 class Stamped:
     """A record's payload and its timestamps: seconds since the epoch on the sidecar's clock

@@ -99,10 +99,12 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
+    CREATED_AT_KEY,
     DELETE,
     DROP_NAMESPACE,
     GET,
     RECALL,
+    UPDATED_AT_KEY,
     ByKey,
     Plan,
     Step,
@@ -129,11 +131,6 @@ __all__ = [
 ID_FIELD = "lc_id"
 DOC_FIELD = "lc_doc"
 METADATA_PREFIX = "m."
-#: Metadata keys a recency search adds to the documents it returns: the record's first and last
-#: write (seconds since the epoch, float, on the sidecar's clock). Prefixed, so that they never
-#: hide a metadata key of the document's own.
-CREATED_AT_KEY = "kalos_created_at"
-UPDATED_AT_KEY = "kalos_updated_at"
 #: One probe, no personalisation: the documented id any client can compute (pinned).
 IDS = IdScheme(Probing.REHASH)
 _INT63 = 2**63 - 1
