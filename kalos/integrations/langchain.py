@@ -63,6 +63,16 @@ Kalos ``where=`` (README, "Filters") by prefixing each field: ``{"f": v}``, ``{"
 Operators Kalos lacks (``$not``, ``$like``, ``$contains``, ...) raise ``InvalidRequest``.
 Filtered searches are exact top-k over the matching documents.
 
+Recency
+-------
+:class:`KalosTimeWeightedRetriever` (``store.as_time_weighted_retriever(decay_rate=...)``) is
+LangChain's ``TimeWeightedVectorStoreRetriever`` on the sidecar's exact recency-weighted recall:
+``similarity + weight * (1 - decay_rate) ** hours`` since a document's last write, over every
+document of the store; :meth:`KalosVectorStore.similarity_search_with_recency` is the same search
+with scores and a :class:`~kalos.broker.clock.Recency`. Their documents carry
+``kalos_created_at`` / ``kalos_updated_at`` (epoch seconds). Where the two retrievers agree and
+where not: the retriever's docstring and docs/integrations.md.
+
 Sync and async
 --------------
 Each operation is written once, as a plan (``kalos.integrations._plans``) that both kinds of
