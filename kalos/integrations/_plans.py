@@ -126,10 +126,10 @@ def fetch_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any]]:
     return {} if found is None else {i: r.payload for i, r in found.items()}
 
 
-def fetch_records(namespace: str, ids: Sequence[int], *, refresh: bool = False) -> Plan[dict[int, Stamped]]:
+def fetch_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped]]:
     """The records of ``ids`` that exist, with their timestamps (:func:`read_records`); none
     when the namespace does not exist."""
-    found = yield from read_records(namespace, ids, refresh=refresh)
+    found = yield from read_records(namespace, ids)
     return {} if found is None else found
 
 
@@ -159,10 +159,9 @@ class Stamped:
     expires_at: float
 
 
-def read_records(namespace: str, ids: Sequence[int], *, refresh: bool = False) -> Plan[dict[int, Stamped] | None]:
+def read_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped] | None]:
     """The records of ``ids`` that exist and have not expired (id -> :class:`Stamped`); None
-    when the namespace does not exist; ``refresh``: the records found are touched (their expiry
-    restarts, ``RecallPool.get(refresh_ttl=True)``). A slot-full of ids per request, the requests together,
+    when the namespace does not exist. A slot-full of ids per request, the requests together,
     but the first one alone when there are more: if the namespace does not exist, it is the
     only one sent. A request whose payloads overflow the slot is halved (PayloadTooLarge only
     for one record alone)."""
@@ -173,10 +172,7 @@ def read_records(namespace: str, ids: Sequence[int], *, refresh: bool = False) -
     chunks, later = chunks[:1], chunks[1:]
     while chunks:
         answers = yield [
-            GET(c, namespace=namespace, with_vectors=False, refresh_ttl=refresh).catching(
-                UnknownNamespace, PayloadTooLarge
-            )
-            for c in chunks
+            GET(c, namespace=namespace, with_vectors=False).catching(UnknownNamespace, PayloadTooLarge) for c in chunks
         ]
         retry: list[list[int]] = []
         for chunk, got in zip(chunks, answers):

@@ -46,11 +46,11 @@ LangGraph namespaces share one Kalos namespace and a prefix search is one filter
   absent from ``get``, ``search`` and ``list_namespaces`` from the instant it expires:
   ``omit_expired`` is always in force and ``sweep_interval_minutes`` has nothing to schedule. A
   read with ``refresh_ttl`` (``None``: the config's ``refresh_on_read``, default True) restarts
-  the TTL of the items it returns that have one: a ``get(refresh_ttl=True)`` of their records
-  (which touches only those still alive), then a touch of those items' vectors, so the vectors
-  of an item never expire before it and a search by query finds every live item. Vectors an
-  expired item leaves behind (for their slack) are skipped: a search uses an item's vector
-  ``j`` only while ``j`` is below the item's ``nvec``.
+  the TTL of the items it returns that have one, and of their vectors (one touch of each, at
+  once), so the vectors of an item never expire before it and a search by query finds every
+  live item. Vectors an expired item leaves behind (for their slack, or a TTL when it expired
+  between a read and its refresh) are skipped: a search uses an item's vector ``j`` only while
+  the item exists and ``j`` is below its ``nvec``.
 
 Differences from InMemoryStore (deliberate)
 -------------------------------------------
@@ -101,7 +101,6 @@ from ._plans import (
     Plan,
     Step,
     fetch_payloads,
-    fetch_records,
     layout,
     read_probes,
     scan,
@@ -149,8 +148,9 @@ PROBE_WINDOW = 8
 #: Pinned: items already stored are found by these ids.
 IDS = IdScheme(Probing.WINDOW, probes=PROBE_WINDOW, bits=ITEM_ID_BITS)
 #: Seconds an item's vectors outlive the item (their TTL is the item's plus this): a put writes
-#: the vectors one round trip before the item, and a refresh must find them alive while the item
-#: is; vectors left by an expired item are skipped by searches until they expire too.
+#: the vectors one round trip before the item (and touches them again when the two writes were
+#: more than half of this apart), a refresh touches both at once; vectors left by an expired item
+#: are skipped by searches until they expire too.
 VECTOR_TTL_SLACK_S = 5.0
 #: Top-level string values longer than this are not copied for server-side filtering.
 MAX_COPIED_STR = 256
@@ -569,21 +569,17 @@ class KalosStore(ConnectedStore, BaseStore):
 
     def _refresh(self, items: Iterable[_Stored]) -> Plan[None]:
         """LangGraph's refresh on read: the items read that have a TTL expire that TTL after
-        now, and so do their vectors (plus their slack). The vectors are touched only for the
-        items the refresh found alive (a ``get`` that touches what it answers), so an item
-        expiring meanwhile leaves no vectors refreshed for a full TTL."""
+        now, and their vectors their slack later (both touched at once: each restarts its own
+        TTL). An item that expired since it was read is not touched; its vectors may be, and
+        then outlive it as any expired item's do (searches skip them)."""
         timed = {s.id: s for s in items if s.has_ttl}
         if not timed:
             return None
-        alive = yield from fetch_records(self.items_namespace, list(timed), refresh=True)
-        vec_ids = [
-            vector_id(iid, j)
-            for iid, rec in alive.items()
-            if (s := timed.get(iid)) is not None and _item_key(rec.payload) == _item_key(s.payload)
-            for j in range(_Stored(iid, rec.payload).nvec)
-        ]
+        vec_ids = [vector_id(iid, j) for iid, s in timed.items() for j in range(s.nvec)]
+        steps = [TOUCH(list(timed), namespace=self.items_namespace)]
         if vec_ids:
-            yield [TOUCH(vec_ids, namespace=self.vectors_namespace)]
+            steps.append(TOUCH(vec_ids, namespace=self.vectors_namespace))
+        yield steps
         return None
 
     def _fetch(self, namespace: str, ids: list[int]) -> Plan[dict[int, _Stored]]:
@@ -812,6 +808,7 @@ class KalosStore(ConnectedStore, BaseStore):
         # Vectors before their item, stale vectors after it: a search meanwhile finds either
         # version of an item, never a vector without an item it can read. Every row gets its TTL
         # (math.inf: never, whatever default the Kalos namespace may have been given).
+        started = time.monotonic()
         if vec_rows:
             yield from upsert_rows(
                 self.vectors_namespace,
@@ -828,6 +825,11 @@ class KalosStore(ConnectedStore, BaseStore):
                 [p for _, p, _ in item_rows],
                 [t for _, _, t in item_rows],
             )
+        timed_vecs = [r[0] for r in vec_rows if r[3] != math.inf]
+        if timed_vecs and time.monotonic() - started > VECTOR_TTL_SLACK_S / 2:
+            # The items were stamped so long after their vectors that the vectors' slack may not
+            # cover it: restart the vectors' TTLs, now that the items have theirs.
+            yield [TOUCH(timed_vecs, namespace=self.vectors_namespace)]
         if gone_items:
             yield [DELETE(gone_items, namespace=self.items_namespace)]
         if stale_vecs:

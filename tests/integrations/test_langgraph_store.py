@@ -687,10 +687,10 @@ def test_ttl_differential(
         assert store.supports_ttl and store.ttl_config == config
         stats = run_ttl_differential(seed, 110, store, TTLReference(index, config))
     print(stats)
-    assert stats["checked"] >= 60 and stats.get("unchecked", 0) <= 5, stats
-    assert stats["expired"] >= 3, stats
-    if config.get("refresh_on_read", True):
-        assert stats.get("alive after its put's expiry", 0) >= 1, stats
+    assert stats["checked"] >= 50 and stats.get("unchecked", 0) <= 5, stats
+    assert stats["expired"] >= 1, stats
+    if config.get("default_ttl") == TTL_SHORT:  # every put expires soon, every read refreshes
+        assert stats["expired"] >= 3 and stats.get("alive after its put's expiry", 0) >= 1, stats
 
 
 def test_ttl_arguments_are_checked_before_anything_is_sent(store: KalosStore) -> None:
@@ -712,65 +712,93 @@ def test_ttl_arguments_are_checked_before_anything_is_sent(store: KalosStore) ->
     assert klg.ttl_seconds(None) == math.inf and klg.ttl_seconds(0.5) == 30.0
 
 
+def sleep_until(t: float) -> None:
+    """Sleep until time.time() reaches ``t``: the scenarios below time their steps from the end
+    of the calls before them, so a slow call moves the rest instead of eating a margin."""
+    time.sleep(max(0.0, t - time.time()))
+
+
 def test_ttl_lands_on_the_records_and_a_refresh_restarts_item_and_vectors(
     sidecar_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Kalos records behind an item: the item expires its TTL after the put (``ttl=None``:
     never, even under a ``default_ttl``), its vectors the slack later; a refreshing read
-    restarts both; once they expired, nothing is left in either Kalos namespace."""
+    restarts both; once they expired, nothing is left in either Kalos namespace. (Margins of
+    0.4 s and more around every expiry.)"""
     from kalos import RecallClient
 
     monkeypatch.setattr(klg, "VECTOR_TTL_SLACK_S", 0.3)
     h = start(sidecar_factory)
     index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
-    with KalosStore(h.name, index=index, ttl={"default_ttl": 0.01}) as store, RecallClient(h.name) as c:
-        store.put(("m",), "short", {"tags": ["tea", "rain"]})  # default_ttl: 0.6 s
+    with KalosStore(h.name, index=index, ttl={"default_ttl": 0.03}) as store, RecallClient(h.name) as c:
+        store.put(("m",), "short", {"tags": ["tea", "rain"]})  # default_ttl: 1.8 s
+        put_end = time.time()
         store.put(("m",), "forever", {"tags": ["sun"]}, ttl=None)
         short, forever = klg.item_id_window(("m",), "short")[0], klg.item_id_window(("m",), "forever")[0]
         items = c.get([short, forever], namespace=store.items_namespace, with_vectors=False)
         assert items.ids.tolist() == [short, forever]
         assert items.expires_at is not None and items.updated_at is not None
-        assert items.expires_at[0] - items.updated_at[0] == pytest.approx(0.6, abs=1e-3)
+        assert items.expires_at[0] - items.updated_at[0] == pytest.approx(1.8, abs=1e-3)
         assert items.expires_at[1] == math.inf
         vec_ids = [klg.vector_id(short, 0), klg.vector_id(short, 1), klg.vector_id(forever, 0)]
         vecs = c.get(vec_ids, namespace=store.vectors_namespace, with_vectors=False)
         assert vecs.expires_at is not None and vecs.updated_at is not None
-        assert (vecs.expires_at[:2] - vecs.updated_at[:2]).tolist() == pytest.approx([0.9, 0.9], abs=1e-3)
+        assert (vecs.expires_at[:2] - vecs.updated_at[:2]).tolist() == pytest.approx([2.1, 2.1], abs=1e-3)
         assert vecs.expires_at[2] == math.inf
-        time.sleep(0.4)
+        sleep_until(put_end + 1.0)
         assert store.get(("m",), "short") is not None  # refreshes (refresh_on_read defaults to True)
+        refreshed_end = time.time()
         again = c.get([short], namespace=store.items_namespace, with_vectors=False)
         vecs2 = c.get(vec_ids[:2], namespace=store.vectors_namespace, with_vectors=False)
-        assert again.expires_at is not None and vecs2.expires_at is not None and again.served_at_ns is not None
-        assert again.expires_at[0] == pytest.approx(again.served_at_ns / 1e9 + 0.6, abs=0.05)
-        assert (vecs2.expires_at > again.expires_at[0] + 0.25).all()  # touched after the item
-        time.sleep(0.5)  # past the put's expiry, not the refresh's
+        assert again.expires_at is not None and vecs2.expires_at is not None
+        assert put_end + 1.8 < again.expires_at[0] <= refreshed_end + 1.8
+        assert (vecs2.expires_at > again.expires_at[0] + 0.25).all()  # (their slack)
+        sleep_until(put_end + 2.2)  # past the put's expiry, not the refresh's
         assert [i.key for i in store.search(("m",), query="rain", refresh_ttl=False)][:1] == ["short"]
-        time.sleep(0.9)
-        assert store.get(("m",), "short") is None and [i.key for i in store.search(("m",), query="rain")] == ["forever"]
+        sleep_until(refreshed_end + 1.8 + 0.3 + 0.2)
+        assert store.get(("m",), "short") is None
+        assert [i.key for i in store.search(("m",), query="rain")] == ["forever"]
         assert c.count(store.items_namespace) == 1 and c.count(store.vectors_namespace) == 1
+
+
+def test_a_slow_put_touches_its_vectors_after_the_item(sidecar_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put writes the vectors, then the item: when the two are further apart than half the
+    vectors' slack, the vectors are touched once the item is written, so they never expire
+    before it. A slack of 10 us makes every put that slow (two round trips)."""
+    from kalos import RecallClient
+
+    monkeypatch.setattr(klg, "VECTOR_TTL_SLACK_S", 1e-5)
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
+    with KalosStore(h.name, index=index) as store, RecallClient(h.name) as c:
+        store.put(("m",), "k", {"tags": ["tea", "rain", "sun"]}, ttl=1.0)
+        iid = klg.item_id_window(("m",), "k")[0]
+        item = c.get([iid], namespace=store.items_namespace, with_vectors=False)
+        vecs = c.get([klg.vector_id(iid, j) for j in range(3)], namespace=store.vectors_namespace)
+        assert item.expires_at is not None and vecs.expires_at is not None and vecs.updated_at is not None
+        assert (vecs.expires_at > item.expires_at[0]).all()
+        assert (vecs.updated_at < item.updated_at[0]).all()  # (written before it, touched after it)
 
 
 def test_vectors_left_by_an_expired_item_never_score_its_successor(sidecar_factory: Any) -> None:
     """An item expires; its vectors live their slack longer; the key is put again (at the same
     id) with fewer texts. Its second old vector is still there but no longer the item's: a
     search scores the item by the text it has."""
+    from kalos import RecallClient
+
     h = start(sidecar_factory)
     index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
-    with KalosStore(h.name, index=index) as store:
+    with KalosStore(h.name, index=index) as store, RecallClient(h.name) as c:
         store.put(("m",), "k", {"tags": ["tea", "rain"]}, ttl=0.005)  # 0.3 s
-        time.sleep(0.45)
+        sleep_until(time.time() + 0.45)
         assert store.get(("m",), "k") is None
         store.put(("m",), "k", {"tags": ["sun"]})
         hits = store.search(("m",), query="rain")
         assert [h.key for h in hits] == ["k"]
         sun, rain = np.asarray(embed_one("sun")), np.asarray(embed_one("rain"))
         assert hits[0].score == pytest.approx(float(sun @ rain / np.linalg.norm(sun) / np.linalg.norm(rain)), abs=1e-5)
-        from kalos import RecallClient
-
-        with RecallClient(h.name) as c:  # the stale vector is there (a search did meet it)
-            iid = klg.item_id_window(("m",), "k")[0]
-            assert c.get([klg.vector_id(iid, 1)], namespace=store.vectors_namespace).missing.size == 0
+        iid = klg.item_id_window(("m",), "k")[0]  # the stale vector is there (the search met it)
+        assert c.get([klg.vector_id(iid, 1)], namespace=store.vectors_namespace).missing.size == 0
 
 
 @pytest.mark.asyncio
@@ -778,16 +806,23 @@ async def test_ttl_async_methods(sidecar_factory: Any) -> None:
     """aput with a TTL, aget and asearch refreshing or not, abatch: the same plans on a pool."""
     h = start(sidecar_factory)
     index = {"dims": DIM, "embed": aembed, "fields": ["text"]}
+
+    async def until(t: float) -> None:
+        await asyncio.sleep(max(0.0, t - time.time()))
+
     async with KalosStore(h.name, index=index, ttl={"refresh_on_read": False}) as store:
-        await store.aput(("a",), "kept", {"text": "tea rain"}, ttl=0.01)
-        await store.aput(("a",), "gone", {"text": "tea sun"}, ttl=0.01)
+        await store.aput(("a",), "kept", {"text": "tea rain"}, ttl=0.02)  # 1.2 s
+        await store.aput(("a",), "gone", {"text": "tea sun"}, ttl=0.02)
         await store.aput(("a",), "never", {"text": "cat dog"})
-        await asyncio.sleep(0.35)
+        put_end = time.time()
+        await until(put_end + 0.5)
         assert [i.key for i in await store.asearch(("a",), query="tea rain", limit=1, refresh_ttl=True)] == ["kept"]
+        refreshed_end = time.time()
         assert await store.aget(("a",), "gone") is not None  # not refreshed: refresh_on_read is False
-        await asyncio.sleep(0.4)  # past the puts' 0.6 s, not the refresh's
+        await until(put_end + 1.4)  # past the puts' expiry, not the refresh's
         assert [i.key for i in await store.asearch(("a",), query="tea")] == ["kept", "never"]
-        assert (await store.abatch([GetOp(("a",), "gone"), GetOp(("a",), "kept", refresh_ttl=False)]))[0] is None
-        await asyncio.sleep(0.45)
+        got = await store.abatch([GetOp(("a",), "gone"), GetOp(("a",), "kept", refresh_ttl=False)])
+        assert got[0] is None and got[1] is not None
+        await until(refreshed_end + 1.2 + 0.2)
         assert [i.key for i in await store.asearch(("a",))] == ["never"]
         assert await store.alist_namespaces() == [("a",)]
