@@ -9,6 +9,8 @@
 #   bash bench/gpu_session.sh wgmma   # the wgmma path vs the GEMM paths in the backend, 1M and 2M x
 #                                     # 768 fp16, batches 2-32 (bench/probe.py paths, ~1 min)
 #   bash bench/gpu_session.sh bench   # the full benchmark matrix (bench/bench_gpu.py, ~6 min)
+#   bash bench/gpu_session.sh ttl     # memory over time (issue 26): the recency GPU tests, the TTL and
+#                                     # recency ipc suite on a CUDA sidecar, bench_time at 1M x 768 fp16
 #   bash bench/gpu_session.sh check table
 #
 # The device has no venv: python3 with PYTHONPATH=/tmp/site:. ; wheels for posix_ipc and the
@@ -55,6 +57,15 @@ wgmma() {
     | tee "$OUT/probe-paths-wgmma.log" | tail -18
 }
 
+ttl() {
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_recency.py 2>&1 | tail -15 \
+    | tee "$OUT/gpu-recency.log"
+  KALOS_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ipc/test_memory_time.py 2>&1 \
+    | tail -15 | tee "$OUT/cuda-memory-time.log"
+  timeout 420 python3 bench/bench_time.py --rows 1000000 --dim 768 --backend cuda --dtype float16 --reps 300 \
+    --inproc --out "$OUT/time-cuda-1Mx768.json" 2>&1 | grep -v INFO | tee "$OUT/time-cuda-1Mx768.log"
+}
+
 bench() {
   timeout 580 python3 bench/bench_gpu.py --out-dir "$OUT" 2>&1 | tee "$OUT/bench.log" | grep -v '^inproc'
   grep '^inproc' "$OUT/bench.log" | cut -c1-240
@@ -66,6 +77,7 @@ for mode in "${@:-check}"; do
     table) table ;;
     wgmma) wgmma ;;
     bench) bench ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench)"; exit 2 ;;
+    ttl) ttl ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ttl)"; exit 2 ;;
   esac
 done

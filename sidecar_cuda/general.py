@@ -11,8 +11,10 @@ Time: one ``now`` (the store's clock, CLOCK_REALTIME ns) per batch decides expir
 every read and stamps every write of it; answers that ask for it (``_CLOCKED``) or write carry it
 in ``now_ns``. Recalls are grouped by (namespace, filter, recency): one search each. Reads with
 Flag.REFRESH touch what they answered, durably, once the batch's reads are written (a failed
-touch turns their answers into STORE_ERROR before anything is published). Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter`
-and published by the caller once the whole batch is written.
+touch turns their answers into STORE_ERROR before anything is published).
+
+Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter` and published
+by the caller once the whole batch is written.
 """
 
 from __future__ import annotations
@@ -159,7 +161,7 @@ class GeneralRoute:
             return
         kmax = group[0].k if len(group) == 1 else max(r.k for r in group)
         try:
-            ids, scores = ns.search(q, kmax)
+            ids, scores = ns.search(q, kmax, now=self._now)
         except Exception as e:  # backend failure: every caller gets a clean error status
             self._backend_failed(group, e)
             return
@@ -287,7 +289,7 @@ class GeneralRoute:
         k = max(r.k for r in group)
         try:
             if node is None:
-                ids, scores = ns.search(q, k, decay=decay)
+                ids, scores = ns.search(q, k, decay=decay, now=self._now)
             else:
                 assert blob is not None
                 match = ns.filtered(node, blob)
@@ -295,7 +297,7 @@ class GeneralRoute:
                     for r in group:
                         self._answer(r, Status.OK, n_results=0)
                     return
-                ids, scores = ns.search_where(q, k, match, decay=decay)
+                ids, scores = ns.search_where(q, k, match, decay=decay, now=self._now)
         except Exception as e:
             self._backend_failed(group, e)
             return

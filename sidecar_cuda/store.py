@@ -354,14 +354,17 @@ class Namespace:
         return out
 
     # ------------------------------------------------------------------ reads
-    def search(self, queries: np.ndarray, k: int, *, decay: Decay | None = None) -> SearchResult:
+    def search(
+        self, queries: np.ndarray, k: int, *, decay: Decay | None = None, now: int | None = None
+    ) -> SearchResult:
         """Top-k (ids, scores) over the live rows; fewer than k columns when the namespace is small.
-        ``decay``: scores are ranked with each row's recency part added (``Decay``)."""
+        ``decay``: scores are ranked with each row's recency part added (``Decay``). ``now``: the
+        clock expiry is decided at (default: the decay's, else the namespace's clock now)."""
         if self.n == 0:
             b = len(queries)
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
         if self._earliest != NO_EXPIRY:
-            c = self.live(decay.now_ns if decay is not None else self.clock())
+            c = self.live(now if now is not None else decay.now_ns if decay is not None else self.clock())
             if c is not None:
                 return self._search_rows(queries, k, c.rows, (c.version, b"", c.until), decay)
         q = prepare_queries(queries, self.metric)
@@ -420,17 +423,24 @@ class Namespace:
         return ids
 
     def search_where(
-        self, queries: np.ndarray, k: int, match: np.ndarray | Filtered, *, decay: Decay | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        match: np.ndarray | Filtered,
+        *,
+        decay: Decay | None = None,
+        now: int | None = None,
     ) -> SearchResult:
         """Top-k (ids, scores) over the matching live rows only (a bool mask of rows [0, n), or a
-        :meth:`filtered` result): ``min(k, matches)`` columns, never a row outside the match."""
+        :meth:`filtered` result): ``min(k, matches)`` columns, never a row outside the match.
+        ``decay``, ``now``: as for :meth:`search`."""
         key: Hashable
         if isinstance(match, Filtered):
             candidates, key = match.rows, match.key
         else:
             candidates, key = match.nonzero()[0].astype(np.int64), None
         if self._earliest != NO_EXPIRY and len(candidates):
-            c = self.live(decay.now_ns if decay is not None else self.clock())
+            c = self.live(now if now is not None else decay.now_ns if decay is not None else self.clock())
             if c is not None:
                 candidates = candidates[~c.dead[candidates]]
                 key = None if key is None else (key, c.until)

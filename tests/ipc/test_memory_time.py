@@ -30,6 +30,7 @@ from kalos.clients._transport import Connection
 pytestmark = pytest.mark.timeout(120)
 DIM = 8
 NS = 1_000_000_000
+IDS = 1000  # ids the TTL model writes (a recall of k = 1024 returns every live one)
 
 
 def start(sidecar_factory, tag: str, *args: str, **kw):
@@ -42,7 +43,7 @@ def start(sidecar_factory, tag: str, *args: str, **kw):
         "--slots",
         "8",
         "--max-k",
-        "2048",
+        "1024",  # (the CUDA backend's largest k: KALOS_TEST_BACKEND=cuda runs this suite too)
         "--max-queries",
         "64",
         "--blob-bytes",
@@ -116,7 +117,7 @@ async def test_no_expired_record_is_ever_returned_and_nothing_alive_is_lost(side
     port = free_port()
     h = start(sidecar_factory, "ttlmodel", "--metrics-port", str(port))
     model = Model()
-    vecs = rng.standard_normal((1500, DIM)).astype(np.float32)
+    vecs = rng.standard_normal((IDS, DIM)).astype(np.float32)
     end = time.monotonic() + 4.0
     writes = reads = 0
     async with RecallPool(h.name, size=4) as pool:
@@ -126,20 +127,20 @@ async def test_no_expired_record_is_ever_returned_and_nothing_alive_is_lost(side
         while time.monotonic() < end:
             op = rng.random()
             if op < 0.35:  # upsert a batch, with a TTL or none
-                ids = rng.choice(1500, int(rng.integers(1, 64)), replace=False).tolist()
+                ids = rng.choice(IDS, int(rng.integers(1, 64)), replace=False).tolist()
                 ttl = None if rng.random() < 0.2 else float(rng.uniform(0.1, 0.6))
                 t0 = time.time_ns()
                 await pool.upsert(ids, vecs[ids], namespace="m", ttl=math.inf if ttl is None else ttl)
                 model.written(ids, t0, time.time_ns(), ttl)
                 writes += len(ids)
             elif op < 0.5:  # touch some, with a new TTL
-                ids = rng.choice(1500, int(rng.integers(1, 32)), replace=False).tolist()
+                ids = rng.choice(IDS, int(rng.integers(1, 32)), replace=False).tolist()
                 ttl = float(rng.uniform(0.1, 0.6))
                 t0 = time.time_ns()
                 await pool.touch(ids, namespace="m", ttl=ttl)
                 model.touched(ids, t0, time.time_ns(), ttl)
             elif op < 0.75:  # everything, through a recall of k above the records
-                hits = await pool.recall(vecs[int(rng.integers(1500))], 2048, namespace="m", with_times=True)
+                hits = await pool.recall(vecs[int(rng.integers(IDS))], 1024, namespace="m", with_times=True)
                 assert hits.served_at_ns is not None
                 model.check_read(hits.ids.tolist(), hits.served_at_ns, complete=True)
                 for i, e in zip(hits.ids.tolist(), hits.expires_at.tolist()):  # the sidecar's own stamps
@@ -148,7 +149,7 @@ async def test_no_expired_record_is_ever_returned_and_nothing_alive_is_lost(side
                         assert (e == math.inf) if b is None else (b[0] - 2000 <= e * 1e9 <= b[1] + 2000)
                 reads += 1
             elif op < 0.9:
-                asked = rng.choice(1500, 64, replace=False).tolist()
+                asked = rng.choice(IDS, 64, replace=False).tolist()
                 rec = await pool.get(asked, namespace="m", with_vectors=False)
                 assert rec.served_at_ns is not None
                 model.check_read(rec.ids.tolist(), rec.served_at_ns, complete=True, asked=asked)
@@ -345,3 +346,26 @@ def test_time_fields_written_by_hand_get_a_status_and_the_sidecar_serves_on(side
             c.close()
         assert h.proc.poll() is None
         assert client.count("x") == 2
+
+
+def test_the_integrations_doc_snippet_runs_as_written(sidecar_factory):
+    """docs/integrations.md, "Memory over time": its Python block against a real sidecar started
+    as the doc's `kalos serve` line says (dim 8, cosine); only the broker's name changes."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text(encoding="utf-8")
+    section = doc.split("## Memory over time", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    assert code.count('RecallClient("docs-check")') == 1
+    h = sidecar_factory("docsnip", "--dim", "8", "--metric", "cosine", "--backend", "numpy")
+    run = code.replace('RecallClient("docs-check")', f'RecallClient("{h.name}")')
+    r = subprocess.run([sys.executable, "-c", run], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4, r.stdout
+    first = lines[0].split(" ", 4)  # id, score, similarity, recency, text: the query's own note first
+    assert first[0] == "1" and float(first[1]) == pytest.approx(float(first[2]) + float(first[3]), abs=2e-3)
+    assert 0.19 < float(first[3]) <= 0.2 and first[4] == "asked about tea"
