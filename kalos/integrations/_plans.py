@@ -29,6 +29,7 @@ from kalos.broker.errors import PayloadTooLarge, UnknownNamespace
 from kalos.broker.layout import Layout
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
+from kalos.clients.results import Records
 
 from ._filters import Where
 from ._ids import K, Reading, next_reads
@@ -75,6 +76,7 @@ RECALL = Call(RecallClient.recall, RecallPool.recall)
 GET = Call(RecallClient.get, RecallPool.get)
 UPSERT = Call(RecallClient.upsert, RecallPool.upsert)
 DELETE = Call(RecallClient.delete, RecallPool.delete)
+TOUCH = Call(RecallClient.touch, RecallPool.touch)
 DROP_NAMESPACE = Call(RecallClient.drop_namespace, RecallPool.drop_namespace)
 EXPORT_PAGE = Call(RecallClient.export_page, RecallPool.export_page)
 
@@ -119,19 +121,52 @@ def together(plans: Sequence[Plan[Any]]) -> Plan[list[Any]]:
 
 def fetch_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any]]:
     """The payloads of the records of ``ids`` that exist (id -> payload), read a slot-full of ids
-    per request (:func:`read_payloads`). A namespace that does not exist holds nothing."""
-    found = yield from read_payloads(namespace, ids)
+    per request (:func:`read_records`). A namespace that does not exist holds nothing."""
+    found = yield from read_records(namespace, ids)
+    return {} if found is None else {i: r.payload for i, r in found.items()}
+
+
+def fetch_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped]]:
+    """The records of ``ids`` that exist, with their timestamps (:func:`read_records`); none
+    when the namespace does not exist."""
+    found = yield from read_records(namespace, ids)
     return {} if found is None else found
 
 
 def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | None]:
-    """The payloads of the records of ``ids`` that exist (id -> payload); None when the namespace
-    does not exist. A slot-full of ids per request, the requests together, but the first one
-    alone when there are more: if the namespace does not exist, it is the only one sent. A
-    request whose payloads overflow the slot is halved (PayloadTooLarge only for one record
-    alone)."""
+    """As :func:`read_records`, the payloads only."""
+    found = yield from read_records(namespace, ids)
+    return None if found is None else {i: r.payload for i, r in found.items()}
+
+
+#: The metadata keys under which the stores hand out a record's timestamps (seconds since the
+#: epoch, float, the sidecar's clock): first write and last write. Prefixed, so that they never
+#: hide a metadata key of a document's or node's own.
+CREATED_AT_KEY = "kalos_created_at"
+UPDATED_AT_KEY = "kalos_updated_at"
+TIME_KEYS = (CREATED_AT_KEY, UPDATED_AT_KEY)
+
+
+@dataclass(frozen=True)
+class Stamped:
+    """A record's payload and its timestamps: seconds since the epoch on the sidecar's clock
+    (``created_at``: first write of the id, ``updated_at``: last write, ``expires_at``: ``inf``
+    for a record that never expires)."""
+
+    payload: Any
+    created_at: float
+    updated_at: float
+    expires_at: float
+
+
+def read_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped] | None]:
+    """The records of ``ids`` that exist and have not expired (id -> :class:`Stamped`); None
+    when the namespace does not exist. A slot-full of ids per request, the requests together,
+    but the first one alone when there are more: if the namespace does not exist, it is the
+    only one sent. A request whose payloads overflow the slot is halved (PayloadTooLarge only
+    for one record alone)."""
     lay = yield from layout()
-    out: dict[int, Any] = {}
+    out: dict[int, Stamped] = {}
     unique = list(dict.fromkeys(ids))
     chunks = [unique[i : i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
     chunks, later = chunks[:1], chunks[1:]
@@ -148,9 +183,24 @@ def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | N
                     raise got
                 retry += [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
                 continue
-            out.update(zip(got.ids.tolist(), got.payloads))
+            out.update(_stamped(got))
         chunks, later = retry + later, []
     return out
+
+
+def _stamped(records: Records) -> dict[int, Stamped]:
+    """id -> :class:`Stamped` of a ``get`` answer (which always carries the timestamps)."""
+    assert records.created_at is not None and records.updated_at is not None and records.expires_at is not None
+    return {
+        i: Stamped(p, c, u, e)
+        for i, p, c, u, e in zip(
+            records.ids.tolist(),
+            records.payloads,
+            records.created_at.tolist(),
+            records.updated_at.tolist(),
+            records.expires_at.tolist(),
+        )
+    }
 
 
 @dataclass(frozen=True)
@@ -229,15 +279,32 @@ def scan(namespace: str, where: Where | None) -> Plan[Scan]:
         after = ids[-1]
 
 
-def upsert_rows(namespace: str, ids: Sequence[int], vectors: np.ndarray, payloads: Sequence[Any]) -> Plan[None]:
+def upsert_rows(
+    namespace: str,
+    ids: Sequence[int],
+    vectors: np.ndarray,
+    payloads: Sequence[Any],
+    ttl: float | Sequence[float] | None = None,
+) -> Plan[None]:
     """Write records (one id twice: the last row wins, at the first one's place), packed into
-    requests that fit a slot (rows and payload bytes), sent together."""
+    requests that fit a slot (rows and payload bytes), sent together. ``ttl``: as
+    ``RecallPool.upsert``'s (seconds, ``math.inf`` for never, None for the namespace's default),
+    one for every row or one per row."""
     last = {int(i): j for j, i in enumerate(ids)}
     rows = list(last.values())
     ids_, vecs, pays = list(last), vectors[rows], [payloads[j] for j in rows]
+    ttls: list[float] | None = None
+    if ttl is not None and not isinstance(ttl, (int, float)):
+        ttls = [ttl[j] for j in rows]
     lay = yield from layout()
     yield [
-        UPSERT(ids_[lo:hi], vecs[lo:hi], pays[lo:hi], namespace=namespace)
+        UPSERT(
+            ids_[lo:hi],
+            vecs[lo:hi],
+            pays[lo:hi],
+            namespace=namespace,
+            ttl=ttl if ttls is None else ttls[lo:hi],
+        )
         for lo, hi in pack([line_bytes(p) for p in pays], lay.max_queries, lay.blob_bytes)
     ]
     return None

@@ -63,6 +63,16 @@ Kalos ``where=`` (README, "Filters") by prefixing each field: ``{"f": v}``, ``{"
 Operators Kalos lacks (``$not``, ``$like``, ``$contains``, ...) raise ``InvalidRequest``.
 Filtered searches are exact top-k over the matching documents.
 
+Recency
+-------
+:class:`KalosTimeWeightedRetriever` (``store.as_time_weighted_retriever(decay_rate=...)``) is
+LangChain's ``TimeWeightedVectorStoreRetriever`` on the sidecar's exact recency-weighted recall:
+``similarity + weight * (1 - decay_rate) ** hours`` since a document's last write, over every
+document of the store; :meth:`KalosVectorStore.similarity_search_with_recency` is the same search
+with scores and a :class:`~kalos.broker.clock.Recency`. Their documents carry
+``kalos_created_at`` / ``kalos_updated_at`` (epoch seconds). Where the two retrievers agree and
+where not: the retriever's docstring and docs/integrations.md.
+
 Sync and async
 --------------
 Each operation is written once, as a plan (``kalos.integrations._plans``) that both kinds of
@@ -82,10 +92,14 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import numpy as np
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
+from langchain_core.retrievers import BaseRetriever
 from langchain_core.vectorstores import VectorStore
+from pydantic import ConfigDict, Field, field_validator
 
+from kalos.broker.clock import Recency
 from kalos.broker.errors import InvalidRequest, UnknownNamespace, UsageError
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
@@ -95,10 +109,12 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, condition, in_chunks, mongo_where
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
+    CREATED_AT_KEY,
     DELETE,
     DROP_NAMESPACE,
     GET,
     RECALL,
+    UPDATED_AT_KEY,
     ByKey,
     Plan,
     Step,
@@ -110,6 +126,7 @@ from ._plans import (
 
 __all__ = [
     "KalosVectorStore",
+    "KalosTimeWeightedRetriever",
     "IdCollisionError",
     "kalos_id",
     "to_where",
@@ -117,6 +134,8 @@ __all__ = [
     "ID_FIELD",
     "DOC_FIELD",
     "METADATA_PREFIX",
+    "CREATED_AT_KEY",
+    "UPDATED_AT_KEY",
 ]
 
 ID_FIELD = "lc_id"
@@ -255,6 +274,19 @@ def _docs_of(hits: Hits) -> list[tuple[Document, float]]:
     return out
 
 
+def _timed_docs_of(hits: Hits) -> list[tuple[Document, float]]:
+    """As :func:`_docs_of`, each document's metadata with the record's timestamps too."""
+    assert hits.created_at is not None and hits.updated_at is not None  # (a recency recall has them)
+    out = []
+    for hit, created, updated in zip(hits, hits.created_at.tolist(), hits.updated_at.tolist()):
+        doc = to_document(hit.payload)
+        if doc is not None:
+            doc.metadata[CREATED_AT_KEY] = created
+            doc.metadata[UPDATED_AT_KEY] = updated
+            out.append((doc, hit.score))
+    return out
+
+
 def _docs_by_id(asked: Sequence[str], payloads: Iterable[Any]) -> list[Document]:
     found: dict[str, Document] = {}
     for payload in payloads:
@@ -288,6 +320,11 @@ def _no_extra(kwargs: Mapping[str, Any], method: str) -> None:
 
 def _where(filter: Mapping[str, Any] | None) -> Where | None:
     return None if filter is None else to_where(filter)
+
+
+def _check_recency(recency: Any) -> None:
+    if not isinstance(recency, Recency):
+        raise InvalidRequest(f"recency takes a kalos.Recency(half_life=..., weight=...), got {recency!r}")
 
 
 def _fetch_k(k: int, fetch_k: int, max_k: int) -> int:
@@ -479,6 +516,52 @@ class KalosVectorStore(ConnectedStore, VectorStore):
     async def asimilarity_search_by_vector(self, embedding: list[float], k: int = 4, **kwargs: Any) -> list[Document]:
         return [d for d, _ in await self.asimilarity_search_with_score_by_vector(embedding, k, **kwargs)]
 
+    # ------------------------------------------------------------------ recency
+    def similarity_search_with_recency(
+        self, query: str, k: int = 4, *, recency: Recency, filter: Mapping[str, Any] | None = None
+    ) -> list[tuple[Document, float]]:
+        """The exact top-``k`` documents (of every one in the store, ``filter=`` applied) by
+        ``similarity + recency.weight * 0.5 ** (age / recency.half_life)``, age since the
+        document was last written (by the sidecar's clock, when the recall is served), best
+        first, with that score. Each document's metadata carries ``kalos_created_at`` and
+        ``kalos_updated_at`` (seconds since the epoch). ``Recency.from_decay_rate(r)`` is
+        LangChain's ``(1 - r) ** hours``."""
+        _check_recency(recency)
+        return self._conns.run(self._recency_search(self._embedding.embed_query(query), k, recency, filter))
+
+    async def asimilarity_search_with_recency(
+        self, query: str, k: int = 4, *, recency: Recency, filter: Mapping[str, Any] | None = None
+    ) -> list[tuple[Document, float]]:
+        """:meth:`similarity_search_with_recency` on the running loop's RecallPool."""
+        _check_recency(recency)
+        embedding = await self._embedding.aembed_query(query)
+        return await self._conns.arun(self._recency_search(embedding, k, recency, filter))
+
+    def _recency_search(
+        self, embedding: Sequence[float], k: int, recency: Recency, filter: Mapping[str, Any] | None
+    ) -> Plan[list[tuple[Document, float]]]:
+        [hits] = yield [
+            RECALL(
+                np.asarray(embedding, np.float32),
+                k,
+                namespace=self.namespace,
+                with_payload=True,
+                where=_where(filter),
+                recency=recency,
+            ).catching(UnknownNamespace)
+        ]
+        return [] if isinstance(hits, UnknownNamespace) else _timed_docs_of(hits)
+
+    def as_time_weighted_retriever(
+        self, *, decay_rate: float = 0.01, k: int = 4, weight: float = 1.0, filter: Mapping[str, Any] | None = None
+    ) -> KalosTimeWeightedRetriever:
+        """A retriever ranking by similarity plus ``weight * (1 - decay_rate) ** hours`` since a
+        document was last written: :class:`KalosTimeWeightedRetriever`."""
+        search_kwargs = {} if filter is None else {"filter": dict(filter)}
+        return KalosTimeWeightedRetriever(
+            vectorstore=self, decay_rate=decay_rate, k=k, weight=weight, search_kwargs=search_kwargs
+        )
+
     def _select_relevance_score_fn(self) -> Callable[[float], float]:
         if self._relevance is None:  # the sidecar's metric: from an open pool, else the client
             self._relevance = relevance_fn(self._conns.metric())
@@ -563,3 +646,88 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         store = cls(embedding, **kwargs)
         await store.aadd_texts(texts, metadatas, ids=ids)
         return store
+
+
+# --------------------------------------------------------------------------- the time-weighted retriever
+
+
+class KalosTimeWeightedRetriever(BaseRetriever):
+    """LangChain's ``TimeWeightedVectorStoreRetriever`` on Kalos's exact recency recall: the top
+    ``k`` documents by ``similarity + weight * (1 - decay_rate) ** hours_passed``, computed by the
+    sidecar over every document of the store (``search_kwargs={"filter": ...}`` applied), with
+    ``hours_passed`` since the document was last written, on the sidecar's clock.
+
+    Where it agrees with LangChain's retriever, and where not (docs/integrations.md, "Recency"):
+    LangChain adds the vector store's *relevance* (``similarity_search_with_relevance_scores``,
+    in [0, 1]) where this adds the Kalos similarity itself (the cosine under ``--metric
+    cosine``); LangChain re-ranks only the ``search_kwargs["k"]`` (100) most similar documents
+    and the last ``k`` it added, this ranks every document; LangChain counts hours since a
+    document was last *returned* (each retrieval refreshes ``last_accessed_at``), this since it
+    was last *written* (a retrieval changes nothing; add a document again to refresh it). Its
+    ``other_score_keys`` and ``default_salience`` have no counterpart. ``weight`` (1 in
+    LangChain) scales the recency part.
+
+    Documents come with ``kalos_created_at`` / ``kalos_updated_at`` (seconds since the epoch)
+    in their metadata. ``search_kwargs`` takes ``filter``; its ``k`` (LangChain's candidate
+    count) is ignored: every document is a candidate.
+    """
+
+    vectorstore: KalosVectorStore
+    decay_rate: float = 0.01
+    k: int = 4
+    weight: float = 1.0
+    search_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    @field_validator("decay_rate")
+    @classmethod
+    def _check_decay_rate(cls, v: float) -> float:
+        Recency.from_decay_rate(v)  # InvalidRequest (a ValueError) outside (0, 1)
+        return v
+
+    @field_validator("search_kwargs")
+    @classmethod
+    def _check_search_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        extra = set(v) - {"filter", "k"}
+        if extra:
+            raise ValueError(f"search_kwargs takes 'filter' (and ignores 'k'), got {sorted(extra)}")
+        if v.get("filter") is not None:
+            to_where(v["filter"])  # InvalidRequest now rather than at the first retrieval
+        return v
+
+    @property
+    def recency(self) -> Recency:
+        """The sidecar's form of the decay: a half-life of ``3600 * ln(0.5) / ln(1 -
+        decay_rate)`` seconds, with ``weight``."""
+        return Recency.from_decay_rate(self.decay_rate, self.weight)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        found = self.vectorstore.similarity_search_with_recency(
+            query, self.k, recency=self.recency, filter=self.search_kwargs.get("filter")
+        )
+        return [doc for doc, _ in found]
+
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
+        found = await self.vectorstore.asimilarity_search_with_recency(
+            query, self.k, recency=self.recency, filter=self.search_kwargs.get("filter")
+        )
+        return [doc for doc, _ in found]
+
+    def add_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        """Add (or rewrite, which makes them recent again) documents in the store. The sidecar
+        stamps the time: LangChain's ``current_time=`` is refused."""
+        _no_current_time(kwargs)
+        return self.vectorstore.add_documents(documents, **kwargs)
+
+    async def aadd_documents(self, documents: list[Document], **kwargs: Any) -> list[str]:
+        """:meth:`add_documents` on the running loop's RecallPool."""
+        _no_current_time(kwargs)
+        return await self.vectorstore.aadd_documents(documents, **kwargs)
+
+
+def _no_current_time(kwargs: Mapping[str, Any]) -> None:
+    if "current_time" in kwargs:
+        raise InvalidRequest("the sidecar stamps every write with its own clock: current_time= cannot be honoured")

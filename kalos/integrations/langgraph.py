@@ -38,6 +38,19 @@ LangGraph namespaces share one Kalos namespace and a prefix search is one filter
   indexed text is its own vector; an item's score is the best of its vectors (max pooling).
 * **Order.** A search without a query lists namespaces in the order they got their first item
   and items in the order they were created (``ns_seq``, ``seq``), as InMemoryStore does.
+* **TTL** (``supports_ttl = True``; ``ttl=`` takes LangGraph's ``TTLConfig``). ``put(...,
+  ttl=minutes)`` (``None``: never; not given: the config's ``default_ttl``) becomes the Kalos TTL
+  of the item's record and, ``VECTOR_TTL_SLACK_S`` (5 s) longer, of its vectors; the minutes are
+  kept in the payload (``ttl``). The sidecar stamps and expires records on its own clock and never
+  answers an expired one (exactly, whether its sweeper deleted it yet or not), so an item is
+  absent from ``get``, ``search`` and ``list_namespaces`` from the instant it expires:
+  ``omit_expired`` is always in force and ``sweep_interval_minutes`` has nothing to schedule. A
+  read with ``refresh_ttl`` (``None``: the config's ``refresh_on_read``, default True) restarts
+  the TTL of the items it returns that have one, and of their vectors (one touch of each, at
+  once), so the vectors of an item never expire before it and a search by query finds every
+  live item. Vectors an expired item leaves behind (for their slack, or a TTL when it expired
+  between a read and its refresh) are skipped: a search uses an item's vector ``j`` only while
+  the item exists and ``j`` is below its ``nvec``.
 
 Differences from InMemoryStore (deliberate)
 -------------------------------------------
@@ -49,6 +62,10 @@ Differences from InMemoryStore (deliberate)
 * Range operators (``$gt`` ...) match numbers only and never raise; InMemoryStore applies
   ``float()`` to the stored value (``True`` counts as 1, ``"5"`` as 5, a missing field raises).
 * Scores are float32 cosines; a zero query vector scores 0 here and NaN in InMemoryStore.
+* InMemoryStore has no TTL; against PostgresStore: TTLs may be fractions of a minute (its
+  ``ttl_minutes`` column is an INT), an expired item is gone at once for every read (as its
+  ``omit_expired=True``), and an item put after its predecessor expired is a new item (a new
+  ``created_at``).
 * ``list_namespaces`` and searches without a query scan the items under the prefix (paged
   ``export_page``); a search with a query recalls the top vectors (growing ``k`` up to the
   sidecar's ``max_k``, then an exact scan when post-filtering left too few items).
@@ -60,13 +77,14 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
 
+from kalos.broker.clock import ttl_ns
 from kalos.broker.errors import UnknownNamespace
 from kalos.broker.layout import NAMESPACE_BYTES, Layout
 from kalos.clients.blocking import RecallClient
@@ -78,6 +96,7 @@ from ._ids import IdCollision, IdScheme, Probing, claim, find
 from ._plans import (
     DELETE,
     RECALL,
+    TOUCH,
     ByKey,
     Plan,
     Step,
@@ -103,6 +122,7 @@ try:
         Result,
         SearchItem,
         SearchOp,
+        TTLConfig,
         ensure_embeddings,
         get_text_at_path,
         tokenize_path,
@@ -117,15 +137,21 @@ except ImportError:  # pragma: no cover - older releases: BaseStore.put/get/sear
         return None
 
 
-__all__ = ["KalosStore", "KeyCollision", "item_id_window", "vector_id"]
+__all__ = ["KalosStore", "KeyCollision", "item_id_window", "vector_id", "ttl_seconds", "check_ttl_config"]
 
 ITEM_ID_BITS = 48
 VECTOR_INDEX_BITS = 14
 #: Most vectors one item can have (indexed texts, one per path match).
 MAX_VECTORS_PER_ITEM = 1 << VECTOR_INDEX_BITS
+_VECTOR_INDEX_MASK = MAX_VECTORS_PER_ITEM - 1
 PROBE_WINDOW = 8
 #: Pinned: items already stored are found by these ids.
 IDS = IdScheme(Probing.WINDOW, probes=PROBE_WINDOW, bits=ITEM_ID_BITS)
+#: Seconds an item's vectors outlive the item (their TTL is the item's plus this): a put writes
+#: the vectors one round trip before the item (and touches them again when the two writes were
+#: more than half of this apart), a refresh touches both at once; vectors left by an expired item
+#: are skipped by searches until they expire too.
+VECTOR_TTL_SLACK_S = 5.0
 #: Top-level string values longer than this are not copied for server-side filtering.
 MAX_COPIED_STR = 256
 _EXACT_INT = 1 << 53
@@ -165,6 +191,45 @@ def _item_key(payload: Any) -> ItemKey | None:
 #: labels and its key, so a look-up filter would need conditions per namespace, and the rest of
 #: a window is one request for four items anyway.
 _ITEMS = ByKey(_item_key)
+
+
+# ----------------------------------------------------------------------------- TTL (pure)
+_TTL_CONFIG_KEYS = frozenset({"default_ttl", "refresh_on_read", "sweep_interval_minutes", "omit_expired"})
+
+
+def ttl_seconds(minutes: Any) -> float:
+    """LangGraph's TTL (minutes; None: never expires) as Kalos's (seconds; ``math.inf``: never).
+    ValueError for anything but a number of minutes > 0 within Kalos's bound (a century)."""
+    if minutes is None:
+        return math.inf
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)):
+        raise ValueError(f"ttl is a number of minutes > 0 (None: never expires), got {minutes!r}")
+    seconds = float(minutes) * 60.0
+    if not (math.isfinite(seconds) and seconds > 0.0):
+        raise ValueError(f"ttl is a number of minutes > 0 (None: never expires), got {minutes!r}")
+    ttl_ns(seconds + VECTOR_TTL_SLACK_S)  # Kalos's own bound: InvalidRequest, a ValueError
+    return seconds
+
+
+def check_ttl_config(config: Mapping[str, Any] | None) -> TTLConfig | None:
+    """A copy of a ``TTLConfig`` whose values this store can honour; ValueError (before anything
+    is sent) for an unknown key, a ``default_ttl`` that :func:`ttl_seconds` refuses, a
+    ``refresh_on_read`` / ``omit_expired`` that is not a bool, or a ``sweep_interval_minutes``
+    that is not a positive int (accepted for compatibility: the sidecar sweeps by itself)."""
+    if config is None:
+        return None
+    unknown = set(config) - _TTL_CONFIG_KEYS
+    if unknown:
+        raise ValueError(f"unknown TTLConfig keys {sorted(unknown)}; known: {sorted(_TTL_CONFIG_KEYS)}")
+    ttl_seconds(config.get("default_ttl"))
+    for key in ("refresh_on_read", "omit_expired"):
+        if key in config and not isinstance(config[key], bool):
+            raise ValueError(f"TTLConfig {key} is a bool, got {config[key]!r}")
+    sweep = config.get("sweep_interval_minutes")
+    if sweep is not None and (isinstance(sweep, bool) or not isinstance(sweep, int) or sweep <= 0):
+        raise ValueError(f"TTLConfig sweep_interval_minutes is a positive int or None, got {sweep!r}")
+    out: TTLConfig = {**config}  # type: ignore[typeddict-item]
+    return out
 
 
 # ----------------------------------------------------------------------------- filters (pure)
@@ -322,6 +387,15 @@ class _Stored:
     def namespace(self) -> tuple[str, ...]:
         return tuple(self.payload["ns"])
 
+    @property
+    def nvec(self) -> int:
+        return int(self.payload.get("nvec", 0))
+
+    @property
+    def has_ttl(self) -> bool:
+        """Whether the item was put with a TTL (a refresh on read then restarts it)."""
+        return self.payload.get("ttl") is not None
+
     def item(self) -> Item:
         p = self.payload
         return Item(
@@ -372,6 +446,11 @@ def _page(
     return kept
 
 
+def _vector_hits(ids: Sequence[int], scores: Sequence[float]) -> list[tuple[int, int, float]]:
+    """Recalled vectors as (item id, vector index, score), in the order given."""
+    return [(int(v) >> VECTOR_INDEX_BITS, int(v) & _VECTOR_INDEX_MASK, float(sc)) for v, sc in zip(ids, scores)]
+
+
 def _unit_rows(vectors: Sequence[Sequence[float]], dim: int) -> np.ndarray:
     m = np.asarray(vectors, dtype=np.float64).reshape(len(vectors), -1)
     if m.shape[1] != dim:
@@ -386,8 +465,9 @@ class KalosStore(ConnectedStore, BaseStore):
     ``name``: the broker. ``namespace``: the Kalos namespace of the items (the vectors go to
     ``namespace + ".vec"``); stores with different ``namespace`` are independent. ``index``: as
     for ``InMemoryStore`` (``dims`` must be the sidecar's ``--dim``; without ``index`` nothing is
-    embedded and ``query=`` is ignored). ``timeout``: seconds per Kalos request (None: no limit).
-    A batch is one plan: :meth:`batch` runs it on a :class:`~kalos.clients.blocking.RecallClient`,
+    embedded and ``query=`` is ignored). ``ttl``: LangGraph's ``TTLConfig`` (``default_ttl`` in
+    minutes, ``refresh_on_read``; module docstring, "TTL"; ValueError for values it cannot
+    honour). ``timeout``: seconds per Kalos request (None: no limit). A batch is one plan: :meth:`batch` runs it on a :class:`~kalos.clients.blocking.RecallClient`,
     :meth:`abatch` on a :class:`~kalos.clients.pool.RecallPool` (``pool_size`` slots) of the
     running event loop (one per loop); both are opened on first use, or pass ``client=`` /
     ``pool=`` (not closed by the store then).
@@ -395,7 +475,7 @@ class KalosStore(ConnectedStore, BaseStore):
     Close with :meth:`close` / :meth:`aclose` or use the store as a (async) context manager.
     """
 
-    supports_ttl = False
+    supports_ttl = True
 
     def __init__(
         self,
@@ -403,6 +483,7 @@ class KalosStore(ConnectedStore, BaseStore):
         *,
         namespace: str = "langgraph",
         index: IndexConfig | None = None,
+        ttl: TTLConfig | None = None,
         timeout: float | None = 30.0,
         pool_size: int = 4,
         client: RecallClient | None = None,
@@ -410,6 +491,7 @@ class KalosStore(ConnectedStore, BaseStore):
     ) -> None:
         if len(namespace) + 4 > NAMESPACE_BYTES:
             raise ValueError(f"namespace {namespace!r} too long: at most {NAMESPACE_BYTES - 4} chars")
+        self.ttl_config = check_ttl_config(ttl)
         self.name = name
         self.items_namespace = namespace
         self.vectors_namespace = namespace + ".vec"
@@ -454,7 +536,9 @@ class KalosStore(ConnectedStore, BaseStore):
             validate_op_namespace(op)
             if isinstance(op, SearchOp):
                 check_filter(op.filter)
-            elif not isinstance(op, (GetOp, PutOp, ListNamespacesOp)):
+            elif isinstance(op, PutOp):
+                ttl_seconds(op.ttl)
+            elif not isinstance(op, (GetOp, ListNamespacesOp)):
                 raise ValueError(f"Unknown operation type: {type(op)}")
         for i, op in enumerate(ops):
             if isinstance(op, GetOp):
@@ -462,19 +546,41 @@ class KalosStore(ConnectedStore, BaseStore):
             elif isinstance(op, PutOp):
                 puts[(op.namespace, op.key)] = op  # the last wins, at the first one's place
         geo = yield from layout()
+        read: list[_Stored] = []  # items read by an op that refreshes their TTL
         if gets:
             found, _ = yield from self._lookup([(op.namespace, op.key) for _, op in gets])
             for i, op in gets:
                 s = found.get((op.namespace, op.key))
                 results[i] = None if s is None else s.item()
+                if s is not None and op.refresh_ttl:
+                    read.append(s)
         for i, op in enumerate(ops):
             if isinstance(op, SearchOp):
-                results[i] = yield from self._search(op, geo)
+                page = yield from self._search(op, geo)
+                results[i] = [s.search_item(score) for score, s in page]
+                if op.refresh_ttl:
+                    read += [s for _, s in page]
             elif isinstance(op, ListNamespacesOp):
                 results[i] = yield from self._list_namespaces(op)
+        yield from self._refresh(read)
         if puts:
             yield from self._write(list(puts.values()), geo)
         return results
+
+    def _refresh(self, items: Iterable[_Stored]) -> Plan[None]:
+        """LangGraph's refresh on read: the items read that have a TTL expire that TTL after
+        now, and their vectors their slack later (both touched at once: each restarts its own
+        TTL). An item that expired since it was read is not touched; its vectors may be, and
+        then outlive it as any expired item's do (searches skip them)."""
+        timed = {s.id: s for s in items if s.has_ttl}
+        if not timed:
+            return None
+        vec_ids = [vector_id(iid, j) for iid, s in timed.items() for j in range(s.nvec)]
+        steps = [TOUCH(list(timed), namespace=self.items_namespace)]
+        if vec_ids:
+            steps.append(TOUCH(vec_ids, namespace=self.vectors_namespace))
+        yield steps
+        return None
 
     def _fetch(self, namespace: str, ids: list[int]) -> Plan[dict[int, _Stored]]:
         """The records of ``ids`` that exist (those with a payload to read)."""
@@ -503,19 +609,20 @@ class KalosStore(ConnectedStore, BaseStore):
         ]
         return _listing_order(items)
 
-    def _search(self, op: SearchOp, geo: Layout) -> Plan[list[SearchItem]]:
+    def _search(self, op: SearchOp, geo: Layout) -> Plan[list[tuple[float | None, _Stored]]]:
+        """The page of items ``op`` asks for, each with its score (None without a query)."""
         conds, exact = translate_filter(op.filter)
         conds = prefix_conditions(op.namespace_prefix) + conds
         if not (op.query and self.embeddings is not None):
             items = yield from self._list_items(all_of(conds), op.filter)
-            return [s.search_item(None) for s in items[op.offset : op.offset + op.limit]]
+            return [(None, s) for s in items[op.offset : op.offset + op.limit]]
         [[qv]] = yield [self._embed([op.query], query=True)]
         q = _unit_rows([qv], geo.dim)[0]
         ranked = yield from self._ranked(q, all_of(conds), exact, op.filter, op.offset + op.limit, geo)
         scoreless: list[_Stored] = []
         if len(ranked) < op.offset + op.limit:  # some fill may be needed
             scoreless = yield from self._list_items(all_of(conds + [condition("nvec", FieldOp.EQ, 0)]), op.filter)
-        return [s.search_item(score) for score, s in _page(ranked, scoreless, op.offset, op.limit)]
+        return _page(ranked, scoreless, op.offset, op.limit)
 
     def _ranked(
         self, q: np.ndarray, where: Where | None, exact: bool, filt: dict[str, Any] | None, need: int, geo: Layout
@@ -528,14 +635,16 @@ class KalosStore(ConnectedStore, BaseStore):
             [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where).catching(UnknownNamespace)]
             if isinstance(hits, UnknownNamespace):
                 return []
-            best: dict[int, float] = {}
-            for vid, score in zip(hits.ids.tolist(), hits.scores.tolist()):
-                best.setdefault(int(vid) >> VECTOR_INDEX_BITS, float(score))  # best first
+            scored = _vector_hits(hits.ids.tolist(), hits.scores.tolist())  # best first
             exhausted = len(hits) < k
-            order = list(best.items())
+            items = list(dict.fromkeys(iid for iid, _, _ in scored))
             if exact and not exhausted:
-                order = order[: need + 4]  # a few spare for items replaced meanwhile
-            kept = yield from self._rank_items(order, filt)
+                items = items[: need + 4]  # a few spare for items replaced meanwhile
+            kept, stale = yield from self._rank_items(scored, items, filt)
+            if stale and len(items) < len(dict.fromkeys(iid for iid, _, _ in scored)):
+                # An item ranked by a vector its value no longer has: its true score is lower,
+                # so items cut off above may outrank it. Rank every item recalled.
+                kept, _ = yield from self._rank_items(scored, list(dict.fromkeys(i for i, _, _ in scored)), filt)
             if len(kept) >= need or exhausted:
                 return kept[:need]
             if k >= geo.max_k:
@@ -546,28 +655,44 @@ class KalosStore(ConnectedStore, BaseStore):
         if not found.ids:
             return []
         scores = found.vectors.astype(np.float64) @ q.astype(np.float64)
-        best = {}
-        for j in np.argsort(-scores, kind="stable").tolist():
-            best.setdefault(found.ids[j] >> VECTOR_INDEX_BITS, float(scores[j]))
-        order = list(best.items())
+        order = np.argsort(-scores, kind="stable").tolist()
+        scored = _vector_hits([found.ids[j] for j in order], [float(scores[j]) for j in order])
+        everyone = list(dict.fromkeys(iid for iid, _, _ in scored))
         kept = []
+        any_stale = False
         step = max(need, geo.max_queries)
-        for lo in range(0, len(order), step):
-            kept += yield from self._rank_items(order[lo : lo + step], filt)
-            if len(kept) >= need:
+        for lo in range(0, len(everyone), step):
+            part, stale = yield from self._rank_items(scored, everyone[lo : lo + step], filt)
+            kept += part
+            any_stale = any_stale or stale
+            if len(kept) >= need and not any_stale:  # (items come best first unless one was stale)
                 break
+        kept.sort(key=lambda t: -t[0])
         return kept[:need]
 
     def _rank_items(
-        self, order: list[tuple[int, float]], filt: dict[str, Any] | None
-    ) -> Plan[list[tuple[float, _Stored]]]:
-        records = yield from self._fetch(self.items_namespace, [i for i, _ in order])
+        self, scored: list[tuple[int, int, float]], items: list[int], filt: dict[str, Any] | None
+    ) -> Plan[tuple[list[tuple[float, _Stored]], bool]]:
+        """The ``items`` (ids) that exist and match ``filt``, each scored by its best vector
+        among ``scored`` (item id, vector index, score; best first) that its value still has
+        (index < its ``nvec``), best first; and whether a vector it no longer has was skipped
+        (left by an earlier value whose item expired, or by a put that failed half-way)."""
+        records = yield from self._fetch(self.items_namespace, items)
+        wanted = set(items)
         out: list[tuple[float, _Stored]] = []
-        for iid, score in order:
+        taken: set[int] = set()
+        stale = False
+        for iid, j, score in scored:
             s = records.get(iid)
-            if s is not None and item_matches(s.payload["value"], filt):
+            if iid in taken or iid not in wanted or s is None:
+                continue
+            if j >= s.nvec:
+                stale = True
+                continue
+            taken.add(iid)
+            if item_matches(s.payload["value"], filt):
                 out.append((score, s))
-        return out
+        return out, stale
 
     def _list_namespaces(self, op: ListNamespacesOp) -> Plan[list[tuple[str, ...]]]:
         conds: list[Where] = []
@@ -633,8 +758,8 @@ class KalosStore(ConnectedStore, BaseStore):
             [vectors] = yield [self._embed(flat)]
             embedded = dict(zip(flat, _unit_rows(vectors, geo.dim)))
         now = datetime.now(timezone.utc).isoformat()
-        item_rows: list[tuple[int, dict[str, Any]]] = []
-        vec_rows: list[tuple[int, np.ndarray, dict[str, Any]]] = []
+        item_rows: list[tuple[int, dict[str, Any], float]] = []
+        vec_rows: list[tuple[int, np.ndarray, dict[str, Any], float]] = []
         stale_vecs: list[int] = []
         gone_items: list[int] = []
         for op, op_texts in zip(puts, texts):
@@ -654,6 +779,7 @@ class KalosStore(ConnectedStore, BaseStore):
             columns = filter_columns(value)
             seq = self._next_seq() if old is None else old.payload["seq"]
             nss = ns_seq.setdefault(op.namespace, seq)
+            ttl = ttl_seconds(op.ttl)
             item_rows.append(
                 (
                     iid,
@@ -668,28 +794,42 @@ class KalosStore(ConnectedStore, BaseStore):
                         "seq": seq,
                         "ns_seq": nss,
                         "nvec": len(op_texts),
+                        "ttl": op.ttl,
                         **columns,
                     },
+                    ttl,
                 )
             )
-            vec_rows += [(vector_id(iid, j), embedded[t], {**labels, **columns}) for j, t in enumerate(op_texts)]
+            vec_ttl = ttl + VECTOR_TTL_SLACK_S
+            vec_rows += [
+                (vector_id(iid, j), embedded[t], {**labels, **columns}, vec_ttl) for j, t in enumerate(op_texts)
+            ]
             stale_vecs += [vector_id(iid, j) for j in range(len(op_texts), old_nvec)]
         # Vectors before their item, stale vectors after it: a search meanwhile finds either
-        # version of an item, never a vector without an item it can read.
+        # version of an item, never a vector without an item it can read. Every row gets its TTL
+        # (math.inf: never, whatever default the Kalos namespace may have been given).
+        started = time.monotonic()
         if vec_rows:
             yield from upsert_rows(
                 self.vectors_namespace,
                 [r[0] for r in vec_rows],
                 np.stack([r[1] for r in vec_rows]),
                 [r[2] for r in vec_rows],
+                [r[3] for r in vec_rows],
             )
         if item_rows:
             yield from upsert_rows(
                 self.items_namespace,
-                [i for i, _ in item_rows],
+                [i for i, _, _ in item_rows],
                 np.zeros((len(item_rows), geo.dim), np.float32),
-                [p for _, p in item_rows],
+                [p for _, p, _ in item_rows],
+                [t for _, _, t in item_rows],
             )
+        timed_vecs = [r[0] for r in vec_rows if r[3] != math.inf]
+        if timed_vecs and time.monotonic() - started > VECTOR_TTL_SLACK_S / 2:
+            # The items were stamped so long after their vectors that the vectors' slack may not
+            # cover it: restart the vectors' TTLs, now that the items have theirs.
+            yield [TOUCH(timed_vecs, namespace=self.vectors_namespace)]
         if gone_items:
             yield [DELETE(gone_items, namespace=self.items_namespace)]
         if stale_vecs:

@@ -45,6 +45,15 @@ How LlamaIndex maps onto Kalos (one namespace per store):
   sent, as do query modes other than DEFAULT.
 * **Deletes.** ``delete(ref_doc_id)`` is ``delete(where={"ref_doc_id": ref_doc_id})``;
   ``delete_nodes`` and ``get_nodes`` filter on ``_node_id``.
+* **Timestamps.** Every node the store returns (``query``, ``get_nodes``) carries its record's
+  timestamps in its metadata: ``kalos_created_at`` (the node's first write) and
+  ``kalos_updated_at`` (its last), float seconds since the epoch on the sidecar's clock (the
+  form of ``time.time()``, and of the ``last_accessed_key`` LlamaIndex's
+  ``TimeWeightedPostprocessor`` reads). Both are listed in the node's
+  ``excluded_embed_metadata_keys`` and ``excluded_llm_metadata_keys``, so they reach neither an
+  embedding model nor a prompt, and a node added again does not store them. ``query`` reads them
+  with the hits; ``get_nodes`` with a second request per ``max_queries`` nodes (export pages
+  carry no timestamps).
 
 Each operation is written once, as a plan (``kalos.integrations._plans``) that the synchronous
 method runs on one blocking :class:`~kalos.clients.blocking.RecallClient` and its ``a``-twin on a
@@ -83,12 +92,16 @@ from ._core import ConnectedStore, Connections
 from ._filters import FieldOp, Where, all_of, any_of, condition, in_chunks, one_of
 from ._ids import IdCollision, IdScheme, Probing, claim
 from ._plans import (
+    CREATED_AT_KEY,
     DELETE,
     DROP_NAMESPACE,
     RECALL,
+    TIME_KEYS,
+    UPDATED_AT_KEY,
     ByKey,
     Plan,
-    fetch_payloads,
+    Stamped,
+    fetch_records,
     layout,
     read_probes,
     scan,
@@ -105,6 +118,8 @@ __all__ = [
     "to_where",
     "NODE_ID_KEY",
     "MAX_PROBES",
+    "CREATED_AT_KEY",
+    "UPDATED_AT_KEY",
 ]
 
 #: Payload field holding the LlamaIndex node id (filters and deletes by node id use it).
@@ -209,9 +224,33 @@ def query_where(query: VectorStoreQuery) -> Where | None:
 
 
 def _payload(node: BaseNode, flat_metadata: bool) -> dict[str, Any]:
-    payload: dict[str, Any] = node_to_metadata_dict(node, remove_text=False, flat_metadata=flat_metadata)
+    payload: dict[str, Any] = node_to_metadata_dict(_unstamped(node), remove_text=False, flat_metadata=flat_metadata)
     payload[NODE_ID_KEY] = node.node_id
     return payload
+
+
+def _stamped(node: BaseNode, created_at: float, updated_at: float) -> BaseNode:
+    """``node`` with its record's timestamps in its metadata (``kalos_created_at``,
+    ``kalos_updated_at``: seconds since the epoch, the sidecar's clock), keys left out of the
+    text given to embedding models and LLMs (as LlamaIndex's file readers leave out file dates)."""
+    node.metadata[CREATED_AT_KEY] = created_at
+    node.metadata[UPDATED_AT_KEY] = updated_at
+    for excluded in (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys):
+        excluded.extend(k for k in TIME_KEYS if k not in excluded)
+    return node
+
+
+def _unstamped(node: BaseNode) -> BaseNode:
+    """``node`` as it is stored: without the timestamps :func:`_stamped` gave it (a node read
+    back and added again must not store them: the sidecar keeps its own)."""
+    lists = (node.excluded_embed_metadata_keys, node.excluded_llm_metadata_keys)
+    if not any(k in node.metadata or any(k in x for x in lists) for k in TIME_KEYS):
+        return node
+    node = node.model_copy()
+    node.metadata = {k: v for k, v in node.metadata.items() if k not in TIME_KEYS}
+    node.excluded_embed_metadata_keys = [k for k in lists[0] if k not in TIME_KEYS]
+    node.excluded_llm_metadata_keys = [k for k in lists[1] if k not in TIME_KEYS]
+    return node
 
 
 def _occupant(payload: Any) -> str | None:
@@ -233,17 +272,28 @@ _NODES = ByKey(_occupant, _node_id_wheres)
 
 def _result(hits: Hits) -> VectorStoreQueryResult:
     payloads = hits.payloads or []
-    nodes = [metadata_dict_to_node(p) for p in payloads]
+    assert hits.created_at is not None and hits.updated_at is not None  # (recalls with payloads carry them)
+    nodes = [
+        _stamped(metadata_dict_to_node(p), c, u)
+        for p, c, u in zip(payloads, hits.created_at.tolist(), hits.updated_at.tolist())
+    ]
     return VectorStoreQueryResult(
         nodes=nodes, similarities=[float(s) for s in hits.scores], ids=[n.node_id for n in nodes]
     )
 
 
-def _with_payloads(hits: Hits, found: Mapping[int, Any]) -> Hits:
-    """``hits`` with the payloads fetched for them (a hit deleted meanwhile is dropped)."""
+def _with_payloads(hits: Hits, found: Mapping[int, Stamped]) -> Hits:
+    """``hits`` with the payloads and timestamps fetched for them (a hit deleted meanwhile is
+    dropped)."""
     keep = np.array([i in found for i in hits.ids.tolist()], dtype=bool)
-    ids = hits.ids[keep]
-    return Hits(ids, hits.scores[keep], [found[i] for i in ids.tolist()])
+    ids = hits.ids[keep].tolist()
+    return Hits(
+        hits.ids[keep],
+        hits.scores[keep],
+        [found[i].payload for i in ids],
+        created_at=np.array([found[i].created_at for i in ids]),
+        updated_at=np.array([found[i].updated_at for i in ids]),
+    )
 
 
 def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
@@ -409,7 +459,7 @@ class KalosLlamaVectorStore(
         if isinstance(hits, PayloadTooLarge):  # the hits' payloads overflow one slot: apart
             [hits] = yield [RECALL(vec, k, namespace=self.namespace, where=where).catching(UnknownNamespace)]
             if not isinstance(hits, UnknownNamespace):
-                hits = _with_payloads(hits, (yield from fetch_payloads(self.namespace, hits.ids.tolist())))
+                hits = _with_payloads(hits, (yield from fetch_records(self.namespace, hits.ids.tolist())))
         return _EMPTY if isinstance(hits, UnknownNamespace) else _result(hits)
 
     def get_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None) -> list[BaseNode]:
@@ -429,7 +479,15 @@ class KalosLlamaVectorStore(
         if node_ids is not None:
             wheres = list((yield from self._node_wheres(node_ids, fw)))
         scans = yield from together([scan(self.namespace, w) for w in wheres])
-        return [metadata_dict_to_node(p) for s in scans for p in s.payloads]
+        # Export pages carry no timestamps: a get of the records found reads them (a node
+        # deleted in between is left out).
+        found = yield from fetch_records(self.namespace, [i for s in scans for i in s.ids])
+        return [
+            _stamped(metadata_dict_to_node(r.payload), r.created_at, r.updated_at)
+            for s in scans
+            for i in s.ids
+            if (r := found.get(i)) is not None
+        ]
 
     def _node_wheres(self, node_ids: list[str] | None, fw: Where | None) -> Plan[list[Where]]:
         """The filters selecting ``node_ids`` (every node if None) that match ``fw``: one per

@@ -8,8 +8,12 @@ shards from the environment); every test gets a fresh namespace, so every store 
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
+import math
+import time
+import types
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, cast
 
@@ -31,6 +35,7 @@ from kalos.integrations.langchain import (
     DOC_FIELD,
     ID_FIELD,
     IdCollisionError,
+    KalosTimeWeightedRetriever,
     KalosVectorStore,
     kalos_id,
     mmr_select,
@@ -578,3 +583,196 @@ def test_relevance_follows_the_sidecars_own_metric(sidecar_factory, rng: np.rand
         assert got["near"] == pytest.approx(1.0, abs=1e-5) and got["far"] == pytest.approx(0.0, abs=1e-5)
     finally:
         store.close()
+
+
+# --------------------------------------------------------------------------- recency
+#: The fastest decay LangChain's float decay_rate can express, 1 - 2**-52: (1 - r) ** hours
+#: loses 1 % per second, so writes a second apart rank differently within a test.
+FAST_DECAY = 1.0 - 2.0**-52
+
+
+def near_one_direction(rng: np.random.Generator, n: int, spread: float = 0.05) -> np.ndarray:
+    """Random vectors close to one random direction: cosines to a query like them differ by about
+    as much as a second's decay, so recency reorders them."""
+    base = rng.standard_normal(DIM)
+    return (base / np.linalg.norm(base) + spread * rng.standard_normal((n, DIM))).astype(np.float32)
+
+
+def query_near(rng: np.random.Generator, vecs: np.ndarray, j: int) -> np.ndarray:
+    """A query among the documents: near their mean, or near one of them."""
+    near = vecs.mean(axis=0) if j % 2 else vecs[rng.integers(len(vecs))]
+    return (near + 0.03 * rng.standard_normal(DIM)).astype(np.float32)
+
+
+def write_in_rounds(
+    store: KalosVectorStore, rng: np.random.Generator, n: int, rounds: int = 4, pause: float = 0.3
+) -> tuple[list[str], np.ndarray, list[dict[str, Any]], dict[str, tuple[float, float]]]:
+    """n documents (ids = texts) added in ``rounds`` rounds ``pause`` seconds apart, and each
+    one's (created_at, updated_at) as the sidecar stamped them (read back by a RecallClient)."""
+    texts, _, metas = random_corpus(rng, n)
+    vecs = near_one_direction(rng, n)
+    table_of(store).update(zip(texts, vecs))
+    for r in range(rounds):
+        if r:
+            time.sleep(pause)
+        part = slice(r * n // rounds, (r + 1) * n // rounds)
+        store.add_texts(texts[part], metas[part], ids=texts[part])
+    with RecallClient(store.name) as c:
+        recs = c.get([kalos_id(t) for t in texts], namespace=store.namespace, with_vectors=False)
+    assert recs.created_at is not None and recs.updated_at is not None and len(recs) == n
+    times = {t: (float(c_), float(u)) for t, c_, u in zip(texts, recs.created_at, recs.updated_at)}
+    return texts, vecs, metas, times
+
+
+def cosines(q: np.ndarray, vecs: np.ndarray) -> np.ndarray:
+    m = vecs.astype(np.float64) / np.linalg.norm(vecs, axis=1, keepdims=True)
+    return m @ (q.astype(np.float64) / np.linalg.norm(q))
+
+
+def langchain_score(q: np.ndarray, vecs: np.ndarray, updated: np.ndarray, now: float, decay_rate: float) -> np.ndarray:
+    """LangChain's score, written as it defines it, in float64: relevance (here the cosine
+    similarity) + (1 - decay_rate) ** hours since ``last_accessed_at`` (here the last write)."""
+    return cosines(q, vecs) + (1.0 - decay_rate) ** ((now - updated) / 3600.0)
+
+
+def kalos_score(q: np.ndarray, vecs: np.ndarray, updated: np.ndarray, now: float, half_life: float, weight: float):
+    """Kalos's (broker/clock.py), in float64: similarity + weight * 0.5 ** (age / half_life)."""
+    return cosines(q, vecs) + weight * 0.5 ** ((now - updated) / half_life)
+
+
+def drift(t0: float, t1: float, per_second: float) -> float:
+    """How far a recency part can move while a call is served somewhere in [t0, t1] (the clock
+    tolerance of these checks), given its steepest slope ``per_second``."""
+    return 2e-6 + per_second * (t1 - t0)
+
+
+def check_ranked(ref: np.ndarray, got: list[int], scores: list[float] | None, k: int, tol: float) -> None:
+    """``got`` (row numbers, best first) is the top ``k`` of ``ref`` up to ``tol``: no row left
+    out scores above the last one taken, the order holds, and the scores are ref's."""
+    assert len(got) == min(k, len(ref)) and len(set(got)) == len(got)
+    kth = np.sort(ref)[::-1][len(got) - 1]
+    assert (ref[got] >= kth - tol).all(), "a row outside the true top-k"
+    assert np.all(np.diff(ref[got]) <= tol), "not sorted best first"
+    if scores is not None:
+        np.testing.assert_allclose(scores, ref[got], rtol=0, atol=tol + 1e-6)
+
+
+def test_time_weighted_retriever_against_langchains(
+    store: KalosVectorStore, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the definitions agree, Kalos's time-weighted retriever answers as LangChain's
+    ``TimeWeightedVectorStoreRetriever``: relevance = the raw cosine similarity (a vector store
+    whose relevance function is the identity), every document a candidate (``search_kwargs k``
+    >= the documents), ``last_accessed_at`` = the last write (LangChain's refresh on retrieval
+    undone after each query), and its clock set to when the sidecar served ours (the middle of
+    the call; tolerance: how far the decay moves during it). Both against float64 too."""
+    twr = pytest.importorskip("langchain_classic.retrievers.time_weighted_retriever")
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    class CosineRelevance(InMemoryVectorStore):  # its scores are cosine similarities
+        def _select_relevance_score_fn(self) -> Callable[[float], float]:
+            return lambda s: s
+
+    class Clock(datetime.datetime):
+        at = 0.0
+
+        @classmethod
+        def now(cls, tz: Any = None) -> Any:
+            return datetime.datetime.fromtimestamp(cls.at, tz)
+
+    monkeypatch.setattr(twr, "datetime", types.SimpleNamespace(datetime=Clock, timedelta=datetime.timedelta))
+    n, k = 60, 5
+    texts, vecs, metas, times = write_in_rounds(store, rng, n)
+    updated = np.array([times[t][1] for t in texts])
+    assert updated.max() - updated.min() > 0.6  # the rounds really are apart
+    lc = twr.TimeWeightedVectorStoreRetriever(
+        vectorstore=CosineRelevance(TableEmbeddings(table_of(store))),
+        decay_rate=FAST_DECAY,
+        k=k,
+        search_kwargs={"k": n},
+    )
+    lc.add_documents(
+        [
+            Document(page_content=t, metadata={**m, "created_at": times[t][0], "last_accessed_at": times[t][1]})
+            for t, m in zip(texts, metas)
+        ]
+    )
+    ours = store.as_time_weighted_retriever(decay_rate=FAST_DECAY, k=k)
+    row = {t: i for i, t in enumerate(texts)}
+    reordered = 0
+    for j in range(12):
+        q = query_near(rng, vecs, j)
+        table_of(store)[f"q{j}"] = q.astype(np.float32)
+        t0 = time.time()
+        got = ours.invoke(f"q{j}")
+        t1 = time.time()
+        Clock.at = (t0 + t1) / 2
+        want = lc.invoke(f"q{j}")
+        for d in lc.memory_stream:  # undo LangChain's refresh of last_accessed_at
+            d.metadata["last_accessed_at"] = times[d.page_content][1]
+        ref = langchain_score(q, vecs, updated, Clock.at, FAST_DECAY)
+        tol = drift(t0, t1, -math.log1p(-FAST_DECAY) / 3600.0)
+        check_ranked(ref, [row[d.page_content] for d in got], None, k, tol)
+        check_ranked(ref, [row[d.page_content] for d in want], None, k, tol)  # (the reference itself)
+        for a, b in zip(got, want):
+            assert a.page_content == b.page_content or abs(ref[row[a.page_content]] - ref[row[b.page_content]]) <= tol
+        for d in got:
+            meta = {key: v for key, v in d.metadata.items() if not key.startswith("kalos_")}
+            assert meta == metas[row[d.page_content]]
+            assert (d.metadata["kalos_created_at"], d.metadata["kalos_updated_at"]) == times[d.page_content]
+        similarity_only = np.argsort(-cosines(q, vecs))[:k]
+        reordered += [row[d.page_content] for d in got] != similarity_only.tolist()
+    assert reordered >= 3  # recency changed the answer, not only the scores
+
+
+@pytest.mark.asyncio
+async def test_recency_search_exact_against_float64(astore: KalosVectorStore, rng: np.random.Generator) -> None:
+    """similarity_search_with_recency (async) with a weight and a filter: the exact top-k of
+    every matching document by similarity + weight * 0.5 ** (age / half_life), with that score;
+    writing a document again makes it recent (its created_at kept)."""
+    from kalos import Recency
+
+    texts, vecs, metas, times = write_in_rounds(astore, rng, 48, rounds=3)
+    updated = np.array([times[t][1] for t in texts])
+    recency = Recency(half_life=0.5, weight=0.3)
+    cats = np.array([m["cat"] for m in metas])
+    for j in range(8):
+        q = query_near(rng, vecs, j)
+        table_of(astore)[f"q{j}"] = q
+        filt = None if j % 2 else {"cat": {"$in": ["a", "b"]}}
+        t0 = time.time()
+        got = await astore.asimilarity_search_with_recency(f"q{j}", 6, recency=recency, filter=filt)
+        t1 = time.time()
+        ref = kalos_score(q, vecs, updated, (t0 + t1) / 2, recency.half_life, recency.weight)
+        if filt is not None:
+            ref = np.where(np.isin(cats, ["a", "b"]), ref, -np.inf)
+        rows = [texts.index(d.page_content) for d, _ in got]
+        check_ranked(ref, rows, [s for _, s in got], 6, drift(t0, t1, recency.weight * math.log(2) / recency.half_life))
+    oldest = texts[int(np.argmin(updated))]
+    await astore.aadd_texts([oldest], [metas[texts.index(oldest)]], ids=[oldest])
+    [(doc, _)] = await astore.asimilarity_search_with_recency("q0", 1, recency=Recency(half_life=1.0, weight=100.0))
+    assert doc.page_content == oldest  # the freshest now, by far
+    assert doc.metadata["kalos_created_at"] == times[oldest][0] and doc.metadata["kalos_updated_at"] > times[oldest][1]
+    retriever = astore.as_time_weighted_retriever(decay_rate=0.5, k=3, filter={"cat": "c"})
+    docs = await retriever.ainvoke("q1")
+    assert len(docs) == 3 and all(d.metadata["cat"] == "c" and "kalos_updated_at" in d.metadata for d in docs)
+
+
+def test_time_weighted_retriever_refusals(store: KalosVectorStore) -> None:
+    from pydantic import ValidationError
+
+    for rate in (0.0, 1.0, -0.5, 2.0):
+        with pytest.raises(ValidationError, match="decay_rate"):
+            store.as_time_weighted_retriever(decay_rate=rate)
+    with pytest.raises(ValidationError, match="search_kwargs"):
+        KalosTimeWeightedRetriever(vectorstore=store, search_kwargs={"fetch_k": 3})
+    with pytest.raises(ValidationError, match="not"):
+        store.as_time_weighted_retriever(filter={"cat": {"$not": "a"}})
+    r = KalosTimeWeightedRetriever(vectorstore=store, search_kwargs={"k": 100})  # LangChain's k: ignored
+    assert r.recency.half_life == pytest.approx(3600 * math.log(0.5) / math.log(0.99))
+    with pytest.raises(InvalidRequest, match="current_time"):
+        r.add_documents([Document(page_content="x")], current_time=None)
+    table_of(store)["anything"] = np.ones(DIM)
+    assert r.invoke("anything") == []  # an empty store: no namespace yet
+    with pytest.raises(InvalidRequest, match="Recency"):
+        store.similarity_search_with_recency("x", recency=0.5)  # type: ignore[arg-type]

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
+import math
 import random
+import time
+from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -343,16 +348,14 @@ def test_basics_and_timestamps(store: KalosStore) -> None:
     assert store.search(("users",), query="likes dark mode") == []
 
 
-def test_namespace_rules_and_ttl(store: KalosStore) -> None:
+def test_namespace_rules(store: KalosStore) -> None:
     for bad in [(), ("a.b",), ("",), ("langgraph", "x")]:
         with pytest.raises(InvalidNamespaceError):
             store.put(bad, "k", {"x": 1})
     with pytest.raises(InvalidNamespaceError):
         store.batch([PutOp(("a.b",), "k", {"x": 1})])  # ops given directly are checked too
-    with pytest.raises(NotImplementedError):
-        store.put(("a",), "k", {"x": 1}, ttl=5.0)  # a TTL-less store
     store.put(("a",), "k", {"x": 1}, ttl=None)
-    assert store.supports_ttl is False and store.get(("a",), "k", refresh_ttl=False) is not None
+    assert store.get(("a",), "k", refresh_ttl=False) is not None
     with pytest.raises(ValueError, match="Unsupported operator"):
         store.search(("a",), filter={"x": {"$regex": "y"}})
 
@@ -474,3 +477,352 @@ async def test_an_l2_sidecar_is_refused_with_the_reason(sidecar_factory: Any) ->
             store.put(("a",), "k", {"text": "x"})
         with pytest.raises(UsageError, match="'l2'"):
             await store.aput(("a",), "k", {"text": "x"})
+
+
+# ----------------------------------------------------------------------------- TTL
+# LangGraph's InMemoryStore has no TTL (supports_ttl is False in langgraph-checkpoint 4.3), so the
+# reference is InMemoryStore answering over the items alive at each read, beside a model of when
+# each item expires, by the semantics BaseStore and TTLConfig document and PostgresStore
+# implements with ``omit_expired=True``: an item put with ``ttl=m`` expires m minutes after the
+# put; a read with ``refresh_ttl`` (``None``: the store's ``refresh_on_read``, default True)
+# restarts that from the read, for the items it returns; ``put`` without ``ttl`` takes
+# ``default_ttl``; an expired item is absent from every read at once, swept or not.
+TTL_SHORT = 0.01  # minutes: 0.6 s
+TTL_LONG = 0.02  # 1.2 s
+#: Clock tolerance, seconds. The sidecar stamps records with its CLOCK_REALTIME inside a call,
+#: so the test brackets every call with time.time() (the same clock) and knows an expiry only to
+#: within the bracket of the call that set it; an item whose expiry window overlaps a read's
+#: bracket may be answered either way (both are checked against the reference, and the answer
+#: tells which happened). This covers float rounding of the nanosecond stamps.
+CLOCK_EPS = 0.002
+NOT_GIVEN = object()
+TTL_NAMESPACES = [("u1",), ("u2",), ("u1", "notes")]
+ItemKey = tuple[tuple[str, ...], str]
+
+
+@dataclass
+class Life:
+    """When an item expires, as far as the test knows: somewhere in [lo, hi] (seconds since the
+    epoch; inf: never). ``put_hi``: the latest it would have expired had no read refreshed it."""
+
+    ttl: float | None  # seconds
+    lo: float
+    hi: float
+    put_hi: float
+
+    @classmethod
+    def put(cls, ttl: float | None, t0: float, t1: float) -> Life:
+        if ttl is None:
+            return cls(None, math.inf, math.inf, math.inf)
+        return cls(ttl, t0 + ttl, t1 + ttl, t1 + ttl)
+
+    def refreshed(self, t0: float, t1: float) -> Life:
+        """After a read in [t0, t1] returned the item and refreshed it. The refresh follows the
+        read inside the call: if the item could expire inside the bracket, it may have expired
+        between the two (then it was not refreshed), so the window spans both outcomes."""
+        if self.ttl is None:
+            return self
+        lo = self.lo if self.lo <= t1 + CLOCK_EPS else t0 + self.ttl
+        return Life(self.ttl, lo, t1 + self.ttl, self.put_hi)
+
+
+class TTLReference:
+    """InMemoryStore over the items alive at a read, and their :class:`Life`."""
+
+    def __init__(self, index: Any, config: dict[str, Any]) -> None:
+        self.config = config
+        self.ref = InMemoryStore(index=index)  # every item neither deleted nor known expired
+        self.view = InMemoryStore(index=index)  # the same, restricted to one set of alive items
+        self.life: dict[ItemKey, Life] = {}
+        self.stats: dict[str, int] = {}
+
+    def count(self, what: str) -> None:
+        self.stats[what] = self.stats.get(what, 0) + 1
+
+    def forget(self, key: ItemKey) -> None:
+        self.ref.delete(*key)
+        reference_fixups(self.ref, [PutOp(key[0], key[1], None)])
+        self.life.pop(key, None)
+
+    def sweep(self, t0: float) -> None:
+        """Forget what had certainly expired by ``t0`` (the start of the next call)."""
+        for key in [k for k, life in self.life.items() if life.hi <= t0 - CLOCK_EPS]:
+            self.forget(key)
+            self.count("expired")
+
+    def alive_sets(self, t0: float, t1: float) -> tuple[list[set[ItemKey]], list[ItemKey]]:
+        """Every set of items that may be alive during [t0, t1], and the items in doubt."""
+        self.sweep(t0)
+        sure = {k for k, life in self.life.items() if life.lo > t1 + CLOCK_EPS}
+        doubt = [k for k in self.life if k not in sure]
+        return [sure | set(c) for r in range(len(doubt) + 1) for c in itertools.combinations(doubt, r)], doubt
+
+    def answer(self, op: Any, alive: set[ItemKey]) -> tuple[Any, dict[Any, float | None] | None]:
+        """InMemoryStore's answer to ``op`` over the items ``alive`` (and the full scores)."""
+        data: Any = defaultdict(dict)
+        vectors: Any = defaultdict(lambda: defaultdict(dict))
+        for ns, items in self.ref._data.items():
+            for key, item in items.items():
+                if (ns, key) in alive:
+                    data[ns][key] = item
+        for ns, keys in self.ref._vectors.items():
+            for key, paths in keys.items():
+                if (ns, key) in alive:
+                    vectors[ns][key] = paths
+        self.view._data, self.view._vectors = data, vectors
+        return self.view.batch([op])[0], reference_scores(self.view, op)
+
+    def check_read(self, op: Any, got: Any, t0: float, t1: float) -> None:
+        """``got`` must be the reference's answer for one of the alive sets; what every
+        matching set agrees on about an item in doubt is learnt (an expired one forgotten)."""
+        sets, doubt = self.alive_sets(t0, t1)
+        if len(doubt) > 8:  # (too many to enumerate: only on a badly stalled machine)
+            self.count("unchecked")
+            return
+        answers = [self.answer(op, alive) for alive in sets]
+        matching = [alive for alive, (want, scores) in zip(sets, answers) if same(op, want, got, scores)]
+        assert matching, (op, got, doubt, [want for want, _ in answers])
+        self.count("checked")
+        self.count("in doubt") if doubt else None
+        for key in doubt:
+            verdicts = {key in alive for alive in matching}
+            if verdicts == {False}:
+                self.forget(key)
+                self.count("expired")
+
+
+def same(op: Any, want: Any, got: Any, scores: dict[Any, float | None] | None) -> bool:
+    """assert_same as a predicate; a search without a query compares the items as a set (its
+    order is the store's listing order, which the reference keeps only up to expiries)."""
+    if isinstance(op, SearchOp) and not op.query:
+        return sorted((_ident(i), repr(i.value)) for i in want) == sorted((_ident(i), repr(i.value)) for i in got)
+    try:
+        assert_same(op, want, got, scores)
+    except AssertionError:
+        return False
+    return True
+
+
+def timed(call: Any) -> tuple[Any, float, float]:
+    t0 = time.time()
+    out = call()
+    return out, t0, time.time()
+
+
+def run_ttl_differential(seed: int, steps: int, store: KalosStore, ref: TTLReference) -> dict[str, int]:
+    r = random.Random(seed)
+    config = ref.config
+    for n in range(steps):
+        time.sleep(r.uniform(0.0, 0.06))
+        ns, key = r.choice(TTL_NAMESPACES), f"k{r.randrange(5)}"
+        kind = r.choices(["put", "delete", "get", "search", "list"], [30, 4, 30, 30, 6])[0]
+        refresh = r.choice([NOT_GIVEN, True, False])
+        refresh_kw = {} if refresh is NOT_GIVEN else {"refresh_ttl": refresh}
+        refreshes = config.get("refresh_on_read", True) if refresh is NOT_GIVEN else refresh
+        if kind == "put":
+            ttl = r.choices([NOT_GIVEN, None, TTL_SHORT, TTL_LONG], [2, 1, 3, 2])[0]
+            minutes = config.get("default_ttl") if ttl is NOT_GIVEN else ttl
+            value = {"text": f"{r.choice(WORDS)} {r.choice(WORDS)} #{n}", "n": r.randrange(4)}
+            _, t0, t1 = timed(lambda: store.put(ns, key, value, **({} if ttl is NOT_GIVEN else {"ttl": ttl})))
+            ref.sweep(t0)
+            ref.ref.put(ns, key, value)
+            reference_fixups(ref.ref, [PutOp(ns, key, value)])
+            ref.life[(ns, key)] = Life.put(None if minutes is None else 60.0 * minutes, t0, t1)
+        elif kind == "delete":
+            _, t0, _ = timed(lambda: store.delete(ns, key))
+            ref.sweep(t0)
+            ref.forget((ns, key))
+        elif kind == "get":
+            got, t0, t1 = timed(lambda: store.get(ns, key, **refresh_kw))
+            ref.check_read(GetOp(ns, key), got, t0, t1)
+            returned = [] if got is None else [(ns, key)]
+        elif kind == "search":
+            query = r.choice([None, r.choice(WORDS), f"{r.choice(WORDS)} {r.choice(WORDS)}"])
+            filt = r.choice([None, {"n": r.randrange(4)}, {"n": {"$gte": 2}}])
+            prefix = r.choice([(), ("u1",), ("u2",)])
+            limit, offset = (r.randint(1, 6), r.choice([0, 0, 1, 2])) if query else (100, 0)
+            got, t0, t1 = timed(
+                lambda: store.search(prefix, query=query, filter=filt, limit=limit, offset=offset, **refresh_kw)
+            )
+            ref.check_read(SearchOp(prefix, filt, limit, offset, query), got, t0, t1)
+            returned = [_ident(i) for i in got]
+        else:
+            prefix = r.choice([None, ("u1",)])
+            got, t0, t1 = timed(lambda: store.list_namespaces(prefix=prefix))
+            ref.check_read(
+                ListNamespacesOp(None if prefix is None else (MatchCondition("prefix", prefix),)), got, t0, t1
+            )
+            returned = []
+        if kind in ("get", "search"):
+            for k in returned:
+                life = ref.life[k]
+                if life.ttl is not None and t0 > life.put_hi + CLOCK_EPS:
+                    ref.count("alive after its put's expiry")  # a refresh kept it
+                if refreshes:
+                    ref.life[k] = life.refreshed(t0, t1)
+    return ref.stats
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"default_ttl": TTL_SHORT},  # refresh_on_read defaults to True
+        {"default_ttl": TTL_LONG, "refresh_on_read": False, "sweep_interval_minutes": 1},
+        {},  # no config: TTLs given per put only
+    ],
+)
+def test_ttl_differential(
+    sidecar_factory: Any, seed: int, config: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TTLs of 0.6 and 1.2 s, default TTLs, refresh on read or not, per call or by the store's
+    config, against the reference above at every answer: no expired item is ever returned (by
+    get, search with and without a query, or list_namespaces), none alive is missing, and a
+    refreshed item stays searchable by its vectors past its first expiry. The vectors' slack
+    is cut from 5 s to 0.2 s, so that vectors a refresh missed would expire within the run."""
+    monkeypatch.setattr(klg, "VECTOR_TTL_SLACK_S", 0.2)
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["text"]}
+    with KalosStore(h.name, index=index, ttl=config) as store:  # type: ignore[arg-type]
+        assert store.supports_ttl and store.ttl_config == config
+        stats = run_ttl_differential(seed, 110, store, TTLReference(index, config))
+    print(stats)
+    assert stats["checked"] >= 50 and stats.get("unchecked", 0) <= 5, stats
+    assert stats["expired"] >= 1, stats
+    if config.get("default_ttl") == TTL_SHORT:  # every put expires soon, every read refreshes
+        assert stats["expired"] >= 3 and stats.get("alive after its put's expiry", 0) >= 1, stats
+
+
+def test_ttl_arguments_are_checked_before_anything_is_sent(store: KalosStore) -> None:
+    for bad in [0, -1.0, math.nan, math.inf, "5", True, 1e12]:
+        with pytest.raises(ValueError, match="ttl|century"):
+            store.put(("a",), "k", {"text": "tea"}, ttl=bad)
+    for config in [
+        {"default_ttl": 0},
+        {"default_ttl": "1"},
+        {"refresh_on_read": 1},
+        {"omit_expired": "yes"},
+        {"sweep_interval_minutes": 0.5},
+        {"sweep_interval_minutes": True},
+        {"ttl": 5},
+    ]:
+        with pytest.raises(ValueError):
+            KalosStore(store.name, ttl=config)  # type: ignore[arg-type]
+    assert store.list_namespaces() == [] and store.items_namespace not in store._conns.client().namespaces()
+    assert klg.ttl_seconds(None) == math.inf and klg.ttl_seconds(0.5) == 30.0
+
+
+def sleep_until(t: float) -> None:
+    """Sleep until time.time() reaches ``t``: the scenarios below time their steps from the end
+    of the calls before them, so a slow call moves the rest instead of eating a margin."""
+    time.sleep(max(0.0, t - time.time()))
+
+
+def test_ttl_lands_on_the_records_and_a_refresh_restarts_item_and_vectors(
+    sidecar_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Kalos records behind an item: the item expires its TTL after the put (``ttl=None``:
+    never, even under a ``default_ttl``), its vectors the slack later; a refreshing read
+    restarts both; once they expired, nothing is left in either Kalos namespace. (Margins of
+    0.4 s and more around every expiry.)"""
+    from kalos import RecallClient
+
+    monkeypatch.setattr(klg, "VECTOR_TTL_SLACK_S", 0.3)
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
+    with KalosStore(h.name, index=index, ttl={"default_ttl": 0.03}) as store, RecallClient(h.name) as c:
+        store.put(("m",), "short", {"tags": ["tea", "rain"]})  # default_ttl: 1.8 s
+        put_end = time.time()
+        store.put(("m",), "forever", {"tags": ["sun"]}, ttl=None)
+        short, forever = klg.item_id_window(("m",), "short")[0], klg.item_id_window(("m",), "forever")[0]
+        items = c.get([short, forever], namespace=store.items_namespace, with_vectors=False)
+        assert items.ids.tolist() == [short, forever]
+        assert items.expires_at is not None and items.updated_at is not None
+        assert items.expires_at[0] - items.updated_at[0] == pytest.approx(1.8, abs=1e-3)
+        assert items.expires_at[1] == math.inf
+        vec_ids = [klg.vector_id(short, 0), klg.vector_id(short, 1), klg.vector_id(forever, 0)]
+        vecs = c.get(vec_ids, namespace=store.vectors_namespace, with_vectors=False)
+        assert vecs.expires_at is not None and vecs.updated_at is not None
+        assert (vecs.expires_at[:2] - vecs.updated_at[:2]).tolist() == pytest.approx([2.1, 2.1], abs=1e-3)
+        assert vecs.expires_at[2] == math.inf
+        sleep_until(put_end + 1.0)
+        assert store.get(("m",), "short") is not None  # refreshes (refresh_on_read defaults to True)
+        refreshed_end = time.time()
+        again = c.get([short], namespace=store.items_namespace, with_vectors=False)
+        vecs2 = c.get(vec_ids[:2], namespace=store.vectors_namespace, with_vectors=False)
+        assert again.expires_at is not None and vecs2.expires_at is not None
+        assert put_end + 1.8 < again.expires_at[0] <= refreshed_end + 1.8
+        assert (vecs2.expires_at > again.expires_at[0] + 0.25).all()  # (their slack)
+        sleep_until(put_end + 2.2)  # past the put's expiry, not the refresh's
+        assert [i.key for i in store.search(("m",), query="rain", refresh_ttl=False)][:1] == ["short"]
+        sleep_until(refreshed_end + 1.8 + 0.3 + 0.2)
+        assert store.get(("m",), "short") is None
+        assert [i.key for i in store.search(("m",), query="rain")] == ["forever"]
+        assert c.count(store.items_namespace) == 1 and c.count(store.vectors_namespace) == 1
+
+
+def test_a_slow_put_touches_its_vectors_after_the_item(sidecar_factory: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put writes the vectors, then the item: when the two are further apart than half the
+    vectors' slack, the vectors are touched once the item is written, so they never expire
+    before it. A slack of 10 us makes every put that slow (two round trips)."""
+    from kalos import RecallClient
+
+    monkeypatch.setattr(klg, "VECTOR_TTL_SLACK_S", 1e-5)
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
+    with KalosStore(h.name, index=index) as store, RecallClient(h.name) as c:
+        store.put(("m",), "k", {"tags": ["tea", "rain", "sun"]}, ttl=1.0)
+        iid = klg.item_id_window(("m",), "k")[0]
+        item = c.get([iid], namespace=store.items_namespace, with_vectors=False)
+        vecs = c.get([klg.vector_id(iid, j) for j in range(3)], namespace=store.vectors_namespace)
+        assert item.expires_at is not None and vecs.expires_at is not None and vecs.updated_at is not None
+        assert (vecs.expires_at > item.expires_at[0]).all()
+        assert (vecs.updated_at < item.updated_at[0]).all()  # (written before it, touched after it)
+
+
+def test_vectors_left_by_an_expired_item_never_score_its_successor(sidecar_factory: Any) -> None:
+    """An item expires; its vectors live their slack longer; the key is put again (at the same
+    id) with fewer texts. Its second old vector is still there but no longer the item's: a
+    search scores the item by the text it has."""
+    from kalos import RecallClient
+
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": embed, "fields": ["tags[*]"]}
+    with KalosStore(h.name, index=index) as store, RecallClient(h.name) as c:
+        store.put(("m",), "k", {"tags": ["tea", "rain"]}, ttl=0.005)  # 0.3 s
+        sleep_until(time.time() + 0.45)
+        assert store.get(("m",), "k") is None
+        store.put(("m",), "k", {"tags": ["sun"]})
+        hits = store.search(("m",), query="rain")
+        assert [h.key for h in hits] == ["k"]
+        sun, rain = np.asarray(embed_one("sun")), np.asarray(embed_one("rain"))
+        assert hits[0].score == pytest.approx(float(sun @ rain / np.linalg.norm(sun) / np.linalg.norm(rain)), abs=1e-5)
+        iid = klg.item_id_window(("m",), "k")[0]  # the stale vector is there (the search met it)
+        assert c.get([klg.vector_id(iid, 1)], namespace=store.vectors_namespace).missing.size == 0
+
+
+@pytest.mark.asyncio
+async def test_ttl_async_methods(sidecar_factory: Any) -> None:
+    """aput with a TTL, aget and asearch refreshing or not, abatch: the same plans on a pool."""
+    h = start(sidecar_factory)
+    index = {"dims": DIM, "embed": aembed, "fields": ["text"]}
+
+    async def until(t: float) -> None:
+        await asyncio.sleep(max(0.0, t - time.time()))
+
+    async with KalosStore(h.name, index=index, ttl={"refresh_on_read": False}) as store:
+        await store.aput(("a",), "kept", {"text": "tea rain"}, ttl=0.02)  # 1.2 s
+        await store.aput(("a",), "gone", {"text": "tea sun"}, ttl=0.02)
+        await store.aput(("a",), "never", {"text": "cat dog"})
+        put_end = time.time()
+        await until(put_end + 0.5)
+        assert [i.key for i in await store.asearch(("a",), query="tea rain", limit=1, refresh_ttl=True)] == ["kept"]
+        refreshed_end = time.time()
+        assert await store.aget(("a",), "gone") is not None  # not refreshed: refresh_on_read is False
+        await until(put_end + 1.4)  # past the puts' expiry, not the refresh's
+        assert [i.key for i in await store.asearch(("a",), query="tea")] == ["kept", "never"]
+        got = await store.abatch([GetOp(("a",), "gone"), GetOp(("a",), "kept", refresh_ttl=False)])
+        assert got[0] is None and got[1] is not None
+        await until(refreshed_end + 1.2 + 0.2)
+        assert [i.key for i in await store.asearch(("a",))] == ["never"]
+        assert await store.alist_namespaces() == [("a",)]

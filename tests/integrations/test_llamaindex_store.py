@@ -20,6 +20,7 @@ from llama_index.core.llms import MockLLM
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.core.schema import (
     Document,
+    MetadataMode,
     NodeRelationship,
     RelatedNodeInfo,
     TextNode,
@@ -37,6 +38,8 @@ from llama_index.core.vector_stores.types import (
 
 import kalos.integrations.llamaindex as kli
 from kalos.integrations.llamaindex import (
+    CREATED_AT_KEY,
+    UPDATED_AT_KEY,
     IdCollision,
     KalosLlamaVectorStore,
     UnsupportedQuery,
@@ -121,6 +124,23 @@ def simple_store(nodes: list[TextNode]) -> SimpleVectorStore:
 def cosine(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def without_times(metadata: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metadata.items() if k not in (CREATED_AT_KEY, UPDATED_AT_KEY)}
+
+
+def assert_times_are_the_records(nodes: Any, client: Any, namespace: str) -> None:
+    """Each node's kalos_created_at / kalos_updated_at are its record's (seconds since the
+    epoch, read by the client), kept out of the text for embeddings and LLMs."""
+    assert nodes
+    for n in nodes:  # (one by one: large payloads)
+        rec = client.get([kalos_id(n.node_id)], namespace=namespace, with_vectors=False)
+        assert rec.missing.size == 0
+        created, updated = float(rec.created_at[0]), float(rec.updated_at[0])
+        assert (n.metadata[CREATED_AT_KEY], n.metadata[UPDATED_AT_KEY]) == (created, updated)
+        assert isinstance(created, float) and 1.7e9 < created <= updated
+        assert CREATED_AT_KEY in n.excluded_llm_metadata_keys and UPDATED_AT_KEY in n.excluded_embed_metadata_keys
 
 
 def assert_same_result(
@@ -270,10 +290,11 @@ def test_delete_get_and_update(store, rng):
     got = store.get_nodes()
     assert {n.node_id for n in got} == left
     by_id = {n.node_id: n for n in nodes}
-    for n in got:  # text, metadata, relationships as they went in
+    for n in got:  # text, metadata, relationships as they went in, and the record's timestamps
         assert n.get_content() == by_id[n.node_id].get_content()
-        assert n.metadata == by_id[n.node_id].metadata
+        assert without_times(n.metadata) == by_id[n.node_id].metadata
         assert n.ref_doc_id == by_id[n.node_id].ref_doc_id
+    assert_times_are_the_records(got, c, "li")
     some = sorted(left)[:5]
     assert {n.node_id for n in store.get_nodes(some)} == set(some)
     assert {n.node_id for n in store.get_nodes(filters=FILTER_CASES["eq-str"])} == {
@@ -288,6 +309,15 @@ def test_delete_get_and_update(store, rng):
     assert c.count("li") == before
     [back] = store.get_nodes([n0.node_id])
     assert back.get_content() == "rewritten" and back.metadata["rank"] == 99
+    old = next(n for n in got if n.node_id == n0.node_id)
+    assert back.metadata[CREATED_AT_KEY] == old.metadata[CREATED_AT_KEY]
+    assert back.metadata[UPDATED_AT_KEY] > old.metadata[UPDATED_AT_KEY]
+    # a node read back and added again does not store the timestamps it was given
+    back.metadata["rank"], back.embedding = 100, n0.embedding
+    store.add([back])
+    [payload] = c.get([kalos_id(n0.node_id)], namespace="li").payloads
+    assert payload["rank"] == 100 and not any(k.startswith("kalos_") for k in payload)
+    assert "kalos_" not in payload["_node_content"]
     store.clear()
     assert store.query(vq).ids == []
 
@@ -329,7 +359,12 @@ def test_vector_store_index_end_to_end(broker):
                 np.testing.assert_allclose([n.score for n in got], [n.score for n in want], atol=1e-5)
         top = index.as_retriever(similarity_top_k=1).retrieve("green tea")[0].node
         assert top.get_content() == docs[0].text and top.ref_doc_id == "d0"
-        assert top.metadata == {"topic": "drinks", "year": 2021}
+        assert without_times(top.metadata) == {"topic": "drinks", "year": 2021}
+        for mode in (MetadataMode.LLM, MetadataMode.EMBED):  # the timestamps stay out of prompts
+            assert top.get_content(mode) == ref.as_retriever(similarity_top_k=1).retrieve("green tea")[
+                0
+            ].node.get_content(mode)
+            assert "kalos_" not in top.get_content(mode) and "topic: drinks" in top.get_content(mode)
 
         index.delete_ref_doc("d0")
         hits = index.as_retriever(similarity_top_k=6).retrieve("green tea")
@@ -423,6 +458,7 @@ def test_large_payloads_split(sidecar_factory, rng):
         got = store.query(vq)
         assert_same_result(got, ref.query(vq), emb, q)
         assert got.nodes is not None and all(n.get_content().startswith(n.node_id) for n in got.nodes)
+        assert_times_are_the_records(got.nodes, store.client, "big")  # (fetched apart, too)
         store.add(nodes[:10])  # again: the occupancy reads split too
         assert store.client.count("big") == 40
         assert len(store.get_nodes()) == 40
@@ -532,3 +568,45 @@ async def test_an_l2_sidecar_is_refused_with_the_reason(sidecar_factory):
     finally:
         store.close()
         await store.aclose()
+
+
+def test_timestamps_feed_llamaindexs_time_weighted_postprocessor(store, rng):
+    """The nodes' ``kalos_updated_at`` is epoch seconds, the form LlamaIndex's own
+    TimeWeightedPostprocessor reads (``last_accessed_key``): it reranks the store's answer by
+    similarity + (1 - time_decay) ** hours since the last write, as float64 says."""
+    import time
+
+    from llama_index.core.postprocessor import TimeWeightedPostprocessor
+    from llama_index.core.schema import NodeWithScore
+
+    base = rng.standard_normal(DIM)
+    base /= np.linalg.norm(base)
+    nodes = random_nodes(rng, 30)
+    for n in nodes:  # near one direction: cosines differ about as much as a second's decay
+        n.embedding = (base + 0.03 * rng.standard_normal(DIM)).tolist()
+    store.add(nodes[:15])
+    time.sleep(0.4)
+    store.add(nodes[15:])
+    emb = {n.node_id: n.get_embedding() for n in nodes}
+    reranked = 0
+    for _ in range(6):
+        q = (base + 0.03 * rng.standard_normal(DIM)).tolist()
+        result = store.query(VectorStoreQuery(query_embedding=q, similarity_top_k=30))
+        assert result.nodes is not None and result.similarities is not None
+        updated = np.array([n.metadata[UPDATED_AT_KEY] for n in result.nodes])
+        assert updated.max() - updated.min() > 0.35
+        now, decay = float(updated.max()) + 0.2, 1.0 - 2.0**-52  # 1 % per second
+        pp = TimeWeightedPostprocessor(
+            last_accessed_key=UPDATED_AT_KEY, time_decay=decay, top_k=5, now=now, time_access_refresh=False
+        )
+        out = pp.postprocess_nodes([NodeWithScore(node=n, score=s) for n, s in zip(result.nodes, result.similarities)])
+        combined = {
+            n.node_id: cosine(emb[n.node_id], q) + (1.0 - decay) ** ((now - u) / 3600.0)
+            for n, u in zip(result.nodes, updated)
+        }
+        kth = sorted(combined.values(), reverse=True)[4]
+        got = [combined[o.node.node_id] for o in out]  # the top 5 (up to float32 ties), best first
+        assert len(got) == 5 and min(got) >= kth - 1e-5 and np.all(np.diff(got) <= 1e-5)
+        np.testing.assert_allclose([o.score for o in out], got, atol=1e-5)
+        reranked += [o.node.node_id for o in out] != result.ids[:5]
+    assert reranked >= 1
