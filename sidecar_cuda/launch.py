@@ -38,12 +38,16 @@ next ``t_post`` minus last ``t_done`` of a slot, which the control blocks carry)
   busy, ``2 D(N/2)`` per N at best. Unlike the eager decision it aims at halves (a merged group
   splits again, and stragglers do not make a third batch).
 
-It serves in the regime that costs less device time per request: measured while serving in it
-(:class:`Cost`: busy plus idle time of the device over the requests served) or, where that
-measurement is older than :data:`STALE_NS` or was taken at another number of callers, estimated
-from the formulas above; another regime must look :data:`HYSTERESIS` cheaper to be tried. So a
-GPU with a large fixed cost and fast callers merges, while a CPU backend (the product grows with
-the batch) or slow hosts and callers stay split.
+It serves in the regime that costs less device time per request, as measured while serving in it
+(:class:`Cost`: the device's busy plus idle time over the requests served, believed for
+:data:`STALE_NS` and at about the same number of callers). The other regime is tried, for
+:data:`MIN_BATCHES` batches, when its measurement is older than that and its estimate looks better
+or at least plausible; a try that confirms it is worse makes its measurement believed twice as
+long (up to :data:`MAX_TRUST_NS`). The estimate: this regime's measured cost scaled by the ratio
+of the two regimes' costs computed from the measured times (:meth:`FillPolicy.estimate`). So a GPU
+with a large fixed part and callers that turn around fast merges, a CPU backend (whose product
+grows with the batch) or a slow host splits, and where the estimates are wrong the measurements
+decide.
 
 Bounds: a caller that posts while no one else is out (a lone caller) leaves at once in both
 regimes. MERGE keeps the device waiting for callers at most ``--gather-us`` and at most the device
@@ -71,7 +75,7 @@ import numpy as np
 class Launch(str, enum.Enum):
     """``--launch``: when the next batch leaves. The values are the option's spellings."""
 
-    FILL = "fill"  # FillPolicy: merge the callers' groups, keep the device busy
+    FILL = "fill"  # FillPolicy: one batch of every caller, or halves that keep the device busy
     EAGER = "eager"  # EagerPolicy: the decision up to issue 27 (kept for A/B runs)
 
 
@@ -110,9 +114,10 @@ class LaunchPolicy(Protocol):
         ``inflight``: the batches on the device, oldest first."""
         ...
 
-    def launched(self, n: int, t_decided: int, t_started: int) -> None:
+    def launched(self, n: int, t_decided: int, t_started: int, pipelined: bool) -> None:
         """A batch of ``n`` requests was decided at ``t_decided`` and started on the device at
-        ``t_started`` (the host's launch time between)."""
+        ``t_started`` (the host's launch time between); ``pipelined``: it is left in flight while
+        the next is taken (else it is answered before)."""
         ...
 
     def device_done(self, n: int, t_started: int, t_end: int) -> None:
@@ -163,7 +168,7 @@ class EagerPolicy:
         self._since = 0
         return Decision(True, now, posted)
 
-    def launched(self, n: int, t_decided: int, t_started: int) -> None:
+    def launched(self, n: int, t_decided: int, t_started: int, pipelined: bool) -> None:
         pass
 
     def device_done(self, n: int, t_started: int, t_end: int) -> None:
@@ -326,9 +331,10 @@ class Regime(enum.Enum):
 class Cost:
     """What a regime measured: the device's time per request served (its busy time plus the idle
     time before each batch), a running mean over the last batches served in it, with the number
-    of callers it was measured at and when."""
+    of callers it was measured at and when, and how long it is believed (``trust_ns``: doubled
+    each time a try of the regime confirms it is the worse one, up to :data:`MAX_TRUST_NS`)."""
 
-    __slots__ = ("at", "batches", "callers", "ns", "requests")
+    __slots__ = ("at", "batches", "callers", "ns", "requests", "trust_ns")
 
     def __init__(self) -> None:
         self.ns = 0.0  # running sums (each batch weighs SMOOTHING against the rest)
@@ -336,10 +342,12 @@ class Cost:
         self.batches = 0  # batches counted since the regime was last entered
         self.callers = 0
         self.at = 0
+        self.trust_ns = STALE_NS
 
     def add(self, n: int, ns: int, callers: int, now: int) -> None:
         if not _near(callers, self.callers):  # other callers, other costs: measure afresh
             self.batches = 0
+            self.trust_ns = STALE_NS
         self.batches += 1
         self.callers, self.at = callers, now
         if self.batches <= SETTLE:  # the first batches of a stint carry the change of regime
@@ -354,12 +362,12 @@ class Cost:
 
     def fresh(self, now: int, callers: int) -> bool:
         """Measured lately, at about this many callers."""
-        return self.batches >= SETTLE + MIN_BATCHES and now - self.at < STALE_NS and _near(callers, self.callers)
+        return self.batches >= SETTLE + MIN_BATCHES and now - self.at < self.trust_ns and _near(callers, self.callers)
 
 
 def _near(a: int, b: int) -> bool:
-    """About the same number of callers (within 10 %)."""
-    return abs(a - b) <= max(1, a // 10)
+    """About the same number of callers (within 20 %, or 2)."""
+    return abs(a - b) <= max(2, a // 5)
 
 
 # ---------------------------------------------------------------------------- the new decision
@@ -368,12 +376,16 @@ RETURN_QUANTILE = 0.99
 #: Callers answered longer ago than this quantile of the turnaround no longer count as coming back.
 HORIZON_QUANTILE = 0.99
 #: Batches of a new stint in a regime that are not counted (the change of regime shows in them),
-#: then the batches counted before its cost is judged; how long a measured cost is believed (after
-#: that the other regime is judged by its estimate again, and tried if that looks better); the
-#: margin by which the other regime must look better to be tried.
+#: then the batches counted before its cost is judged; how long a measured cost is believed at
+#: first (after that the other regime is tried again), and at most; the margin by which a measured
+#: regime must be cheaper to be chosen.
 SETTLE = 2
 MIN_BATCHES = 8
 STALE_NS = 500_000_000
+MAX_TRUST_NS = 8_000_000_000
+#: A regime not measured lately is tried when its estimate is below this multiple of the cost
+#: measured in the current one.
+PROBE_FACTOR = 2.0
 HYSTERESIS = 0.05
 
 
@@ -394,6 +406,7 @@ class FillPolicy:
         self.regime = Regime.SPLIT
         self.costs = {Regime.SPLIT: Cost(), Regime.MERGE: Cost()}
         self.callers = 0  # posted + coming back + on the device, at the last decision
+        self.pipelined = True  # batches are left in flight while the next is taken (--pipeline)
         self.idle_since = 0  # when the device was last seen finishing a batch
         self._round = 0  # when the posted requests began waiting (0: none are)
         self._finished = 0  # size of a batch seen finished whose answers are not written yet
@@ -451,42 +464,68 @@ class FillPolicy:
 
     # -- the regime
     def estimate(self, regime: Regime, callers: int) -> float:
-        """Device ns per request a regime would cost at ``callers`` callers, from measured times."""
-        if callers <= 0 or not self.device.known():
-            return math.inf
-        half = callers // 2
-        if regime is Regime.SPLIT:
-            return (self.device(callers - half) + self.device(half)) / callers
+        """Device ns per request a regime would cost at ``callers`` callers that keep coming
+        back, from the measured times: the time a caller's round takes, over the callers. D, A and
+        K are the device, answer and take times by size, T the turnaround.
+
+        * MERGE: ``D(N) + A(N) + T + K(N)``, all in turn;
+        * SPLIT, pipelined: the halves' rounds overlap, ``max(D(N/2) + D(N/2), D(N/2) + A + T + K)``;
+          not pipelined, the host's work does not overlap the device's:
+          ``max(2 (D + A + K)(N/2), (D + A + K)(N/2) + T)``."""
         back = self.turn.quantile(RETURN_QUANTILE)
-        if back is None or not self.gather_ns:
+        if callers <= 0 or back is None or not self.device.known():
             return math.inf
-        return (self.device(callers) + self.answer(callers) + back + self.take(callers)) / callers
+        D, A, K = self.device, self.answer, self.take
+        if regime is Regime.MERGE:
+            if not self.gather_ns:
+                return math.inf
+            return (D(callers) + A(callers) + back + K(callers)) / callers
+        h = callers - callers // 2
+        host = A(h) + K(h)
+        if self.pipelined:
+            return max(D(h) + D(callers - h), D(h) + host + back) / callers
+        return max(2 * (D(h) + host), D(h) + host + back) / callers
 
     def _judge(self, now: int) -> None:
-        """After a batch: move to the other regime if it costs less (measured, or estimated where
-        its measurement is stale) by :data:`HYSTERESIS`."""
+        """After a batch: move to the other regime if it costs less by :data:`HYSTERESIS`:
+        measured, or where its measurement is not believed any more, this regime's measured cost
+        scaled by the ratio of their estimates (:meth:`estimate` leaves out what slows both, such
+        as callers starved of CPU: the ratio carries over, the level does not)."""
         cur = self.costs[self.regime]
-        if cur.batches < SETTLE + MIN_BATCHES or self.callers < 2:
+        callers = self.callers
+        if cur.batches < SETTLE + MIN_BATCHES or callers < 2:
             return
         cur_regime = self.regime
         other = Regime.MERGE if cur_regime is Regime.SPLIT else Regime.SPLIT
         oc = self.costs[other]
-        theirs = oc.per_request() if oc.fresh(now, self.callers) else self.estimate(other, self.callers)
         ours = cur.per_request()
-        if theirs < ours * (1.0 - HYSTERESIS):
+        measured = oc.fresh(now, callers)
+        if measured:
+            theirs = oc.per_request()
+            better = theirs < ours * (1.0 - HYSTERESIS)
+        else:
+            mine = self.estimate(cur_regime, callers)
+            theirs = ours * self.estimate(other, callers) / mine if 0 < mine < math.inf else math.inf
+            # A regime not measured lately is tried where it looks better, and also where it
+            # looks plausible: the estimates can be wrong in favour of this one.
+            better = theirs < ours * PROBE_FACTOR
+        if better:
             self.regime = other
             oc.batches = 0
+            if measured:  # back from a try of this regime: believe its cost longer next time
+                cur.trust_ns = min(2 * cur.trust_ns, MAX_TRUST_NS)
             if self._on_switch is not None:
-                how = "measured" if oc.fresh(now, self.callers) else "estimated"
+                how = "measured" if measured else "estimated (a try)"
                 self._on_switch(
                     other,
-                    f"{self.callers} callers: {theirs / 1e3:.2f} us of device time per request {how}, "
+                    f"{callers} callers: {theirs / 1e3:.2f} us of device time per request {how}, "
                     f"against {ours / 1e3:.2f} us measured in {cur_regime.value}",
                 )
 
     # -- what the pipeline measured
-    def launched(self, n: int, t_decided: int, t_started: int) -> None:
+    def launched(self, n: int, t_decided: int, t_started: int, pipelined: bool) -> None:
         self.take.observe(n, t_started - t_decided)
+        self.pipelined = pipelined
 
     def device_done(self, n: int, t_started: int, t_end: int) -> None:
         # A batch queued behind another started on the device when that one finished; the idle

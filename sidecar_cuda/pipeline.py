@@ -310,7 +310,7 @@ class Pipeline:
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
         t_start = time.monotonic_ns()
-        self.launch.launched(len(taken), t_pick, t_start)
+        self.launch.launched(len(taken), t_pick, t_start, plan.pipelined)
         return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows, t_start)
 
     def finish_inflight(self) -> int:

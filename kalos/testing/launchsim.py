@@ -147,7 +147,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
                 t += spec.take_ns[0] + spec.take_ns[1] * len(taken)
                 start = max(t, device_free)
                 device_free = start + spec.a_ns + spec.b_ns * len(taken)
-                policy.launched(len(taken), t_pick, t)
+                policy.launched(len(taken), t_pick, t, spec.depth > 1)
                 inflight.append(_Batch(taken, t_pick, start, device_free))
                 if spec.depth == 1:  # not pipelined: answered at once
                     t = max(t, device_free)

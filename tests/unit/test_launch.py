@@ -1,6 +1,6 @@
 """The launch decision (sidecar_cuda/launch.py): pure, so it is driven here with a fake clock and
 made-up measurements; tests/unit/test_launch_sim.py runs it in a simulated closed loop and
-tests/ipc/test_launch.py on a real sidecar."""
+tests/ipc/test_launch_serving.py on a real sidecar."""
 
 from __future__ import annotations
 
@@ -233,7 +233,7 @@ def drive(p: FillPolicy, batches: int, n: int, callers: int, *, t: int, a: int, 
     for _ in range(batches):
         p.decide(t, 1, callers - 1, t - 1, [])  # (the pipeline's count of callers)
         t += idle
-        p.launched(n, t - host, t)
+        p.launched(n, t - host, t, True)
         t += a + b * n
         p.device_done(n, t - a - b * n, t)
         t += host
@@ -255,13 +255,25 @@ def test_fill_moves_to_merge_where_one_batch_costs_less_per_request_and_says_why
     assert len(seen) == 1 and seen[0][0] is Regime.MERGE and "256 callers" in seen[0][1]
 
 
-def test_fill_stays_split_where_the_device_time_grows_with_the_batch():
-    """A CPU backend: no fixed part worth waiting for."""
+def test_fill_tries_merge_where_it_looks_worse_and_backs_off_when_it_is():
+    """A CPU backend: no fixed part worth waiting for. The estimates say split, but they may be
+    wrong: merge is tried once its measurement is stale, and each try that confirms it is worse
+    makes the next one wait twice as long."""
     p = FillPolicy(1 * MS)
     gpu_like(p, a=20 * US, b=100 * US, turn=200 * US)
-    drive(p, 3 * L.MIN_BATCHES, 32, 64, t=10 * MS, a=20 * US, b=100 * US, idle=0, host=20 * US)
-    assert p.regime is Regime.SPLIT
     assert p.estimate(Regime.MERGE, 64) > p.estimate(Regime.SPLIT, 64)
+    t = drive(p, 1 + L.SETTLE + L.MIN_BATCHES, 32, 64, t=10 * MS, a=20 * US, b=100 * US, idle=0, host=20 * US)
+    assert p.regime is Regime.MERGE  # (never measured: tried)
+    trust = L.STALE_NS
+    for _ in range(3):
+        # Merging measures worse: back to split, and merge is believed worse twice as long.
+        t = drive(p, L.SETTLE + L.MIN_BATCHES, 64, 64, t=t, a=20 * US, b=100 * US, idle=2 * MS, host=20 * US)
+        assert p.regime is Regime.SPLIT and p.costs[Regime.MERGE].trust_ns == 2 * trust
+        trust *= 2
+        t = drive(p, L.SETTLE + L.MIN_BATCHES + 1, 32, 64, t=t, a=20 * US, b=100 * US, idle=0, host=20 * US)
+        assert p.regime is Regime.SPLIT  # within the trust: no try
+        t = drive(p, 1, 32, 64, t=t + trust, a=20 * US, b=100 * US, idle=0, host=20 * US)
+        assert p.regime is Regime.MERGE  # past it: tried again
 
 
 def test_fill_leaves_merge_when_its_measured_cost_is_worse_and_tries_again_when_stale():
