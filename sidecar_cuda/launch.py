@@ -192,8 +192,14 @@ SMOOTHING = 0.25
 def _blend(old: float, new: float) -> float:
     """A running mean that one wild measurement (a first call that compiles a kernel, a page
     fault storm) moves by at most a factor of 2."""
-    new = min(max(new, old / 2), old * 2)
+    if new > 2 * old:
+        new = 2 * old
+    elif new < old / 2:
+        new = old / 2
     return old + SMOOTHING * (new - old)
+
+
+_QUARTER_OCTAVE = [0] + [int(4 * math.log2(n)) for n in range(1, 4097)]  # a size's bucket, made once
 
 
 class SizeCurve:
@@ -214,7 +220,7 @@ class SizeCurve:
     def observe(self, n: int, ns: int) -> None:
         if n <= 0 or ns <= 0:
             return
-        b = int(4 * math.log2(n))
+        b = _QUARTER_OCTAVE[n] if n < len(_QUARTER_OCTAVE) else int(4 * math.log2(n))
         old = self._buckets.get(b)
         self._buckets[b] = (
             (float(n), float(ns)) if old is None else (old[0] + SMOOTHING * (n - old[0]), _blend(old[1], ns))
@@ -266,13 +272,14 @@ class Turnarounds:
     stamp that makes no turnaround (none yet, negative, a second or more) is skipped, and a lie
     within range can only move how long a batch waits, which is capped anyway."""
 
-    __slots__ = ("_binned", "_cache", "_counts", "_keep", "_pending")
+    __slots__ = ("_cache", "_counts", "_keep", "_weight")
 
     def __init__(self, memory: int = 2048) -> None:
+        # Fading without touching every bin per measurement: each new one weighs 1 / keep times
+        # the one before (the counts are scaled back down before the weights grow large).
         self._counts = np.zeros(_T_BINS, np.float64)
         self._keep = 1.0 - 1.0 / memory  # weight left to an old measurement per new one
-        self._pending: list[int] = []  # single measurements not yet binned
-        self._binned = False  # any binned yet
+        self._weight = 1.0  # of the next measurement
         self._cache: dict[float, int | None] = {}
 
     def observe(self, t_post: np.ndarray, t_done: np.ndarray) -> None:
@@ -281,31 +288,28 @@ class Turnarounds:
         d = t_post.astype(np.int64, copy=False) - done
         ok = d[(done > 0) & (d > 0) & (d < TURNAROUND_MAX_NS)]
         if len(ok):
-            self._add(ok)
+            idx = np.clip((np.log2(ok) - _T_LO) * 4, 0, _T_BINS - 1).astype(np.intp)
+            self._counts += np.bincount(idx, minlength=_T_BINS) * self._weight
+            self._faded(len(ok))
 
     def observe_one(self, t_post: int, t_done: int) -> None:
+        """:meth:`observe` of one measurement, without arrays (the SINGLE route's)."""
         d = t_post - t_done
         if t_done > 0 and 0 < d < TURNAROUND_MAX_NS:
-            self._pending.append(d)
-            if len(self._pending) >= 64:
-                self._flush()
+            i = int((math.log2(d) - _T_LO) * 4)
+            self._counts[min(max(i, 0), _T_BINS - 1)] += self._weight
+            self._faded(1)
 
-    def _flush(self) -> None:
-        if self._pending:
-            vals, self._pending = np.asarray(self._pending, np.int64), []
-            self._add(vals)
-
-    def _add(self, d: np.ndarray) -> None:
-        idx = np.clip((np.log2(np.maximum(d, 1)) - _T_LO) * 4, 0, _T_BINS - 1).astype(np.intp)
-        self._counts *= self._keep ** len(d)
-        self._counts += np.bincount(idx, minlength=_T_BINS)
-        self._binned = True
-        self._cache.clear()
+    def _faded(self, k: int) -> None:
+        self._weight /= self._keep**k
+        if self._weight > 1e12:
+            self._counts /= self._weight
+            self._weight = 1.0
+        if self._cache:
+            self._cache.clear()
 
     def quantile(self, q: float) -> int | None:
         """The turnaround ``q`` of the callers stay within (ns); None before any was measured."""
-        if self._pending and not self._binned:  # (else they wait for their batch of 64)
-            self._flush()
         hit = self._cache.get(q, -1)
         if hit != -1:
             return hit
@@ -386,6 +390,8 @@ MAX_TRUST_NS = 8_000_000_000
 #: A regime not measured lately is tried when its estimate is below this multiple of the cost
 #: measured in the current one.
 PROBE_FACTOR = 2.0
+#: One batch in this many of a lone caller is measured.
+LONE_SAMPLE = 16
 HYSTERESIS = 0.05
 
 
@@ -410,6 +416,7 @@ class FillPolicy:
         self.idle_since = 0  # when the device was last seen finishing a batch
         self._round = 0  # when the posted requests began waiting (0: none are)
         self._finished = 0  # size of a batch seen finished whose answers are not written yet
+        self._lone = 0  # batches of a lone caller seen
 
     @property
     def horizon_ns(self) -> int:
@@ -528,13 +535,21 @@ class FillPolicy:
         self.pipelined = pipelined
 
     def device_done(self, n: int, t_started: int, t_end: int) -> None:
+        if self.callers <= 1:
+            # A lone caller: there is nothing to decide, so only one of its batches in
+            # LONE_SAMPLE is measured (it still teaches D(1), at a fraction of the cost).
+            self._lone += 1
+            if self._lone % LONE_SAMPLE:
+                self.idle_since = t_end
+                self._finished = 0
+                return
         # A batch queued behind another started on the device when that one finished; the idle
         # time before a batch is the regime's cost too, up to what waiting for callers can explain
         # (a longer idle is a quiet spell, nobody's cost).
         start = max(t_started, self.idle_since)
         busy = t_end - start
         self.device.observe(n, busy)
-        if self.idle_since:
+        if self.idle_since and self.callers > 1:  # (a lone caller has no regime to judge)
             idle = start - self.idle_since
             if idle > self.gather_ns:
                 idle = min(idle, self.gather_ns + int(self.answer(n) + self.take(n)) + self.horizon_ns)
@@ -552,7 +567,8 @@ class FillPolicy:
         self.turn.observe(t_post, t_done)
 
     def turnaround(self, t_post: int, t_done: int) -> None:
-        self.turn.observe_one(t_post, t_done)
+        if self.callers > 1 or self._lone % LONE_SAMPLE == LONE_SAMPLE - 1:
+            self.turn.observe_one(t_post, t_done)
 
 
 # ---------------------------------------------------------------------------- who is coming back

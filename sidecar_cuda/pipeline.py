@@ -79,7 +79,7 @@ class InFlight:
     pending: PendingSearch
     work: int  # rows x queries x dim
     rows: tuple[np.ndarray, np.ndarray] | None = None  # (slot, row) per query; None: row 0 of each
-    t_start: int = 0  # CLOCK_MONOTONIC when started on the backend
+    t_start: int = 0  # CLOCK_MONOTONIC when handed to the backend
 
 
 class Pipeline:
@@ -234,7 +234,7 @@ class Pipeline:
         while True:
             now = time.monotonic_ns()
             returning, answered_ns = self.returning.count(idx, now, launch)
-            flights = [(len(b.taken), b.t_start) for b in self.inflight]
+            flights = [(len(b.taken), b.t_start) for b in self.inflight] if self.inflight else ()
             if launch.decide(now, len(idx), returning, answered_ns, flights).launch:
                 return idx
             if flights:
@@ -301,6 +301,7 @@ class Pipeline:
         searches again and reports per request)."""
         ns = plan.namespace
         assert ns is not None
+        t_start = time.monotonic_ns()  # (before: a filtered batch is searched right here)
         try:
             if plan.where is None:
                 pending = ns.search_start(q, plan.k)
@@ -309,7 +310,6 @@ class Pipeline:
                 pending = completed(*ns.search_where(q, plan.k, match))
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
-        t_start = time.monotonic_ns()
         self.launch.launched(len(taken), t_pick, t_start, plan.pipelined)
         return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows, t_start)
 

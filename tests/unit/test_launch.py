@@ -90,14 +90,16 @@ def test_turnaround_stamps_that_make_no_turnaround_are_skipped():
     assert t.quantile(0.5) == pytest.approx(MS, rel=0.19)
 
 
-def test_single_turnarounds_are_binned_in_batches():
-    t = Turnarounds()
-    for _ in range(63):
-        t.observe_one(1000 + 200 * US, 1000)
-    assert t.quantile(0.5) == pytest.approx(200 * US, rel=0.19)  # nothing binned yet: binned now
-    for _ in range(64):
-        t.observe_one(1000 + 20 * MS, 1000)
-    assert t.quantile(0.5) == pytest.approx(20 * MS, rel=0.19)
+def test_single_turnarounds_count_as_batched_ones(rng):
+    one, many = Turnarounds(memory=256), Turnarounds(memory=256)
+    for scale in (200 * US, 20 * MS):  # the newer measurements take over in both
+        d = rng.uniform(scale, 2 * scale, 600).astype(np.int64)
+        for x in d.tolist():
+            one.observe_one(1000 + x, 1000)
+        many.observe(np.uint64(1000) + d.astype(np.uint64), np.full(len(d), 1000, np.uint64))
+        for q in (0.1, 0.5, 0.9):
+            assert one.quantile(q) == pytest.approx(many.quantile(q), rel=0.02)
+            assert one.quantile(q) == pytest.approx(np.quantile(d, q), rel=0.19)
 
 
 # ---------------------------------------------------------------------------- Returning
