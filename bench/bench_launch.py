@@ -10,7 +10,7 @@ p50/p95/p99, the mean batch and the batch-size distribution from the sidecar's `
 answers against numpy float64 on the regenerated rows. JSON under bench/results/.
 
     python3 bench/bench_launch.py                                   # numpy, 200k x 256, 1..256 tasks
-    python3 bench/bench_launch.py --backend cuda --size 1Mx768:float16 --tasks 1,8,64,256
+    python3 bench/bench_launch.py --backend cuda --size 1Mx768:float16 --tasks 1,8,64,256 --policies eager,fill,merge,split
     python3 bench/bench_launch.py --policies fill,eager --sidecar-args '--pipeline off'
 
 On a 2-vCPU machine the numpy backend stands in for a device: pick a size whose batch takes

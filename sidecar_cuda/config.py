@@ -379,8 +379,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         default="fill",
         help="when the next batch leaves: fill (one batch of every caller where that costs the "
         "device less per request than two halves taking turns, measured; a lone caller at "
-        "once) or eager (once as many are posted as the last batch held, the decision before "
-        "issue 27)",
+        "once), eager (once as many are posted as the last batch held, the decision before "
+        "issue 27), or merge / split (fill held in one of its two ways, to measure them)",
     )
     opt(
         "--pipeline",

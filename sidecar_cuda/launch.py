@@ -77,6 +77,8 @@ class Launch(str, enum.Enum):
 
     FILL = "fill"  # FillPolicy: one batch of every caller, or halves that keep the device busy
     EAGER = "eager"  # EagerPolicy: the decision up to issue 27 (kept for A/B runs)
+    MERGE = "merge"  # FillPolicy held in MERGE (to measure one regime against the other)
+    SPLIT = "split"  # FillPolicy held in SPLIT
 
 
 class Decision:
@@ -402,14 +404,17 @@ class FillPolicy:
     ``on_switch(regime, why)``: told of every change of regime (the sidecar logs it). It starts in
     SPLIT, which is what an unmeasured device gets from the eager decision too."""
 
-    def __init__(self, gather_ns: int, on_switch: Callable[[Regime, str], None] | None = None) -> None:
+    def __init__(
+        self, gather_ns: int, on_switch: Callable[[Regime, str], None] | None = None, held: Regime | None = None
+    ) -> None:
         self.gather_ns = max(0, gather_ns)
         self._on_switch = on_switch
+        self.held = held  # a regime it never leaves (--launch merge|split: measurements)
         self.device = SizeCurve()  # device ns per batch
         self.take = SizeCurve()  # host ns from the decision to the batch started on the device
         self.answer = SizeCurve()  # host ns from a batch seen finished to its answers written
         self.turn = Turnarounds()
-        self.regime = Regime.SPLIT
+        self.regime = held or Regime.SPLIT
         self.costs = {Regime.SPLIT: Cost(), Regime.MERGE: Cost()}
         self.callers = 0  # posted + coming back + on the device, at the last decision
         self.pipelined = True  # batches are left in flight while the next is taken (--pipeline)
@@ -500,7 +505,7 @@ class FillPolicy:
         as callers starved of CPU: the ratio carries over, the level does not)."""
         cur = self.costs[self.regime]
         callers = self.callers
-        if cur.batches < SETTLE + MIN_BATCHES or callers < 2:
+        if cur.batches < SETTLE + MIN_BATCHES or callers < 2 or self.held is not None:
             return
         cur_regime = self.regime
         other = Regime.MERGE if cur_regime is Regime.SPLIT else Regime.SPLIT
@@ -613,14 +618,13 @@ class Returning:
         if not n:
             return 0, 0
         at = self._at
-        if n == 1 and len(posted) == 1:
-            if at[posted[0]]:
-                return 0, 0  # a lone caller back on its own slot
-        elif len(posted) >= n and int(np.count_nonzero(at[posted])) == n:
-            return 0, 0  # every one of them has posted
+        if n == 1 and len(posted) == 1 and at[posted[0]]:
+            return 0, 0  # a lone caller back on its own slot
         horizon_ns = policy.horizon_ns
-        if not horizon_ns:
+        if not horizon_ns:  # (the policy does not wait for anyone)
             return 0, 0
+        if len(posted) >= n and int(np.count_nonzero(at[posted])) == n:
+            return 0, 0  # every one of them has posted
         out = at > now - horizon_ns
         quiet = n - int(np.count_nonzero(out))
         if quiet:
@@ -639,7 +643,8 @@ def launch_policy(kind: Launch, gather_ns: int, on_switch: Callable[[Regime, str
     :class:`FillPolicy`."""
     if kind is Launch.EAGER:
         return EagerPolicy(gather_ns)
-    return FillPolicy(gather_ns, on_switch)
+    held = {Launch.MERGE: Regime.MERGE, Launch.SPLIT: Regime.SPLIT}.get(kind)
+    return FillPolicy(gather_ns, on_switch, held)
 
 
 __all__ = [

@@ -315,5 +315,15 @@ def test_gather_us_zero_never_merges():
 def test_launch_policy_builds_what_the_option_names():
     assert isinstance(launch_policy(Launch.EAGER, 5), EagerPolicy)
     p = launch_policy(Launch.FILL, 5)
-    assert isinstance(p, FillPolicy) and p.gather_ns == 5
-    assert [m.value for m in Launch] == ["fill", "eager"]
+    assert isinstance(p, FillPolicy) and p.gather_ns == 5 and p.held is None
+    assert [m.value for m in Launch] == ["fill", "eager", "merge", "split"]
+
+
+@pytest.mark.parametrize("kind,regime", [(Launch.MERGE, Regime.MERGE), (Launch.SPLIT, Regime.SPLIT)])
+def test_merge_and_split_hold_fill_in_one_regime(kind, regime):
+    p = launch_policy(kind, 1 * MS)
+    assert isinstance(p, FillPolicy) and p.regime is regime
+    gpu_like(p, turn=100 * US)
+    other = 128 if regime is Regime.MERGE else 256  # what fill itself would measure its way to
+    drive(p, 3 * (L.SETTLE + L.MIN_BATCHES), other, 256, t=10 * MS, a=450 * US, b=2_400, idle=3 * MS, host=20 * US)
+    assert p.regime is regime
