@@ -66,6 +66,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -336,15 +337,18 @@ class Regime(enum.Enum):
 
 class Cost:
     """What a regime measured: the device's time per request served (its busy time plus the idle
-    time before each batch), a running mean over the last batches served in it, with the number
-    of callers it was measured at and when, and how long it is believed (``trust_ns``: doubled
-    each time a try of the regime confirms it is the worse one, up to :data:`MAX_TRUST_NS`)."""
+    time before each batch) over its last :data:`COST_WINDOW` batches, with the number of callers
+    it was measured at and when, and how long it is believed (``trust_ns``: doubled each time a
+    try of the regime confirms it is the worse one, up to :data:`MAX_TRUST_NS`).
 
-    __slots__ = ("at", "batches", "callers", "ns", "requests", "trust_ns")
+    :meth:`per_request` is the median over runs of :data:`COST_RUN` consecutive batches of their
+    time over their requests: a run covers both halves of SPLIT (one waits, the other queues), and
+    the median shrugs off the odd stall of the machine (another process, a page-fault storm)."""
+
+    __slots__ = ("_recent", "at", "batches", "callers", "trust_ns")
 
     def __init__(self) -> None:
-        self.ns = 0.0  # running sums (each batch weighs SMOOTHING against the rest)
-        self.requests = 0.0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=COST_WINDOW)  # (ns, requests) per batch
         self.batches = 0  # batches counted since the regime was last entered
         self.callers = 0
         self.at = 0
@@ -357,14 +361,21 @@ class Cost:
         self.batches += 1
         self.callers, self.at = callers, now
         if self.batches <= SETTLE:  # the first batches of a stint carry the change of regime
-            self.ns = self.requests = 0.0
+            self._recent.clear()
             return
-        keep = 1.0 - SMOOTHING
-        self.ns = self.ns * keep + ns
-        self.requests = self.requests * keep + n
+        self._recent.append((ns, n))
 
     def per_request(self) -> float:
-        return self.ns / self.requests if self.requests else math.inf
+        r = list(self._recent)
+        if len(r) < COST_RUN:
+            return math.inf
+        runs = []
+        for i in range(len(r) - COST_RUN + 1):
+            ns = sum(x for x, _ in r[i : i + COST_RUN])
+            n = sum(k for _, k in r[i : i + COST_RUN])
+            runs.append(ns / max(n, 1))
+        runs.sort()
+        return runs[len(runs) // 2]
 
     def fresh(self, now: int, callers: int) -> bool:
         """Measured lately, at about this many callers."""
@@ -387,6 +398,9 @@ HORIZON_QUANTILE = 0.99
 #: regime must be cheaper to be chosen.
 SETTLE = 2
 MIN_BATCHES = 8
+#: A regime's cost: the median over runs of COST_RUN consecutive batches among its last COST_WINDOW.
+COST_RUN = 4
+COST_WINDOW = 32
 STALE_NS = 500_000_000
 MAX_TRUST_NS = 8_000_000_000
 #: A regime not measured lately is tried when its estimate is below this multiple of the cost
@@ -416,7 +430,7 @@ class FillPolicy:
         self.turn = Turnarounds()
         self.regime = held or Regime.SPLIT
         self.costs = {Regime.SPLIT: Cost(), Regime.MERGE: Cost()}
-        self.callers = 0  # posted + coming back + on the device, at the last decision
+        self.callers = 0  # posted + coming back + on the device, lately (_count)
         self.pipelined = True  # batches are left in flight while the next is taken (--pipeline)
         self.idle_since = 0  # when the device was last seen finishing a batch
         self._round = 0  # when the posted requests began waiting (0: none are)
@@ -431,10 +445,10 @@ class FillPolicy:
     # -- the decision
     def decide(self, now: int, posted: int, returning: int, answered_ns: int, inflight: Sequence[Flight]) -> Decision:
         if returning <= 0 and not inflight:  # no one else is out (a lone caller): at once
-            self.callers = posted
+            self._count(posted)
             return self._go(now, posted)
         on_device = sum(n for n, _ in inflight)
-        callers = self.callers = posted + returning + on_device
+        callers = self._count(posted + returning + on_device)
         if not self._round:
             self._round = now
         if self.regime is Regime.SPLIT:
@@ -458,6 +472,13 @@ class FillPolicy:
         if now >= t_back or now >= deadline:
             return self._go(now, posted)
         return Decision(False, min(t_back, deadline), callers)
+
+    def _count(self, seen: int) -> int:
+        """The callers: as many as a decision sees (posted, coming back, on the device), or, for
+        a while, more if more were seen lately (a caller slower than the horizon is not seen
+        coming back, but it is there): a count that falls by 1/64 per decision."""
+        self.callers = max(seen, self.callers - (self.callers >> 6))
+        return self.callers
 
     def _cap(self, callers: int) -> int:
         """The longest the device may idle waiting for callers in MERGE."""

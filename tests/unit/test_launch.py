@@ -98,7 +98,7 @@ def test_single_turnarounds_count_as_batched_ones(rng):
             one.observe_one(1000 + x, 1000)
         many.observe(np.uint64(1000) + d.astype(np.uint64), np.full(len(d), 1000, np.uint64))
         for q in (0.1, 0.5, 0.9):
-            assert one.quantile(q) == pytest.approx(many.quantile(q), rel=0.02)
+            assert one.quantile(q) == pytest.approx(many.quantile(q), rel=0.1)
             assert one.quantile(q) == pytest.approx(np.quantile(d, q), rel=0.19)
 
 
@@ -192,6 +192,8 @@ def test_fill_split_sends_a_half_once_it_is_back_and_the_rest_when_the_device_is
     assert p.decide(10 * MS + 200 * US, 127, 1, 10 * MS, on_device).launch is False
     assert p.decide(d.until_ns, 127, 1, 10 * MS, on_device).launch  # the device is about free
     # Nothing on the device: wait for a half at most a quarter of its device time.
+    p = FillPolicy(1 * MS)
+    gpu_like(p)
     d = p.decide(20 * MS, 10, 118, 19 * MS, [])
     assert not d.launch and d.until_ns == 20 * MS + (450 * US + 2_400 * 64) // 4
     assert p.decide(20 * MS + 10 * US, 64, 64, 19 * MS, []).launch
@@ -291,6 +293,30 @@ def test_fill_leaves_merge_when_its_measured_cost_is_worse_and_tries_again_when_
     # Later the measurement of MERGE is stale: its estimate (which looks better) is tried again.
     drive(p, 1, 128, 256, t=t + L.STALE_NS, a=450 * US, b=2_400, idle=0, host=20 * US)
     assert p.regime is Regime.MERGE
+
+
+def test_fill_counts_callers_it_saw_lately_too():
+    """A caller slower than the horizon is not seen coming back but is there: the count falls
+    slowly, not to what one decision sees."""
+    p = FillPolicy(1 * MS)
+    gpu_like(p)
+    p.decide(1 * MS, 100, 156, 1, [])
+    assert p.callers == 256
+    p.decide(2 * MS, 128, 0, 0, [])  # (the others not seen)
+    assert p.callers == 252
+    for i in range(400):
+        p.decide(3 * MS + i, 128, 0, 0, [])
+    assert p.callers == 128
+
+
+def test_a_regime_cost_covers_both_halves_and_shrugs_off_a_stall():
+    c = Cost()
+    for i in range(L.SETTLE + L.COST_WINDOW):
+        # Halves of 32: one waited 200 us for its callers, the other was queued (no idle).
+        c.add(32, 640 * US + (200 * US if i % 2 else 0), 64, i * MS)
+    assert c.per_request() == pytest.approx(740 * US / 32)
+    c.add(32, 50 * MS, 64, 40 * MS)  # the machine stalled once
+    assert c.per_request() == pytest.approx(740 * US / 32, rel=0.05)
 
 
 def test_fill_measures_afresh_when_the_callers_change():
