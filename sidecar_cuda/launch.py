@@ -345,10 +345,11 @@ class Cost:
     time over their requests: a run covers both halves of SPLIT (one waits, the other queues), and
     the median shrugs off the odd stall of the machine (another process, a page-fault storm)."""
 
-    __slots__ = ("_recent", "at", "batches", "callers", "trust_ns")
+    __slots__ = ("_recent", "_runs", "at", "batches", "callers", "trust_ns")
 
     def __init__(self) -> None:
-        self._recent: deque[tuple[int, int]] = deque(maxlen=COST_WINDOW)  # (ns, requests) per batch
+        self._recent: deque[tuple[int, int]] = deque(maxlen=COST_RUN)  # (ns, requests) per batch
+        self._runs: deque[float] = deque(maxlen=COST_WINDOW - COST_RUN + 1)  # ns per request of each run
         self.batches = 0  # batches counted since the regime was last entered
         self.callers = 0
         self.at = 0
@@ -362,19 +363,17 @@ class Cost:
         self.callers, self.at = callers, now
         if self.batches <= SETTLE:  # the first batches of a stint carry the change of regime
             self._recent.clear()
+            self._runs.clear()
             return
-        self._recent.append((ns, n))
+        recent = self._recent
+        recent.append((ns, n))
+        if len(recent) == COST_RUN:
+            self._runs.append(sum(x for x, _ in recent) / max(1, sum(k for _, k in recent)))
 
     def per_request(self) -> float:
-        r = list(self._recent)
-        if len(r) < COST_RUN:
+        if not self._runs:
             return math.inf
-        runs = []
-        for i in range(len(r) - COST_RUN + 1):
-            ns = sum(x for x, _ in r[i : i + COST_RUN])
-            n = sum(k for _, k in r[i : i + COST_RUN])
-            runs.append(ns / max(n, 1))
-        runs.sort()
+        runs = sorted(self._runs)
         return runs[len(runs) // 2]
 
     def fresh(self, now: int, callers: int) -> bool:
