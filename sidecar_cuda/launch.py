@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import itertools
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -234,7 +235,7 @@ class SizeCurve:
         if self._dirty:
             pts = sorted(self._buckets.values())
             self._xs = [x for x, _ in pts]
-            self._ts = [float(t) for t in np.maximum.accumulate([t for _, t in pts])]
+            self._ts = list(itertools.accumulate((t for _, t in pts), max))
             self._dirty = False
         return self._xs, self._ts
 
