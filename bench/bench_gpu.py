@@ -10,6 +10,10 @@ their latencies (`lat_sample_us`) for the CDF charts of bench/charts.py.
 
     python bench/bench_gpu.py --out-dir DIR                # the issue's matrix (about 5 minutes)
     python bench/bench_gpu.py --sizes 256x128:float32 --seconds 1 --tasks 1
+    python bench/bench_gpu.py --sizes 1Mx768:float16 --tasks 8,64,256 --skip-inproc --sidecar-args '--launch fill'
+
+Every broker row also prints the batch-size distribution from the sidecar's ``kalos_batch_size``
+histogram over the run (bench/bench_launch.py alternates ``--launch`` policies in one run).
 """
 
 from __future__ import annotations
@@ -143,6 +147,43 @@ def scrape(port: int) -> dict[str, float]:
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
     return out
+
+
+_BATCH_BUCKET = re.compile(r'^kalos_batch_size_bucket\{le="([^"]+)"\} ([0-9.eE+-]+)$')
+
+
+def scrape_batch_sizes(port: int) -> dict[float, float]:
+    """The sidecar's ``kalos_batch_size`` histogram: cumulative batches by upper bound."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except Exception:
+        return {}
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        m = _BATCH_BUCKET.match(line)
+        if m:
+            out[float(m.group(1))] = float(m.group(2))
+    return out
+
+
+def batch_distribution(before: dict[float, float], after: dict[float, float]) -> list[tuple[str, int]]:
+    """Batches per size bucket between two scrapes, as ("lo-hi", count), empty buckets left out."""
+    out = []
+    prev_bound, prev_cum = 0.0, 0.0
+    for bound in sorted(after):
+        cum = after[bound] - before.get(bound, 0.0)
+        n = round(cum - prev_cum)
+        if n:
+            lo, hi = int(prev_bound) + 1, "inf" if bound == float("inf") else str(int(bound))
+            out.append((str(lo) if hi == str(lo) else f"{lo}-{hi}", n))
+        prev_bound, prev_cum = bound, cum
+    return out
+
+
+def shown_distribution(dist: list[tuple[str, int]]) -> str:
+    """``"97-128:12% 129-192:52% ..."``: each bucket's share of the batches (under 0.5 % left out)."""
+    total = sum(n for _, n in dist) or 1
+    return " ".join(f"{b}:{100 * n / total:.0f}%" for b, n in dist if 100 * n / total >= 0.5)
 
 
 def free_port() -> int:
@@ -387,7 +428,7 @@ def main() -> int:
         try:
             for tasks in tasks_list:
                 procs = 1 if tasks == 1 else min(a.procs, tasks)
-                before = scrape(port)
+                before, sizes_before = scrape(port), scrape_batch_sizes(port)
                 res = run_load(
                     LoadSpec(
                         name=name,
@@ -403,7 +444,7 @@ def main() -> int:
                         coalesce=a.coalesce,
                     )
                 )
-                after = scrape(port)
+                after, dist = scrape(port), batch_distribution(sizes_before, scrape_batch_sizes(port))
                 checked, wrong = check_samples(res.samples, matrix, a.k, rtol=RTOL[dtype])
                 p = res.percentiles_us()
                 row = {
@@ -419,6 +460,7 @@ def main() -> int:
                     "checked": checked,
                     "wrong": wrong,
                     "lat_sample_us": latency_sample(res.latencies_ns),
+                    "batch_sizes": dist,
                 }
                 delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
                 nb = delta.get("kalos_batch_compute_seconds_count", 0.0)
@@ -435,6 +477,7 @@ def main() -> int:
                     f"floor {floor_us:.1f}us x{row['p50_over_floor']} batch~{row.get('mean_batch_size')} "
                     f"sidecar {row.get('sidecar_compute_us_per_batch')}us/batch wrong {wrong}/{checked}"
                 )
+                log(f"{'':>14}batch sizes: {shown_distribution(dist)}")
         finally:
             stop_sidecar_process(proc)
         del matrix

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from ..broker.errors import ConfigError
 from ..broker.layout import Layout, Metric
+from .launch import Launch
 
 
 class Pipelining(str, enum.Enum):
@@ -65,6 +66,7 @@ class ServeConfig:
     data_dir: str | None = None  # None: ephemeral (in memory only)
     spin_us: float = 250.0
     gather_us: float = 1000.0
+    launch: Launch = Launch.FILL
     pipeline: Pipelining = Pipelining.AUTO
     host_search_work: int | None = None  # cuda: searches this small run on the CPU (None: default)
     fused_kernel: FusedKernel = FusedKernel.AUTO  # cuda backend
@@ -84,6 +86,7 @@ class ServeConfig:
         # The one check of these options: the command line and direct construction (tests, the
         # harness) give their spellings, and nothing downstream sees a string.
         self.pipeline = _option(Pipelining, self.pipeline, "--pipeline")
+        self.launch = _option(Launch, self.launch, "--launch")
         self.fused_kernel = _option(FusedKernel, self.fused_kernel, "--fused-kernel")
 
     def layout(self) -> Layout:
@@ -366,8 +369,18 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "--gather-us",
         kind=float,
         default=1000.0,
-        help="when fewer requests are posted than the last batch held, wait up to a quarter "
-        "of that batch's service time, at most this long, for the rest (0: off)",
+        help="the longest the device is kept waiting for callers about to post, so that a "
+        "batch fills (0: never; --launch fill waits less where the device time a fuller batch "
+        "saves is smaller, eager a quarter of the last batch's service time)",
+    )
+    opt(
+        "--launch",
+        choices=[m.value for m in Launch],
+        default="fill",
+        help="when the next batch leaves: fill (one batch of every caller where that costs the "
+        "device less per request than two halves taking turns, measured; a lone caller at "
+        "once), eager (once as many are posted as the last batch held, the decision before "
+        "issue 27), or merge / split (fill held in one of its two ways, to measure them)",
     )
     opt(
         "--pipeline",
@@ -456,6 +469,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         data_dir=a.data_dir,
         spin_us=a.spin_us,
         gather_us=a.gather_us,
+        launch=a.launch,
         pipeline=a.pipeline,
         host_search_work=a.host_search_work,
         fused_kernel=a.fused_kernel,

@@ -1,7 +1,8 @@
 """From posted slots to answers: one pass of the serving loop (:meth:`Pipeline.serve_pending`).
 
 A pass answers the oldest batch in flight if it has finished, takes every posted slot as one
-batch, lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and runs it:
+batch once the launch policy says it leaves (:mod:`kalos.sidecar_cuda.launch`, ``--launch``),
+lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and runs it:
 
 * SINGLE: searched in place and answered at once;
 * UNIFORM: one search of the gathered queries, started on the backend; a pipelined batch is left
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -43,6 +45,7 @@ from .batching import (
     query_rows,
 )
 from .general import GeneralRoute
+from .launch import LaunchPolicy, Returning
 from .slotio import SlotIO
 from .stats import BatchRecord, SidecarStats
 from .store import MemoryStore, Namespace
@@ -71,14 +74,16 @@ class InFlight:
     pending: PendingSearch
     work: int  # rows x queries x dim
     rows: tuple[np.ndarray, np.ndarray] | None = None  # (slot, row) per query; None: row 0 of each
+    t_start: int = 0  # CLOCK_MONOTONIC when handed to the backend
 
 
 class Pipeline:
     """Serves the posted slots of one segment (see the module docstring).
 
     ``io``: the slot path's byte work (the same object the writer answers through); ``mem``: the
-    mapped segment (namespace bytes are read from it); ``stagings``: :data:`PIPELINE_DEPTH` buffers for gathered queries (pinned on CUDA);
-    ``gather_ns``: the longest a pass waits for more callers (``--gather-us``);
+    mapped segment (namespace bytes are read from it); ``stagings``: :data:`PIPELINE_DEPTH` buffers
+    for gathered queries (pinned on CUDA); ``launch``: decides when the next batch leaves
+    (:mod:`kalos.sidecar_cuda.launch`, ``--launch``);
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
     def __init__(
@@ -94,7 +99,7 @@ class Pipeline:
         stagings: list[np.ndarray],
         limits: Limits,
         *,
-        gather_ns: int,
+        launch: LaunchPolicy,
         batches_word: int,
         on_unexpected: Callable[[str, BaseException], None],
         hold: HeldReads,
@@ -108,7 +113,7 @@ class Pipeline:
         self.stats = stats
         self._stagings = stagings
         self.limits = limits
-        self._gather_ns = gather_ns
+        self.launch = launch
         self._batches_word = batches_word
         self._on_unexpected = on_unexpected
         self.hold = hold  # reads waiting for a fleet position (after=)
@@ -124,8 +129,7 @@ class Pipeline:
         ]
         self._query1 = [sv.queries[:1] for sv in seg.slot]
         self.inflight: deque[InFlight] = deque()
-        self._last_batch = 0
-        self._last_service_ns = 0
+        self.returning = Returning(L.n_slots)  # callers answered, not yet back
 
     # ------------------------------------------------------------------ one pass
     def serve_pending(self) -> int:
@@ -167,6 +171,7 @@ class Pipeline:
         sel = np.asarray(taken, np.intp)
         rec = np.empty(len(sel), self._rec_dtype)
         self._io.snapshot(sel, t_pick, rec)
+        self.launch.turnarounds(rec["t_post_ns"], rec["t_done_ns"])
         t0 = time.perf_counter_ns()
         if plan is None:
             # Gather the first query of each request into a staging buffer no batch in flight uses
@@ -197,34 +202,36 @@ class Pipeline:
         return served + self._serve_general(sel, taken, rec, t_pick, t0, plan.reason)
 
     def _take(self, n_posted: int) -> tuple[list[int], int]:
-        """Of the ``n_posted`` slots the last scan found posted, those whose request semaphore
-        could be taken (the try-wait is the fence before reading the request), and when they
-        were taken."""
-        inflight = self.inflight
-        if inflight:
-            # One batch on the device: start the next right behind it once as many callers as
-            # last time have posted, or as soon as the device is about to be idle.
-            if n_posted < self._last_batch and not inflight[0].pending.done():
-                return [], 0
-        elif n_posted < self._last_batch and self._gather_ns:
-            n_posted = self._gather()
+        """Of the ``n_posted`` slots the last scan found posted (in ``_posted``), those whose
+        request semaphore could be taken (the try-wait is the fence before reading the request),
+        and when they were taken; none while the launch policy holds them back."""
+        n = self._when(n_posted)
+        if n is None:
+            return [], 0
         t_pick = time.monotonic_ns()
         # Slots between writing POSTED and posting req are not taken: the next scan brings them.
-        n = self._io.take(self._posted, n_posted)
-        return self._posted[:n].tolist(), t_pick
+        n = self._io.take(self._posted, n)
+        taken: list[int] = self._posted[:n].tolist()
+        self.returning.back(taken)
+        return taken, t_pick
 
-    def _gather(self) -> int:
-        """Fewer requests are posted than the last batch held: their callers are most likely
-        re-posting right now. Wait a little for them (a quarter of the last batch's service time,
-        at most ``gather_us``) so a steady set of callers keeps getting served in full batches
-        instead of a batch of one followed by the rest. Costs nothing with one caller. Returns
-        how many are posted (scanned into ``_posted``)."""
-        end = time.monotonic_ns() + min(self._gather_ns, self._last_service_ns // 4)
-        want = self._last_batch
+    def _when(self, n_posted: int) -> int | None:
+        """Ask the launch policy whether the ``n_posted`` posted slots leave now: how many are
+        posted then (scanned into ``_posted``), or None to hold them back. With a batch in
+        flight the loop asks again on its next pass (answering that batch meanwhile); with none
+        this polls the slots, yielding the CPU to the callers turning around, until the policy
+        says go (its waits are bounded)."""
+        launch = self.launch
         while True:
-            n = self._io.scan(self._posted)
-            if n >= want or time.monotonic_ns() >= end:
-                return n
+            now = time.monotonic_ns()
+            returning, answered_ns = self.returning.count(self._posted[:n_posted], now, launch)
+            flights = [(len(b.taken), b.t_start) for b in self.inflight] if self.inflight else ()
+            if launch.decide(now, n_posted, returning, answered_ns, flights).launch:
+                return n_posted
+            if flights:
+                return None
+            os.sched_yield()
+            n_posted = self._io.scan(self._posted)
 
     def _namespace(self, key: tuple[bytes, int]) -> Namespace | None:
         """The namespace named by a slot's (raw bytes, length), decoded once per distinct key;
@@ -248,6 +255,7 @@ class Pipeline:
         assert ns is not None
         u32[W.state[i]] = S_BUSY
         u64[W.t_pick_ns[i]] = t_pick
+        self.launch.turnaround(int(u64[W.t_post_ns[i]]), int(u64[W.t_done_ns[i]]))
         t0 = time.perf_counter_ns()
         try:
             if plan.where is None:
@@ -259,8 +267,10 @@ class Pipeline:
             rec = self.seg.slots[sel]
             return self._serve_general(sel, [i], rec, t_pick, t0, f"search failed ({type(e).__name__})")
         t1 = time.perf_counter_ns()
+        self.launch.device_done(1, t_pick, time.monotonic_ns())
         t_done = self.writer.answer_single(i, ids, scores)
-        self._last_batch = 1
+        self.launch.answered(1, t1 - t0, t_done)
+        self.returning.answered_one(i, t_done)
         self.stats.record_batch(BatchRecord(1, t1 - t0, t_pick, (u64[W.t_post_ns[i]],), t_done), "single")
         u64[self._batches_word] = self.stats.batches
         return 1
@@ -282,6 +292,7 @@ class Pipeline:
         searches again and reports per request)."""
         ns = plan.namespace
         assert ns is not None
+        t_start = time.monotonic_ns()  # (before: a filtered batch is searched right here)
         try:
             if plan.where is None:
                 pending = ns.search_start(q, plan.k)
@@ -290,7 +301,8 @@ class Pipeline:
                 pending = completed(*ns.search_where(q, plan.k, match))
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
-        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows)
+        self.launch.launched(len(taken), t_pick, t_start, plan.pipelined)
+        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows, t_start)
 
     def finish_inflight(self) -> int:
         """Answer every batch in flight (waiting for the device)."""
@@ -315,6 +327,7 @@ class Pipeline:
             return served + self._serve_general(
                 b.sel, b.taken, b.rec, b.t_pick, b.t0, f"search failed ({type(e).__name__})"
             )
+        self.launch.device_done(len(b.taken), b.t_start, time.monotonic_ns())
         self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
         return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, "uniform")
 
@@ -333,8 +346,9 @@ class Pipeline:
         """Answers are written: publish them and record the batch."""
         t1 = time.perf_counter_ns()
         n = len(taken)
-        self._last_batch, self._last_service_ns = n, t1 - t0
         t_done = self.writer.deliver(sel)
+        self.launch.answered(n, t1 - t0, t_done)
+        self.returning.answered(sel, t_done)
         self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done), route)
         self._words.u64[self._batches_word] = self.stats.batches
         return n

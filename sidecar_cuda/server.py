@@ -40,6 +40,7 @@ from .batching import PIPELINE_MIN_WORK, Limits
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
 from .expiry import SWEEP_S, Sweeper
 from .general import GeneralRoute
+from .launch import Regime, launch_policy
 from .leases import REAP_S, ReapOutcome, reap_dead_owners
 from .notify import sd_notify
 from .objects import Objects
@@ -275,11 +276,15 @@ class Sidecar:
             self.stats,
             self._stagings,
             limits,
-            gather_ns=int(cfg.gather_us * 1000),
+            launch=launch_policy(cfg.launch, int(cfg.gather_us * 1000), self._log_launch),
             batches_word=header_field_offset("batches") // 8,
             on_unexpected=self._log_unexpected,
             hold=HeldReads(self._words, writer, self.applied_position),
         )
+
+    @staticmethod
+    def _log_launch(regime: Regime, why: str) -> None:
+        log.info("launch: batches now %s (%s)", regime.value, why)
 
     def _fill_initial(self) -> None:
         cfg = self.cfg

@@ -22,7 +22,11 @@ from ..stats import BatchRecord
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 #: The sidecar's stages can be shorter than the shortest end-to-end bucket (5 us): two finer ones.
 STAGE_BOUNDS_NS: tuple[int, ...] = (1_000, 2_500) + LATENCY_BOUNDS_NS
-BATCH_SIZE_BOUNDS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+#: Requests per batch: half octaves, so a batch of half the callers (128 of 256) and a full one
+#: (over 192) land in different buckets (issue 27: do the batches fill?).
+BATCH_SIZE_BOUNDS: tuple[int, ...] = (
+    1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096,
+)  # fmt: skip
 OTHER_NAMESPACES = "_other"
 #: Per-slot client counters (written by clients) are clipped to this before they are summed, so
 #: the totals of every slot cannot overflow int64.
