@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -104,6 +105,8 @@ class Sidecar:
         self.pipeline: Pipeline | None = None  # built by start()
         self._io: SlotIO | None = None  # the slot path's byte work, made by start()
         self.sweeper: Sweeper | None = None  # built by start(): deletes expired records
+        self._launch_logged_at = -math.inf  # (_log_launch)
+        self._launch_switches = 0
         self._pass: Callable[[], int] = self._not_started  # one pass: pipeline.serve_pending
         self._heartbeat: threading.Thread | None = None
         self._last_error_log = 0.0
@@ -282,9 +285,21 @@ class Sidecar:
             hold=HeldReads(self._words, writer, self.applied_position),
         )
 
-    @staticmethod
-    def _log_launch(regime: Regime, why: str) -> None:
-        log.info("launch: batches now %s (%s)", regime.value, why)
+    def _log_launch(self, regime: Regime, why: str) -> None:
+        """A switch of ``--launch fill``'s way of batching: at DEBUG each, at INFO at most once a
+        minute (on a noisy host the policy may switch several times a second)."""
+        self._launch_switches += 1
+        now = time.monotonic()
+        if now - self._launch_logged_at < 60.0:
+            log.debug("launch: batches now %s (%s)", regime.value, why)
+            return
+        log.info(
+            "launch: batches now %s (%s); %d switches since the last such line",
+            regime.value,
+            why,
+            self._launch_switches,
+        )
+        self._launch_logged_at, self._launch_switches = now, 0
 
     def _fill_initial(self) -> None:
         cfg = self.cfg
