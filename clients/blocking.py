@@ -179,22 +179,19 @@ class RecallClient:
         """Top-k of one vector; see RecallPool.recall for semantics (``after=``, ``recency=``,
         ``with_times``, ``refresh_ttl`` too) and errors."""
         t0 = time.monotonic_ns()
-        if recency is None and not with_times and not refresh_ttl:
-            p = encode_recall(self.layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast)
-        else:
-            p = encode_recall(
-                self.layout,
-                vector,
-                k,
-                self._ns.encode(namespace),
-                with_payload,
-                True,
-                where,
-                self._fast,
-                recency=recency,
-                with_times=with_times,
-                refresh_ttl=refresh_ttl,
-            )
+        p = encode_recall(
+            self.layout,
+            vector,
+            k,
+            self._ns.encode(namespace),
+            with_payload,
+            True,
+            where,
+            self._fast,
+            recency=recency,
+            with_times=with_times,
+            refresh_ttl=refresh_ttl,
+        )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, self._call(p, timeout, t0))

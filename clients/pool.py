@@ -586,24 +586,19 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state is not _OPEN:
             self._check_usable()
-        if recency is None and not with_times and not refresh_ttl:
-            p = encode_recall(
-                self._layout, vector, k, self._ns.encode(namespace), with_payload, True, where, self._fast
-            )
-        else:
-            p = encode_recall(
-                self._layout,
-                vector,
-                k,
-                self._ns.encode(namespace),
-                with_payload,
-                True,
-                where,
-                self._fast,
-                recency=recency,
-                with_times=with_times,
-                refresh_ttl=refresh_ttl,
-            )
+        p = encode_recall(
+            self._layout,
+            vector,
+            k,
+            self._ns.encode(namespace),
+            with_payload,
+            True,
+            where,
+            self._fast,
+            recency=recency,
+            with_times=with_times,
+            refresh_ttl=refresh_ttl,
+        )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return cast(Hits, await self._execute(p, timeout, t0))
