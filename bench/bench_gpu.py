@@ -310,7 +310,7 @@ def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarr
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         for b in (1, 4, 8, 16, 64, 256):
             qb = np.ascontiguousarray(bank[:b])
-            for path in (SearchPath.FUSED, SearchPath.GEMM, SearchPath.HALF_GEMM):
+            for path in (SearchPath.FUSED, SearchPath.GEMM, SearchPath.HALF_GEMM, SearchPath.INT8):
                 if path is SearchPath.FUSED and b > 64:
                     continue
                 try:

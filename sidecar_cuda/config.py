@@ -36,6 +36,15 @@ class FusedKernel(str, enum.Enum):
     OFF = "off"
 
 
+class Int8Pass(str, enum.Enum):
+    """``--int8-pass``: the CUDA backend's int8 first pass (an int8 copy of the rows beside them,
+    half the bytes of float16 rows) for the small batches where it was measured to win (AUTO), or
+    never, and no copy (OFF)."""
+
+    AUTO = "auto"
+    OFF = "off"
+
+
 _E = TypeVar("_E", bound=enum.Enum)
 
 
@@ -70,6 +79,7 @@ class ServeConfig:
     pipeline: Pipelining = Pipelining.AUTO
     host_search_work: int | None = None  # cuda: searches this small run on the CPU (None: default)
     fused_kernel: FusedKernel = FusedKernel.AUTO  # cuda backend
+    int8_pass: Int8Pass = Int8Pass.AUTO  # cuda backend
     random_rows: int = 0
     random_payloads: bool = False  # --random-rows rows get {"bucket": id % 1000}
     seed: int = 0
@@ -88,6 +98,7 @@ class ServeConfig:
         self.pipeline = _option(Pipelining, self.pipeline, "--pipeline")
         self.launch = _option(Launch, self.launch, "--launch")
         self.fused_kernel = _option(FusedKernel, self.fused_kernel, "--fused-kernel")
+        self.int8_pass = _option(Int8Pass, self.int8_pass, "--int8-pass")
 
     def layout(self) -> Layout:
         lay = Layout(
@@ -404,6 +415,13 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         help="cuda backend: auto searches with the fused wgmma kernel (Hopper GPUs, float16 "
         "storage) where it was measured to beat the GEMM paths, off never",
     )
+    opt(
+        "--int8-pass",
+        default="auto",
+        help="cuda backend: auto scores small batches over large matrices in int8 first (an int8 "
+        "copy of the rows beside them: half the memory of float16 rows; answers stay exact), "
+        "off never",
+    )
     opt("--random-rows", kind=int, default=0, help="fill namespace 'default' with N random rows (ephemeral only)")
     opt(
         "--random-payloads",
@@ -473,6 +491,7 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         pipeline=a.pipeline,
         host_search_work=a.host_search_work,
         fused_kernel=a.fused_kernel,
+        int8_pass=a.int8_pass,
         random_rows=a.random_rows,
         random_payloads=a.random_payloads,
         seed=a.seed,

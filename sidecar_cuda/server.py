@@ -85,6 +85,7 @@ class Sidecar:
             shards=cfg.shards,
             host_work=cfg.host_search_work,
             fused_kernel=cfg.fused_kernel,
+            int8_pass=cfg.int8_pass,
         )
         if cfg.max_k > self.backend.max_k:
             raise ConfigError(

@@ -7,7 +7,7 @@ The backends are imported here, when chosen, and by nothing else of the sidecar:
 from __future__ import annotations
 
 from ...broker.errors import ConfigError
-from ..config import FusedKernel
+from ..config import FusedKernel, Int8Pass
 from .base import Backend
 from .sharded import ShardedBackend, parse_devices
 
@@ -20,6 +20,7 @@ def choose_backend(
     shards: int = 0,
     host_work: int | None = None,
     fused_kernel: FusedKernel = FusedKernel.AUTO,
+    int8_pass: Int8Pass = Int8Pass.AUTO,
 ) -> Backend:
     """``auto`` picks CUDA when CuPy and a GPU are usable, numpy otherwise.
 
@@ -27,7 +28,7 @@ def choose_backend(
     each namespace is spread over (0: one per device, and 1 on numpy); more shards than devices
     place several on a device (round-robin). One shard is the plain backend, more a
     :class:`~kalos.sidecar_cuda.backends.sharded.ShardedBackend`. ``host_work``: the CUDA backend's
-    ``--host-search-work`` (None: its default); ``fused_kernel``: its ``--fused-kernel``.
+    ``--host-search-work`` (None: its default); ``fused_kernel``: its ``--fused-kernel``; ``int8_pass``: its ``--int8-pass``.
 
     Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, for
     devices that do not exist, and for a ``storage_dtype`` other than float32 on numpy."""
@@ -51,11 +52,21 @@ def choose_backend(
                 n = shards or len(devs)
                 if n == 1:
                     return CupyBackend(
-                        storage_dtype=storage_dtype, device=devs[0], host_work=hw, fused_kernel=fused_kernel
+                        storage_dtype=storage_dtype,
+                        device=devs[0],
+                        host_work=hw,
+                        fused_kernel=fused_kernel,
+                        int8_pass=int8_pass,
                     )
                 placed = [devs[i % len(devs)] for i in range(n)]
                 parts: list[Backend] = [
-                    CupyBackend(storage_dtype=storage_dtype, device=d, host_work=hw, fused_kernel=fused_kernel)
+                    CupyBackend(
+                        storage_dtype=storage_dtype,
+                        device=d,
+                        host_work=hw,
+                        fused_kernel=fused_kernel,
+                        int8_pass=int8_pass,
+                    )
                     for d in placed
                 ]
                 return ShardedBackend(parts, [f"cuda:{d}" for d in placed])

@@ -172,6 +172,17 @@ def test_fused_kernel_is_checked_and_passed_on() -> None:
         _config({"KALOS_FUSED_KERNEL": "maybe"}, ["--ephemeral"])
 
 
+def test_int8_pass_is_checked_and_passed_on() -> None:
+    assert _config({}, ["--ephemeral"]).int8_pass == "auto"
+    assert _config({}, ["--ephemeral", "--int8-pass", "off"]).int8_pass == "off"
+    assert _config({"KALOS_INT8_PASS": "off"}, ["--ephemeral"]).int8_pass == "off"
+    assert _config({"KALOS_INT8_PASS": "off"}, ["--ephemeral", "--int8-pass", "auto"]).int8_pass == "auto"
+    with pytest.raises(ConfigError, match="int8-pass"):
+        _config({}, ["--ephemeral", "--int8-pass", "on"])
+    with pytest.raises(ConfigError, match="int8-pass"):
+        _config({"KALOS_INT8_PASS": "yes"}, ["--ephemeral"])
+
+
 def test_host_search_work_is_checked_and_passed_on() -> None:
     assert _config({}, ["--ephemeral"]).host_search_work is None  # the backend's default
     assert _config({}, ["--ephemeral", "--host-search-work", "0"]).host_search_work == 0

@@ -49,9 +49,15 @@ A search takes one of five paths (``planner.plan``; ``CupyMatrix.search(path=...
   proof fails is redone with float32 scores of every row (``kw_exact``, the EXACT path) and the
   GEMM path's top-k. Compiled by NVRTC for sm_90a in the warm-up; ``FusedKernel.OFF``
   (``--fused-kernel off``), a non-Hopper device or a failed build leave it out.
+* **int8** (any storage, k <= 16, small batches over many rows; ``int8.py``): the rows' int8 copy
+  (one scale per row, built by the first such search and kept current by every write) and int8
+  queries multiplied by cuBLAS into exact int32 products, half the bytes of float16 rows to read;
+  the 256 rows with the highest proven upper bound per query are rescored in float32 against the
+  float32 query. A query whose proof fails is redone on the GEMM path. ``Int8Pass.OFF``
+  (``--int8-pass off``) or a failed check in the warm-up leave it out.
 
-Results are exact up to ties and the storage dtype's rounding: the fused, half-score and wgmma
-paths multiply float32 queries with widened rows; the GEMM path rounds queries to the storage dtype.
+Results are exact up to ties and the storage dtype's rounding: the fused, half-score, wgmma and
+int8 paths multiply float32 queries with widened rows; the GEMM path rounds queries to the storage dtype.
 
 Errors: failures at start (no CuPy, no device, compilation) are ``ConfigError``; CUDA/cuBLAS
 failures during work are ``ServerError`` (the server answers BACKEND_ERROR); a search that does not
@@ -68,12 +74,12 @@ import numpy as np
 
 from ....broker.errors import ConfigError
 from ....broker.layout import Metric
-from ...config import FusedKernel
+from ...config import FusedKernel, Int8Pass
 from .device import Device, SearchStats
 from .kernels import MAX_K, Storage
 from .matrix import CupyMatrix
 from .paths import enqueue
-from .planner import HALF_K, HOST_WORK, WGMMA_MIN_ROWS, Limits, Plan, SearchPath, half_ok
+from .planner import HALF_K, HOST_WORK, INT8_MIN_ROWS, WGMMA_MIN_ROWS, Limits, Plan, SearchPath, half_ok
 from .wgmma import WgmmaKernels
 
 log = logging.getLogger("kalos.cuda")
@@ -110,8 +116,9 @@ class CupyBackend:
     search may take before it is abandoned and the backend marked broken. ``host_work``: searches
     of at most this many rows x queries x padded dim run on the host copy (0: never).
     ``fused_kernel``: AUTO builds the wgmma path where it can run (a compute capability 9.x
-    device, float16 storage), OFF never. ``small_batch_max``, ``small_work_max`` and
-    ``wgmma_min_rows``: the planner's thresholds (``planner.Limits``; tests lower the last).
+    device, float16 storage), OFF never. ``int8_pass``: AUTO turns the int8 first pass on (checked
+    in the warm-up), OFF never. ``small_batch_max``, ``small_work_max``, ``wgmma_min_rows`` and
+    ``int8_min_rows``: the planner's thresholds (``planner.Limits``; tests lower the last two).
     Raises ConfigError when CuPy or the device cannot be used."""
 
     name = "cuda"
@@ -130,16 +137,20 @@ class CupyBackend:
         host_work: int = HOST_WORK,
         fused_kernel: FusedKernel = FusedKernel.AUTO,
         wgmma_min_rows: int = WGMMA_MIN_ROWS,
+        int8_pass: Int8Pass = Int8Pass.AUTO,
+        int8_min_rows: int = INT8_MIN_ROWS,
     ) -> None:
         storage = Storage.parse(storage_dtype)
         self.storage_dtype = storage.value
         self.fused_kernel = fused_kernel
+        self.int8_pass = int8_pass
         limits = Limits(
             smem_optin=0,
             small_batch_max=small_batch_max,
             small_work_max=small_work_max,
             host_work=host_work,
             wgmma_min_rows=wgmma_min_rows,
+            int8_min_rows=int8_min_rows,
         )
         try:
             self.device = Device(device, storage, use_graphs=use_graphs, timeout_s=timeout_s, limits=limits)
@@ -175,6 +186,11 @@ class CupyBackend:
     def wgmma_built(self) -> bool:
         """The wgmma path is on (built and checked in the warm-up)."""
         return self.device.wgmma is not None
+
+    @property
+    def int8_on(self) -> bool:
+        """The int8 first pass is on (``--int8-pass auto``, checked in the warm-up)."""
+        return self.device.limits.int8_on
 
     @property
     def stream(self) -> object:
@@ -221,10 +237,32 @@ class CupyBackend:
         for path, b, k in runs:
             m.search(q[:b], 64, k, path=path)
         self._warm_up_wgmma(m, rng)
+        self._warm_up_int8(m, rng)
         m.move_rows(np.array([0]), np.array([1]))
         dev.stream.synchronize()
         dev.graphs.clear()  # (they name the scratch matrix)
         dev.stats.clear()
+
+    def _warm_up_int8(self, m: CupyMatrix, rng: np.random.Generator) -> None:
+        """Check the int8 first pass once against the host path (cuBLAS int8, the kernels, and a
+        proof that fails on identical rows and is redone): on any failure it stays off, with one
+        log line."""
+        dev = self.device
+        if self.int8_pass is Int8Pass.OFF:
+            return
+        dev.set_int8(True)
+        try:
+            for b in (1, 5):
+                q = rng.standard_normal((b, m.dim), dtype=np.float32)
+                got = m.search(q, 64, 10, path=SearchPath.INT8)
+                want = m.search(q, 64, 10, path=SearchPath.HOST)
+                if not np.array_equal(got[0], want[0]):
+                    raise RuntimeError(f"its answer differs from the host path's (b={b})")
+        except Exception as e:
+            log.warning("the int8 first pass is off: %s: %s", type(e).__name__, e)
+            dev.set_int8(False)
+            return
+        log.info("int8 first pass ready (copy of a matrix: %d bytes for 64 rows)", m.int8_bytes)
 
     def _warm_up_wgmma(self, m: CupyMatrix, rng: np.random.Generator) -> None:
         """Build the wgmma path's kernels for the batch sizes the planner sends it, and check

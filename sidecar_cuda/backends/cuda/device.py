@@ -72,6 +72,7 @@ class SearchStats:
     by_path: dict[tuple[SearchPath, str], list[int]] = field(default_factory=dict)
     half_fallbacks: int = 0
     wgmma_fallbacks: int = 0
+    int8_fallbacks: int = 0
 
     def add(self, path: SearchPath, b: int, ns: int) -> None:
         st = self.by_path.setdefault((path, size_bucket(b)), [0, 0])
@@ -84,7 +85,7 @@ class SearchStats:
 
     def clear(self) -> None:
         self.by_path.clear()
-        self.half_fallbacks = self.wgmma_fallbacks = 0
+        self.half_fallbacks = self.wgmma_fallbacks = self.int8_fallbacks = 0
 
     def line(self) -> str:
         """Searches served and mean wall time per path and batch size, in microseconds."""
@@ -94,6 +95,8 @@ class SearchStats:
             parts.append(f"half-score queries redone in float32: {self.half_fallbacks}")
         if self.wgmma_fallbacks:
             parts.append(f"wgmma queries redone in float32: {self.wgmma_fallbacks}")
+        if self.int8_fallbacks:
+            parts.append(f"int8 queries redone in float32: {self.int8_fallbacks}")
         return "; ".join(parts) or "no searches"
 
 
@@ -155,6 +158,10 @@ class Device:
         self.compile_s = time.perf_counter() - t0
         self.sets = (BufferSet(cp, self.stream, 0), BufferSet(cp, self.stream, 1))
         self.graphs = GraphCache(use_graphs)
+
+    def set_int8(self, on: bool) -> None:
+        """Turn the int8 first pass on (checked in the warm-up) or off."""
+        self.limits = replace(self.limits, int8_on=on)
 
     def set_wgmma(self, kernels: WgmmaKernels | None) -> None:
         """Turn the wgmma path on (its kernels, built and checked) or off (None)."""

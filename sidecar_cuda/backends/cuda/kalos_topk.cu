@@ -801,6 +801,326 @@ extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_rescore_h(
     }
 }
 
+// ------------------------------------------------------------------ int8 first pass
+// Any storage, k <= 16 (backends/cuda/planner.py, int8.py). Rows and queries are quantised to int8
+// with one scale each (x^ = sr t, t = rint(x / sr) in [-127, 127], sr = max|x_i| / 127), kept
+// beside the stored rows; cuBLAS multiplies them exactly (int32, |t_q . t_x| <= 127^2 dp8 < 2^31).
+// For q = q^ + dq and x = x^ + dx:  q.x = sq sr (t_q . t_x) + q^.dx + dq.x, so with e >= |dx| per
+// row and |x| <= xmax for every row, |q.x - a| <= |q^| e + |dq| xmax, a = sq sr (t_q . t_x).
+// u = a + |q^| e + |dq| xmax is then an upper bound of each row's score (for l2: 2 u - |x|^2 -
+// |q|^2). Four launches after the GEMM: the row of highest u in each of P slices; their float32
+// scores, whose kk-th L is a lower bound of the query's kk-th best, so only rows with u >= L can
+// be in the answer; every such row collected (the 1-2 per 10^4 of random 768-dim rows); the collected rows
+// rescored in float32 and sorted. So the answer is the float32 top-kk of the stored rows by
+// construction; a query that collects more than cap rows (near-ties, degenerate data) is flagged
+// and redone on the float32 GEMM path.
+
+// Quantise m rows (rows idx[i], or r0 + i when idx is null) into R8 [.][dp8] (zero past dpad) and
+// rq[r] = {sr, e}: e bounds |x - sr t| (one rounding per residual element, a float32 sum over
+// dp8 terms, an absolute allowance for squares that underflow). One warp per row.
+extern "C" __global__ void kalos_i8_rows(const store_t* __restrict__ X, int dpad,
+                                         const i64* __restrict__ idx, i64 r0, int m,
+                                         signed char* __restrict__ R8, int dp8,
+                                         float2* __restrict__ rq) {
+    const int i = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (i >= m) return;  // warp-uniform
+    const i64 r = idx != nullptr ? idx[i] : r0 + i;
+    const store_t* x = X + r * dpad;
+    float mx = 0.0f;
+    for (int j = lane; j < dpad; j += 32) mx = fmaxf(mx, fabsf(from_store(x[j])));
+    mx = warp_max(mx);
+    const float sr = mx * (1.0f / 127.0f);
+    float e = 0.0f;
+    signed char* dst = R8 + r * dp8;
+    for (int j = lane; j < dp8; j += 32) {
+        const float v = j < dpad ? from_store(x[j]) : 0.0f;
+        const float t = sr > 0.0f ? fminf(fmaxf(rintf(v / sr), -127.0f), 127.0f) : 0.0f;
+        dst[j] = (signed char)(int)t;
+        const float d = fmaf(-sr, t, v);
+        e = fmaf(d, d, e);
+    }
+    e = warp_sum(e);
+    if (lane == 0)
+        rq[r] = make_float2(sr, sqrtf(e) * (1.0f + (float)dp8 * ldexpf(1.0f, -22)) +
+                                    sqrtf((float)dp8) * 1e-18f);
+}
+
+// Queries: Q8 [Bp][dp8] (rows >= B zero) and qi[b] = {sq, |q^| bound, |dq| xmax bound, |q|^2}.
+// One warp per query row.
+extern "C" __global__ void kalos_i8_queries(const float* __restrict__ q32, int B, int Bp,
+                                            int dpad, int dp8, float xmax,
+                                            signed char* __restrict__ Q8,
+                                            float4* __restrict__ qi) {
+    const int b = (int)(((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5);
+    const int lane = threadIdx.x & 31;
+    if (b >= Bp) return;  // warp-uniform
+    signed char* dst = Q8 + (i64)b * dp8;
+    if (b >= B) {
+        for (int j = lane; j < dp8; j += 32) dst[j] = 0;
+        if (lane == 0) qi[b] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        return;
+    }
+    const float* q = q32 + (i64)b * dpad;
+    float mx = 0.0f, a = 0.0f;
+    for (int j = lane; j < dpad; j += 32) {
+        const float v = q[j];
+        a = fmaf(v, v, a);
+        mx = fmaxf(mx, fabsf(v));
+    }
+    a = warp_sum(a);
+    mx = warp_max(mx);
+    const float sq = mx * (1.0f / 127.0f);
+    float e = 0.0f, h = 0.0f;
+    for (int j = lane; j < dp8; j += 32) {
+        const float v = j < dpad ? q[j] : 0.0f;
+        const float t = sq > 0.0f ? fminf(fmaxf(rintf(v / sq), -127.0f), 127.0f) : 0.0f;
+        dst[j] = (signed char)(int)t;
+        const float d = fmaf(-sq, t, v);
+        e = fmaf(d, d, e);
+        const float p = sq * t;
+        h = fmaf(p, p, h);
+    }
+    e = warp_sum(e);
+    h = warp_sum(h);
+    if (lane == 0) {
+        const float grow = 1.0f + (float)dp8 * ldexpf(1.0f, -22);
+        const float dq = sqrtf(e) * grow + sqrtf((float)dp8) * 1e-18f;
+        qi[b] = make_float4(sq, sqrtf(h) * grow, dq * xmax * (1.0f + ldexpf(1.0f, -20)), a);
+    }
+}
+
+// The upper bound u of row c's score for query w (see above; rq[c] = {sr, e}).
+__device__ __forceinline__ float i8_bound(int prod, float2 r, float4 w, const float* sqn, i64 c,
+                                          int l2) {
+    const float u = fmaf(w.x * r.x, (float)prod, fmaf(w.y, r.y, w.z));
+    return l2 ? 2.0f * u - sqn[c] - w.w : u;
+}
+
+// Float32 score of stored row r against the float32 query q (one warp; lane 0 has the sum).
+__device__ __forceinline__ float row_dot(const store_t* __restrict__ X, int dpad, i64 r,
+                                         const float* __restrict__ q, int lane) {
+    const store_t* x = X + r * dpad;
+    float a = 0.0f;
+    for (int j = lane * VEC; j < dpad; j += 32 * VEC) {
+        float f[VEC];
+        widen(*reinterpret_cast<const uint4*>(x + j), f);
+#pragma unroll
+        for (int t = 0; t < VEC; ++t) a = fmaf(q[j + t], f[t], a);
+    }
+    return warp_sum(a);
+}
+
+// Step 1: per query, the row of highest u in each of P slices of the rows c < n of the int32
+// products S[b][c] (row stride ld): P "champions" (-inf, -1 for an empty slice). Grid (P, B).
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_i8_champions(
+    const int* __restrict__ S, int ld, int n, const float2* __restrict__ rq,
+    const float4* __restrict__ qi, const float* __restrict__ sqn, int l2, int P,
+    float* __restrict__ champ_s, int* __restrict__ champ_r) {
+    __shared__ float ws[KALOS_BLOCK / 32];
+    __shared__ int wr[KALOS_BLOCK / 32];
+    const int b = blockIdx.y, px = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int cb = (int)((i64)n * px / P), ce = (int)((i64)n * (px + 1) / P);
+    const int* Sb = S + (i64)b * ld;
+    const float4 w = qi[b];
+    float best = neg_inf();
+    int br = -1;
+    constexpr int UN = 4;
+    for (int c0 = cb + tid; c0 < ce; c0 += UN * KALOS_BLOCK) {
+        int p[UN];
+        float2 r[UN];
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+            const int c = c0 + u * KALOS_BLOCK;
+            if (c < ce) {
+                p[u] = Sb[c];
+                r[u] = rq[c];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UN; ++u) {
+            const int c = c0 + u * KALOS_BLOCK;
+            if (c < ce) {
+                const float v = i8_bound(p[u], r[u], w, sqn, c, l2);
+                if (v > best) {
+                    best = v;
+                    br = c;
+                }
+            }
+        }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const float ov = __shfl_xor_sync(FULL_MASK, best, off);
+        const int orr = __shfl_xor_sync(FULL_MASK, br, off);
+        if (ov > best || (ov == best && (unsigned)orr < (unsigned)br)) {
+            best = ov;
+            br = orr;
+        }
+    }
+    if (lane == 0) {
+        ws[warp] = best;
+        wr[warp] = br;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        for (int i = 1; i < KALOS_BLOCK / 32; ++i)
+            if (ws[i] > best || (ws[i] == best && (unsigned)wr[i] < (unsigned)br)) {
+                best = ws[i];
+                br = wr[i];
+            }
+        champ_s[(i64)b * P + px] = best;
+        champ_r[(i64)b * P + px] = best > neg_inf() ? br : -1;
+    }
+}
+
+// Step 2: rescore the P champions in float32; their kk-th score L is at most the query's true
+// kk-th (they are P distinct rows), so a row that can beat it has u >= L (less the rounding of u
+// and of float32 scores): thr[b] is that threshold (-inf with fewer than kk champions: every row
+// is collected), cnt[b] is reset for step 3. Grid (B), KALOS_I8_THREADS threads, P <= 256.
+extern "C" __global__ void kalos_i8_threshold(
+    const store_t* __restrict__ X, const float* __restrict__ sqn, int dpad,
+    const float* __restrict__ q32, const float4* __restrict__ qi, int l2, float xmax, int kk,
+    int P, const int* __restrict__ champ_r, float* thr, int* cnt) {
+    __shared__ float es[256];
+    const int b = blockIdx.x, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
+    const float* q = q32 + (i64)b * dpad;
+    const float4 w = qi[b];
+    for (int c = warp; c < 256; c += W) {
+        const int r = c < P ? champ_r[(i64)b * P + c] : -1;  // warp-uniform
+        const float a = r >= 0 ? row_dot(X, dpad, r, q, lane) : 0.0f;
+        if (lane == 0) es[c] = r >= 0 ? (l2 ? 2.0f * a - sqn[r] - w.w : a) : neg_inf();
+    }
+    for (int size = 2; size <= 256; size <<= 1)  // block bitonic sort, best first
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int t = tid; t < 128; t += blockDim.x) {
+                const int i = 2 * t - (t & (stride - 1));
+                const int j = i + stride;
+                const float si = es[i], sj = es[j];
+                if (((i & size) == 0) ? sj > si : si > sj) {
+                    es[i] = sj;
+                    es[j] = si;
+                }
+            }
+        }
+    __syncthreads();
+    if (tid == 0) {
+        const float tk = es[kk - 1];
+        const float qx = sqrtf(w.w) * xmax;  // bounds |q||x| and |q.x| for every stored row
+        // u's own rounding (a few float32 operations on terms below 1.25 |q^| xmax + |dq| xmax)
+        // and the float32 accumulations of two scores over dpad terms (dpad 2^-24 |q||x| each).
+        const float ev = ldexpf(1.0f, -20) * (1.25f * w.y * xmax + w.z) +
+                         1.25f * qx * (float)dpad * ldexpf(1.0f, -23);
+        // l2 scores are 2 q.x - |x|^2 - |q|^2: twice that, plus the rounding of the sum.
+        const float e = l2 ? 2.0f * ev + ldexpf(1.0f, -21) * (2.0f * qx + xmax * xmax + w.w) : ev;
+        thr[b] = tk - e;
+        cnt[b] = 0;
+    }
+}
+
+// Step 3: every row c < n with u > thr[b] into col[b][cap] (cnt[b] counts them all, also those
+// past cap). Grid (blocks, B).
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_i8_collect(
+    const int* __restrict__ S, int ld, int n, const float2* __restrict__ rq,
+    const float4* __restrict__ qi, const float* __restrict__ sqn, int l2,
+    const float* __restrict__ thr, int* cnt, int* col, int cap) {
+    const int b = blockIdx.y;
+    const int* Sb = S + (i64)b * ld;
+    const float4 w = qi[b];
+    const float t = thr[b];
+    const int step = gridDim.x * blockDim.x;
+    for (int c0 = blockIdx.x * blockDim.x + threadIdx.x; c0 < n; c0 += 4 * step) {
+        int p[4];
+        float2 r[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int c = c0 + u * step;
+            if (c < n) {
+                p[u] = Sb[c];
+                r[u] = rq[c];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int c = c0 + u * step;
+            if (c < n && i8_bound(p[u], r[u], w, sqn, c, l2) > t) {
+                const int pos = atomicAdd(cnt + b, 1);
+                if (pos < cap) col[(i64)b * cap + pos] = c;
+            }
+        }
+    }
+}
+
+// Step 4: rescore the collected rows in float32, sort them and write the best kk to
+// out_s/out_r[b][kk] (pinned host memory); flags[b] = 1 (the host redoes the query) when more
+// than cap rows were collected. Grid (B), dynamic shared memory: cap floats and cap ints (cap a
+// power of two); one warp per row at a time.
+extern "C" __global__ void kalos_i8_final(const store_t* __restrict__ X,
+                                          const float* __restrict__ sqn, int dpad,
+                                          const float* __restrict__ q32,
+                                          const float4* __restrict__ qi, int l2, int kk,
+                                          const int* __restrict__ cnt,
+                                          const int* __restrict__ col, int cap, float* out_s,
+                                          int* out_r, int* flags) {
+    float* es = reinterpret_cast<float*>(kalos_smem);
+    int* er = reinterpret_cast<int*>(es + cap);
+    const int b = blockIdx.x, tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
+    const int c = cnt[b];
+    if (c > cap) {  // block-uniform
+        for (int t = tid; t < kk; t += blockDim.x) {
+            out_s[(i64)b * kk + t] = neg_inf();
+            out_r[(i64)b * kk + t] = -1;
+        }
+        if (tid == 0) flags[b] = 1;
+        return;
+    }
+    int m = 1;
+    while (m < c) m <<= 1;
+    const float* q = q32 + (i64)b * dpad;
+    const float wq = qi[b].w;
+    for (int i = warp; i < c; i += W) {
+        const int r = col[(i64)b * cap + i];  // warp-uniform
+        const float a = row_dot(X, dpad, r, q, lane);
+        if (lane == 0) {
+            es[i] = l2 ? 2.0f * a - sqn[r] - wq : a;
+            er[i] = r;
+        }
+    }
+    for (int i = c + tid; i < m; i += blockDim.x) {
+        es[i] = neg_inf();
+        er[i] = 0x7fffffff;
+    }
+    // Block bitonic sort of the m entries, best first; ties by row so the order is total.
+    for (int size = 2; size <= m; size <<= 1) {
+        for (int stride = size >> 1; stride > 0; stride >>= 1) {
+            __syncthreads();
+            for (int t = tid; t < m / 2; t += blockDim.x) {
+                const int i = 2 * t - (t & (stride - 1));
+                const int j = i + stride;
+                const bool desc = (i & size) == 0;
+                const float si = es[i], sj = es[j];
+                const int ri = er[i], rj = er[j];
+                const bool j_better = sj > si || (sj == si && rj < ri);
+                const bool i_better = si > sj || (si == sj && ri < rj);
+                if (desc ? j_better : i_better) {
+                    es[i] = sj;
+                    er[i] = rj;
+                    es[j] = si;
+                    er[j] = ri;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int t = tid; t < kk; t += blockDim.x) {
+        out_s[(i64)b * kk + t] = t < c ? es[t] : neg_inf();
+        out_r[(i64)b * kk + t] = t < c ? er[t] : -1;
+    }
+    if (tid == 0) flags[b] = 0;
+}
+
 // ------------------------------------------------------------------ queries and rows
 // GEMM path: queries into the storage format (qs may be null for float32) and |q|^2 in float32.
 // One warp per query.

@@ -105,5 +105,11 @@ class Kernels:
         self.rescore = module.get_function("kalos_rescore_h")
         self.write = module.get_function("kalos_write_rows")
         self.move = module.get_function("kalos_move_rows")
-        for kern in (*self.small.values(), self.scores_b):
+        self.i8_rows = module.get_function("kalos_i8_rows")  # int8 first pass (int8.py, paths.py)
+        self.i8_queries = module.get_function("kalos_i8_queries")
+        self.i8_champions = module.get_function("kalos_i8_champions")
+        self.i8_threshold = module.get_function("kalos_i8_threshold")
+        self.i8_collect = module.get_function("kalos_i8_collect")
+        self.i8_final = module.get_function("kalos_i8_final")
+        for kern in (*self.small.values(), self.scores_b, self.i8_final):
             kern.max_dynamic_shared_size_bytes = smem_optin

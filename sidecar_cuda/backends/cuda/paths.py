@@ -14,6 +14,7 @@ import numpy as np
 
 from ..base import Decay, SearchResult
 from ..numpy_backend import topk_rows
+from . import int8
 from .buffers import BufferSet
 from .device import Device
 from .kernels import BLOCK, HALF_CAND, HEADER_BYTES, WARP_K, Storage
@@ -25,6 +26,7 @@ from .planner import (
     ZERO_COPY_BLOCKS,
     Plan,
     SearchPath,
+    int8_cap,
     next_pow2,
     small_smem,
 )
@@ -40,7 +42,14 @@ log = logging.getLogger("kalos.cuda")
 
 _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUBLAS_COMPUTE_32F = 68
+_CUBLAS_COMPUTE_32I = 72
 _CUBLAS_GEMM_DEFAULT = -1
+_CUDA_R_8I, _CUDA_R_32I = 3, 10
+# cuBLAS reads alpha and beta from host memory; int32 for an int32 computation.
+_ONE_I32 = np.ones(1, np.int32)
+INT8_THREADS = 1024  # kalos_i8_threshold and kalos_i8_final: a block of 32 warps per query
+INT8_CHAMPIONS = 128  # int8 first pass: slices per query, each giving its best row (<= 256)
+_ZERO_I32 = np.zeros(1, np.int32)
 
 
 def search_host(dev: Device, m: DeviceRows, q: np.ndarray, n: int, k: int, decay: Decay | None = None) -> SearchResult:
@@ -85,6 +94,8 @@ def enqueue(
         search_half_gemm(dev, bufs, m, q, n, kk)
     elif path is SearchPath.WGMMA:
         search_wgmma(dev, bufs, m, q, n, kk)
+    elif path is SearchPath.INT8:
+        search_int8(dev, bufs, m, q, n, kk)
     elif path is SearchPath.EXACT:
         search_gemm(dev, bufs, m, q, n, k, kk, exact=True)
     elif path is SearchPath.GEMM:
@@ -427,6 +438,97 @@ def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray,
     )
 
 
+def search_int8(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, kk: int) -> None:
+    """The int8 first pass (k <= 16; ``kalos_topk.cu``): int32 products of the int8 copies of the
+    queries and rows (cuBLAS), the row of highest upper bound in each of 128 slices rescored in
+    float32 for a threshold, every row whose bound reaches it collected, rescored and sorted; a
+    query that collects more than ``int8_cap(n)`` rows is flagged for the redo."""
+    cp, rt = dev.cp, dev.rt
+    i8 = int8.ensure(dev, m)
+    b, _d = q.shape
+    dpad, dp8 = m.dpad, i8.dp8
+    bp = -(-b // int8.ROWS_ALIGN) * int8.ROWS_ALIGN  # (cuBLAS int8: n a multiple of 4; zero queries)
+    s = dev.stream
+    src = _host_queries(dev, bufs, q, dpad)
+    q8_bytes = -(-(bp * dp8) // 256) * 256
+    bufs.make_room(bufs.d_q, 4 * b * dpad + q8_bytes + 16 * bp)
+    q32 = bufs.d_q.ptr
+    q8 = q32 + 4 * b * dpad  # (16-byte aligned: dpad is whole 16-byte vectors of float32 or less)
+    qi = q8 + q8_bytes
+    n4 = min(int8.padded_rows(n), i8.capacity)  # rows multiplied (one GEMM: planner.INT8_MAX_WORK)
+    cap = int8_cap(n)
+    parts = INT8_CHAMPIONS
+    bufs.make_room(bufs.d_scores, 4 * bp * n4)
+    bufs.make_room(bufs.d_top, 8 * b * parts + 8 * b + 4 * b * cap)
+    champ_s = bufs.d_top.ptr
+    champ_r = champ_s + 4 * b * parts
+    thr = champ_r + 4 * b * parts
+    cnt = thr + 4 * b
+    col = cnt + 4 * b
+    out_r = bufs.h_out.ptr
+    out_s = out_r + 4 * b * kk
+    flags = out_s + 4 * b * kk
+    xmax = np.float32(m.max_norm)
+    l2 = np.int32(m.l2)
+    rt.memcpyAsync(q32, src, 4 * b * dpad, rt.memcpyHostToDevice, s.ptr)
+    k = dev.kernels
+    k.i8_queries(
+        (-(-bp * 32 // BLOCK),),
+        (BLOCK,),
+        (q32, np.int32(b), np.int32(bp), np.int32(dpad), np.int32(dp8), xmax, q8, qi),
+        stream=s,
+    )
+    handle = cp.cuda.device.get_cublas_handle()
+    from cupy_backends.cuda.libs import cublas
+
+    with s:  # cuBLAS runs on the current stream
+        cublas.gemmEx(
+            handle,
+            _CUBLAS_OP_T,
+            _CUBLAS_OP_N,
+            n4,
+            bp,
+            dp8,
+            _ONE_I32.ctypes.data,
+            i8.data.data.ptr,
+            _CUDA_R_8I,
+            dp8,
+            q8,
+            _CUDA_R_8I,
+            dp8,
+            _ZERO_I32.ctypes.data,
+            bufs.d_scores.ptr,
+            _CUDA_R_32I,
+            n4,
+            _CUBLAS_COMPUTE_32I,
+            _CUBLAS_GEMM_DEFAULT,
+        )
+    S, nn = bufs.d_scores.ptr, np.int32(n)
+    k.i8_champions(
+        (parts, b),
+        (BLOCK,),
+        (S, np.int32(n4), nn, i8.scale, qi, m.sqn, l2, np.int32(parts), champ_s, champ_r),
+        stream=s,
+    )
+    k.i8_threshold(
+        (b,),
+        (INT8_THREADS,),
+        (m.data, m.sqn, np.int32(dpad), q32, qi, l2, xmax, np.int32(kk), np.int32(parts), champ_r, thr, cnt),
+        stream=s,
+    )
+    blocks = max(1, min(-(-16 * dev.sms // b), -(-n // (4 * BLOCK))))
+    k.i8_collect(
+        (blocks, b), (BLOCK,), (S, np.int32(n4), nn, i8.scale, qi, m.sqn, l2, thr, cnt, col, np.int32(cap)), stream=s
+    )
+    k.i8_final(
+        (b,),
+        (INT8_THREADS,),
+        (m.data, m.sqn, np.int32(dpad), q32, qi, l2, np.int32(kk), cnt, col, np.int32(cap), out_s, out_r, flags),
+        shared_mem=8 * cap,
+        stream=s,
+    )
+
+
 def search_wgmma(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, kk: int) -> None:
     """The wgmma path (float16 storage, k <= 16): one H2D copy of the float32 queries, then
     kw_prep (scaled float16 queries, |q|^2, gates), kw_fused (scores and candidate lists of rows
@@ -489,4 +591,4 @@ def search_wgmma(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: 
     )
 
 
-__all__ = ["enqueue", "search_fused", "search_gemm", "search_half_gemm", "search_host", "search_wgmma"]
+__all__ = ["enqueue", "search_fused", "search_gemm", "search_half_gemm", "search_host", "search_int8", "search_wgmma"]

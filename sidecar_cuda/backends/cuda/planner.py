@@ -10,6 +10,10 @@ per block) from the batch, the matrix's traits and the device's :class:`Limits`:
   float16 storage, inner product, k <= 16, 2-32 queries, at least ``wgmma_min_rows`` rows (twice
   that above 16 queries) whose padded dim is whole 128-byte lines, where it was measured to beat
   the GEMM paths;
+* ``INT8``: the int8 first pass (any storage, k <= 16, at most ``INT8_MAX_B`` queries over at
+  least ``int8_min_rows`` rows, ``--int8-pass auto``): cuBLAS scores int8 copies of the rows and
+  queries, and only rows whose proven upper bound reaches a float32 threshold are rescored; it
+  reads half the bytes of float16 rows, where small batches are bound by reading the rows;
 * ``HALF_GEMM``: the half-score GEMM (float16 storage, k <= 16, a large score matrix);
 * ``GEMM``: the float32-score GEMM, everything else;
 * ``EXACT``: never planned: the wgmma path's redo of the queries it could not prove (float32
@@ -39,6 +43,7 @@ class SearchPath(enum.Enum):
     HOST = "host"
     FUSED = "small"  # (the kernels kalos_small_q{QT})
     WGMMA = "wgmma"
+    INT8 = "int8"
     HALF_GEMM = "gemmh"
     GEMM = "gemm"
     EXACT = "exact"
@@ -70,6 +75,13 @@ WGMMA_MIN_B, WGMMA_MAX_B = 2, 32  # wgmma path: batch sizes where it was measure
 WGMMA_MIN_ROWS = 1 << 19  # wgmma path: from this many rows at b <= 16, twice as many for b = 17-32
 # (the 32-query tile lost at 512k rows and won or tied at 1M): docs/gpu.md
 WGMMA_ROW_ELEMS = 64  # wgmma path: the padded dim a multiple of this (whole 128-byte float16 lines)
+INT8_K = 16  # int8 first pass: largest k
+INT8_MAX_B = 16  # int8 first pass: largest batch (cuBLAS's int8 GEMM reads the rows at full bandwidth
+# up to 16 queries; at 32 it took 0.6-0.7 ms at 1M x 768 against 0.2: bench/results/h200-2026-12-02g)
+INT8_MIN_ROWS = 1 << 19  # int8 first pass: from this many rows
+INT8_MAX_WORK = 1 << 27  # int8 first pass: rows x queries at most (one GEMM, 512 MiB of int32)
+INT8_CAP_SHIFT = 9  # int8 first pass: it rescores up to n / 2^9 collected rows per query ...
+INT8_CAP_MIN, INT8_CAP_MAX = 1024, 8192  # ... within these (random 768-dim rows collect ~1 in 5000)
 HALF_SCORE_BYTES = 1 << 29  # half-score path: float16 scores per chunk (512 MiB: one chunk for
 # 256 queries x 1M rows, so one large GEMM)
 
@@ -81,7 +93,7 @@ _PLANS = {path: Plan(path) for path in SearchPath}
 _FUSED_PLANS = {qt: Plan(SearchPath.FUSED, qt) for qt in SMALL_QT}
 
 #: The path that redoes the queries a proving path could not prove exact: float32 scores decide.
-REDO = {SearchPath.HALF_GEMM: SearchPath.GEMM, SearchPath.WGMMA: SearchPath.EXACT}
+REDO = {SearchPath.HALF_GEMM: SearchPath.GEMM, SearchPath.WGMMA: SearchPath.EXACT, SearchPath.INT8: SearchPath.GEMM}
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +103,9 @@ class Limits:
     to this many queries, or up to this many rows x queries (the crossover against the GEMM path
     measured on an H200, docs/gpu.md); ``host_work``: see HOST_WORK (0: never the host);
     ``wgmma_min_rows``: see WGMMA_MIN_ROWS (tests lower it); ``wgmma_built``: the wgmma kernels
-    were built (a Hopper device, ``--fused-kernel auto``, float16 storage)."""
+    were built (a Hopper device, ``--fused-kernel auto``, float16 storage); ``int8_on``: the int8
+    first pass is on (``--int8-pass auto``, checked in the warm-up); ``int8_min_rows``: see
+    INT8_MIN_ROWS (tests lower it)."""
 
     smem_optin: int
     small_batch_max: int = 1
@@ -99,17 +113,21 @@ class Limits:
     host_work: int = HOST_WORK
     wgmma_min_rows: int = WGMMA_MIN_ROWS
     wgmma_built: bool = False
+    int8_on: bool = False
+    int8_min_rows: int = INT8_MIN_ROWS
 
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """What the planner needs of the rows searched: storage, padded dim, the metric's l2-ness, and
-    a bound on every stored row's norm (0 while none is written)."""
+    """What the planner needs of the rows searched: storage, padded dim, the metric's l2-ness, a
+    bound on every stored row's norm (0 while none is written), and whether an int8 copy of them
+    fits on the device (False once it did not: ``int8.ensure``)."""
 
     storage: Storage
     dpad: int
     l2: bool
     max_norm: float
+    int8_room: bool = True
 
 
 def next_pow2(x: int) -> int:
@@ -139,11 +157,23 @@ def wgmma_ok(rows: Rows, k: int) -> bool:
     )
 
 
+def int8_cap(n: int) -> int:
+    """Rows the int8 first pass may collect and rescore per query over n rows (a power of two)."""
+    return min(INT8_CAP_MAX, max(INT8_CAP_MIN, next_pow2(n >> INT8_CAP_SHIFT)))
+
+
+def int8_ok(rows: Rows, k: int) -> bool:
+    """Can the int8 first pass serve k over these rows? Row norms bounded, the copy fits."""
+    return k <= INT8_K and rows.int8_room and 0.0 < rows.max_norm < 1e30
+
+
 def plan(b: int, n: int, k: int, rows: Rows, limits: Limits) -> Plan:
     """The path of a batch of b queries for the top-k over rows [0, n) of ``rows``."""
     dpad = rows.dpad
     if b * n * dpad <= limits.host_work:
         return _PLANS[SearchPath.HOST]
+    if limits.int8_on and b <= INT8_MAX_B and limits.int8_min_rows <= n and b * n <= INT8_MAX_WORK and int8_ok(rows, k):
+        return _PLANS[SearchPath.INT8]
     if k <= WARP_K and (b <= limits.small_batch_max or n * b <= limits.small_work_max):
         qt = QT_FOR[min(b, SMALL_QT[-1])]
         while qt > 1 and small_smem(qt, dpad) > limits.smem_optin:
@@ -181,6 +211,11 @@ def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan
         if k > WARP_K:
             raise ValueError(f"the fused path serves k <= {WARP_K}")
         return _FUSED_PLANS[QT_FOR[min(b, SMALL_QT[-1])]]
+    if path is SearchPath.INT8 and not (limits.int8_on and int8_ok(rows, k)):  # (any n x b: one GEMM)
+        raise ValueError(
+            f"the int8 path serves k <= {INT8_K} with --int8-pass auto (checked in the warm-up) "
+            "where the rows' int8 copy fits"
+        )
     if path is SearchPath.HALF_GEMM and not half_ok(rows, k):
         raise ValueError(f"the half-score path serves float16 storage and k <= {HALF_K}")
     if path in (SearchPath.WGMMA, SearchPath.EXACT) and not (limits.wgmma_built and wgmma_ok(rows, k)):
@@ -193,8 +228,9 @@ def forced(path: SearchPath, b: int, k: int, rows: Rows, limits: Limits) -> Plan
 
 def cheap_k(path: SearchPath) -> int:
     """The largest k' a filtered search can over-fetch on the path of its unfiltered search:
-    HALF_K on the half-score GEMM and the wgmma path (both serve k <= 16), else WARP_K."""
-    return HALF_K if path in (SearchPath.HALF_GEMM, SearchPath.WGMMA) else WARP_K
+    HALF_K on the half-score GEMM, the wgmma path and the int8 pass (all serve k <= 16), else
+    WARP_K."""
+    return HALF_K if path in (SearchPath.HALF_GEMM, SearchPath.WGMMA, SearchPath.INT8) else WARP_K
 
 
 #: A filtered search over-fetches (top-k' of every row, k' > k) when at least 1/OVERFETCH_FRACTION

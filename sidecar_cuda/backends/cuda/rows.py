@@ -17,7 +17,9 @@ from dataclasses import replace
 import numpy as np
 
 from ....broker.layout import Metric
+from . import int8
 from .device import Device
+from .int8 import Int8Rows
 from .kernels import BLOCK, Storage
 from .planner import Rows
 
@@ -53,6 +55,14 @@ class DeviceRows:
         # Queries served by each way of a filtered search: "all_rows", "overfetch_<k'>",
         # "gathered", "gather_reused".
         self.filter_stats = {"gathered": 0, "gather_reused": 0}
+        # The int8 copy of the rows (int8.py): built by the first int8 search, then kept current
+        # by every write, move and growth.
+        self.i8: Int8Rows | None = None
+
+    @property
+    def int8_bytes(self) -> int:
+        """Device memory of the int8 copy (0 while there is none)."""
+        return self.i8.nbytes if self.i8 is not None else 0
 
     @property
     def max_norm(self) -> float:
@@ -95,6 +105,7 @@ def write(dev: Device, m: DeviceRows, rows: np.ndarray, vectors: np.ndarray) -> 
             (m.data, m.sqn, np.int32(m.dpad), d_rows, d_vec, np.int32(r), np.int32(m.dim)),
             stream=dev.stream,
         )
+    int8.requantize(dev, m, d_rows, r)
 
 
 def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_s: np.ndarray) -> None:
@@ -129,12 +140,14 @@ def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
     cp = dev.cp
     with dev.guard("move_rows"), dev.stream:
         r = len(src)
+        d_dst = cp.asarray(dst)
         dev.kernels.move(
             (-(-r * 32 // BLOCK),),
             (BLOCK,),
-            (m.data, m.sqn, np.int32(m.dpad), cp.asarray(src), cp.asarray(dst), np.int32(r)),
+            (m.data, m.sqn, np.int32(m.dpad), cp.asarray(src), d_dst, np.int32(r)),
             stream=dev.stream,
         )
+    int8.requantize(dev, m, d_dst, r)
 
 
 def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
@@ -155,6 +168,7 @@ def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
         times[: m.capacity] = m.times
         m.data, m.sqn, m.times, m.capacity = data, sqn, times, capacity
         m.ptrs = (int(data.data.ptr), int(sqn.data.ptr))
+    int8.grow(dev, m)
 
 
 def read(dev: Device, m: DeviceRows, rows: np.ndarray) -> np.ndarray:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ....broker.errors import KalosError, ServerError
 from ..base import Decay, PolledFuture, SearchResult
+from . import int8
 from .buffers import BufferSet
 from .device import Device
 from .kernels import MAX_K
@@ -119,6 +120,11 @@ def _launch(
         pl = plan_biased(b, n, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
     else:
         pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
+        if pl.path is SearchPath.INT8 and path is None and m.i8 is None:
+            try:  # the first int8 search of these rows builds their copy, if it fits
+                int8.ensure(dev, m)
+            except ValueError:  # (it does not: the rows' traits now keep the planner off the path)
+                pl = plan(b, n, k, m.traits, dev.limits)
     p.path = pl.path
     if pl.path is SearchPath.HOST:  # answered now, from the host copy (read back first if stale)
         p.value = search_host(dev, m, q, n, k, decay)
@@ -137,7 +143,7 @@ def _launch(
 
 def collect(dev: Device, p: Launch) -> SearchResult:
     """Wait for a launch and read its answer, redoing on the float32 path the queries the
-    half-score or wgmma path flagged. Raises ServerError when the device fails or times out."""
+    half-score, wgmma or int8 path flagged. Raises ServerError when the device fails or times out."""
     if p.value is not None:
         if p.path is not SearchPath.HOST:
             return p.value  # (empty: nothing to look up in row_ids)
@@ -157,6 +163,8 @@ def collect(dev: Device, p: Launch) -> SearchResult:
             if redo.size:
                 if p.path is SearchPath.HALF_GEMM:
                     dev.stats.half_fallbacks += int(redo.size)
+                elif p.path is SearchPath.INT8:
+                    dev.stats.int8_fallbacks += int(redo.size)
                 else:
                     dev.stats.wgmma_fallbacks += int(redo.size)
                 qr = np.ascontiguousarray(p.q[redo])
