@@ -74,8 +74,9 @@ def test_copy_bytes(capacity: int, dpad: int, want: int) -> None:
 def test_one_gemm_and_the_collection_cap() -> None:
     from kalos.sidecar_cuda.backends.cuda.planner import INT8_CAP_MAX, INT8_CAP_MIN, INT8_MAX_WORK, int8_cap
 
-    assert plan(32, INT8_MAX_WORK // 32, 10, F16, ON).path is SearchPath.INT8
-    assert plan(32, INT8_MAX_WORK // 32 + 1, 10, F16, ON).path is not SearchPath.INT8  # two GEMMs: not this path
+    b = INT8_MAX_B
+    assert plan(b, INT8_MAX_WORK // b, 10, F16, ON).path is SearchPath.INT8
+    assert plan(b, INT8_MAX_WORK // b + 1, 10, F16, ON).path is not SearchPath.INT8  # two GEMMs: not this path
     assert int8_cap(1000) == INT8_CAP_MIN
     assert int8_cap(1_000_000) == 2048
     assert int8_cap(2_097_152) == 4096

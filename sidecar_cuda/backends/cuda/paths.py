@@ -14,9 +14,10 @@ import numpy as np
 
 from ..base import Decay, SearchResult
 from ..numpy_backend import topk_rows
-from . import int8
 from .buffers import BufferSet
 from .device import Device
+from .int8 import ROWS_ALIGN, padded_rows
+from .int8 import ensure as ensure_int8
 from .kernels import BLOCK, HALF_CAND, HEADER_BYTES, WARP_K, Storage
 from .planner import (
     GEMM_BLOCKS,
@@ -444,10 +445,10 @@ def search_int8(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: i
     float32 for a threshold, every row whose bound reaches it collected, rescored and sorted; a
     query that collects more than ``int8_cap(n)`` rows is flagged for the redo."""
     cp, rt = dev.cp, dev.rt
-    i8 = int8.ensure(dev, m)
+    i8 = ensure_int8(dev, m)
     b, _d = q.shape
     dpad, dp8 = m.dpad, i8.dp8
-    bp = -(-b // int8.ROWS_ALIGN) * int8.ROWS_ALIGN  # (cuBLAS int8: n a multiple of 4; zero queries)
+    bp = -(-b // ROWS_ALIGN) * ROWS_ALIGN  # (cuBLAS int8: n a multiple of 4; zero queries)
     s = dev.stream
     src = _host_queries(dev, bufs, q, dpad)
     q8_bytes = -(-(bp * dp8) // 256) * 256
@@ -455,7 +456,7 @@ def search_int8(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: i
     q32 = bufs.d_q.ptr
     q8 = q32 + 4 * b * dpad  # (16-byte aligned: dpad is whole 16-byte vectors of float32 or less)
     qi = q8 + q8_bytes
-    n4 = min(int8.padded_rows(n), i8.capacity)  # rows multiplied (one GEMM: planner.INT8_MAX_WORK)
+    n4 = min(padded_rows(n), i8.capacity)  # rows multiplied (one GEMM: planner.INT8_MAX_WORK)
     cap = int8_cap(n)
     parts = INT8_CHAMPIONS
     bufs.make_room(bufs.d_scores, 4 * bp * n4)

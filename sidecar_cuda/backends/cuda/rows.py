@@ -17,9 +17,9 @@ from dataclasses import replace
 import numpy as np
 
 from ....broker.layout import Metric
-from . import int8
 from .device import Device
-from .int8 import Int8Rows
+from .int8 import Int8Rows, requantize
+from .int8 import grow as grow_int8
 from .kernels import BLOCK, Storage
 from .planner import Rows
 
@@ -105,7 +105,7 @@ def write(dev: Device, m: DeviceRows, rows: np.ndarray, vectors: np.ndarray) -> 
             (m.data, m.sqn, np.int32(m.dpad), d_rows, d_vec, np.int32(r), np.int32(m.dim)),
             stream=dev.stream,
         )
-    int8.requantize(dev, m, d_rows, r)
+    requantize(dev, m, d_rows, r)
 
 
 def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_s: np.ndarray) -> None:
@@ -147,7 +147,7 @@ def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
             (m.data, m.sqn, np.int32(m.dpad), cp.asarray(src), d_dst, np.int32(r)),
             stream=dev.stream,
         )
-    int8.requantize(dev, m, d_dst, r)
+    requantize(dev, m, d_dst, r)
 
 
 def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
@@ -168,7 +168,7 @@ def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
         times[: m.capacity] = m.times
         m.data, m.sqn, m.times, m.capacity = data, sqn, times, capacity
         m.ptrs = (int(data.data.ptr), int(sqn.data.ptr))
-    int8.grow(dev, m)
+    grow_int8(dev, m)
 
 
 def read(dev: Device, m: DeviceRows, rows: np.ndarray) -> np.ndarray:

@@ -13,9 +13,9 @@ import numpy as np
 
 from ....broker.errors import KalosError, ServerError
 from ..base import Decay, PolledFuture, SearchResult
-from . import int8
 from .buffers import BufferSet
 from .device import Device
+from .int8 import ensure as ensure_int8
 from .kernels import MAX_K
 from .paths import enqueue, search_host
 from .planner import BIASED_PATHS, REDO, Plan, SearchPath, forced, plan, plan_biased
@@ -122,7 +122,7 @@ def _launch(
         pl = plan(b, n, k, m.traits, dev.limits) if path is None else forced(path, b, k, m.traits, dev.limits)
         if pl.path is SearchPath.INT8 and path is None and m.i8 is None:
             try:  # the first int8 search of these rows builds their copy, if it fits
-                int8.ensure(dev, m)
+                ensure_int8(dev, m)
             except ValueError:  # (it does not: the rows' traits now keep the planner off the path)
                 pl = plan(b, n, k, m.traits, dev.limits)
     p.path = pl.path
