@@ -159,6 +159,12 @@ def test_store_down_recalls_served_writes_fail_then_catch_up(pg: PgServer, fleet
         assert wait_for(lambda: _http(port, "/readyz")[1].strip() == "ready", 15)
 
 
+def pruned_through(pg: PgServer, db: str) -> tuple[int, int]:
+    """The store's pruned_through position as numbers (as strings "1000.1" sorts before "999.5")."""
+    xid, _, seq = pg.psql("SELECT value FROM kalos.meta WHERE key = 'pruned_through'", db).partition(".")
+    return int(xid or -1), int(seq or 0)
+
+
 def test_follower_past_retention_reloads_and_converges(pg: PgServer, fleet_dsn: str, fleet, rng):
     db = fleet_dsn.split("@/")[1].split("?")[0]
     a = fleet("a", "--store-retention", "1.5")
@@ -171,15 +177,13 @@ def test_follower_past_retention_reloads_and_converges(pg: PgServer, fleet_dsn: 
         b.pause()  # gone silent: after the retention it is dropped and the log pruned past it
         try:
             i = 20
+            seen = (w.position.xid, w.position.seq)  # the last write b applied
             assert wait_for(lambda: pg.psql("SELECT count(*) FROM kalos.followers", db) == "1", 20)
-            while (
-                pg.psql("SELECT value FROM kalos.meta WHERE key = 'pruned_through'", db)
-                <= f"{w.position.xid}.{w.position.seq}"
-            ):
+            while pruned_through(pg, db) <= seen:  # (not the newest write: pruning trails it)
                 w = ca.upsert([i], vecs[i : i + 1], payloads=[{"i": i}])
                 ca.delete([i - 10])
                 i += 1
-                assert i < 200, "the log was never pruned"
+                assert i < 200, f"the log was never pruned past {seen}: {pruned_through(pg, db)}"
                 time.sleep(0.05)
             w = ca.upsert([i], vecs[i : i + 1])
         finally:
