@@ -11,7 +11,7 @@ off``) a started batch is answered at once. Host work costs ``take(n)`` and ``an
 device ``a + b * n`` per batch. Callers live in ``procs`` processes; a process's callers answered
 by one batch post again one after the other (its event loop runs them in turn): the k-th of them
 ``base + k * step + jitter`` after its answer, ``jitter`` uniform in ``[0, jitter_ns)`` from a
-seeded generator.
+seeded generator. ``device_curve`` replaces ``a + b * n`` by a measured curve (interpolated).
 
     run(SimSpec(callers=256), FillPolicy(1_000_000)) -> SimResult (mean batch, recalls/s, ...)
 """
@@ -33,6 +33,8 @@ class SimSpec:
     depth: int = 2  # batches in flight at most (1: --pipeline off)
     a_ns: int = 450_000  # device time of a batch: a + b * n
     b_ns: int = 2_400
+    # ... or, when given, interpolated between (batch size, ns) points (a measured curve, sorted)
+    device_curve: tuple[tuple[int, int], ...] = ()
     take_ns: tuple[int, int] = (20_000, 1_500)  # host: taking n requests and starting them, (fixed, per request)
     answer_ns: tuple[int, int] = (20_000, 1_500)  # host: writing n answers
     base_ns: int = 60_000  # turnaround of a caller: base + k * step + jitter (k: its turn in its process)
@@ -41,6 +43,13 @@ class SimSpec:
     duration_ns: int = 200_000_000
     warmup_ns: int = 20_000_000  # batches and requests before this are not counted
     seed: int = 1
+
+    def device_ns(self, n: int) -> int:
+        """Device time of a batch of n requests."""
+        if not self.device_curve:
+            return self.a_ns + self.b_ns * n
+        xs, ys = zip(*self.device_curve)
+        return int(np.interp(n, xs, ys))
 
 
 @dataclass
@@ -146,7 +155,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
                     res.waits_ns.extend(t_pick - t_post[c] for c in taken)
                 t += spec.take_ns[0] + spec.take_ns[1] * len(taken)
                 start = max(t, device_free)
-                device_free = start + spec.a_ns + spec.b_ns * len(taken)
+                device_free = start + spec.device_ns(len(taken))
                 policy.launched(len(taken), t_pick, t, spec.depth > 1)
                 inflight.append(_Batch(taken, t_pick, start, device_free))
                 if spec.depth == 1:  # not pipelined: answered at once

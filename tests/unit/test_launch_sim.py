@@ -73,3 +73,13 @@ def test_a_lone_caller_never_waits(machine):
     eager, fill, _ = both(replace(MACHINES[machine], callers=1))
     assert fill.waits_ns and max(fill.waits_ns) == 0 and max(eager.waits_ns) == 0
     assert fill.latencies_ns == eager.latencies_ns
+
+
+def test_a_device_curve_replaces_the_linear_model():
+    lin = SimSpec(callers=64, duration_ns=60_000_000)
+    same = SimSpec(callers=64, duration_ns=60_000_000, device_curve=((1, lin.device_ns(1)), (512, lin.device_ns(512))))
+    assert [same.device_ns(n) for n in (1, 7, 100, 512)] == [lin.device_ns(n) for n in (1, 7, 100, 512)]
+    a, b = run(lin, FillPolicy(1_000_000)), run(same, FillPolicy(1_000_000))
+    assert (a.batches, a.latencies_ns) == (b.batches, b.latencies_ns)
+    slow = SimSpec(callers=64, duration_ns=60_000_000, device_curve=((1, 900_000), (512, 2_000_000)))
+    assert run(slow, FillPolicy(1_000_000)).throughput < a.throughput
