@@ -282,7 +282,8 @@ async def test_recency_weighted_recall_is_exact_against_float64(sidecar_factory,
 @pytest.mark.asyncio
 async def test_refresh_on_read_restarts_the_expiry_durably(sidecar_factory, tmp_path, rng):
     h = start(sidecar_factory, "refresh", "--data-dir", str(tmp_path / "d"), ephemeral=False)
-    v = rng.standard_normal((4, DIM)).astype(np.float32)
+    v = rng.standard_normal((4, DIM))
+    v = (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)  # unit rows: v[0] is its own best
     async with RecallPool(h.name, size=2) as pool:
         # Seconds, not tenths: every step below must land inside its window on a loaded machine.
         await pool.upsert([0, 1, 2, 3], v, namespace="f", ttl=3.0)
