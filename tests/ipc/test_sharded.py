@@ -111,11 +111,12 @@ async def test_sharded_sidecar_concurrent_writes_filters_and_restart(sidecar_fac
                 hits = await pool.recall(q, 20, namespace="m", where={"c": 2})
                 _check(q, live, hits.ids, hits.scores, 20, allowed)
         q = rng.standard_normal(DIM).astype(np.float32)
-        before = (await pool.recall(q, 30, namespace="m")).ids.tolist()
+        before = (await pool.recall(q, 30, namespace="m")).scores
     h.stop()
     h2 = sidecar_factory("shd", *args, name=h.name, ephemeral=False)
     async with RecallPool(h2.name, size=4) as pool:
         assert await pool.count("m") == len(live)
         hits = await pool.recall(q, 30, namespace="m")
-        assert hits.ids.tolist() == before
+        # The same answer by score (equal scores may come back in another order after a restart).
+        np.testing.assert_allclose(hits.scores, before, rtol=1e-5, atol=1e-6)
         _check(q, live, hits.ids, hits.scores, 30)

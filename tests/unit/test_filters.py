@@ -128,7 +128,9 @@ def test_random_filters_on_payloads_of_every_kind_match_the_reference(seed):
         got = sorted(ns.filtered_bytes(encode_where(where, 1 << 16)).rows.tolist())
         assert sorted(ns.row_ids[got].tolist()) == want, where
         sizes.append(len(want))
-    assert 0 < np.median(sizes) < len(live), sizes  # the filters select, neither all nor nothing
+    # The filters select: many match some records but not all (about half match none, so the
+    # median size can be 0: a check on it failed for ~8% of seeds).
+    assert sum(0 < s < len(live) for s in sizes) >= 50, sizes
 
 
 @pytest.mark.parametrize("frac", [0.001, 0.05, 0.3, 1.0])
