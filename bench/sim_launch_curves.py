@@ -7,6 +7,13 @@ int8 first pass (bench/results/h200-2026-12-02g/: ``paths-before.json``, ``paths
 ``paths-int8-top32-design.log``); callers turn around in ~150 us as the broker's pools did there.
 
     python3 bench/sim_launch_curves.py --out bench/results/h200-2026-12-02g/sim-launch-int8.json
+
+``--history``: one policy serves the caller counts in turn, as one sidecar did in the broker A/B
+(bench_gpu.py runs 1, 8, 64, 256 tasks against one sidecar), beside a fresh policy at each count:
+does what the policy measured at small batches (cheaper after the int8 pass) steer it later?
+
+    python3 bench/sim_launch_curves.py --history --callers 1,8,64,256 \
+        --out bench/results/h200-2026-12-02g/sim-launch-int8-history.json
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
@@ -30,18 +38,25 @@ AFTER = {**BEFORE, 1: 0.349, 4: 0.356, 8: 0.36, 16: 0.374}
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--callers", default="8,64,256")
+    ap.add_argument("--history", action="store_true", help="one policy serves the caller counts in turn")
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     rows = []
+    duration = 400_000_000
     for name, tab in (("before", BEFORE), ("after", AFTER)):
         curve = tuple((n, int(ms * 1e6)) for n, ms in sorted(tab.items()))
-        for callers in (int(x) for x in a.callers.split(",")):
-            spec = SimSpec(callers=callers, base_ns=150_000, duration_ns=400_000_000, device_curve=curve)
-            for label, policy in (("fill", FillPolicy(1_000_000)), ("eager", EagerPolicy(1_000_000))):
-                r = run(spec, policy)
+        carried = {"fill": FillPolicy(1_000_000), "eager": EagerPolicy(1_000_000)}
+        for i, callers in enumerate(int(x) for x in a.callers.split(",")):
+            spec = SimSpec(callers=callers, base_ns=150_000, duration_ns=duration, device_curve=curve)
+            runs = [("fill", FillPolicy(1_000_000), spec), ("eager", EagerPolicy(1_000_000), spec)]
+            if a.history:  # the same policies as the last count's, later on their clock
+                later = replace(spec, start_ns=i * (duration + 50_000_000))
+                runs += [(f"{label}+history", policy, later) for label, policy in carried.items()]
+            for label, policy, sp in runs:
+                r = run(sp, policy)
                 row = {"curve": name, "callers": callers, "policy": label, **r.summary()}
                 rows.append(row)
-                print(f"{name:6} {callers:4} {label:5} {r.throughput / 1e3:7.1f} k/s  mean batch {r.mean_batch:6.1f}")
+                print(f"{name:6} {callers:4} {label:13} {r.throughput / 1e3:7.1f} k/s  mean batch {r.mean_batch:6.1f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(

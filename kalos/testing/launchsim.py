@@ -43,6 +43,8 @@ class SimSpec:
     duration_ns: int = 200_000_000
     warmup_ns: int = 20_000_000  # batches and requests before this are not counted
     seed: int = 1
+    start_ns: int = 0  # simulated time begins here (a policy carried over from an earlier run keeps
+    # a clock that never goes back: runs one after the other, as a sidecar serves 1, then 8 ... callers)
 
     def device_ns(self, n: int) -> int:
         """Device time of a batch of n requests."""
@@ -102,14 +104,15 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
     proc_of = [c % procs for c in range(n)]
     t_post = [0] * n  # when each caller's current request was posted
     t_done = [0] * n  # when its last answer was written (0: never)
-    posted: list[tuple[int, int]] = [(spec.base_ns + c * 1000, c) for c in range(n)]  # heap: (t_post, caller)
+    # heap: (t_post, caller)
+    posted: list[tuple[int, int]] = [(spec.start_ns + spec.base_ns + c * 1000, c) for c in range(n)]
     heapq.heapify(posted)
     ready: list[int] = []  # posted by now, not taken
     out = Returning(n)  # the pipeline's book of callers answered and not back (caller = slot)
     inflight: list[_Batch] = []
     res = SimResult()
-    t = 0
-    device_free = 0
+    t = device_free = spec.start_ns
+    end, counted_from = spec.start_ns + spec.duration_ns, spec.start_ns + spec.warmup_ns
 
     def answer(b: _Batch) -> None:
         nonlocal t
@@ -117,7 +120,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
         policy.device_done(len(b.callers), b.start, seen)
         t += spec.answer_ns[0] + spec.answer_ns[1] * len(b.callers)
         policy.answered(len(b.callers), t - b.t_pick, t)
-        counted = b.t_pick >= spec.warmup_ns
+        counted = b.t_pick >= counted_from
         if counted:
             res.batches.append(len(b.callers))
             res.busy_ns += b.end - b.start
@@ -132,7 +135,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
             back = t + spec.base_ns + k * spec.step_ns + int(rng.integers(0, max(1, spec.jitter_ns)))
             heapq.heappush(posted, (back, c))
 
-    while t < spec.duration_ns:
+    while t < end:
         while posted and posted[0][0] <= t:
             tp, c = heapq.heappop(posted)
             t_post[c] = tp
@@ -151,7 +154,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
                     np.asarray([t_post[c] for c in taken], np.uint64), np.asarray([t_done[c] for c in taken], np.uint64)
                 )
                 t_pick = t
-                if t_pick >= spec.warmup_ns:
+                if t_pick >= counted_from:
                     res.waits_ns.extend(t_pick - t_post[c] for c in taken)
                 t += spec.take_ns[0] + spec.take_ns[1] * len(taken)
                 start = max(t, device_free)
@@ -164,7 +167,7 @@ def run(spec: SimSpec, policy: LaunchPolicy) -> SimResult:
                 continue
             wake = min(wake, d.until_ns) if wake is not None else d.until_ns
         nxt = [x for x in (wake, posted[0][0] if posted else None) if x is not None]
-        t = max(t + 1000, min(nxt)) if nxt else spec.duration_ns  # the loop polls about every microsecond
+        t = max(t + 1000, min(nxt)) if nxt else end  # the loop polls about every microsecond
     res.span_ns = max(1, spec.duration_ns - spec.warmup_ns)
     return res
 

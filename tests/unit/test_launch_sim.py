@@ -83,3 +83,23 @@ def test_a_device_curve_replaces_the_linear_model():
     assert (a.batches, a.latencies_ns) == (b.batches, b.latencies_ns)
     slow = SimSpec(callers=64, duration_ns=60_000_000, device_curve=((1, 900_000), (512, 2_000_000)))
     assert run(slow, FillPolicy(1_000_000)).throughput < a.throughput
+
+
+def test_a_later_start_shifts_time_and_nothing_else():
+    """``start_ns``: the same run later on the clock (so one policy can serve runs in turn)."""
+    a = run(SimSpec(callers=32, duration_ns=40_000_000), FillPolicy(1_000_000))
+    b = run(SimSpec(callers=32, duration_ns=40_000_000, start_ns=7_000_000_000), FillPolicy(1_000_000))
+    assert (a.batches, a.latencies_ns, a.waits_ns, a.busy_ns) == (b.batches, b.latencies_ns, b.waits_ns, b.busy_ns)
+    assert a.batches and a.throughput == b.throughput
+
+
+def test_one_policy_serves_runs_in_turn():
+    """A sidecar serves 1, then 8, then 64 callers: the policy's measurements carry over and each
+    run still serves every caller and fills its batches as a fresh policy does (within a request)."""
+    pol, t0 = FillPolicy(1_000_000), 0
+    for callers in (1, 8, 64):
+        spec = SimSpec(callers=callers, duration_ns=60_000_000, start_ns=t0)
+        carried, fresh = run(spec, pol), run(SimSpec(callers=callers, duration_ns=60_000_000), FillPolicy(1_000_000))
+        assert carried.batches and max(carried.batches) <= callers
+        assert abs(carried.mean_batch - fresh.mean_batch) <= 1.0, (callers, carried.mean_batch, fresh.mean_batch)
+        t0 += spec.duration_ns + 10_000_000
