@@ -27,7 +27,7 @@ from dataclasses import replace
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from kalos.sidecar_cuda.launch import EagerPolicy, FillPolicy
+from kalos.sidecar_cuda.launch import EagerPolicy, FillPolicy, LaunchPolicy
 from kalos.testing.launchsim import SimSpec, run
 
 # batch size -> GPU ms of the planner's path (measured; linear in between)
@@ -45,10 +45,13 @@ def main() -> int:
     duration = 400_000_000
     for name, tab in (("before", BEFORE), ("after", AFTER)):
         curve = tuple((n, int(ms * 1e6)) for n, ms in sorted(tab.items()))
-        carried = {"fill": FillPolicy(1_000_000), "eager": EagerPolicy(1_000_000)}
+        carried: dict[str, LaunchPolicy] = {"fill": FillPolicy(1_000_000), "eager": EagerPolicy(1_000_000)}
         for i, callers in enumerate(int(x) for x in a.callers.split(",")):
             spec = SimSpec(callers=callers, base_ns=150_000, duration_ns=duration, device_curve=curve)
-            runs = [("fill", FillPolicy(1_000_000), spec), ("eager", EagerPolicy(1_000_000), spec)]
+            runs: list[tuple[str, LaunchPolicy, SimSpec]] = [
+                ("fill", FillPolicy(1_000_000), spec),
+                ("eager", EagerPolicy(1_000_000), spec),
+            ]
             if a.history:  # the same policies as the last count's, later on their clock
                 later = replace(spec, start_ns=i * (duration + 50_000_000))
                 runs += [(f"{label}+history", policy, later) for label, policy in carried.items()]
