@@ -104,18 +104,21 @@ ab() {
 #   AB_OLD=.gpu_old bash bench/gpu_session.sh ab256    # the int8 GPU tests; then 1M x 768 fp16 at
 #     256 tasks: old, new and new with --int8-pass off alternating, twice (is the 7% loss the
 #     int8 pass's, or the lease's?)
-#   AB_OLD=.gpu_old bash bench/gpu_session.sh close27  # 10M x 768 fp16 at 256 tasks, old then new;
-#     in-process batch 64/256 beside torch; the paths forced one by one at 512k-2M rows, batches
-#     1-16 (where the int8 pass starts to pay)
-pack() {  # pack NAME: the staging folder's JSON into $OUT/NAME.json, its logs into $OUT/NAME.log
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh close27  # in-process batch 64/256 beside torch; the
+#     paths forced one by one at 512k-2M rows, batches 1-16 (where the int8 pass starts to pay);
+#     10M x 768 fp16 at 256 tasks, old then new
+pack() {  # pack NAME: the staging folder's JSON into $OUT/NAME.json, its logs onto $OUT/NAME.log;
+  # called after every step, so what a call that runs out of time finished still comes back
   python3 - "$STAGE" "$OUT/$1.json" <<'PY'
 import glob, json, os, sys
 stage, out = sys.argv[1], sys.argv[2]
-runs = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(os.path.join(stage, "*.json")))}
+runs = json.load(open(out)) if os.path.exists(out) else {}
+for f in sorted(glob.glob(os.path.join(stage, "*.json"))):
+    runs[os.path.basename(f)[:-5]] = json.load(open(f))
 json.dump(runs, open(out, "w"), indent=1)
 PY
-  for f in "$STAGE"/*.log; do echo "==== $(basename "$f")"; cat "$f"; done > "$OUT/$1.log" 2>/dev/null
-  rm -rf "$STAGE"
+  for f in "$STAGE"/*.log; do [ -e "$f" ] && { echo "==== $(basename "$f")"; cat "$f"; }; done >> "$OUT/$1.log"
+  rm -f "$STAGE"/*
 }
 
 ab256() {
@@ -124,7 +127,7 @@ ab256() {
   STAGE=$(mktemp -d)
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_int8.py 2>&1 | tail -30 \
     > "$STAGE/gpu-int8-tests.log"
-  tail -3 "$STAGE/gpu-int8-tests.log"
+  tail -3 "$STAGE/gpu-int8-tests.log"; pack ab256
   for r in 1 2; do
     for side in old new off; do
       dir=$PWD extra=""
@@ -133,30 +136,31 @@ ab256() {
       (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 150 python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
         --tasks 256 --seconds 3 --skip-inproc --sidecar-args "$extra" --out-dir "$STAGE" \
         --out-name "ab256-$side-$r.json" > "$STAGE/ab256-$side-$r.log" 2>&1)
-      echo "== $side round $r"; grep -E 'tasks=' "$STAGE/ab256-$side-$r.log" | cut -c1-220
+      echo "== $side round $r"; grep -E 'tasks=' "$STAGE/ab256-$side-$r.log" | cut -c1-220; pack ab256
     done
   done
-  pack ab256
+  rm -rf "$STAGE"
 }
 
 close27() {
   local old=${AB_OLD:-.gpu_old} side dir
   [ -d "$old" ] || { echo "close27: no old checkout in $old"; return 1; }
   STAGE=$(mktemp -d)
-  for side in old new; do
-    dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
-    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 200 python3 bench/bench_scaling.py --sizes 10M --tasks 256 \
-      --seconds 3 --skip-inproc --out "$STAGE/scale10m-$side.json" > "$STAGE/scale10m-$side.log" 2>&1)
-    echo "== 10M, $side"; grep -E 'tasks|rec' "$STAGE/scale10m-$side.log" | grep -v INFO | tail -3 | cut -c1-220
-  done
-  timeout 150 python3 bench/bench_gpu.py --sizes 1Mx768:float16 --skip-broker --reps 300 --out-dir "$STAGE" \
+  timeout 110 python3 bench/bench_gpu.py --sizes 1Mx768:float16 --skip-broker --reps 300 --out-dir "$STAGE" \
     --out-name inproc.json > "$STAGE/inproc.log" 2>&1
-  grep '^inproc' "$STAGE/inproc.log" | cut -c1-220
-  timeout 150 python3 bench/probe.py paths --rows 524288,786432,1000000,2000000 --batches 1,4,8,16 \
+  grep '^inproc' "$STAGE/inproc.log" | cut -c1-220; pack close27
+  timeout 120 python3 bench/probe.py paths --rows 524288,786432,1000000,2000000 --batches 1,4,8,16 \
     --paths auto,int8,small,wgmma,gemmh,gemm --check --out "$STAGE/paths-int8-rows.json" 2>&1 | grep -v '^{' \
     > "$STAGE/paths-int8-rows.log"
-  tail -20 "$STAGE/paths-int8-rows.log"
-  pack close27
+  tail -20 "$STAGE/paths-int8-rows.log"; pack close27
+  for side in old new; do  # last: 15 GB of rows each, drawn on the device and loaded from /dev/shm
+    dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 170 python3 bench/bench_scaling.py --sizes 10M --tasks 256 \
+      --seconds 3 --skip-inproc --out "$STAGE/scale10m-$side.json" > "$STAGE/scale10m-$side.log" 2>&1)
+    echo "== 10M, $side"; grep -v INFO "$STAGE/scale10m-$side.log" | tail -3 | cut -c1-220
+    pack close27
+  done
+  rm -rf "$STAGE"
 }
 
 for mode in "${@:-check}"; do
