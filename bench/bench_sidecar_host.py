@@ -42,7 +42,7 @@ from kalos.broker.layout import S_DONE, S_FREE, S_POSTED, Layout, Metric, Op, Se
 from kalos.broker.names import req_name, resp_name, shm_name
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath, choose
 from kalos.demo import inproc_numpy
-from kalos.sidecar_cuda.backends.base import Decay, Matrix, PendingSearch, SearchResult
+from kalos.sidecar_cuda.backends.base import BackendStatistics, Decay, Matrix, PendingSearch, SearchResult
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
@@ -140,6 +140,9 @@ class TimedBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self._inner.host_buffer(shape, dtype)
+
+    def statistics(self) -> BackendStatistics:
+        return self._inner.statistics()
 
     def close(self) -> None:
         self._inner.close()

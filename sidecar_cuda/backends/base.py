@@ -12,7 +12,8 @@ resolves from another thread: ``done()`` asks the device without blocking, ``res
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections import Counter
+from collections.abc import Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -156,6 +157,56 @@ class Matrix(Protocol):
         rows), looked up where the search finishes (the numpy backend's worker thread)."""
 
 
+def size_bucket(b: int) -> str:
+    """Batch-size bucket of the per-path search statistics (a metric label)."""
+    return "1" if b == 1 else "2-8" if b <= 8 else "9-64" if b <= 64 else "65-512" if b <= 512 else ">512"
+
+
+@dataclass(frozen=True, slots=True)
+class PathStat:
+    """Searches a backend served on one path for batches in one size bucket, since it started,
+    and their wall time from start to answer (seconds)."""
+
+    path: str  # the path's label: the CUDA backend's SearchPath values, the numpy backend's NumpyPath
+    batch: str  # size_bucket of the batch
+    searches: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatistics:
+    """What a backend reports of itself at scrape time (a frozen snapshot, taken from another
+    thread than the serving one): ``searches`` by path and batch bucket; ``redone``: queries a
+    proving path could not prove exact and redid in float32, by path; ``memory``: bytes held,
+    by part (``rows``: the matrices' rows and what is kept beside them; ``int8``: the rows' int8
+    copies; ``gathered``: rows of filtered searches gathered on the device; ``host_copy``: the
+    CUDA host path's float32 copy, in host memory)."""
+
+    searches: tuple[PathStat, ...] = ()
+    redone: tuple[tuple[str, int], ...] = ()
+    memory: tuple[tuple[str, int], ...] = ()
+
+
+def merge_statistics(parts: Iterable[BackendStatistics]) -> BackendStatistics:
+    """Several backends as one (the sharded backend's shards): every count summed by its labels."""
+    searches: dict[tuple[str, str], tuple[int, float]] = {}
+    redone: Counter[str] = Counter()
+    memory: Counter[str] = Counter()
+    for st in parts:
+        for ps in st.searches:
+            n, sec = searches.get((ps.path, ps.batch), (0, 0.0))
+            searches[ps.path, ps.batch] = (n + ps.searches, sec + ps.seconds)
+        for path, n in st.redone:
+            redone[path] += n
+        for part, b in st.memory:
+            memory[part] += b
+    return BackendStatistics(
+        tuple(PathStat(p, bk, n, sec) for (p, bk), (n, sec) in sorted(searches.items())),
+        tuple(sorted(redone.items())),
+        tuple(sorted(memory.items())),
+    )
+
+
 class Backend(Protocol):
     name: str  # "numpy" | "cuda"
     code: int  # header "backend" field: 1 numpy, 2 cuda
@@ -167,6 +218,10 @@ class Backend(Protocol):
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """Staging memory for gathering a batch (pinned on CUDA)."""
+        ...
+
+    def statistics(self) -> BackendStatistics:
+        """Searches by path, redone queries and bytes held, now (safe from another thread)."""
         ...
 
     def close(self) -> None: ...

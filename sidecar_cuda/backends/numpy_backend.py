@@ -4,10 +4,15 @@
 thread (numpy releases the GIL in the product and the selection) and returns its Future, so the
 sidecar's pipeline overlaps it with its own work; a smaller one runs at once on the calling thread
 (handing it to a thread and back costs more than it). Products below :data:`SMALL_WORK` run on one
-BLAS thread (:mod:`kalos.sidecar_cuda.backends.blas`, :func:`blas_threads`)."""
+BLAS thread (:mod:`kalos.sidecar_cuda.backends.blas`, :func:`blas_threads`). Searches are counted
+by where they ran (:class:`NumpyPath`) for the statistics."""
 
 from __future__ import annotations
 
+import enum
+import threading
+import time
+import weakref
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -15,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import Decay, PendingSearch, SearchResult
+from .base import BackendStatistics, Decay, PathStat, PendingSearch, SearchResult, size_bucket
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -57,6 +62,33 @@ def topk_rows(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     v = scores[r, part]
     o = v.argsort(axis=1)[:, ::-1]
     return part[r, o], v[r, o]
+
+
+class NumpyPath(str, enum.Enum):
+    """Where a numpy search ran (the statistics' path label)."""
+
+    INLINE = "inline"  # on the calling (serving) thread: small, filtered and recency-weighted searches
+    WORKER = "worker"  # on the backend's search thread (INLINE_WORK and more)
+
+
+class SearchCounts:
+    """Searches and their wall time by (path, batch-size bucket), counted from any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by: dict[tuple[NumpyPath, str], list[int]] = {}
+
+    def add(self, path: NumpyPath, b: int, ns: int) -> None:
+        key = (path, size_bucket(b))
+        with self._lock:
+            st = self._by.setdefault(key, [0, 0])
+            st[0] += 1
+            st[1] += ns
+
+    def snapshot(self) -> tuple[PathStat, ...]:
+        with self._lock:
+            by = sorted((p.value, bk, c, ns) for (p, bk), (c, ns) in self._by.items())
+        return tuple(PathStat(p, bk, c, ns / 1e9) for p, bk, c, ns in by)
 
 
 #: A filtered search scores every row and hides the non-candidates when at least 1/DENSE_FRACTION
@@ -109,7 +141,18 @@ class NumpyMatrix:
             scores = 2.0 * scores - sqnorm[None, :] - qn[:, None]
         return scores
 
+    @property
+    def nbytes(self) -> int:
+        """Memory of the rows and what is kept beside them (norms, times)."""
+        return int(self.data.nbytes + self.sqnorm.nbytes + self.times.nbytes)
+
     def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
+        t0 = time.perf_counter_ns()
+        found = self._search(queries, n, k, decay)
+        self.backend.counts.add(NumpyPath.INLINE, len(queries), time.perf_counter_ns() - t0)
+        return found
+
+    def _search(self, queries: np.ndarray, n: int, k: int, decay: Decay | None) -> SearchResult:
         scores = self._scores(queries, self.data[:n], self.sqnorm[:n])
         if decay is not None:
             scores += decay.bias(self.times[:n])
@@ -124,6 +167,14 @@ class NumpyMatrix:
         *,
         key: Hashable = None,
         decay: Decay | None = None,
+    ) -> SearchResult:
+        t0 = time.perf_counter_ns()
+        found = self._search_rows(queries, n, k, candidates, decay)
+        self.backend.counts.add(NumpyPath.INLINE, len(queries), time.perf_counter_ns() - t0)
+        return found
+
+    def _search_rows(
+        self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, decay: Decay | None
     ) -> SearchResult:
         m = len(candidates)
         if m * DENSE_FRACTION >= n:
@@ -146,12 +197,17 @@ class NumpyMatrix:
 
     def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         if n * len(queries) * self.dim < INLINE_WORK:
-            return self.backend.run_now(self._search_ids, queries, n, k, row_ids)
-        return self.backend.submit(self._search_ids, queries, n, k, row_ids)
+            return self.backend.run_now(self._search_ids, NumpyPath.INLINE, queries, n, k, row_ids)
+        return self.backend.submit(self._search_ids, NumpyPath.WORKER, queries, n, k, row_ids)
 
-    def _search_ids(self, queries: np.ndarray, n: int, k: int, row_ids: np.ndarray | None) -> SearchResult:
-        rows, scores = self.search(queries, n, k)
-        return (rows if row_ids is None else row_ids[rows]), scores
+    def _search_ids(
+        self, path: NumpyPath, queries: np.ndarray, n: int, k: int, row_ids: np.ndarray | None
+    ) -> SearchResult:
+        t0 = time.perf_counter_ns()
+        rows, scores = self._search(queries, n, k, None)
+        found = (rows if row_ids is None else row_ids[rows]), scores
+        self.backend.counts.add(path, len(queries), time.perf_counter_ns() - t0)
+        return found
 
 
 class NumpyBackend:
@@ -164,9 +220,21 @@ class NumpyBackend:
         self.description = f"numpy {np.__version__} (CPU)"
         self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
         self.blas: BlasThreads | None = find_blas_threads()
+        self.counts = SearchCounts()
+        self._matrices: weakref.WeakSet[NumpyMatrix] = weakref.WeakSet()
+        self._matrices_lock = threading.Lock()  # (a scrape's copy of the set, a new matrix)
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
-        return NumpyMatrix(dim, capacity, metric, self)
+        m = NumpyMatrix(dim, capacity, metric, self)
+        with self._matrices_lock:
+            self._matrices.add(m)
+        return m
+
+    def statistics(self) -> BackendStatistics:
+        """Searches by where they ran and batch size; the matrices' bytes (part ``rows``)."""
+        with self._matrices_lock:
+            matrices = list(self._matrices)
+        return BackendStatistics(self.counts.snapshot(), (), (("rows", sum(m.nbytes for m in matrices)),))
 
     def submit(self, fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:
         """Run ``fn(*args)`` on the backend's one worker thread (started on first use)."""

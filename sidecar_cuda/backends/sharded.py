@@ -23,7 +23,16 @@ import numpy as np
 
 from ...broker.errors import ConfigError
 from ...broker.layout import Metric
-from .base import Backend, Decay, Matrix, PendingSearch, PolledFuture, SearchResult
+from .base import (
+    Backend,
+    BackendStatistics,
+    Decay,
+    Matrix,
+    PendingSearch,
+    PolledFuture,
+    SearchResult,
+    merge_statistics,
+)
 
 BLOCK = 1024  # rows per placement block
 
@@ -283,6 +292,10 @@ class ShardedBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self.backends[0].host_buffer(shape, dtype)
+
+    def statistics(self) -> BackendStatistics:
+        """The shards' statistics summed (a batch searched on every shard counts once per shard)."""
+        return merge_statistics(b.statistics() for b in self.backends)
 
     def close(self) -> None:
         for b in self.backends:

@@ -36,6 +36,7 @@ from ...broker.layout import (
     Status,
 )
 from ...broker.slotpath import Choice
+from ..backends.base import BackendStatistics
 from ..stats import ROUTES, BatchRecord, SidecarStats
 from .aggregate import (
     BATCH_SIZE_BOUNDS,
@@ -72,6 +73,8 @@ class BackendIdentity(Protocol):
 
     @property
     def placement(self) -> str: ...
+
+    def statistics(self) -> BackendStatistics: ...
 
 
 class ConfigIdentity(Protocol):
@@ -199,6 +202,7 @@ class SidecarCollector(Collector):
         self._dropped_ring = 0
         self._invalid_ring = 0  # ring entries whose op is no LatencyOp (a client's garbage)
         self._namespace_labels = namespace_labels
+        self._backend_failed = False  # logged once
 
     # -- feeding ----------------------------------------------------------------------------
     def observe_batch(self, rec: BatchRecord) -> None:
@@ -312,7 +316,19 @@ class SidecarCollector(Collector):
             s["counts"] = dict(sc.store.counts())
         except RuntimeError:  # the serving thread added a namespace mid-copy: next scrape
             s["counts"] = None
+        s["backend"] = self._backend_statistics()
         return s
+
+    def _backend_statistics(self) -> BackendStatistics | None:
+        """The backend's statistics; None (and one log line) if it cannot give them: a scrape
+        still answers with everything else."""
+        try:
+            return self._sc.backend.statistics()
+        except Exception as e:
+            if not self._backend_failed:
+                self._backend_failed = True
+                log.warning("backend statistics unavailable (%s: %s); left out of /metrics", type(e).__name__, e)
+            return None
 
     def _is_ready(self) -> bool:
         seg = self._sc.seg
@@ -502,3 +518,40 @@ class SidecarCollector(Collector):
                 start.add_metric([], s["start_epoch_ns"] / 1e9)
                 up.add_metric([], max(0.0, time.time() - s["start_epoch_ns"] / 1e9))
         yield from (ready, start, up)
+        yield from _backend_families(s.get("backend"))
+
+
+def _backend_families(st: BackendStatistics | None) -> Iterator[Metric]:
+    """The backend's own counts: searches and their time by path and batch size, queries redone
+    in float32, bytes held by part (empty families without statistics)."""
+    searches = CounterMetricFamily(
+        "kalos_backend_searches",
+        "Searches the backend served, by search path and batch-size bucket (CUDA: host, small, "
+        "wgmma, int8, gemmh, gemm, exact; numpy: inline, worker; with shards, one per shard).",
+        labels=["path", "batch"],
+    )
+    seconds = CounterMetricFamily(
+        "kalos_backend_search_seconds",
+        "Wall time of those searches, from start to answer, by search path and batch-size bucket.",
+        labels=["path", "batch"],
+    )
+    redone = CounterMetricFamily(
+        "kalos_backend_redone_queries",
+        "Queries a proving path (gemmh, wgmma, int8) could not prove exact and redid in float32.",
+        labels=["path"],
+    )
+    memory = GaugeMetricFamily(
+        "kalos_backend_memory_bytes",
+        "Bytes the backend holds for the memory, by part: rows (with norms and times), int8 (the "
+        "int8 first pass's copies), gathered (rows of filtered searches), host_copy (CUDA's host path).",
+        labels=["part"],
+    )
+    if st is not None:
+        for ps in st.searches:
+            searches.add_metric([ps.path, ps.batch], ps.searches)
+            seconds.add_metric([ps.path, ps.batch], ps.seconds)
+        for path, n in st.redone:
+            redone.add_metric([path], n)
+        for part, b in st.memory:
+            memory.add_metric([part], b)
+    yield from (searches, seconds, redone, memory)

@@ -453,3 +453,35 @@ def test_zero_and_tiny_rows(backends, rng, storage, metric):
         assert np.isfinite(scores).all()
         want = tiny if which == "tiny best" else zero
         assert np.isin(rows, want).all(), f"{what}: {rows}"
+
+
+def test_statistics_report_the_int8_searches_and_the_copys_bytes(backends, rng):
+    """``statistics()`` (what /metrics exports as kalos_backend_*): the int8 searches by batch
+    bucket, the queries it redid, and the copy's bytes beside the rows'."""
+    be = backends("float16")
+    n, d = 4000, 128
+    m = fill(be, rng, n, d)
+
+    def by(st, path: str, batch: str) -> int:
+        return sum(ps.searches for ps in st.searches if (ps.path, ps.batch) == (path, batch))
+
+    st0 = be.statistics()
+    m.search(queries(rng, 1, d), n, 10)
+    m.search(queries(rng, 5, d), n, 10)
+    assert count(be, _int8()) > 0
+    st = be.statistics()
+    assert by(st, "int8", "1") == by(st0, "int8", "1") + 1
+    assert by(st, "int8", "2-8") == by(st0, "int8", "2-8") + 1
+    assert dict(st.redone) == {
+        "gemmh": be.stats.half_fallbacks,
+        "int8": be.stats.int8_fallbacks,
+        "wgmma": be.stats.wgmma_fallbacks,
+    }
+    memory = dict(st.memory)
+    assert memory["int8"] >= m.int8_bytes > 0  # (the module's other matrices may hold copies too)
+    assert memory["rows"] >= n * d * 2  # float16 rows at least
+    del m
+    import gc
+
+    gc.collect()
+    assert dict(be.statistics().memory)["int8"] <= memory["int8"] - 1

@@ -514,7 +514,7 @@ def test_dashboard_uses_microsecond_histograms_and_known_metrics():
             n
             for n in re.findall(
                 r"\b([a-z_]+_(?:total|bucket|sum|count|seconds|info|rows|slots|"
-                r"leased|flight|ready|size))\b",
+                r"leased|flight|ready|size|bytes))\b",
                 e,
             )
         )

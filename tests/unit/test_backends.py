@@ -5,6 +5,7 @@ path planner, and the constants the kernels are compiled with."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import re
 import threading
 from concurrent.futures import Future
@@ -16,7 +17,7 @@ from conftest import assert_topk
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends import blas
-from kalos.sidecar_cuda.backends.base import PolledFuture, completed
+from kalos.sidecar_cuda.backends.base import PolledFuture, completed, size_bucket
 from kalos.sidecar_cuda.backends.cuda import WARP_K, Storage, kernels, planner
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
 from kalos.sidecar_cuda.store import MemoryStore
@@ -437,3 +438,63 @@ def test_kernel_constants_come_from_python_only():
         "kalos_move_rows",
     ):
         assert re.search(rf"\b{fn}\(", src), fn
+
+
+def test_numpy_statistics_count_searches_where_they_ran_and_the_rows_bytes(rng):
+    be = NumpyBackend()
+    try:
+        dim = 64
+        n_big = INLINE_WORK // (8 * dim)  # 8 queries over every row: the worker's
+        m = be.new_matrix(dim, n_big, Metric.DOT)
+        m.write_rows(np.arange(n_big), rng.standard_normal((n_big, dim)).astype(np.float32))
+        assert be.statistics().searches == ()
+        q = rng.standard_normal((8, dim)).astype(np.float32)
+        m.search_async(q[:1], 1000, 5).result(timeout=30)  # inline, batch 1
+        m.search_async(q[:3], 1000, 5).result(timeout=30)  # inline, batch 3
+        m.search_async(q, n_big, 5).result(timeout=30)  # worker, batch 8
+        m.search_rows(q[:1], n_big, 5, np.arange(0, n_big, 3))  # a filtered search: inline
+        st = be.statistics()
+        got = {(ps.path, ps.batch): ps.searches for ps in st.searches}
+        assert got == {("inline", "1"): 2, ("inline", "2-8"): 1, ("worker", "2-8"): 1}
+        assert all(ps.seconds > 0 for ps in st.searches)
+        assert st.redone == ()
+        assert st.memory == (("rows", n_big * (dim * 4 + 4 + 8)),)  # float32 rows, norms, times (float64)
+        m.grow(2 * n_big)
+        assert be.statistics().memory == (("rows", 2 * n_big * (dim * 4 + 4 + 8)),)
+        del m
+        gc.collect()
+        assert be.statistics().memory == (("rows", 0),)  # a dropped matrix is not counted
+    finally:
+        be.close()
+
+
+def test_cuda_search_stats_snapshot_names_every_path_and_redo_by_its_label():
+    """The CUDA backend's counts (``device.SearchStats``, plain data: no device needed) as the
+    statistics the exporter reads: labels are the SearchPath values, buckets size_bucket's."""
+    from kalos.sidecar_cuda.backends.cuda.device import SearchStats
+
+    st = SearchStats()
+    assert st.snapshot().searches == ()
+    for path, b, ns in ((planner.SearchPath.INT8, 1, 300_000), (planner.SearchPath.INT8, 1, 100_000)):
+        st.add(path, b, ns)
+    st.add(planner.SearchPath.HALF_GEMM, 256, 1_200_000)
+    st.add(planner.SearchPath.FUSED, 8, 50_000)
+    st.half_fallbacks, st.int8_fallbacks, st.wgmma_fallbacks = 2, 3, 5
+    snap = st.snapshot((("rows", 7),))
+    assert [(p.path, p.batch, p.searches) for p in snap.searches] == [
+        ("gemmh", "65-512", 1),
+        ("int8", "1", 2),
+        ("small", "2-8", 1),
+    ]
+    assert [p.seconds for p in snap.searches] == pytest.approx([1.2e-3, 4e-4, 5e-5])
+    assert dict(snap.redone) == {"gemmh": 2, "int8": 3, "wgmma": 5} and snap.memory == (("rows", 7),)
+    assert [size_bucket(b) for b in (1, 2, 8, 9, 64, 65, 512, 513)] == [
+        "1",
+        "2-8",
+        "2-8",
+        "9-64",
+        "9-64",
+        "65-512",
+        "65-512",
+        ">512",
+    ]

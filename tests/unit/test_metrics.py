@@ -48,6 +48,7 @@ from kalos.broker.slotpath import Choice, SlotPath
 from kalos.clients import RecallPool
 from kalos.clients._transport import ClientSlot
 from kalos.clients.fake import FakeConnection
+from kalos.sidecar_cuda.backends.base import BackendStatistics, PathStat, merge_statistics
 from kalos.sidecar_cuda.metrics import (
     OTHER_NAMESPACES,
     QUANTILES,
@@ -363,6 +364,28 @@ class FakeStore:
         return dict(sorted(self.c.items()))
 
 
+#: What the fake backend reports: two paths, a redo count, memory by part.
+BACKEND_STATS = BackendStatistics(
+    (PathStat("int8", "1", 7, 0.0021), PathStat("gemmh", "65-512", 3, 0.0036)),
+    (("gemmh", 2), ("int8", 1)),
+    (("int8", 4096), ("rows", 1 << 20)),
+)
+
+
+class FakeBackend:
+    """The backend's identity and statistics as the collector reads them (None: it fails)."""
+
+    name, description, placement = "numpy", "numpy (CPU)", "cpu"
+
+    def __init__(self, stats: BackendStatistics | None = BACKEND_STATS) -> None:
+        self.stats = stats
+
+    def statistics(self) -> BackendStatistics:
+        if self.stats is None:
+            raise RuntimeError("the device is gone")
+        return self.stats
+
+
 def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> SimpleNamespace:
     """What the collector reads of a Sidecar, on a real segment layout in process memory."""
     layout = Layout(n_slots=n_slots, dim=8, max_k=4, max_queries=2, blob_bytes=1024)
@@ -379,7 +402,7 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
         ready=True,
         _buf=buf,
         store=FakeStore(counts if counts is not None else {"default": 1000}),
-        backend=SimpleNamespace(name="numpy", description="numpy (CPU)", placement="cpu"),
+        backend=FakeBackend(),
         cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8),
         slot_path=Choice(SlotPath.COMPILED, None, "the extension is built"),
     )
@@ -749,6 +772,46 @@ def test_encode_text_equals_prometheus_client_generate_latest(rng):
     assert [ln for ln in fast.decode().splitlines() if ln.startswith("#")] == [
         ln for ln in ref.decode().splitlines() if ln.startswith("#")
     ]
+
+
+def test_collector_exports_the_backends_searches_redone_queries_and_memory():
+    sc = fake_sidecar()
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    for ps in BACKEND_STATS.searches:
+        assert sample(reg, "kalos_backend_searches_total", path=ps.path, batch=ps.batch) == ps.searches
+        assert sample(reg, "kalos_backend_search_seconds_total", path=ps.path, batch=ps.batch) == ps.seconds
+    assert sample(reg, "kalos_backend_redone_queries_total", path="gemmh") == 2
+    assert sample(reg, "kalos_backend_redone_queries_total", path="int8") == 1
+    assert sample(reg, "kalos_backend_memory_bytes", part="rows") == 1 << 20
+    assert sample(reg, "kalos_backend_memory_bytes", part="int8") == 4096
+    sc.backend.stats = merge_statistics([BACKEND_STATS, BACKEND_STATS])  # counters follow the backend
+    assert sample(reg, "kalos_backend_searches_total", path="int8", batch="1") == 14
+    assert sample(reg, "kalos_backend_memory_bytes", part="rows") == 2 << 20
+
+
+def test_a_backend_without_statistics_leaves_them_out_and_the_scrape_answers(caplog):
+    sc = fake_sidecar()
+    sc.backend.stats = None
+    reg = CollectorRegistry()
+    reg.register(SidecarCollector(sc))
+    with caplog.at_level("WARNING", logger="kalos.metrics"):
+        for _ in range(3):
+            text = encode_text(reg).decode()
+            assert "kalos_slots 4" in text and "kalos_backend_searches_total{" not in text
+    warned = [r for r in caplog.records if "backend statistics unavailable" in r.getMessage()]
+    assert len(warned) == 1 and "the device is gone" in warned[0].getMessage()
+
+
+def test_merge_statistics_sums_by_labels():
+    a = BackendStatistics((PathStat("gemm", "1", 2, 0.5),), (("int8", 1),), (("rows", 10),))
+    b = BackendStatistics(
+        (PathStat("gemm", "1", 3, 0.25), PathStat("small", "2-8", 1, 0.125)), (("int8", 4),), (("rows", 5), ("int8", 2))
+    )
+    m = merge_statistics([a, b])
+    assert m.searches == (PathStat("gemm", "1", 5, 0.75), PathStat("small", "2-8", 1, 0.125))
+    assert m.redone == (("int8", 5),) and m.memory == (("int8", 2), ("rows", 15))
+    assert merge_statistics([]) == BackendStatistics()
 
 
 # --------------------------------------------------------------------------- HTTP endpoint

@@ -68,13 +68,17 @@ time (the sidecar's serving thread) may use a backend.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
+from collections import Counter
 
 import numpy as np
 
 from ....broker.errors import ConfigError
 from ....broker.layout import Metric
 from ...config import FusedKernel, Int8Pass
+from ..base import BackendStatistics
 from .device import Device, SearchStats
 from .kernels import MAX_K, Storage
 from .matrix import CupyMatrix
@@ -152,6 +156,10 @@ class CupyBackend:
             wgmma_min_rows=wgmma_min_rows,
             int8_min_rows=int8_min_rows,
         )
+        # The store's matrices (not the warm-up's), for the memory statistics; the lock keeps a
+        # scrape's copy of the set and a new matrix apart.
+        self._matrices: weakref.WeakSet[CupyMatrix] = weakref.WeakSet()
+        self._matrices_lock = threading.Lock()
         try:
             self.device = Device(device, storage, use_graphs=use_graphs, timeout_s=timeout_s, limits=limits)
             self.device.stream.synchronize()
@@ -205,7 +213,20 @@ class CupyBackend:
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> CupyMatrix:
         self.device.check_usable()
         with self.device.guard("allocating a matrix"):
-            return CupyMatrix(self.device, dim, capacity, metric)
+            m = CupyMatrix(self.device, dim, capacity, metric)
+        with self._matrices_lock:
+            self._matrices.add(m)
+        return m
+
+    def statistics(self) -> BackendStatistics:
+        """Searches by path and batch size, queries redone in float32 by path, and the bytes the
+        store's matrices hold by part (rows, int8 copies, gathered rows, host copies)."""
+        with self._matrices_lock:
+            matrices = list(self._matrices)
+        memory: Counter[str] = Counter({"rows": 0, "int8": 0, "gathered": 0, "host_copy": 0})
+        for m in matrices:
+            memory.update(m.memory())
+        return self.device.stats.snapshot(tuple(sorted(memory.items())))
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """Pinned host memory (searches from it need no staging copy)."""

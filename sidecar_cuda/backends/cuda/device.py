@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from ....broker.errors import ClosedError, ConfigError, KalosError, ServerError
+from ..base import BackendStatistics, PathStat, size_bucket
 from .buffers import BufferSet
 from .kernels import Kernels, Storage
-from .planner import GRAPH_CACHE, Limits, SearchPath, size_bucket
+from .planner import GRAPH_CACHE, Limits, SearchPath
 from .wgmma import WgmmaKernels
 
 log = logging.getLogger("kalos.cuda")
@@ -64,6 +65,10 @@ class GraphCache:
         self._graphs.clear()
 
 
+def _by_label(item: tuple[tuple[SearchPath, str], list[int]]) -> tuple[str, str]:
+    return item[0][0].value, item[0][1]
+
+
 @dataclass
 class SearchStats:
     """Searches served per (path, batch-size bucket): [count, wall ns from start to answer], and
@@ -86,6 +91,20 @@ class SearchStats:
     def clear(self) -> None:
         self.by_path.clear()
         self.half_fallbacks = self.wgmma_fallbacks = self.int8_fallbacks = 0
+
+    def snapshot(self, memory: tuple[tuple[str, int], ...] = ()) -> BackendStatistics:
+        """These counts as a frozen snapshot (read from another thread: the dict is copied at once,
+        a search counted meanwhile may show in its count before its time)."""
+        by_path = dict(self.by_path)
+        return BackendStatistics(
+            tuple(PathStat(p.value, bk, c, ns / 1e9) for (p, bk), (c, ns) in sorted(by_path.items(), key=_by_label)),
+            (
+                (SearchPath.HALF_GEMM.value, self.half_fallbacks),
+                (SearchPath.INT8.value, self.int8_fallbacks),
+                (SearchPath.WGMMA.value, self.wgmma_fallbacks),
+            ),
+            memory,
+        )
 
     def line(self) -> str:
         """Searches served and mean wall time per path and batch size, in microseconds."""

@@ -268,8 +268,3 @@ def filtered_plan(
     if kp <= cap and (not tiers or kp > tiers[-1]):
         tiers.append(kp)
     return tiers
-
-
-def size_bucket(b: int) -> str:
-    """Batch-size bucket of the per-path search statistics."""
-    return "1" if b == 1 else "2-8" if b <= 8 else "9-64" if b <= 64 else "65-512" if b <= 512 else ">512"

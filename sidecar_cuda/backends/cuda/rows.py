@@ -65,6 +65,23 @@ class DeviceRows:
         return self.i8.nbytes if self.i8 is not None else 0
 
     @property
+    def rows_bytes(self) -> int:
+        """Device memory of the rows and what is kept beside them (norms, times)."""
+        return int(self.data.nbytes + self.sqn.nbytes + self.times.nbytes)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes held by part (``base.BackendStatistics.memory``); safe from another thread: each
+        container is copied in one step before it is read."""
+        host = self.host
+        gathered = list(self.gathered.values())
+        return {
+            "rows": self.rows_bytes,
+            "int8": self.int8_bytes,
+            "gathered": sum(g.rows_bytes for g in gathered),
+            "host_copy": 0 if host is None else int(host[0].nbytes + host[1].nbytes),
+        }
+
+    @property
     def max_norm(self) -> float:
         return self.traits.max_norm
 
