@@ -102,6 +102,61 @@ class TopView:
     client_errors: float | None = None
     client_timeouts: float | None = None
     rows: dict[str, float] = field(default_factory=dict)
+    #: the backend's search paths: path -> (searches/s, mean wall time s, queries redone/s) over
+    #: the last interval (since start on the first frame: searches as a total, no rates)
+    paths: dict[str, PathLine] = field(default_factory=dict)
+    memory_bytes: dict[str, float] = field(default_factory=dict)  # part -> bytes
+
+
+@dataclass
+class PathLine:
+    """One search path of the backend in a frame (None: not known in this frame)."""
+
+    searches: float  # over the interval (since start on the first frame)
+    per_s: float | None  # searches per second (None on the first frame)
+    mean_s: float | None  # mean wall time of those searches
+    redone_per_s: float | None  # queries redone in float32 per second (proving paths)
+
+
+def _by_label(s: Scrape, name: str, key: str) -> dict[str, float]:
+    """The series of ``name`` summed by the value of label ``key``."""
+    out: dict[str, float] = {}
+    for labels, val in s.series(name).items():
+        k = dict(labels).get(key)
+        if k is not None:
+            out[k] = out.get(k, 0.0) + val
+    return out
+
+
+def _paths(cur: Scrape, prev: Scrape | None) -> dict[str, PathLine]:
+    """Searches, their mean time and redone queries by path, from the increase since ``prev``
+    (from the totals when there is none, or the sidecar restarted)."""
+    n1 = _by_label(cur, "kalos_backend_searches_total", "path")
+    t1 = _by_label(cur, "kalos_backend_search_seconds_total", "path")
+    r1 = _by_label(cur, "kalos_backend_redone_queries_total", "path")
+    dt = None if prev is None else cur.t - prev.t
+    n0 = t0 = r0 = {}
+    if prev is not None:
+        n0 = _by_label(prev, "kalos_backend_searches_total", "path")
+        t0 = _by_label(prev, "kalos_backend_search_seconds_total", "path")
+        r0 = _by_label(prev, "kalos_backend_redone_queries_total", "path")
+        if any(n1.get(p, 0.0) < n for p, n in n0.items()) or not dt or dt <= 0:  # restarted: totals
+            n0 = t0 = r0 = {}
+            dt = None
+    out: dict[str, PathLine] = {}
+    for path, n in n1.items():
+        dn = n - n0.get(path, 0.0)
+        dtime = t1.get(path, 0.0) - t0.get(path, 0.0)
+        dr = r1.get(path, 0.0) - r0.get(path, 0.0)
+        if n <= 0:
+            continue  # a path that never ran
+        out[path] = PathLine(
+            searches=dn,
+            per_s=None if dt is None else dn / dt,
+            mean_s=dtime / dn if dn > 0 else None,
+            redone_per_s=None if dt is None or path not in r1 else dr / dt,
+        )
+    return out
 
 
 def _rate(cur: Scrape, prev: Scrape | None, name: str, **labels: str) -> float | None:
@@ -193,7 +248,18 @@ def compute_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
     v.client_timeouts = _sum(cur, "kalos_client_requests_total", outcome="timeout")
     for labels, val in cur.series("kalos_memory_rows").items():
         v.rows[dict(labels)["namespace"]] = val
+    v.paths = _paths(cur, prev)
+    v.memory_bytes = _by_label(cur, "kalos_backend_memory_bytes", "part")
     return v
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if b >= size:
+            return f"{b / size:.1f} {unit}"
+    return f"{b:.0f} B"
 
 
 def _num(x: float | None, fmt: str = "{:,.0f}") -> str:
@@ -277,12 +343,24 @@ def render(v: TopView, url: str = "") -> RenderableType:
     err.add_row("client-side errors", _num(v.client_errors), "")
     err.add_row("client timeouts/cancels", _num(v.client_timeouts), "")
 
+    paths = Table(title="search paths (backend)", title_justify="left", box=None, pad_edge=False)
+    for col in ("path", "searches/s", "mean time", "share", "redone/s"):
+        paths.add_column(col, justify="left" if col == "path" else "right")
+    total = sum(pl.searches for pl in v.paths.values())
+    for path, pl in sorted(v.paths.items(), key=lambda kv: -kv[1].searches):
+        share = f"{100 * pl.searches / total:.0f} %" if total > 0 else "-"
+        paths.add_row(path, _num(pl.per_s), _dur(pl.mean_s), share, _num(pl.redone_per_s, "{:,.1f}"))
+
     mem = Table(title="memory rows", title_justify="left", box=None, pad_edge=False)
     mem.add_column("namespace")
     mem.add_column("rows", justify="right")
     for ns, n in sorted(v.rows.items(), key=lambda kv: -kv[1]):
         mem.add_row(ns, _num(n))
-    return Group(head, Text(""), load, Text(""), lat, Text(""), err, Text(""), mem)
+    held = Text(
+        "backend memory  "
+        + "  ".join(f"{part} {_bytes(b)}" for part, b in sorted(v.memory_bytes.items(), key=lambda kv: -kv[1]) if b > 0)
+    )
+    return Group(head, Text(""), load, Text(""), lat, Text(""), paths, Text(""), err, Text(""), mem, held)
 
 
 def listening_sockets(table: str, inodes: Collection[int]) -> list[tuple[str, int]]:

@@ -927,6 +927,46 @@ def test_top_view_rates_from_counter_deltas():
     assert "end to end: get" not in text  # no get in the window
 
 
+def _backend_exposition(int8: float, int8_s: float, gemmh: float, gemmh_s: float, redone: float) -> str:
+    return f"""
+kalos_backend_searches_total{{path="int8",batch="1"}} {int8 / 2}
+kalos_backend_searches_total{{path="int8",batch="2-8"}} {int8 / 2}
+kalos_backend_search_seconds_total{{path="int8",batch="1"}} {int8_s / 2}
+kalos_backend_search_seconds_total{{path="int8",batch="2-8"}} {int8_s / 2}
+kalos_backend_searches_total{{path="gemmh",batch="65-512"}} {gemmh}
+kalos_backend_search_seconds_total{{path="gemmh",batch="65-512"}} {gemmh_s}
+kalos_backend_searches_total{{path="gemm",batch="9-64"}} 0
+kalos_backend_redone_queries_total{{path="int8"}} {redone}
+kalos_backend_redone_queries_total{{path="gemmh"}} 0
+kalos_backend_memory_bytes{{part="rows"}} {1.5 * 2**30}
+kalos_backend_memory_bytes{{part="int8"}} {740 * 2**20}
+kalos_backend_memory_bytes{{part="gathered"}} 0
+"""
+
+
+def test_top_shows_the_search_paths_and_the_backends_memory():
+    prev = parse_metrics(_backend_exposition(1000, 0.35, 100, 0.12, 4), t=10.0)
+    cur = parse_metrics(_backend_exposition(3000, 1.05, 300, 0.36, 10), t=12.0)
+    v = compute_view(cur, prev)
+    assert set(v.paths) == {"int8", "gemmh"}  # gemm never ran
+    int8, gemmh = v.paths["int8"], v.paths["gemmh"]
+    assert int8.searches == 2000 and int8.per_s == pytest.approx(1000) and int8.mean_s == pytest.approx(0.7 / 2000)
+    assert int8.redone_per_s == pytest.approx(3.0)
+    assert gemmh.per_s == pytest.approx(100) and gemmh.mean_s == pytest.approx(0.24 / 200)
+    assert gemmh.redone_per_s == pytest.approx(0.0)
+    assert v.memory_bytes == {"rows": 1.5 * 2**30, "int8": 740 * 2**20, "gathered": 0}
+    first = compute_view(cur)  # totals since start, no rates
+    assert first.paths["int8"].searches == 3000 and first.paths["int8"].per_s is None
+    assert first.paths["int8"].mean_s == pytest.approx(1.05 / 3000)
+    restarted = compute_view(parse_metrics(_backend_exposition(10, 0.01, 0, 0, 0), t=14.0), cur)
+    assert restarted.paths["int8"].searches == 10 and restarted.paths["int8"].per_s is None
+    out = io.StringIO()
+    Console(file=out, width=120).print(render(v, "http://x/metrics"))
+    text = out.getvalue()
+    assert "search paths" in text and "int8" in text and "gemmh" in text and "350 µs" in text and "91 %" in text
+    assert "rows 1.5 GiB" in text and "int8 740.0 MiB" in text and "gathered" not in text
+
+
 def test_top_reports_an_unreachable_endpoint():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
