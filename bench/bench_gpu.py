@@ -166,6 +166,37 @@ def scrape_batch_sizes(port: int) -> dict[float, float]:
     return out
 
 
+_PATH_SAMPLE = re.compile(r"^kalos_backend_(searches|search_seconds)_total\{([^}]*)\} ([0-9.eE+-]+)$")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def scrape_paths(port: int) -> dict[str, list[float]]:
+    """The backend's searches by path: ``"path/batch" -> [searches, seconds]`` (empty from a
+    sidecar before kalos_backend_searches_total existed)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except Exception:
+        return {}
+    out: dict[str, list[float]] = {}
+    for line in text.splitlines():
+        m = _PATH_SAMPLE.match(line)
+        if m:
+            lab = dict(_LABEL.findall(m.group(2)))
+            key = f"{lab.get('path')}/{lab.get('batch')}"
+            out.setdefault(key, [0.0, 0.0])[m.group(1) == "search_seconds"] = float(m.group(3))
+    return out
+
+
+def path_mix(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Searches and mean wall time (us) by "path/batch" between two scrapes, most searches first."""
+    out = {}
+    for key, (n, sec) in after.items():
+        n0, s0 = before.get(key, [0.0, 0.0])
+        if n > n0:
+            out[key] = {"searches": int(n - n0), "mean_us": round((sec - s0) / (n - n0) * 1e6, 1)}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["searches"]))
+
+
 def batch_distribution(before: dict[float, float], after: dict[float, float]) -> list[tuple[str, int]]:
     """Batches per size bucket between two scrapes, as ("lo-hi", count), empty buckets left out."""
     out = []
@@ -428,7 +459,7 @@ def main() -> int:
         try:
             for tasks in tasks_list:
                 procs = 1 if tasks == 1 else min(a.procs, tasks)
-                before, sizes_before = scrape(port), scrape_batch_sizes(port)
+                before, sizes_before, paths_before = scrape(port), scrape_batch_sizes(port), scrape_paths(port)
                 res = run_load(
                     LoadSpec(
                         name=name,
@@ -445,6 +476,7 @@ def main() -> int:
                     )
                 )
                 after, dist = scrape(port), batch_distribution(sizes_before, scrape_batch_sizes(port))
+                paths = path_mix(paths_before, scrape_paths(port))
                 checked, wrong = check_samples(res.samples, matrix, a.k, rtol=RTOL[dtype])
                 p = res.percentiles_us()
                 row = {
@@ -461,6 +493,7 @@ def main() -> int:
                     "wrong": wrong,
                     "lat_sample_us": latency_sample(res.latencies_ns),
                     "batch_sizes": dist,
+                    "paths": paths,  # the backend's searches by path and batch bucket in this run
                 }
                 delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
                 nb = delta.get("kalos_batch_compute_seconds_count", 0.0)
@@ -478,6 +511,11 @@ def main() -> int:
                     f"sidecar {row.get('sidecar_compute_us_per_batch')}us/batch wrong {wrong}/{checked}"
                 )
                 log(f"{'':>14}batch sizes: {shown_distribution(dist)}")
+                if paths:
+                    log(
+                        f"{'':>14}paths: "
+                        + "; ".join(f"{k} {v['searches']} x {v['mean_us']} us" for k, v in paths.items())
+                    )
         finally:
             stop_sidecar_process(proc)
         del matrix
