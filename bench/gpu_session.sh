@@ -125,7 +125,7 @@ ab256() {
   local old=${AB_OLD:-.gpu_old} r side dir extra
   [ -d "$old" ] || { echo "ab256: no old checkout in $old"; return 1; }
   STAGE=$(mktemp -d)
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_gpu_int8.py 2>&1 | tail -30 \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_int8.py 2>&1 | tail -40 \
     > "$STAGE/gpu-int8-tests.log"
   tail -3 "$STAGE/gpu-int8-tests.log"; pack ab256
   for r in 1 2; do
