@@ -46,7 +46,8 @@ for dt in ('float32', 'float16'):
     be.close()
 " 2>&1 | grep -v INFO | tee "$OUT/warm.log"
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu 2>&1 | tail -15 | tee "$OUT/gpu-suite.log"
-  KALOS_TEST_BACKEND=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ipc/test_broker.py 2>&1 \
+  KALOS_TEST_BACKEND=cuda timeout 180 python3 -m pytest -q -p no:cacheprovider tests/ipc/test_broker.py \
+    tests/ipc/test_backend_metrics.py 2>&1 \
     | tail -15 | tee "$OUT/cuda-broker.log"
 }
 
@@ -101,7 +102,8 @@ ab() {
 
 # Issue 27's last figures, in two calls of under 10 minutes each. $OUT brings back 8 files at most,
 # so each mode runs in a staging folder and packs its JSON into one file and its logs into another.
-#   AB_OLD=.gpu_old bash bench/gpu_session.sh ab256    # the int8 GPU tests; then 1M x 768 fp16 at
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh ab256    # the int8 GPU tests and the backend's
+#     /metrics statistics on a CUDA sidecar; then 1M x 768 fp16 at
 #     256 tasks: old, new and new with --int8-pass off alternating, twice (is the 7% loss the
 #     int8 pass's, or the lease's?)
 #   AB_OLD=.gpu_old bash bench/gpu_session.sh close27  # in-process batch 64/256 beside torch; the
@@ -127,7 +129,10 @@ ab256() {
   STAGE=$(mktemp -d)
   timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_int8.py 2>&1 | tail -40 \
     > "$STAGE/gpu-int8-tests.log"
-  tail -3 "$STAGE/gpu-int8-tests.log"; pack ab256
+  tail -3 "$STAGE/gpu-int8-tests.log"
+  KALOS_TEST_BACKEND=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/ipc/test_backend_metrics.py \
+    2>&1 | tail -15 > "$STAGE/cuda-backend-metrics.log"
+  tail -1 "$STAGE/cuda-backend-metrics.log"; pack ab256
   for r in 1 2; do
     for side in old new off; do
       dir=$PWD extra=""
