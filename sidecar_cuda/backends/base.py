@@ -12,11 +12,13 @@ resolves from another thread: ``done()`` asks the device without blocking, ``res
 
 from __future__ import annotations
 
+import enum
+import threading
 from collections import Counter
 from collections.abc import Hashable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -185,6 +187,41 @@ class BackendStatistics:
     searches: tuple[PathStat, ...] = ()
     redone: tuple[tuple[str, int], ...] = ()
     memory: tuple[tuple[str, int], ...] = ()
+
+
+P = TypeVar("P", bound=enum.Enum)
+
+
+class SearchCounts(Generic[P]):
+    """Searches and their wall time by (path, batch-size bucket) since start: ``by_path[path,
+    bucket] = [searches, ns]``; counted from any thread (the numpy backend's worker too), read by
+    a scrape (:meth:`searches`). A path's label is its enum value."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_path: dict[tuple[P, str], list[int]] = {}
+
+    def add(self, path: P, b: int, ns: int) -> None:
+        key = (path, size_bucket(b))
+        with self.lock:
+            st = self.by_path.setdefault(key, [0, 0])
+            st[0] += 1
+            st[1] += ns
+
+    def count(self, path: P) -> int:
+        """Searches served on ``path``, every batch size."""
+        with self.lock:
+            return sum(c for (p, _bucket), (c, _ns) in self.by_path.items() if p is path)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.by_path.clear()
+
+    def searches(self) -> tuple[PathStat, ...]:
+        """The counts now, by path label and bucket."""
+        with self.lock:
+            by = sorted((str(p.value), bk, c, ns) for (p, bk), (c, ns) in self.by_path.items())
+        return tuple(PathStat(p, bk, c, ns / 1e9) for p, bk, c, ns in by)
 
 
 def merge_statistics(parts: Iterable[BackendStatistics]) -> BackendStatistics:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import BackendStatistics, Decay, PathStat, PendingSearch, SearchResult, size_bucket
+from .base import BackendStatistics, Decay, PendingSearch, SearchCounts, SearchResult
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -69,26 +69,6 @@ class NumpyPath(str, enum.Enum):
 
     INLINE = "inline"  # on the calling (serving) thread: small, filtered and recency-weighted searches
     WORKER = "worker"  # on the backend's search thread (INLINE_WORK and more)
-
-
-class SearchCounts:
-    """Searches and their wall time by (path, batch-size bucket), counted from any thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._by: dict[tuple[NumpyPath, str], list[int]] = {}
-
-    def add(self, path: NumpyPath, b: int, ns: int) -> None:
-        key = (path, size_bucket(b))
-        with self._lock:
-            st = self._by.setdefault(key, [0, 0])
-            st[0] += 1
-            st[1] += ns
-
-    def snapshot(self) -> tuple[PathStat, ...]:
-        with self._lock:
-            by = sorted((p.value, bk, c, ns) for (p, bk), (c, ns) in self._by.items())
-        return tuple(PathStat(p, bk, c, ns / 1e9) for p, bk, c, ns in by)
 
 
 #: A filtered search scores every row and hides the non-candidates when at least 1/DENSE_FRACTION
@@ -220,7 +200,7 @@ class NumpyBackend:
         self.description = f"numpy {np.__version__} (CPU)"
         self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
         self.blas: BlasThreads | None = find_blas_threads()
-        self.counts = SearchCounts()
+        self.counts: SearchCounts[NumpyPath] = SearchCounts()
         self._matrices: weakref.WeakSet[NumpyMatrix] = weakref.WeakSet()
         self._matrices_lock = threading.Lock()  # (a scrape's copy of the set, a new matrix)
 
@@ -234,7 +214,7 @@ class NumpyBackend:
         """Searches by where they ran and batch size; the matrices' bytes (part ``rows``)."""
         with self._matrices_lock:
             matrices = list(self._matrices)
-        return BackendStatistics(self.counts.snapshot(), (), (("rows", sum(m.nbytes for m in matrices)),))
+        return BackendStatistics(self.counts.searches(), (), (("rows", sum(m.nbytes for m in matrices)),))
 
     def submit(self, fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:
         """Run ``fn(*args)`` on the backend's one worker thread (started on first use)."""

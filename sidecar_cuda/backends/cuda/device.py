@@ -18,13 +18,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ....broker.errors import ClosedError, ConfigError, KalosError, ServerError
-from ..base import BackendStatistics, PathStat, size_bucket
+from ..base import BackendStatistics, SearchCounts
 from .buffers import BufferSet
 from .kernels import Kernels, Storage
 from .planner import GRAPH_CACHE, Limits, SearchPath
@@ -65,39 +65,22 @@ class GraphCache:
         self._graphs.clear()
 
 
-def _by_label(item: tuple[tuple[SearchPath, str], list[int]]) -> tuple[str, str]:
-    return item[0][0].value, item[0][1]
-
-
-@dataclass
-class SearchStats:
+class SearchStats(SearchCounts[SearchPath]):
     """Searches served per (path, batch-size bucket): [count, wall ns from start to answer], and
     the queries the proving paths could not prove exact (redone in float32)."""
 
-    by_path: dict[tuple[SearchPath, str], list[int]] = field(default_factory=dict)
-    half_fallbacks: int = 0
-    wgmma_fallbacks: int = 0
-    int8_fallbacks: int = 0
-
-    def add(self, path: SearchPath, b: int, ns: int) -> None:
-        st = self.by_path.setdefault((path, size_bucket(b)), [0, 0])
-        st[0] += 1
-        st[1] += ns
-
-    def count(self, path: SearchPath) -> int:
-        """Searches served on ``path``, every batch size."""
-        return sum(c for (p, _bucket), (c, _ns) in self.by_path.items() if p is path)
+    def __init__(self) -> None:
+        super().__init__()
+        self.half_fallbacks = self.wgmma_fallbacks = self.int8_fallbacks = 0
 
     def clear(self) -> None:
-        self.by_path.clear()
+        super().clear()
         self.half_fallbacks = self.wgmma_fallbacks = self.int8_fallbacks = 0
 
     def snapshot(self, memory: tuple[tuple[str, int], ...] = ()) -> BackendStatistics:
-        """These counts as a frozen snapshot (read from another thread: the dict is copied at once,
-        a search counted meanwhile may show in its count before its time)."""
-        by_path = dict(self.by_path)
+        """These counts as a frozen snapshot (``memory``: the backend's bytes by part)."""
         return BackendStatistics(
-            tuple(PathStat(p.value, bk, c, ns / 1e9) for (p, bk), (c, ns) in sorted(by_path.items(), key=_by_label)),
+            self.searches(),
             (
                 (SearchPath.HALF_GEMM.value, self.half_fallbacks),
                 (SearchPath.INT8.value, self.int8_fallbacks),
@@ -108,8 +91,7 @@ class SearchStats:
 
     def line(self) -> str:
         """Searches served and mean wall time per path and batch size, in microseconds."""
-        rows = sorted((p.value, bk, c, ns) for (p, bk), (c, ns) in self.by_path.items() if c)
-        parts = [f"{p}/{bk}: {c} x {ns / c / 1e3:.1f} us" for p, bk, c, ns in rows]
+        parts = [f"{s.path}/{s.batch}: {s.searches} x {s.seconds / s.searches * 1e6:.1f} us" for s in self.searches()]
         if self.half_fallbacks:
             parts.append(f"half-score queries redone in float32: {self.half_fallbacks}")
         if self.wgmma_fallbacks:
