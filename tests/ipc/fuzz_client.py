@@ -66,7 +66,7 @@ class Fuzzer:
         self.drain(s.resp)
         self.conn.seg.slots[s.index]["state"] = S_FREE
 
-    def wait_answer(self, s: ClientSlot, generation: int, timeout: float = 2.0) -> str:
+    def wait_answer(self, s: ClientSlot, generation: int, timeout: float = 15.0) -> str:
         """'answered' (DONE with the generation echoed), 'reclaimed' (the reaper took the slot),
         'echo' (answered for another generation) or 'unanswered'."""
         rec = self.conn.seg.slots

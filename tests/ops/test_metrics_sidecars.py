@@ -218,7 +218,7 @@ def test_readyz_is_503_while_memory_loads():
             "--dim",
             "32",
             "--random-rows",
-            "400000",
+            "1200000",  # loading takes seconds: the first poll lands in it on a loaded machine too
             "--backend",
             "numpy",
             "--metrics-port",
@@ -246,7 +246,7 @@ def test_readyz_is_503_while_memory_loads():
         assert statuses[0] == (503, "not ready: loading"), statuses[:3]
         assert statuses[-1] == (200, "ready")
         s = scrape(url)
-        assert s.get("kalos_memory_rows", namespace="default") == 400_000
+        assert s.get("kalos_memory_rows", namespace="default") == 1_200_000
     finally:
         stop_sidecar_process(proc)
         cleanup(name, force=True)

@@ -446,7 +446,7 @@ async def test_the_budget_running_out_between_chunks_is_a_partial_timeout(rng):
     pool = await open_pool(conn, size=1)
     ids, vecs = wrows(rng, 6)  # 3 chunks over 1 slot
     side = WriteSidecar(conn)
-    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=0.3))
+    task = asyncio.ensure_future(pool.upsert(ids, vecs, timeout=1.5))  # (the first chunk is answered well inside)
     await until(lambda: len(conn.posted()) == 1)
     conn.serve(side)  # the first chunk is answered; the second then waits for nobody
     with pytest.raises(ResponseTimeout) as e:
