@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import json
 import os
 import re
@@ -185,6 +186,30 @@ def scrape_paths(port: int) -> dict[str, list[float]]:
             key = f"{lab.get('path')}/{lab.get('batch')}"
             out.setdefault(key, [0.0, 0.0])[m.group(1) == "search_seconds"] = float(m.group(3))
     return out
+
+
+_SLOT_PATH = re.compile(r"^kalos_slot_path_info\{([^}]*)\} ")
+
+
+def scrape_slot_path(port: int) -> str:
+    """The sidecar's slot path from ``kalos_slot_path_info`` ("compiled" / "python"; "unknown" from
+    a sidecar that does not export it)."""
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except Exception:
+        return "unknown"
+    for line in text.splitlines():
+        m = _SLOT_PATH.match(line)
+        if m:
+            return str(dict(_LABEL.findall(m.group(1))).get("path", "unknown"))
+    return "unknown"
+
+
+def client_slot_path() -> str:
+    """The slot path this checkout's clients take in this environment (the load processes inherit it)."""
+    from kalos.broker.slotpath import choose
+
+    return choose(os.environ, lambda: importlib.import_module("kalos.clients._cslot")).path.value
 
 
 def path_mix(before: dict[str, list[float]], after: dict[str, list[float]]) -> dict[str, dict[str, float]]:
@@ -455,7 +480,8 @@ def main() -> int:
             name,
             timeout=900,
         )
-        log(f"# sidecar ready in {time.perf_counter() - t0:.1f} s")
+        slot_paths = {"sidecar": scrape_slot_path(port), "clients": client_slot_path()}
+        log(f"# sidecar ready in {time.perf_counter() - t0:.1f} s; slot path: {slot_paths}")
         try:
             for tasks in tasks_list:
                 procs = 1 if tasks == 1 else min(a.procs, tasks)
@@ -494,6 +520,7 @@ def main() -> int:
                     "lat_sample_us": latency_sample(res.latencies_ns),
                     "batch_sizes": dist,
                     "paths": paths,  # the backend's searches by path and batch bucket in this run
+                    "slot_path": slot_paths,  # compiled or python, in the sidecar and in the clients
                 }
                 delta = {kk: after.get(kk, 0.0) - before.get(kk, 0.0) for kk in after}
                 nb = delta.get("kalos_batch_compute_seconds_count", 0.0)

@@ -168,6 +168,39 @@ close27() {
   rm -rf "$STAGE"
 }
 
+# What close27's first try lost, and a fair old/new A/B (both checkouts on the compiled slot path:
+# ab and ab256 built the extension in the new checkout only, so their "old" runs took the Python slot
+# path; the sidecar's ready line says which):
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh finish27  # the paths forced one by one at 256k-2M rows,
+#     batches 1/4/16 (the raw JSON lines kept: close27 filtered them and ran out of time before its
+#     table); then 1M x 768 fp16 at 256 tasks, old and new alternating, twice
+build_old() {  # the compiled slot path in the old checkout too (same compiler, same flags)
+  (cd "$1" && python3 setup.py -q build_ext --inplace) > "$STAGE/build-ext-old.log" 2>&1 \
+    || echo "build_ext in $1 failed (see build-ext-old.log)"
+}
+
+finish27() {
+  local old=${AB_OLD:-.gpu_old} r side dir
+  [ -d "$old" ] || { echo "finish27: no old checkout in $old"; return 1; }
+  STAGE=$(mktemp -d)
+  build_old "$old"
+  timeout 230 python3 bench/probe.py paths --rows 262144,524288,786432,2000000 --batches 1,4,16 \
+    --paths auto,int8,small,wgmma,gemmh --reps 10 --check --out "$STAGE/paths-int8-rows.json" \
+    > "$STAGE/paths-int8-rows.log" 2>&1
+  grep -v '^{' "$STAGE/paths-int8-rows.log" | tail -16; pack finish27
+  for r in 1 2; do
+    for side in old new; do
+      dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
+        --tasks 256 --seconds 3 --skip-inproc --out-dir "$STAGE" --out-name "ab256c-$side-$r.json" \
+        > "$STAGE/ab256c-$side-$r.log" 2>&1)
+      echo "== $side round $r: $(grep -o 'slot path [a-z]*' "$STAGE/ab256c-$side-$r.log" | head -1)"
+      grep -E 'tasks=|paths:' "$STAGE/ab256c-$side-$r.log" | cut -c1-220; pack finish27
+    done
+  done
+  rm -rf "$STAGE"
+}
+
 for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
@@ -178,6 +211,7 @@ for mode in "${@:-check}"; do
     ttl) ttl ;;
     ab256) ab256 ;;
     close27) close27 ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27)"; exit 2 ;;
+    finish27) finish27 ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27)"; exit 2 ;;
   esac
 done

@@ -103,14 +103,15 @@ def probe_paths(a: argparse.Namespace) -> int:
                     t = time.perf_counter()
                     m.search(q, n, k, path=path)
                     wall[name].append((time.perf_counter() - t) * 1e3)
+            truth = reference(cp, m, q, n, k) if a.check else None
             for name, path in ok.items():
                 row[name] = {
                     "gpu_ms": round(float(np.median(gpu[name])), 4),
                     "wall_ms": round(float(np.median(wall[name])), 4),
                 }
-                if a.check:
+                if truth is not None:
                     rows, _scores = m.search(q, n, k, path=path)
-                    row[name]["wrong"], row[name]["wrong_loose"] = wrong(cp, m, q, rows, n, k)
+                    row[name]["wrong"], row[name]["wrong_loose"] = wrong(cp, truth, rows)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     res["stats"] = be.stats_line()
@@ -126,9 +127,9 @@ def probe_paths(a: argparse.Namespace) -> int:
     return 0
 
 
-def wrong(cp: Any, m: Any, q: np.ndarray, rows: np.ndarray, n: int, k: int) -> tuple[int, int]:
-    """Queries with a returned row below the true k-th float64 score by more than float32-level
-    and float16-level tolerances (see the module docstring)."""
+def reference(cp: Any, m: Any, q: np.ndarray, n: int, k: int) -> tuple[Any, Any, Any]:
+    """The float64 scores of q against rows [0, n) (read back once per batch, for every path's
+    check), the true k-th score per query and the queries' score scale |q| * max |x|."""
     chunk = 1 << 17
     q64 = cp.asarray(q, cp.float64)
     ref = cp.empty((len(q), n), cp.float64)
@@ -139,8 +140,14 @@ def wrong(cp: Any, m: Any, q: np.ndarray, rows: np.ndarray, n: int, k: int) -> t
         xmax = max(xmax, float(cp.sqrt((x * x).sum(axis=1)).max()))
     kk = min(k, n)
     kth = -cp.partition(-ref, kk - 1, axis=1)[:, kk - 1]
+    return ref, kth, cp.linalg.norm(q64, axis=1) * xmax
+
+
+def wrong(cp: Any, truth: tuple[Any, Any, Any], rows: np.ndarray) -> tuple[int, int]:
+    """Queries with a returned row below the true k-th float64 score by more than float32-level
+    and float16-level tolerances (see the module docstring); ``truth`` from reference()."""
+    ref, kth, scale = truth
     got = cp.take_along_axis(ref, cp.asarray(rows), axis=1)
-    scale = cp.linalg.norm(q64, axis=1) * xmax
     strict = int(((got < (kth - 2.0**-20 * scale)[:, None]).any(axis=1)).sum())
     loose = int(((got < (kth - 3 * 2.0**-11 * scale)[:, None]).any(axis=1)).sum())
     return strict, loose
