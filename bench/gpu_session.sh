@@ -201,6 +201,27 @@ finish27() {
   rm -rf "$STAGE"
 }
 
+# Issue 27's figures at 1, 8, 64 and 256 tasks, old and new alternating with both checkouts on the
+# compiled slot path (packed into $OUT/abtasks.json and .log):
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh abtasks
+abtasks() {
+  local old=${AB_OLD:-.gpu_old} r side dir
+  [ -d "$old" ] || { echo "abtasks: no old checkout in $old"; return 1; }
+  STAGE=$(mktemp -d)
+  build_old "$old"
+  for r in 1 2; do
+    for side in old new; do
+      dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 110 python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
+        --tasks 1,8,64,256 --seconds 1.5 --skip-inproc --out-dir "$STAGE" --out-name "abtasks-$side-$r.json" \
+        > "$STAGE/abtasks-$side-$r.log" 2>&1)
+      echo "== $side round $r: $(grep -o 'slot path [a-z]*' "$STAGE/abtasks-$side-$r.log" | head -1)"
+      grep -E 'tasks=' "$STAGE/abtasks-$side-$r.log" | cut -c1-200; pack abtasks
+    done
+  done
+  rm -rf "$STAGE"
+}
+
 for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
@@ -212,6 +233,7 @@ for mode in "${@:-check}"; do
     ab256) ab256 ;;
     close27) close27 ;;
     finish27) finish27 ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27)"; exit 2 ;;
+    abtasks) abtasks ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27, abtasks)"; exit 2 ;;
   esac
 done

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_reference import check, queries
 
 from kalos.broker.errors import ClosedError
 from kalos.broker.layout import Metric
@@ -43,43 +44,6 @@ def backend(request):
     be.close()
 
 
-def reference(q: np.ndarray, x: np.ndarray, metric: Metric) -> np.ndarray:
-    """Float64 scores (B, n) of prepared queries against prepared rows."""
-    q64, x64 = q.astype(np.float64), x.astype(np.float64)
-    dots = q64 @ x64.T
-    if metric == Metric.L2:
-        return 2.0 * dots - (x64 * x64).sum(1)[None, :] - (q64 * q64).sum(1)[:, None]
-    return dots
-
-
-def check(
-    q: np.ndarray, x: np.ndarray, metric: Metric, k: int, rows: np.ndarray, scores: np.ndarray, dtype: str, what: str
-) -> None:
-    """Same index sets up to ties, compared by score; scores within the dtype's tolerance."""
-    ref = reference(q, x, metric)
-    b, n = ref.shape
-    kk = min(k, n)
-    assert rows.shape == (b, kk) and scores.shape == (b, kk), (what, rows.shape, scores.shape)
-    assert rows.dtype == np.int64 and scores.dtype == np.float32, what
-    qn = np.linalg.norm(q.astype(np.float64), axis=1)
-    xn = np.linalg.norm(x.astype(np.float64), axis=1).max()
-    scale = (qn + xn) ** 2 if metric == Metric.L2 else qn * xn
-    tol = REL_TOL[dtype] * scale + 1e-6
-    kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
-    for i in range(b):
-        r = rows[i]
-        assert ((r >= 0) & (r < n)).all(), f"{what}: row out of range in query {i}: {r}"
-        assert len(np.unique(r)) == kk, f"{what}: duplicate rows in query {i}"
-        true = ref[i, r]
-        bad = true < kth[i] - tol[i]
-        assert not bad.any(), (
-            f"{what}: query {i} got rows outside the top-{kk}: scores {true[bad]} < k-th {kth[i]} - tol {tol[i]}"
-        )
-        err = np.abs(scores[i].astype(np.float64) - true)
-        assert (err <= tol[i]).all(), f"{what}: query {i} score error {err.max()} > {tol[i]}"
-        assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted best first"
-
-
 def rounded(x: np.ndarray, dtype: str) -> np.ndarray:
     """float32 values rounded to the storage dtype (round to nearest even), as float32."""
     if dtype == "float16":
@@ -97,10 +61,6 @@ def fill(backend, rng, n: int, d: int, metric: Metric, capacity: int | None = No
     for lo in range(0, n, 65536):  # the sidecar writes in chunks too
         m.write_rows(np.arange(lo, min(n, lo + 65536)), x[lo : lo + 65536])
     return m, x
-
-
-def queries(rng, b: int, d: int, metric: Metric) -> np.ndarray:
-    return np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
 
 
 # (n, d, k, batch): n < k, n not a multiple of any tile, d = 1, 3, 1536, k = 1 and 1024, batches
@@ -130,20 +90,20 @@ def test_search_matches_float64(backend, rng, metric, n, d, k, b):
     q = queries(rng, b, d, metric)
     what = f"{backend.storage_dtype} {metric.name} n={n} d={d} k={k} b={b}"
     rows, scores = m.search(q, n, k)
-    check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " auto")
+    check(q, x, metric, k, rows, scores, REL_TOL[backend.storage_dtype], what + " auto")
     # Both paths, whichever the planner picked.
     if k <= WARP_K:
         rows, scores = m.search(q, n, k, path=SearchPath.FUSED)
-        check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " fused")
+        check(q, x, metric, k, rows, scores, REL_TOL[backend.storage_dtype], what + " fused")
     rows, scores = m.search(q, n, k, path=SearchPath.GEMM)
-    check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemm")
+    check(q, x, metric, k, rows, scores, REL_TOL[backend.storage_dtype], what + " gemm")
     if backend.storage_dtype == "float16" and k <= HALF_K:
         before = backend.stats.half_fallbacks
         rows, scores = m.search(q, n, k, path=SearchPath.HALF_GEMM)
-        check(q, x, metric, k, rows, scores, backend.storage_dtype, what + " gemmh")
+        check(q, x, metric, k, rows, scores, REL_TOL[backend.storage_dtype], what + " gemmh")
         if backend.stats.half_fallbacks == before:  # (redone queries went the GEMM path's way)
             # Against the stored (rounded) rows the half-score answer is exact to float32 rounding.
-            check(q, rounded(x, "float16"), metric, k, rows, scores, "float32", what + " gemmh tight")
+            check(q, rounded(x, "float16"), metric, k, rows, scores, REL_TOL["float32"], what + " gemmh tight")
 
 
 def test_large_matrix_d768(backend, rng):
@@ -152,7 +112,7 @@ def test_large_matrix_d768(backend, rng):
     for b, k in ((1, 10), (8, 10), (64, 10), (3, 1024)):
         q = queries(rng, b, d, Metric.DOT)
         rows, scores = m.search(q, n, k)
-        check(q, x, Metric.DOT, k, rows, scores, backend.storage_dtype, f"100k x 768 b={b} k={k}")
+        check(q, x, Metric.DOT, k, rows, scores, REL_TOL[backend.storage_dtype], f"100k x 768 b={b} k={k}")
 
 
 def test_graph_replays_follow_n_b_k(backend, rng):
@@ -165,7 +125,7 @@ def test_graph_replays_follow_n_b_k(backend, rng):
         nn = int(rng.integers(1, n + 1)) if trial % 3 else n
         q = queries(rng, b, d, Metric.L2)
         rows, scores = m.search(q, nn, k)
-        check(q, x[:nn], Metric.L2, k, rows, scores, backend.storage_dtype, f"trial {trial}")
+        check(q, x[:nn], Metric.L2, k, rows, scores, REL_TOL[backend.storage_dtype], f"trial {trial}")
 
 
 def test_without_graphs(rng):
@@ -177,7 +137,7 @@ def test_without_graphs(rng):
         for b in (1, 5, 30):
             q = queries(rng, b, 128, Metric.DOT)
             rows, scores = m.search(q, 30_000, 10)
-            check(q, x, Metric.DOT, 10, rows, scores, "float16", f"no graphs b={b}")
+            check(q, x, Metric.DOT, 10, rows, scores, REL_TOL["float16"], f"no graphs b={b}")
     finally:
         be.close()
 
@@ -196,7 +156,7 @@ def test_ties_and_adversarial_order(backend, rng):
     for k in (1, 10, 32, 100, MAX_K):
         for path in (SearchPath.FUSED, SearchPath.GEMM) if k <= WARP_K else (SearchPath.GEMM,):
             rows, scores = m.search(q, len(x), k, path=path)
-            check(q, x, Metric.DOT, k, rows, scores, backend.storage_dtype, f"ties k={k} {path}")
+            check(q, x, Metric.DOT, k, rows, scores, REL_TOL[backend.storage_dtype], f"ties k={k} {path}")
 
 
 def test_writes_moves_grow_then_search(backend, rng):
@@ -225,7 +185,7 @@ def test_writes_moves_grow_then_search(backend, rng):
     for b, k in ((1, 5), (6, 32), (20, 50)):
         q = queries(rng, b, d, metric)
         rows, scores = m.search(q, n, k)
-        check(q, mirror[:n], metric, k, rows, scores, backend.storage_dtype, f"after writes b={b} k={k}")
+        check(q, mirror[:n], metric, k, rows, scores, REL_TOL[backend.storage_dtype], f"after writes b={b} k={k}")
 
 
 def test_namespace_ops_match_numpy_backend(backend, rng):
@@ -259,7 +219,7 @@ def test_namespace_ops_match_numpy_backend(backend, rng):
             k,
             rows_g,
             sc_g,
-            backend.storage_dtype,
+            REL_TOL[backend.storage_dtype],
             f"namespace step {step}",
         )
 
@@ -272,7 +232,7 @@ def test_pinned_host_buffer_is_used_in_place(backend, rng):
     assert backend.device.pinned_address(buf[:40]) is not None
     assert backend.device.pinned_address(np.zeros((40, d), np.float32)) is None
     rows, scores = m.search(buf[:40], 5000, 10, path=SearchPath.GEMM)
-    check(buf[:40], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, "pinned staging")
+    check(buf[:40], x, Metric.DOT, 10, rows, scores, REL_TOL[backend.storage_dtype], "pinned staging")
 
 
 def test_bad_arguments_and_close(rng):
@@ -312,7 +272,7 @@ def test_half_scores_exact_at_scale(backend, rng, metric):
     for b, k in ((2, 1), (64, 10), (256, 10), (33, 16)):
         q = queries(rng, b, d, metric)
         rows, scores = m.search(q, n, k, path=SearchPath.HALF_GEMM)
-        check(q, xr, metric, k, rows, scores, "float32", f"half {metric.name} b={b} k={k}")
+        check(q, xr, metric, k, rows, scores, REL_TOL["float32"], f"half {metric.name} b={b} k={k}")
     # Random data leaves a wide gap between the 10th and the 32nd score: nothing redone.
     assert backend.stats.half_fallbacks - before <= 2
     assert m.plan(256, n, 10).path is SearchPath.GEMM  # 25.6M scores: float32 scores are cheaper
@@ -350,7 +310,7 @@ def test_half_scores_fall_back_on_ties(backend, rng):
     before = backend.stats.half_fallbacks
     rows, scores = m.search(q, n, 10, path=SearchPath.HALF_GEMM)
     assert backend.stats.half_fallbacks - before >= 3
-    check(q, x, Metric.DOT, 10, rows, scores, "float16", "half ties")
+    check(q, x, Metric.DOT, 10, rows, scores, REL_TOL["float16"], "half ties")
     for i in range(3):
         assert set(rows[i]) <= set(hot[40 * i : 40 * (i + 1)].tolist())
 
@@ -367,6 +327,6 @@ def test_two_searches_in_flight(backend, rng):
             m.search_async(qs[1], n, 10)
         for i in order:
             rows, scores = pend[i].result()
-            check(qs[i], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, f"in flight {i}")
+            check(qs[i], x, Metric.DOT, 10, rows, scores, REL_TOL[backend.storage_dtype], f"in flight {i}")
     rows, scores = m.search(qs[0], n, 10)  # both buffer sets are free again
-    check(qs[0], x, Metric.DOT, 10, rows, scores, backend.storage_dtype, "after")
+    check(qs[0], x, Metric.DOT, 10, rows, scores, REL_TOL[backend.storage_dtype], "after")

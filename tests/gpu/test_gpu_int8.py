@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_reference import check, queries
 
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda import config
-from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.base import prepare_rows
 from kalos.sidecar_cuda.backends.cuda import SearchPath, cuda_available, planner
 
 
@@ -91,60 +92,6 @@ def fill(
 def stored(m, n: int) -> np.ndarray:
     """Rows [0, n) exactly as stored (the storage dtype's values, as float32)."""
     return m.read_rows(np.arange(n))
-
-
-def queries(rng, b: int, d: int, metric: Metric = Metric.DOT) -> np.ndarray:
-    return np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
-
-
-def reference(q: np.ndarray, x: np.ndarray, metric: Metric) -> np.ndarray:
-    """Float64 scores (b, n) of prepared queries against stored rows."""
-    q64, x64 = q.astype(np.float64), x.astype(np.float64)
-    dots = q64 @ x64.T
-    if metric == Metric.L2:
-        return 2.0 * dots - (x64 * x64).sum(1)[None, :] - (q64 * q64).sum(1)[:, None]
-    return dots
-
-
-def check(
-    q: np.ndarray,
-    x: np.ndarray,
-    metric: Metric,
-    k: int,
-    rows: np.ndarray,
-    scores: np.ndarray,
-    rel: float,
-    what: str,
-    *,
-    xn: float | np.ndarray | None = None,
-    atol: float = 1e-6,
-) -> None:
-    """The top-k under float64 scores of the stored rows ``x``, up to ties within the tolerance
-    (``rel`` times |q||x|, or (|q| + |x|)^2 for l2, with |x| the largest row norm or ``xn``); the
-    scores returned are those rows' scores within the tolerance, sorted best first."""
-    ref = reference(q, x, metric)
-    b, n = ref.shape
-    kk = min(k, n)
-    assert rows.shape == (b, kk) and scores.shape == (b, kk), (what, rows.shape, scores.shape)
-    assert rows.dtype == np.int64 and scores.dtype == np.float32, what
-    qn = np.linalg.norm(q.astype(np.float64), axis=1)
-    if xn is None:
-        xn = np.linalg.norm(x.astype(np.float64), axis=1).max()
-    scale = (qn + xn) ** 2 if metric == Metric.L2 else qn * xn
-    tol = rel * scale + atol
-    kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
-    for i in range(b):
-        r = rows[i]
-        assert ((r >= 0) & (r < n)).all(), f"{what}: row out of range in query {i}: {r}"
-        assert len(np.unique(r)) == kk, f"{what}: duplicate rows in query {i}: {r}"
-        true = ref[i, r]
-        bad = true < kth[i] - tol[i]
-        assert not bad.any(), (
-            f"{what}: query {i} got rows {r[bad]} outside the top-{kk}: scores {true[bad]} < k-th {kth[i]} - tol {tol[i]}"
-        )
-        err = np.abs(scores[i].astype(np.float64) - true)
-        assert (err <= tol[i]).all(), f"{what}: query {i} score error {err.max()} > {tol[i]} ({scores[i]} vs {true})"
-        assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted best first: {scores[i]}"
 
 
 def rel_for(be, metric: Metric, redone: bool) -> float:

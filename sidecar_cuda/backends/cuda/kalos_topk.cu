@@ -613,6 +613,17 @@ __device__ __forceinline__ float warp_max(float a) {
     return a;
 }
 
+// |q|^2 and max |q_j| over one query's dpad floats, reduced over the warp (every lane gets both).
+__device__ __forceinline__ float2 warp_norm2_absmax(const float* __restrict__ q, int dpad, int lane) {
+    float a = 0.0f, mx = 0.0f;
+    for (int j = lane; j < dpad; j += 32) {
+        const float v = q[j];
+        a = fmaf(v, v, a);
+        mx = fmaxf(mx, fabsf(v));
+    }
+    return make_float2(warp_sum(a), warp_max(mx));
+}
+
 // Queries for the half-score path: qs = float16(q * 2^-e) with 2^e > max(|q| xmax, max|q_i|) / 2^14,
 // so |q'.x| < 2^14 for every stored row (xmax bounds the row norms); qn = |q|^2, qscale = 2^e.
 // One warp per query.
@@ -623,14 +634,8 @@ extern "C" __global__ void kalos_prep_queries_h(const float* __restrict__ q32, u
     const int lane = threadIdx.x & 31;
     if (b >= B) return;  // warp-uniform
     const float* q = q32 + (i64)b * dpad;
-    float a = 0.0f, mx = 0.0f;
-    for (int j = lane; j < dpad; j += 32) {
-        const float v = q[j];
-        a = fmaf(v, v, a);
-        mx = fmaxf(mx, fabsf(v));
-    }
-    a = warp_sum(a);
-    mx = warp_max(mx);
+    const float2 nm = warp_norm2_absmax(q, dpad, lane);
+    const float a = nm.x, mx = nm.y;
     const float need = fmaxf(sqrtf(a) * xmax, mx) * (1.0f / 16384.0f);
     int e = 0;
     if (need > 0.0f) {
@@ -862,14 +867,8 @@ extern "C" __global__ void kalos_i8_queries(const float* __restrict__ q32, int B
         return;
     }
     const float* q = q32 + (i64)b * dpad;
-    float mx = 0.0f, a = 0.0f;
-    for (int j = lane; j < dpad; j += 32) {
-        const float v = q[j];
-        a = fmaf(v, v, a);
-        mx = fmaxf(mx, fabsf(v));
-    }
-    a = warp_sum(a);
-    mx = warp_max(mx);
+    const float2 nm = warp_norm2_absmax(q, dpad, lane);
+    const float a = nm.x, mx = nm.y;
     const float sq = mx * (1.0f / 127.0f);
     float e = 0.0f, h = 0.0f;
     for (int j = lane; j < dp8; j += 32) {
