@@ -179,8 +179,23 @@ build_old() {  # the compiled slot path in the old checkout too (same compiler, 
     || echo "build_ext in $1 failed (see build-ext-old.log)"
 }
 
+alternate() {  # alternate PACK PREFIX TASKS SECONDS TIMEOUT OLD: 1M x 768 fp16 through the broker,
+  # old and new checkout alternating, two rounds, each on a fresh sidecar, packed after every run
+  local r side dir
+  for r in 1 2; do
+    for side in old new; do
+      dir=$PWD; [ "$side" = old ] && dir=$PWD/$6
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$5" python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
+        --tasks "$3" --seconds "$4" --skip-inproc --out-dir "$STAGE" --out-name "$2-$side-$r.json" \
+        > "$STAGE/$2-$side-$r.log" 2>&1)
+      echo "== $side round $r: $(grep -o 'slot path [a-z]*' "$STAGE/$2-$side-$r.log" | head -1)"
+      grep -E 'tasks=|paths:' "$STAGE/$2-$side-$r.log" | cut -c1-220; pack "$1"
+    done
+  done
+}
+
 finish27() {
-  local old=${AB_OLD:-.gpu_old} r side dir
+  local old=${AB_OLD:-.gpu_old}
   [ -d "$old" ] || { echo "finish27: no old checkout in $old"; return 1; }
   STAGE=$(mktemp -d)
   build_old "$old"
@@ -188,16 +203,7 @@ finish27() {
     --paths auto,int8,small,wgmma,gemmh --reps 10 --check --out "$STAGE/paths-int8-rows.json" \
     > "$STAGE/paths-int8-rows.log" 2>&1
   grep -v '^{' "$STAGE/paths-int8-rows.log" | tail -16; pack finish27
-  for r in 1 2; do
-    for side in old new; do
-      dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
-      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 120 python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
-        --tasks 256 --seconds 3 --skip-inproc --out-dir "$STAGE" --out-name "ab256c-$side-$r.json" \
-        > "$STAGE/ab256c-$side-$r.log" 2>&1)
-      echo "== $side round $r: $(grep -o 'slot path [a-z]*' "$STAGE/ab256c-$side-$r.log" | head -1)"
-      grep -E 'tasks=|paths:' "$STAGE/ab256c-$side-$r.log" | cut -c1-220; pack finish27
-    done
-  done
+  alternate finish27 ab256c 256 3 120 "$old"
   rm -rf "$STAGE"
 }
 
@@ -205,20 +211,11 @@ finish27() {
 # compiled slot path (packed into $OUT/abtasks.json and .log):
 #   AB_OLD=.gpu_old bash bench/gpu_session.sh abtasks
 abtasks() {
-  local old=${AB_OLD:-.gpu_old} r side dir
+  local old=${AB_OLD:-.gpu_old}
   [ -d "$old" ] || { echo "abtasks: no old checkout in $old"; return 1; }
   STAGE=$(mktemp -d)
   build_old "$old"
-  for r in 1 2; do
-    for side in old new; do
-      dir=$PWD; [ "$side" = old ] && dir=$PWD/$old
-      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout 110 python3 bench/bench_gpu.py --sizes 1Mx768:float16 \
-        --tasks 1,8,64,256 --seconds 1.5 --skip-inproc --out-dir "$STAGE" --out-name "abtasks-$side-$r.json" \
-        > "$STAGE/abtasks-$side-$r.log" 2>&1)
-      echo "== $side round $r: $(grep -o 'slot path [a-z]*' "$STAGE/abtasks-$side-$r.log" | head -1)"
-      grep -E 'tasks=' "$STAGE/abtasks-$side-$r.log" | cut -c1-200; pack abtasks
-    done
-  done
+  alternate abtasks abtasks 1,8,64,256 1.5 110 "$old"
   rm -rf "$STAGE"
 }
 
