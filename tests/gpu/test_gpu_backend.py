@@ -293,7 +293,14 @@ def test_half_scores_extreme_scales(backend, rng, scale_q, scale_x):
     rows, scores = m.search(q, n, 10, path=SearchPath.HALF_GEMM)
     assert np.isfinite(scores).all()
     check(
-        q, rounded(x, "float16"), Metric.DOT, 10, rows, scores, REL_TOL["float32"], f"half scales q x{scale_q} rows x{scale_x}"
+        q,
+        rounded(x, "float16"),
+        Metric.DOT,
+        10,
+        rows,
+        scores,
+        REL_TOL["float32"],
+        f"half scales q x{scale_q} rows x{scale_x}",
     )
 
 
