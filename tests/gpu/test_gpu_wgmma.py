@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_reference import check, queries
 
 from kalos.broker.layout import Metric
-from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.base import prepare_rows
 from kalos.sidecar_cuda.backends.cuda import Plan, SearchPath, cuda_available
 from kalos.sidecar_cuda.config import FusedKernel
 
@@ -57,31 +58,6 @@ def fill(
     return m, x.astype(np.float16).astype(np.float32)  # the rows as stored
 
 
-def queries(rng, b: int, d: int, metric: Metric = Metric.DOT) -> np.ndarray:
-    return np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
-
-
-def check(q: np.ndarray, x: np.ndarray, k: int, rows: np.ndarray, scores: np.ndarray, what: str) -> None:
-    """The top-k under float64 scores of the stored rows, up to float32-level ties; the scores
-    returned are float32 scores of those rows, sorted best first."""
-    ref = q.astype(np.float64) @ x.astype(np.float64).T
-    b, n = ref.shape
-    kk = min(k, n)
-    assert rows.shape == (b, kk) and scores.shape == (b, kk), (what, rows.shape)
-    assert rows.dtype == np.int64 and scores.dtype == np.float32, what
-    qn = np.linalg.norm(q.astype(np.float64), axis=1)
-    tol = REL_TOL * qn * np.linalg.norm(x.astype(np.float64), axis=1).max() + 1e-6
-    kth = -np.partition(-ref, kk - 1, axis=1)[:, kk - 1]
-    for i in range(b):
-        r = rows[i]
-        assert ((r >= 0) & (r < n)).all(), f"{what}: row out of range in query {i}: {r}"
-        assert len(np.unique(r)) == kk, f"{what}: duplicate rows in query {i}"
-        true = ref[i, r]
-        assert (true >= kth[i] - tol[i]).all(), f"{what}: query {i}: {true} vs k-th {kth[i]}"
-        assert (np.abs(scores[i] - true) <= tol[i]).all(), f"{what}: query {i} scores {scores[i]} vs {true}"
-        assert (np.diff(scores[i]) <= 0).all(), f"{what}: query {i} not sorted"
-
-
 def count(be, path: SearchPath) -> int:
     return be.stats.count(path)
 
@@ -99,7 +75,7 @@ def test_answers_match_float64(backend, rng, n, d, k, b):
     before = count(backend, SearchPath.WGMMA)
     rows, scores = m.search(q, n, k)
     assert count(backend, SearchPath.WGMMA) == before + 1
-    check(q, x, k, rows, scores, f"n={n} d={d} k={k} b={b}")
+    check(q, x, Metric.DOT, k, rows, scores, REL_TOL, f"n={n} d={d} k={k} b={b}")
 
 
 def test_cosine_and_async_row_ids(backend, rng):
@@ -107,7 +83,7 @@ def test_cosine_and_async_row_ids(backend, rng):
     m, x = fill(backend, rng, n, d, Metric.COSINE)
     q = queries(rng, b, d, Metric.COSINE)
     rows, scores = m.search(q, n, k)
-    check(q, x, k, rows, scores, "cosine")
+    check(q, x, Metric.DOT, k, rows, scores, REL_TOL, "cosine")
     ids = rng.choice(10**9, n, replace=False).astype(np.int64)
     before = count(backend, SearchPath.WGMMA)
     got, got_s = m.search_async(q, n, k, row_ids=ids).result()
@@ -122,15 +98,15 @@ def test_two_pending_searches(backend, rng):
     q1, q2 = queries(rng, 16, d), queries(rng, 32, d)
     f1 = m.search_async(q1, n, 10)
     f2 = m.search_async(q2, n, 10)
-    check(q2, x, 10, *f2.result(), "second")
-    check(q1, x, 10, *f1.result(), "first")
+    check(q2, x, Metric.DOT, 10, *f2.result(), REL_TOL, "second")
+    check(q1, x, Metric.DOT, 10, *f1.result(), REL_TOL, "first")
 
 
 def test_writes_after_a_search_are_seen(backend, rng):
     n, d, b, k = 2000, 256, 16, 10
     m, x = fill(backend, rng, n, d, capacity=n + 64)
     q = queries(rng, b, d)
-    check(q, x, k, *m.search(q, n, k), "before")
+    check(q, x, Metric.DOT, k, *m.search(q, n, k), REL_TOL, "before")
     # New rows n..n+15: each one a multiple of one query, so it must come first for that query;
     # and an overwrite of row 0 with the opposite of query 0 (never in its top-k).
     new = 4 * q[:16] / np.linalg.norm(q[:16], axis=1, keepdims=True) * np.linalg.norm(x, axis=1).max()
@@ -142,7 +118,7 @@ def test_writes_after_a_search_are_seen(backend, rng):
     rows, scores = m.search(q, n + 16, k)
     assert count(backend, SearchPath.WGMMA) == before + 1
     assert (rows[:, 0] == n + np.arange(16)).all()
-    check(q, x2, k, rows, scores, "after")
+    check(q, x2, Metric.DOT, k, rows, scores, REL_TOL, "after")
 
 
 def test_identical_rows_force_the_float32_redo(backend, rng):
@@ -156,7 +132,7 @@ def test_identical_rows_force_the_float32_redo(backend, rng):
     before, fb = count(backend, SearchPath.WGMMA), backend.stats.wgmma_fallbacks
     for k in (1, 10, 16):
         rows, scores = m.search(q, n, k)
-        check(q, xs, k, rows, scores, f"identical rows k={k}")
+        check(q, xs, Metric.DOT, k, rows, scores, REL_TOL, f"identical rows k={k}")
     assert count(backend, SearchPath.WGMMA) == before + 3
     assert backend.stats.wgmma_fallbacks > fb  # ties at the 32nd candidate: unproven, redone
 
