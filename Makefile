@@ -1,8 +1,13 @@
-# Two commands on a fresh machine: `make demo` and `make test`. Each installs what it needs.
+# Two commands on a fresh machine: `make demo` and `make test`. Each installs what it needs, into
+# one .venv: `make demo` the package alone (what `kalos demo` imports: its dependencies, no extra),
+# `make test` the `dev` extra on top. The dev install is a superset and marks the demo's as done,
+# so `make demo` after `make test` installs nothing, and `make test` after `make demo` adds only
+# the dev extra (tests/ipc/test_docs_commands.py checks both orders with `make -n`).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-gpu bench typecheck lint format protocol-header ext clean
 
@@ -13,19 +18,33 @@ EXT_SRC := setup.py broker/kalos_protocol.h clients/_cslot.c sidecar_cuda/_cserv
 EXT_STAMP := build/.ext-stamp
 HAVE_CC := $(shell command -v $${CC:-cc} 2> /dev/null)
 
-$(STAMP): pyproject.toml
-	$(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
-	touch $(STAMP)
+# One install at a time into the one .venv, whatever -j says.
+.NOTPARALLEL:
 
-$(EXT_STAMP): $(STAMP) $(EXT_SRC)
+# The environment itself, with the build requirements of setup.py (the in-place build below runs it).
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip 'setuptools>=77'
+
+# `make demo`: Kalos and its dependencies, no extra (nothing to do where the dev install is current).
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	@if [ $(STAMP) -nt pyproject.toml ]; then echo "$(STAMP) is current: it has what the demo needs"; \
+	else echo "$(BIN)/python -m pip install -q -e ."; $(BIN)/python -m pip install -q -e .; fi
+	touch $(DEMO_STAMP)
+
+# `make test` and the tools: the dev extra (tests, linters, type checker, framework adapters), a
+# superset of the demo's install.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(EXT_STAMP): $(DEMO_STAMP) $(EXT_SRC)
 	$(BIN)/python setup.py -q build_ext --inplace
 	mkdir -p build && touch $@
 
 ext: $(EXT_STAMP)
 
-demo: $(STAMP) $(EXT_STAMP)
+demo: $(DEMO_STAMP) $(EXT_STAMP)
 	$(BIN)/kalos demo
 
 test: $(STAMP) $(EXT_STAMP)
