@@ -30,7 +30,7 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,15 @@ from kalos.broker.layout import S_DONE, S_FREE, S_POSTED, Layout, Metric, Op, Se
 from kalos.broker.names import req_name, resp_name, shm_name
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath, choose
 from kalos.demo import inproc_numpy
-from kalos.sidecar_cuda.backends.base import BackendStatistics, Decay, Matrix, PendingSearch, SearchResult
+from kalos.sidecar_cuda.backends.base import (
+    BackendStatistics,
+    Decay,
+    Matrix,
+    PendingSearch,
+    SearchResult,
+    completed,
+    search_each,
+)
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
@@ -140,6 +148,13 @@ class TimedBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self._inner.host_buffer(shape, dtype)
+
+    mixed_rows = NumpyBackend.mixed_rows
+
+    def search_mixed(
+        self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> PendingSearch:
+        return completed(*search_each(matrices, n, of_query, queries, k))  # (each search timed)
 
     def statistics(self) -> BackendStatistics:
         return self._inner.statistics()

@@ -13,6 +13,10 @@
 #   bash bench/gpu_session.sh ttl     # memory over time (issue 26): the recency GPU tests, the TTL and
 #                                     # recency ipc suite on a CUDA sidecar, bench_time at 1M x 768 fp16
 #   bash bench/gpu_session.sh check table
+#   bash bench/gpu_session.sh mixed   # issue 34: the mixed-namespace kernel, recency, fused and wgmma tests,
+#                                     # then the mixed, memory-time and broker suites on a CUDA sidecar
+#   AB_OLD=.gpu_old bash bench/gpu_session.sh agent  # the agent workload (bench/bench_agent.py), old and
+#                                     # new alternating; AGENT_LAYOUTS, AGENT_TASKS, AGENT_SIDES, AGENT_TARGET
 #
 # The device has no venv: python3 with PYTHONPATH=/tmp/site:. ; wheels for posix_ipc and the
 # pytest stack travel in .whl/ (see the device README; carry ".whl").
@@ -219,6 +223,37 @@ abtasks() {
   rm -rf "$STAGE"
 }
 
+mixed() {  # issue 34 and 33.5: the kernels this change touched, on the device, then the CUDA broker suites
+  STAGE=$(mktemp -d)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_mixed.py \
+    tests/gpu/test_gpu_recency.py tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_wgmma.py 2>&1 | tail -25 \
+    > "$STAGE/gpu-tests.log"
+  tail -4 "$STAGE/gpu-tests.log"; pack mixed
+  KALOS_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/ipc/test_mixed_namespaces.py \
+    tests/ipc/test_memory_time.py tests/ipc/test_broker.py 2>&1 | tail -15 > "$STAGE/cuda-broker.log"
+  tail -3 "$STAGE/cuda-broker.log"; pack mixed
+  rm -rf "$STAGE"
+}
+
+agent() {  # the agent workload (bench/bench_agent.py): old and new checkout alternating, both compiled
+  local old=${AB_OLD:-.gpu_old} new=$PWD r side dir layouts=${AGENT_LAYOUTS:-1024x1000,1x1000}
+  [ -d "$old" ] || { echo "agent: no old checkout in $old"; return 1; }
+  STAGE=$(mktemp -d)
+  build_old "$old"
+  for r in $(seq 1 "${AGENT_ROUNDS:-2}"); do
+    for side in ${AGENT_SIDES:-old new}; do
+      dir=$new; [ "$side" = old ] && dir=$new/$old
+      (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AGENT_TIMEOUT:-200}" python3 "$new/bench/bench_agent.py" \
+        --backend cuda --dtype float16 --dim 768 --layouts "$layouts" --tasks "${AGENT_TASKS:-1,8,64,256}" \
+        --procs 8 --seconds "${AGENT_SECONDS:-2}" --target "${AGENT_TARGET:-all}" --label "$side" \
+        --out "$STAGE/agent-$side-$r.json" > "$STAGE/agent-$side-$r.log" 2>&1)
+      echo "== $side round $r"; grep -E 'target=|loaded|Error|error' "$STAGE/agent-$side-$r.log" | cut -c1-260
+      pack "${AGENT_PACK:-agent}"
+    done
+  done
+  rm -rf "$STAGE"
+}
+
 for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
@@ -231,6 +266,8 @@ for mode in "${@:-check}"; do
     close27) close27 ;;
     finish27) finish27 ;;
     abtasks) abtasks ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27, abtasks)"; exit 2 ;;
+    mixed) mixed ;;
+    agent) agent ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27, abtasks, mixed, agent)"; exit 2 ;;
   esac
 done

@@ -94,16 +94,21 @@ class AnswerWriter:
         ids: np.ndarray,
         scores: np.ndarray,
         rows: tuple[np.ndarray, np.ndarray] | None = None,
+        found: np.ndarray | None = None,
     ) -> None:
-        """The OK answers of a UNIFORM batch in one call: slots ``sel``, their control blocks
-        ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query per slot, or the
-        (slot, row) of each query in ``rows``. ``n_results`` is min(k asked, kk)."""
+        """The OK answers of a UNIFORM or MIXED batch in one call: slots ``sel``, their control
+        blocks ``rec`` as read when taken; ``ids``, ``scores`` (queries, kk), one query per slot,
+        or the (slot, row) of each query in ``rows``. ``n_results`` is min(k asked, kk), and
+        ``found[i]`` when given (the hits of request i: a MIXED batch's namespaces differ)."""
         ids = np.ascontiguousarray(ids, np.int64)
         scores = np.ascontiguousarray(scores, np.float32)
         if rows is None:
             self._io.answer_recalls(sel, rec, ids, scores, None, None)
         else:
             self._io.answer_recalls(sel, rec, ids, scores, rows[0], rows[1])
+        if found is not None:  # (before deliver: its state DONE and post publish this too)
+            ctl = self.seg.slots
+            ctl["n_results"][sel] = np.minimum(ctl["n_results"][sel], found)
 
     def _fields(self, slot: int, generation: int, status: Status, n_results: int, blob_len: int) -> None:
         W = self._words

@@ -11,6 +11,10 @@ SINGLE    one plain recall (one query vector, no payloads, k in range, a namespa
 UNIFORM   every request such a recall, all in one namespace: one gathered search, decided with a
           fixed number of numpy calls whatever the batch size. ``pipelined``: big enough to be
           left in flight while the next batch is taken (``--pipeline``, :func:`pipelined`).
+MIXED     every request such a recall, in several namespaces (a namespace per user or agent):
+          one gathered search too, each query over its own namespace's rows
+          (``MemoryStore.search_mixed``: one launch on CUDA); a namespace that does not exist
+          answers no hits.
 GENERAL   anything else: each request parsed (:func:`parse_request`), rejected with a status or
           grouped (:func:`plan_batch`): writes first in posting order, then recalls by namespace.
 ========  ======================================================================================
@@ -62,6 +66,7 @@ def posted_slots(states: np.ndarray) -> np.ndarray:
 class Route(enum.Enum):
     SINGLE = "single"
     UNIFORM = "uniform"
+    MIXED = "mixed"
     GENERAL = "general"
 
 
@@ -166,6 +171,20 @@ def shared_filter(rec: np.ndarray, blobs: Blobs) -> bytes | None:
     return blob
 
 
+def namespace_field(rec: np.ndarray) -> np.ndarray:
+    """The namespace fields of control-block records with every byte past each ``ns_len`` zeroed:
+    a client need not clear what a longer name left in the slot, so two requests name the same
+    namespace exactly when these are equal (with their ``ns_len``). Pure."""
+    raw = np.ascontiguousarray(rec["namespace"])
+    b = raw.view(np.uint8).reshape(len(rec), NAMESPACE_BYTES)
+    past = np.arange(NAMESPACE_BYTES)[None, :] >= rec["ns_len"].astype(np.int64)[:, None]
+    if not (b[past] != 0).any():
+        return raw
+    clean = np.where(past, 0, b).astype(np.uint8)
+    out: np.ndarray = clean.view(raw.dtype).reshape(len(rec))
+    return out
+
+
 def query_rows(sel: np.ndarray, nq: np.ndarray, max_queries: int) -> tuple[np.ndarray, np.ndarray] | None:
     """(slot, row) of every query of a batch whose requests carry ``nq`` rows each (slots
     ``sel``), in request order; None when every request has one row (its row 0) or some nq is
@@ -228,19 +247,18 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         flags = flags & ~np.uint32(_WHERE)
     # k and nq are unsigned: k - 1 wraps to a huge value for k = 0 (nq likewise).
     nq = rec["nq"]
-    if not (
-        (rec["op"] == _RECALL)
-        & (nq - 1 < limits.max_queries)
-        & (flags == 0)
-        & (k - 1 < limits.k_limit)
-        & (ns_len == ns_len[0])
-    ).all():
+    if not ((rec["op"] == _RECALL) & (nq - 1 < limits.max_queries) & (flags == 0) & (k - 1 < limits.k_limit)).all():
         return Plan(Route.GENERAL, _batch_problem(rec, limits))
     if int(nq.sum()) != len(q):  # (the caller gathers every row only for nq in range)
         return Plan(Route.GENERAL, "query rows not gathered")
-    nsraw = rec["namespace"]
-    if not (nsraw == nsraw[0]).all():
-        return Plan(Route.GENERAL, f"{len(set(nsraw.tolist()))} namespaces")
+    nsraw = namespace_field(rec)
+    if not ((nsraw == nsraw[0]) & (ns_len == ns_len[0])).all():
+        reason = f"{len(set(zip(nsraw.tolist(), ns_len.tolist())))} namespaces"
+        if where is not None:
+            return Plan(Route.GENERAL, f"filtered, {reason}")
+        if not np.isfinite(q).all():
+            return Plan(Route.GENERAL, "non-finite query")
+        return Plan(Route.MIXED, reason, None, int(k.max()))
     ns = lookup((bytes(nsraw[0]), int(ns_len[0])))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")

@@ -34,8 +34,8 @@ RETRY_S, RETRY_MAX_S = 1.0, 30.0
 
 def due(store: MemoryStore, now: int) -> list[str]:
     """The namespaces that may hold records expired at ``now`` (their earliest expiry, a lower
-    bound, has passed). Pure over the store."""
-    return [name for name, ns in store.namespaces.items() if ns.next_expiry() <= now]
+    bound, has passed): ``MemoryStore.due``, which visits only namespaces with expiring records."""
+    return store.due(now)
 
 
 class Sweeper:

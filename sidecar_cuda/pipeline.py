@@ -42,6 +42,8 @@ from .batching import (
     Route,
     SlotRef,
     classify,
+    namespace_field,
+    pipelined,
     query_rows,
 )
 from .general import GeneralRoute
@@ -75,6 +77,7 @@ class InFlight:
     work: int  # rows x queries x dim
     rows: tuple[np.ndarray, np.ndarray] | None = None  # (slot, row) per query; None: row 0 of each
     t_start: int = 0  # CLOCK_MONOTONIC when handed to the backend
+    route: Route = Route.UNIFORM  # MIXED: hits padded with id -1 past a namespace's rows
 
 
 class Pipeline:
@@ -188,6 +191,14 @@ class Pipeline:
                 q = self._stagings[st][: len(rows[0])]
                 self._io.gather(rows[0], rows[1], q)
             plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
+            if plan.route is Route.MIXED:
+                batch = self._start_mixed(plan, sel, rec, taken, t_pick, t0, st, q, rows)
+                if batch is not None:
+                    inflight.append(batch)
+                    if not batch.work or not pipelined(batch.work, self.limits.min_work):
+                        served += self.finish_inflight()
+                    return served
+                plan = Plan(Route.GENERAL, "a namespace field is invalid, or the backend refused the search")
             if plan.route is Route.UNIFORM:
                 if plan.where is not None:  # searched synchronously: answer the batch in flight first
                     served += self.finish_inflight()
@@ -304,6 +315,42 @@ class Pipeline:
         self.launch.launched(len(taken), t_pick, t_start, plan.pipelined)
         return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows, t_start)
 
+    # ------------------------------------------------------------------ MIXED
+    def _start_mixed(
+        self,
+        plan: Plan[Namespace],
+        sel: np.ndarray,
+        rec: np.ndarray,
+        taken: list[int],
+        t_pick: int,
+        t0: int,
+        st: int,
+        q: np.ndarray,
+        rows: tuple[np.ndarray, np.ndarray] | None,
+    ) -> InFlight | None:
+        """Start a batch of plain recalls to several namespaces as one search
+        (``MemoryStore.search_mixed``); None if a namespace field is not a valid name (the
+        general route answers it) or the backend refused the search."""
+        index: dict[tuple[bytes, int], int] = {}
+        keys = list(zip(namespace_field(rec).tolist(), rec["ns_len"].tolist()))
+        of_req = np.fromiter((index.setdefault(key, len(index)) for key in keys), np.intp, len(keys))
+        spaces: list[Namespace | None] = []
+        for key in index:
+            ns = self._lookup(key)
+            if ns is None and decode_namespace(*key) is None:
+                return None
+            spaces.append(ns)
+        of_query = of_req if rows is None else np.repeat(of_req, rec["nq"].astype(np.intp))
+        t_start = time.monotonic_ns()
+        try:
+            pending = self.store.search_mixed(spaces, of_query, q, plan.k)
+        except Exception:
+            return None
+        sizes = np.fromiter((0 if ns is None else ns.n for ns in spaces), np.int64, len(spaces))
+        work = int(sizes[of_query].sum()) * self.limits.dim
+        self.launch.launched(len(taken), t_pick, t_start, pipelined(work, self.limits.min_work))
+        return InFlight(sel, rec, taken, t_pick, t0, st, pending, work, rows, t_start, Route.MIXED)
+
     def finish_inflight(self) -> int:
         """Answer every batch in flight (waiting for the device)."""
         served = 0
@@ -328,8 +375,14 @@ class Pipeline:
                 b.sel, b.taken, b.rec, b.t_pick, b.t0, f"search failed ({type(e).__name__})"
             )
         self.launch.device_done(len(b.taken), b.t_start, time.monotonic_ns())
-        self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
-        return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, "uniform")
+        if b.route is Route.MIXED:  # each request's hits: those of its namespace (first row's)
+            found = (ids >= 0).sum(axis=1)
+            if b.rows is not None:
+                found = found[np.cumsum(b.rec["nq"].astype(np.intp)) - b.rec["nq"].astype(np.intp)]
+            self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows, found)
+        else:
+            self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
+        return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, b.route.value)
 
     # ------------------------------------------------------------------ GENERAL
     def _serve_general(

@@ -12,11 +12,12 @@ the namespace's clock and leaves expired rows out, exactly (a search over the li
 filter does), until the sweeper deletes them (:meth:`Namespace.expired_ids`). It costs nothing
 while nothing has expired: ``_earliest`` is a lower bound on the earliest expiry of any row
 (``NO_EXPIRY`` when none may expire), and a read whose ``now`` is below it is a plain read. The
-matrix keeps each row's ``updated`` (seconds, ``Matrix.set_times``) for recency-weighted searches.
+matrix keeps each row's ``updated`` (int64 ns, ``Matrix.set_times``) for recency-weighted searches.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -24,13 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..broker.clock import NS, decay_part
+from ..broker.clock import decay_part
 from ..broker.layout import Metric, hit_meta_dtype
 from ..broker.validation import WhereNode, decode_where
 from .backends.base import (
     Backend,
     Decay,
+    Matrix,
     PendingSearch,
+    PolledFuture,
     SearchResult,
     completed,
     prepare_queries,
@@ -79,7 +82,7 @@ class Live:
     rows: np.ndarray  # the live rows, ascending int64
 
 
-MIN_CAPACITY = 1024
+MIN_CAPACITY = 16  # rows a new namespace holds before its first growth (doubling): a namespace per user must be cheap
 #: Filter results kept per namespace (LRU, keyed by the filter's bytes), valid until its next write.
 FILTER_CACHE = 64
 
@@ -126,8 +129,11 @@ class Namespace:
         metric: Metric,
         capacity: int = MIN_CAPACITY,
         clock: Clock = time.time_ns,
+        on_expiry: Callable[[str, int], None] | None = None,
     ) -> None:
         self.name = name
+        # Told whenever ``_earliest`` falls (the store's heap of due namespaces).
+        self._on_expiry = on_expiry
         self.dim = dim
         self.metric = metric
         self.clock = clock  # CLOCK_REALTIME ns: what expiry is decided at
@@ -215,13 +221,17 @@ class Namespace:
         self.expires[rows] = st.expires
         self.ttl[rows] = st.ttl
         self._may_expire(st.expires)
-        self.matrix.set_times(rows, st.updated.astype(np.float64) / NS)
+        self.matrix.set_times(rows, st.updated)
 
     def _may_expire(self, expires: np.ndarray) -> None:
         """Rows now expire at ``expires`` (0: never): keep ``_earliest`` a lower bound."""
         pos = expires[expires > 0]
         if len(pos):
-            self._earliest = min(self._earliest, int(pos.min()))
+            e = int(pos.min())
+            if e < self._earliest:
+                self._earliest = e
+                if self._on_expiry is not None:
+                    self._on_expiry(self.name, e)
 
     def delete(self, ids: np.ndarray, now: int | None = None) -> int:
         """Remove the records of ``ids`` that exist; returns how many were removed (of them, those
@@ -248,7 +258,7 @@ class Namespace:
             self.row_ids[dst] = moved
             for col in (self.created, self.updated, self.expires, self.ttl):
                 col[dst] = col[src]
-            self.matrix.set_times(dst, self.updated[dst].astype(np.float64) / NS)
+            self.matrix.set_times(dst, self.updated[dst])
             for i, r in zip(moved.tolist(), dst.tolist()):
                 self.id_row[i] = r
         self.n -= len(holes)
@@ -530,6 +540,40 @@ class Namespace:
 _META = hit_meta_dtype()
 
 
+class MixedSearch(PolledFuture[SearchResult]):
+    """A mixed-namespace search under way (:meth:`MemoryStore.search_mixed`): the namespaces
+    searched on their own are in ``ids``/``scores`` already; the backend's one search of the rest
+    is ``pending``, its rows mapped to each namespace's ids when collected."""
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        scores: np.ndarray,
+        pending: PendingSearch | None,
+        sel: np.ndarray,
+        groups: list[tuple[np.ndarray, np.ndarray]],
+    ) -> None:
+        super().__init__()
+        self._ids, self._scores, self._pending = ids, scores, pending
+        self._sel = sel  # the queries the backend searched, in its order
+        self._groups = groups  # (positions in sel, that namespace's row_ids)
+
+    def _poll(self) -> bool:
+        return self._pending is None or self._pending.done()
+
+    def _collect(self) -> SearchResult:
+        ids, scores = self._ids, self._scores
+        if self._pending is not None:
+            rows, sc = self._pending.result()
+            got = np.full(rows.shape, -1, np.int64)
+            for pos, row_ids in self._groups:
+                r = rows[pos]
+                got[pos] = np.where(r >= 0, row_ids[np.maximum(r, 0)], -1)
+            ids[self._sel] = got
+            scores[self._sel] = sc
+        return ids, scores
+
+
 class MemoryStore:
     """All namespaces of one sidecar. ``clock``: CLOCK_REALTIME ns (tests give a fake one)."""
 
@@ -539,6 +583,10 @@ class MemoryStore:
         self.metric = metric
         self.clock = clock
         self.namespaces: dict[str, Namespace] = {}
+        # (a lower bound on a namespace's earliest expiry, its name), a heap: which namespaces may
+        # be due is found without visiting the others (entries of dropped namespaces, or bounds
+        # that rose since, are dropped or renewed when they surface).
+        self._expiring: list[tuple[int, str]] = []
 
     def get(self, name: str) -> Namespace | None:
         return self.namespaces.get(name)
@@ -546,9 +594,78 @@ class MemoryStore:
     def get_or_create(self, name: str, capacity: int = MIN_CAPACITY) -> Namespace:
         ns = self.namespaces.get(name)
         if ns is None:
-            ns = Namespace(name, self.backend, self.dim, self.metric, max(capacity, MIN_CAPACITY), self.clock)
+            ns = Namespace(
+                name, self.backend, self.dim, self.metric, max(capacity, MIN_CAPACITY), self.clock, self._may_expire
+            )
             self.namespaces[name] = ns
         return ns
+
+    def _may_expire(self, name: str, t: int) -> None:
+        heapq.heappush(self._expiring, (t, name))
+
+    def due(self, now: int) -> list[str]:
+        """The namespaces that may hold records expired at ``now`` (their earliest expiry, a lower
+        bound, has passed), found from the heap: the cost follows the namespaces with expiring
+        records that surface, not the namespaces held."""
+        heap = self._expiring
+        seen: dict[str, Namespace] = {}
+        while heap and heap[0][0] <= now:
+            _t, name = heapq.heappop(heap)
+            ns = self.namespaces.get(name)
+            if ns is not None:
+                seen[name] = ns
+        out = []
+        for name, ns in seen.items():
+            e = ns.next_expiry()
+            if e != NO_EXPIRY:
+                heapq.heappush(heap, (e, name))  # (renewed: the sweep or a read may raise it later)
+            if e <= now:
+                out.append(name)
+        return out
+
+    def search_mixed(
+        self, spaces: list[Namespace | None], of_query: np.ndarray, queries: np.ndarray, k: int, now: int | None = None
+    ) -> PendingSearch:
+        """Each query over its own namespace's live rows: query j searches ``spaces[of_query[j]]``
+        (None: a namespace that does not exist, no hits). A Future of (ids int64 (Q, k), scores
+        float32 (Q, k)), best first, padded with id -1 and score -inf past a namespace's hits.
+
+        The namespaces the backend takes together (up to ``backend.mixed_rows`` rows, nothing
+        expired at ``now``) are searched in one ``search_mixed`` call: on CUDA one launch, each
+        query reading its own namespace's rows. The others (expired rows not yet swept: a search
+        of the live rows; larger ones: the planner's paths, their queries batched) are searched
+        first, one search each, and are done when this returns."""
+        b = len(queries)
+        ids = np.full((b, k), -1, np.int64)
+        scores = np.full((b, k), -np.inf, np.float32)
+        t = self.clock() if now is None else now
+        limit = self.backend.mixed_rows
+        order = np.argsort(of_query, kind="stable")
+        cuts = np.flatnonzero(np.diff(of_query[order])) + 1
+        together: list[tuple[Namespace, np.ndarray]] = []
+        for idx in np.split(order, cuts) if b else ():
+            ns = spaces[int(of_query[idx[0]])]
+            if ns is None or ns.n == 0:
+                continue
+            if ns.n <= limit and (ns._earliest == NO_EXPIRY or ns.live(t) is None):
+                together.append((ns, idx))
+                continue
+            r_ids, r_scores = ns.search(queries[idx], k, now=t)
+            ids[idx, : r_ids.shape[1]] = r_ids
+            scores[idx, : r_ids.shape[1]] = r_scores
+        if not together:
+            return MixedSearch(ids, scores, None, order[:0], [])
+        sel = np.concatenate([idx for _ns, idx in together])
+        of = np.repeat(np.arange(len(together)), [len(idx) for _ns, idx in together])
+        mats: list[Matrix] = [ns.matrix for ns, _idx in together]
+        n = np.fromiter((ns.n for ns, _idx in together), np.int64, len(together))
+        pending = self.backend.search_mixed(mats, n, of, prepare_queries(queries[sel], self.metric), k)
+        groups = []
+        start = 0
+        for ns, idx in together:
+            groups.append((np.arange(start, start + len(idx)), ns.row_ids))
+            start += len(idx)
+        return MixedSearch(ids, scores, pending, sel, groups)
 
     def drop(self, name: str, now: int | None = None) -> int:
         """Remove a namespace; returns its rows (those not expired at ``now``, when given)."""
@@ -564,4 +681,4 @@ class MemoryStore:
 
     def next_expiry(self) -> int:
         """A lower bound on the earliest expiry of any row (NO_EXPIRY: none can expire)."""
-        return min((ns.next_expiry() for ns in self.namespaces.values()), default=NO_EXPIRY)
+        return self._expiring[0][0] if self._expiring else NO_EXPIRY

@@ -15,13 +15,14 @@ from __future__ import annotations
 import enum
 import threading
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
+from ...broker.clock import decay_part
 from ...broker.layout import Metric
 
 #: (rows or ids int64 (B, kk), scores float32 (B, kk)), best first.
@@ -81,8 +82,9 @@ class PolledFuture(Future[T]):
 class Decay:
     """A recency weighting of one search (``broker.clock``): every row's score gets
     ``weight * 0.5 ** (max(0, now - t) / half_life_s)`` added before the top-k is selected, ``t``
-    the row's time (:meth:`Matrix.set_times`, seconds). ``now_ns``: the sidecar's clock when the
-    request is served (CLOCK_REALTIME ns)."""
+    the row's time (:meth:`Matrix.set_times`, int64 ns). ``now_ns``: the sidecar's clock when the
+    request is served (CLOCK_REALTIME ns). Ages are taken from the exact nanoseconds, as the
+    answer's recency part (``broker.clock.decay_part``) is: the ranking and the answer agree."""
 
     now_ns: int
     half_life_s: float
@@ -92,16 +94,13 @@ class Decay:
     def now_s(self) -> float:
         return self.now_ns / 1e9
 
-    def bias(self, times_s: np.ndarray) -> np.ndarray:
-        """The float32 recency part of rows whose times are ``times_s`` (float64 seconds). The
-        age is taken in float64 (epoch seconds need it), the rest in float32, in place: a fifth
-        of the float64 cost on the CPU (170 us for 100k rows on the 2-vCPU VM), within 2e-8 of it."""
-        age: np.ndarray = (self.now_s - times_s).astype(np.float32)
-        np.maximum(age, 0.0, out=age)
-        age *= np.float32(-min(1.0 / self.half_life_s, 1e30))  # (a tiny half-life: not -inf, 0 * -inf)
-        np.exp2(age, out=age)
-        age *= np.float32(self.weight)
-        return age
+    def bias(self, times_ns: np.ndarray) -> np.ndarray:
+        """The recency part of rows whose times are ``times_ns`` (int64 ns), as float32: exactly
+        ``broker.clock.decay_part`` (the age from the integer nanoseconds, the rest in float64)
+        rounded once to float32, so a hit's score minus its reported recency part is its
+        similarity within one rounding of the float32 sum."""
+        out: np.ndarray = decay_part(times_ns, self.now_ns, self.half_life_s, self.weight).astype(np.float32)
+        return out
 
 
 class Matrix(Protocol):
@@ -109,8 +108,8 @@ class Matrix(Protocol):
 
     capacity: int
 
-    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
-        """The time of rows ``rows`` (float64 seconds since the epoch: their last write), which a
+    def set_times(self, rows: np.ndarray, times_ns: np.ndarray) -> None:
+        """The time of rows ``rows`` (int64 ns since the epoch: their last write), which a
         :class:`Decay` ages. Growth keeps it; a move does not carry it (the store sets it again
         for the rows it moved)."""
 
@@ -157,6 +156,24 @@ class Matrix(Protocol):
         write, move or growth of the matrix may happen while one of its searches is.
         ``row_ids``: the result's rows come back as ``row_ids[rows]`` (the store's ids of its
         rows), looked up where the search finishes (the numpy backend's worker thread)."""
+
+
+def search_each(
+    matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+) -> SearchResult:
+    """``Backend.search_mixed`` as one search per matrix (its queries batched): the backends with
+    no gathered kernel (numpy, sharded) and the reference the CUDA kernel is tested against."""
+    b = len(queries)
+    rows = np.full((b, k), -1, np.int64)
+    scores = np.full((b, k), -np.inf, np.float32)
+    order = np.argsort(of_query, kind="stable")
+    cuts = np.flatnonzero(np.diff(of_query[order])) + 1
+    for idx in np.split(order, cuts) if b else ():
+        i = int(of_query[idx[0]])
+        r, s = matrices[i].search(queries[idx], int(n[i]), k)
+        rows[idx, : r.shape[1]] = r
+        scores[idx, : r.shape[1]] = s
+    return rows, scores
 
 
 def size_bucket(b: int) -> str:
@@ -250,8 +267,20 @@ class Backend(Protocol):
     description: str  # human-readable device line, printed at start
     placement: str  # where the rows live: "cpu", "cuda:0", or the shards' ("cuda:0,cuda:1")
     max_k: int  # largest k this backend can serve
+    # Namespaces of at most this many rows go into one search_mixed; larger ones are searched on
+    # their own (the planner's paths, their queries batched per namespace).
+    mixed_rows: int
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> Matrix: ...
+
+    def search_mixed(
+        self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> PendingSearch:
+        """The exact top-k of each query over its own matrix: query j over rows [0, n[i]) of
+        ``matrices[i]``, i = ``of_query[j]`` (every n[i] >= 1; queries metric-prepared, float32
+        (Q, d)). A Future of (rows int64 (Q, k), scores float32 (Q, k)), best first, padded with
+        row -1 and score -inf past a matrix's n rows. The rules of ``search_async`` hold."""
+        ...
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """Staging memory for gathering a batch (pinned on CUDA)."""

@@ -13,14 +13,14 @@ import enum
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import BackendStatistics, Decay, PendingSearch, SearchCounts, SearchResult
+from .base import BackendStatistics, Decay, Matrix, PendingSearch, SearchCounts, SearchResult
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -69,6 +69,12 @@ class NumpyPath(str, enum.Enum):
 
     INLINE = "inline"  # on the calling (serving) thread: small, filtered and recency-weighted searches
     WORKER = "worker"  # on the backend's search thread (INLINE_WORK and more)
+    MIXED = "mixed"  # a batch over many namespaces (search_mixed): one product each, one top-k
+
+
+#: Namespaces of at most this many rows share search_mixed's one score buffer and one top-k (its
+#: width is the largest of them); larger ones are searched on their own.
+MIXED_ROWS = 2048
 
 
 #: A filtered search scores every row and hides the non-candidates when at least 1/DENSE_FRACTION
@@ -84,10 +90,10 @@ class NumpyMatrix:
         self.capacity = max(1, capacity)
         self.data = np.zeros((self.capacity, dim), np.float32)
         self.sqnorm = np.zeros(self.capacity, np.float32)  # l2 only
-        self.times = np.zeros(self.capacity, np.float64)  # each row's time, for a Decay
+        self.times = np.zeros(self.capacity, np.int64)  # each row's time (ns), for a Decay
 
-    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
-        self.times[rows] = times_s
+    def set_times(self, rows: np.ndarray, times_ns: np.ndarray) -> None:
+        self.times[rows] = times_ns
 
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         self.data[rows] = vectors
@@ -109,7 +115,7 @@ class NumpyMatrix:
         data[: self.capacity] = self.data
         sq = np.zeros(capacity, np.float32)
         sq[: self.capacity] = self.sqnorm
-        times = np.zeros(capacity, np.float64)
+        times = np.zeros(capacity, np.int64)
         times[: self.capacity] = self.times
         self.data, self.sqnorm, self.times, self.capacity = data, sq, times, capacity
 
@@ -195,6 +201,7 @@ class NumpyBackend:
     code = 1
     max_k = 1 << 30
     placement = "cpu"
+    mixed_rows = MIXED_ROWS
 
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"
@@ -209,6 +216,53 @@ class NumpyBackend:
         with self._matrices_lock:
             self._matrices.add(m)
         return m
+
+    def search_mixed(
+        self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> PendingSearch:
+        """``Backend.search_mixed`` on this thread: one product per namespace (its rows with its
+        queries) into one score buffer, padded with -inf, then one top-k for every query."""
+        mats = [m for m in matrices if isinstance(m, NumpyMatrix)]
+        if len(mats) != len(matrices):
+            raise TypeError("search_mixed takes this backend's matrices")
+        return self.run_now(self._mixed, mats, n, of_query, queries, k)
+
+    def _mixed(
+        self, mats: list[NumpyMatrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> SearchResult:
+        t0 = time.perf_counter_ns()
+        b = len(queries)
+        width = int(n.max())
+        scores = np.full((b, width), -np.inf, np.float32)
+        self.threads_for(0)  # (small products: one BLAS thread)
+        l2 = mats[0].metric == Metric.L2
+        qn = np.einsum("ij,ij->i", queries, queries) if l2 else None
+        order = np.argsort(of_query, kind="stable")
+        cuts = np.flatnonzero(np.diff(of_query[order])) + 1
+        for idx in np.split(order, cuts):
+            i = int(of_query[idx[0]])
+            m, ni = mats[i], int(n[i])
+            rows = m.data[:ni]
+            if len(idx) == 1:  # (1-d products are several times cheaper)
+                j = int(idx[0])
+                s = rows.dot(queries[j])
+                if qn is not None:
+                    s = 2.0 * s - m.sqnorm[:ni] - qn[j]
+                scores[j, :ni] = s
+            else:
+                s = queries[idx].dot(rows.T)
+                if qn is not None:
+                    s = 2.0 * s - m.sqnorm[None, :ni] - qn[idx, None]
+                scores[idx, :ni] = s
+        rows_, best = topk_rows(scores, k)
+        pad = rows_ >= n[of_query][:, None]  # (a namespace of fewer than k rows)
+        rows_[pad] = -1
+        best[pad] = -np.inf
+        if rows_.shape[1] < k:
+            rows_ = np.pad(rows_, ((0, 0), (0, k - rows_.shape[1])), constant_values=-1)
+            best = np.pad(best, ((0, 0), (0, k - best.shape[1])), constant_values=-np.inf)
+        self.counts.add(NumpyPath.MIXED, b, time.perf_counter_ns() - t0)
+        return rows_, best
 
     def statistics(self) -> BackendStatistics:
         """Searches by where they ran and batch size; the matrices' bytes (part ``rows``)."""

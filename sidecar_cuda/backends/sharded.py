@@ -31,7 +31,9 @@ from .base import (
     PendingSearch,
     PolledFuture,
     SearchResult,
+    completed,
     merge_statistics,
+    search_each,
 )
 
 BLOCK = 1024  # rows per placement block
@@ -181,11 +183,11 @@ class ShardedMatrix:
         for s, pos, local in self._by_shard(rows):
             self.parts[s].write_rows(local, vectors[pos])
 
-    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
+    def set_times(self, rows: np.ndarray, times_ns: np.ndarray) -> None:
         rows = self._check(rows)
-        times_s = np.asarray(times_s, np.float64).reshape(-1)
+        times_ns = np.asarray(times_ns, np.int64).reshape(-1)
         for s, pos, local in self._by_shard(rows):
-            self.parts[s].set_times(local, times_s[pos])
+            self.parts[s].set_times(local, times_ns[pos])
 
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = self._check(src), self._check(dst)
@@ -281,6 +283,7 @@ class ShardedBackend:
         self.name = backends[0].name
         self.code = backends[0].code
         self.max_k = min(b.max_k for b in backends)
+        self.mixed_rows = 1 << 62  # (search_mixed: one search per namespace, each on every shard)
         self.labels = labels
         self.block = block
         self.placement = ",".join(labels)
@@ -292,6 +295,11 @@ class ShardedBackend:
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self.backends[0].host_buffer(shape, dtype)
+
+    def search_mixed(
+        self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> PendingSearch:
+        return completed(*search_each(matrices, n, of_query, queries, k))
 
     def statistics(self) -> BackendStatistics:
         """The shards' statistics summed (a batch searched on every shard counts once per shard)."""

@@ -141,6 +141,8 @@ def test_a_batch_off_the_uniform_route_says_why(rng, fields, reason):
     plan = classify(records(3, **fields), queries(3, rng), lookup, LIMITS)
     if reason is None:
         assert plan.route is Route.UNIFORM and plan.namespace is NAMESPACES["other"]
+    elif reason.endswith("namespaces"):  # plain recalls to several namespaces: one mixed search
+        assert plan.route is Route.MIXED and plan.reason == reason and plan.namespace is None, plan
     else:
         assert plan.route is Route.GENERAL and plan.reason == reason, plan
 

@@ -186,7 +186,7 @@ def test_timestamps_created_kept_updated_moved_and_the_default_ttl(rng: np.rando
         T0 + 5 * S,
         0,
     ]
-    np.testing.assert_array_equal(ns.matrix.times[: ns.n], ns.updated[: ns.n] / NS)  # the matrix's copy follows
+    np.testing.assert_array_equal(ns.matrix.times[: ns.n], ns.updated[: ns.n])  # the matrix's copy follows
     clock.advance(20.0)
     upsert(store, clock, "a", [2], v[1:2])  # expired, then written again: a new record
     assert ns.meta(np.array([2]), clock())["created_at_ns"].tolist() == [clock()]
@@ -283,6 +283,51 @@ def test_recency_weighted_search_is_exact_against_float64(
         # The parts reported: the recency part of each hit, the similarity the rest.
         m = ns.meta(ids[0], clock(), decay)
         np.testing.assert_allclose(m["recency"], rec.part(upd[ids[0]], clock()), rtol=1e-12)
+
+
+@pytest.mark.parametrize("half_life", [0.01, 0.1, 1.0])
+@pytest.mark.parametrize("shards", [0, 2])
+def test_recency_ranks_with_the_exact_part_it_reports(rng: np.random.Generator, half_life: float, shards: int) -> None:
+    """The ranking adds the same recency part the answer reports (decay_part over the exact
+    nanoseconds, rounded once to float32): each hit's score is float32(similarity + part), so
+    score - part is its similarity within one rounding of that sum, at any half-life. Before,
+    the ranking aged rows from float64 seconds in float32 (6.9 float32 ulps off at 0.1 s)."""
+    clock = FakeClock(T0 + 123_456_789)
+    n, dim = 600, 16
+    backend = (
+        ShardedBackend([NumpyBackend() for _ in range(shards)], [f"s{i}" for i in range(shards)], block=128)
+        if shards
+        else None
+    )
+    store = store_with(clock, dim, Metric.DOT, backend)
+    # Small integers: every similarity is exact in float32 whatever the summation order, so the
+    # only rounding left in a score is that of adding the recency part.
+    vecs = rng.integers(-3, 4, (n, dim)).astype(np.float32)
+    upd = np.empty(n, np.int64)
+    for lo in range(0, n, 50):  # written a few ms apart: ages of a few half-lives
+        clock.t += int(rng.integers(1, 4 * half_life * NS / 12))
+        upsert(store, clock, "a", np.arange(lo, lo + 50), vecs[lo : lo + 50])
+        upd[lo : lo + 50] = clock()
+    clock.t += 7_777_777
+    ns = store.get("a")
+    assert ns is not None
+    q = rng.integers(-3, 4, (4, dim)).astype(np.float32)
+    decay = Decay(clock(), half_life, 3.0)
+    part32 = decay_part(upd, clock(), half_life, 3.0).astype(np.float32)
+    sim32 = vecs @ q.T  # exact
+    ids, scores = ns.search(q, 20, decay=decay)
+    for b in range(len(q)):
+        got = scores[b]
+        expect = sim32[ids[b], b] + part32[ids[b]]  # one float32 rounding
+        ulp = np.spacing(np.abs(expect))
+        assert (got == expect).all(), np.abs(got - expect) / ulp
+        # reported part: the same float64 formula
+        m = ns.meta(ids[b], clock(), decay)
+        np.testing.assert_array_equal(m["recency"].astype(np.float32), part32[ids[b]])
+        # the ranking is the top-20 under that very score: no row outside the hits beats one
+        full = sim32[:, b] + part32
+        kth = np.sort(full)[::-1][19]
+        assert (full[ids[b]] >= kth).all()
 
 
 # --------------------------------------------------------------------------- the SQLite store

@@ -72,18 +72,30 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Sequence
 
 import numpy as np
 
 from ....broker.errors import ConfigError
 from ....broker.layout import Metric
 from ...config import FusedKernel, Int8Pass
-from ..base import BackendStatistics
+from ..base import BackendStatistics, Matrix, PendingSearch, completed, search_each
 from .device import Device, SearchStats
-from .kernels import MAX_K, Storage
+from .kernels import MAX_K, WARP_K, Storage
 from .matrix import CupyMatrix
 from .paths import enqueue
-from .planner import HALF_K, HOST_WORK, INT8_MIN_ROWS, WGMMA_MIN_ROWS, Limits, Plan, SearchPath, half_ok
+from .planner import (
+    HALF_K,
+    HOST_WORK,
+    INT8_MIN_ROWS,
+    MIXED_ROWS,
+    WGMMA_MIN_ROWS,
+    Limits,
+    Plan,
+    SearchPath,
+    half_ok,
+)
+from .search import start_mixed
 from .wgmma import WgmmaKernels
 
 log = logging.getLogger("kalos.cuda")
@@ -128,6 +140,7 @@ class CupyBackend:
     name = "cuda"
     code = 2
     max_k = MAX_K
+    mixed_rows = MIXED_ROWS
 
     def __init__(
         self,
@@ -217,6 +230,18 @@ class CupyBackend:
         with self._matrices_lock:
             self._matrices.add(m)
         return m
+
+    def search_mixed(
+        self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+    ) -> PendingSearch:
+        """``Backend.search_mixed`` in one launch (``kalos_mixed``): each query reads only its own
+        namespace's rows."""
+        mats = [m for m in matrices if isinstance(m, CupyMatrix)]
+        if len(mats) != len(matrices):
+            raise TypeError("search_mixed takes this backend's matrices")
+        if k > WARP_K:  # (the fused kernel keeps warp lists: one search per namespace instead)
+            return completed(*search_each(matrices, n, of_query, queries, k))
+        return start_mixed(self.device, mats, n, of_query, queries, k)
 
     def statistics(self) -> BackendStatistics:
         """Searches by path and batch size, queries redone in float32 by path, and the bytes the

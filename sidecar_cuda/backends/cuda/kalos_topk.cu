@@ -370,18 +370,18 @@ struct SmallUnroll {
     enum { U = QT >= 16 ? 1 : (QT >= 8 ? 2 : 4) };
 };
 
+// One tile of queries (nq <= QT of them, at qsrc, QT rows readable) over rows [0, n) of X, part
+// `part` of P; answers written best first at out_s/out_r + q * kk, kk entries each (fewer than
+// k rows: the rest -inf, row -1); cand_s/cand_r: this tile's candidate lists, counter: its
+// counter (P > 1).
 template <int QT>
-__device__ __forceinline__ void small_search(const store_t* __restrict__ X,
-                                             const float* __restrict__ sqn, int dpad,
-                                             const int* req, float* cand_s, int* cand_r,
-                                             unsigned* counters, float* out_s, int* out_r) {
+__device__ __forceinline__ void small_core(const store_t* __restrict__ X,
+                                           const float* __restrict__ sqn, int dpad, int n, int nq,
+                                           int k, int kk, int l2, const float* qsrc, int part,
+                                           int P, float* cand_s, int* cand_r, unsigned* counter,
+                                           float* out_s, int* out_r) {
     constexpr int U = SmallUnroll<QT>::U;
     unsigned char* smem = kalos_smem;
-    const int n = req[0], B = req[1], k = req[2], l2 = req[3];
-    const int tile = blockIdx.x, part = blockIdx.y, P = gridDim.y;
-    const int q0 = tile * QT;
-    const int nq = min(QT, B - q0);
-    const int kk = min(k, n);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, W = blockDim.x >> 5;
 
     float* sq = reinterpret_cast<float*>(smem);  // [QT][dpad]
@@ -390,10 +390,6 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
     int* wl_r = reinterpret_cast<int*>(wl_s + W * QT * 32);
     int* flag = wl_r + W * QT * 32;
 
-    // The staging buffer holds whole tiles, so these loads need not wait for the header (over
-    // PCIe, when the request is read in place, that saves a round trip). Rows >= nq hold stale
-    // but finite values whose scores are never offered.
-    const float* qsrc = reinterpret_cast<const float*>(req + KALOS_HEADER_INTS) + (i64)q0 * dpad;
     for (int i = tid; i < QT * dpad; i += blockDim.x) sq[i] = qsrc[i];
     __syncthreads();
     for (int q = warp; q < QT; q += W) {
@@ -490,17 +486,34 @@ __device__ __forceinline__ void small_search(const store_t* __restrict__ X,
     }
 
     if (P == 1) {
-        block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, out_s + (i64)q0 * kk,
-                              out_r + (i64)q0 * kk, kk, kk);
+        block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, out_s, out_r, kk, kk);
         return;
     }
     const i64 qstride = (i64)P * k;
-    block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, cand_s + q0 * qstride + (i64)part * k,
-                          cand_r + q0 * qstride + (i64)part * k, qstride, k);
-    if (!last_block(counters + tile, P, flag)) return;
-    merge_block_lists<QT>(cand_s + q0 * qstride, cand_r + q0 * qstride, qstride, P, nq, k, kk,
-                          wl_s, wl_r, out_s + (i64)q0 * kk, out_r + (i64)q0 * kk);
-    if (tid == 0) counters[tile] = 0;
+    block_merge_lists<QT>(ls, lr, nq, k, wl_s, wl_r, cand_s + (i64)part * k,
+                          cand_r + (i64)part * k, qstride, k);
+    if (!last_block(counter, P, flag)) return;
+    merge_block_lists<QT>(cand_s, cand_r, qstride, P, nq, k, kk, wl_s, wl_r, out_s, out_r);
+    if (tid == 0) *counter = 0;
+}
+
+template <int QT>
+__device__ __forceinline__ void small_search(const store_t* __restrict__ X,
+                                             const float* __restrict__ sqn, int dpad,
+                                             const int* req, float* cand_s, int* cand_r,
+                                             unsigned* counters, float* out_s, int* out_r) {
+    const int n = req[0], B = req[1], k = req[2], l2 = req[3];
+    const int tile = blockIdx.x, part = blockIdx.y, P = gridDim.y;
+    const int q0 = tile * QT;
+    const int kk = min(k, n);
+    const i64 qstride = (i64)P * k;
+    // The staging buffer holds whole tiles, so the query loads need not wait for the header (over
+    // PCIe, when the request is read in place, that saves a round trip). Rows >= nq hold stale
+    // but finite values whose scores are never offered.
+    const float* qsrc = reinterpret_cast<const float*>(req + KALOS_HEADER_INTS) + (i64)q0 * dpad;
+    small_core<QT>(X, sqn, dpad, n, min(QT, B - q0), k, kk, l2, qsrc, part, P,
+                   cand_s + q0 * qstride, cand_r + q0 * qstride, counters + tile,
+                   out_s + (i64)q0 * kk, out_r + (i64)q0 * kk);
 }
 
 #define KALOS_SMALL_KERNEL(QT)                                                                  \
@@ -515,6 +528,27 @@ KALOS_SMALL_KERNEL(2)
 KALOS_SMALL_KERNEL(4)
 KALOS_SMALL_KERNEL(8)
 KALOS_SMALL_KERNEL(16)
+
+// ------------------------------------------------------------------ mixed namespaces
+// A batch whose queries each search their own namespace's rows (a namespace per user), in one
+// launch: grid (B, P), block (b, p) runs the fused search of query b over part p of the rows of
+// its own matrix: xs[b] (store_t rows of dpad), sqns[b] (their squared norms), ns[b] rows (>= 1).
+// The answer of query b: k entries at out + b * k, best first, row -1 and -inf past ns[b] rows.
+// req: float32 queries [B][dpad], then xs [B] u64, sqns [B] u64, ns [B] int32.
+extern "C" __global__ void __launch_bounds__(KALOS_BLOCK) kalos_mixed(
+    const int* __restrict__ req, int B, int dpad, int k, int l2, float* cand_s, int* cand_r,
+    unsigned* counters, float* out_s, int* out_r) {
+    const int b = blockIdx.x;
+    const float* q = reinterpret_cast<const float*>(req) + (i64)b * dpad;
+    const unsigned long long* xs =
+        reinterpret_cast<const unsigned long long*>(reinterpret_cast<const float*>(req) + (i64)B * dpad);
+    const unsigned long long* sqns = xs + B;
+    const int* ns = reinterpret_cast<const int*>(sqns + B);
+    const i64 qstride = (i64)gridDim.y * k;
+    small_core<1>(reinterpret_cast<const store_t*>(xs[b]), reinterpret_cast<const float*>(sqns[b]),
+                  dpad, ns[b], 1, k, k, l2, q, blockIdx.y, gridDim.y, cand_s + b * qstride,
+                  cand_r + b * qstride, counters + b, out_s + (i64)b * k, out_r + (i64)b * k);
+}
 
 // ------------------------------------------------------------------ top-k of a score matrix
 // GEMM path: S[b][c] = q_b . x_(row0 + c) for one chunk of nc rows (cuBLAS wrote it). Grid

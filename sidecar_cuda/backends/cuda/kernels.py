@@ -97,6 +97,7 @@ class Kernels:
         module = cp.RawModule(code=kernel_source(), options=compile_options(storage))
         self.module = module
         self.small = {qt: module.get_function(f"kalos_small_q{qt}") for qt in SMALL_QT}
+        self.mixed = module.get_function("kalos_mixed")  # a batch over many namespaces' rows
         self.scores_w = module.get_function("kalos_scores_topk_w")  # GEMM top-k, k <= WARP_K
         self.scores_b = module.get_function("kalos_scores_topk_b")  # GEMM top-k, larger k
         self.prep = module.get_function("kalos_prep_queries")
@@ -111,5 +112,5 @@ class Kernels:
         self.i8_threshold = module.get_function("kalos_i8_threshold")
         self.i8_collect = module.get_function("kalos_i8_collect")
         self.i8_final = module.get_function("kalos_i8_final")
-        for kern in (*self.small.values(), self.scores_b, self.i8_final):
+        for kern in (*self.small.values(), self.mixed, self.scores_b, self.i8_final):
             kern.max_dynamic_shared_size_bytes = smem_optin

@@ -29,8 +29,8 @@ class CupyMatrix(DeviceRows):
     def write_rows(self, rows: np.ndarray, vectors: np.ndarray) -> None:
         write(self.device, self, rows, vectors)
 
-    def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
-        set_times(self.device, self, rows, times_s)
+    def set_times(self, rows: np.ndarray, times_ns: np.ndarray) -> None:
+        set_times(self.device, self, rows, times_ns)
 
     def move_rows(self, src: np.ndarray, dst: np.ndarray) -> None:
         move(self.device, self, src, dst)

@@ -7,7 +7,7 @@ answer is read by ``search.collect`` once the set's ``done`` event has happened.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -189,6 +189,62 @@ def search_fused(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: 
         return  # capture failed and was reported; the work ran directly
     dev.graphs.put(key, g, dev.seq)
     g.launch(s)
+
+
+def search_mixed(
+    dev: Device, bufs: BufferSet, mats: Sequence[DeviceRows], n: np.ndarray, of_query: np.ndarray, q: np.ndarray, k: int
+) -> None:
+    """``kalos_mixed``: query j over rows [0, n[i]) of ``mats[i]``, i = ``of_query[j]``, in one
+    launch (no graph: the rows' addresses change from batch to batch). The answer: k entries per
+    query in ``bufs.h_out`` (rows int32, then scores), row -1 past a namespace's rows."""
+    dev.seq += 1
+    bufs.seq = dev.seq
+    b, d = q.shape
+    dpad = mats[0].dpad
+    smem = small_smem(1, dpad)
+    per_sm = dev.occupancy(dev.kernels.mixed.kernel, BLOCK, smem, (-1, smem))
+    most = int(n.max())
+    parts = max(1, min(-(-most // ROWS_PER_BLOCK), per_sm * dev.sms // b))
+    q_bytes = 4 * b * dpad
+    req_bytes = q_bytes + 20 * b
+    bufs.make_room(bufs.h_req, req_bytes)
+    bufs.make_room(bufs.d_req, req_bytes)
+    bufs.make_room(bufs.h_out, 8 * b * k)
+    if parts > 1:
+        bufs.make_room(bufs.d_cand, 8 * b * parts * k)
+        bufs.make_room(bufs.d_counters, 4 * b)
+    dst = bufs.h_req.view(np.float32, b * dpad).reshape(b, dpad)
+    dst[:, :d] = q
+    if d < dpad:
+        dst[:, d:] = 0.0
+    xs = np.fromiter((m.ptrs[0] for m in mats), np.uint64, len(mats))
+    sqns = np.fromiter((m.ptrs[1] for m in mats), np.uint64, len(mats))
+    bufs.h_req.view(np.uint64, b, q_bytes)[:] = xs[of_query]
+    bufs.h_req.view(np.uint64, b, q_bytes + 8 * b)[:] = sqns[of_query]
+    bufs.h_req.view(np.int32, b, q_bytes + 16 * b)[:] = n[of_query]
+    s = dev.stream
+    rt = dev.rt
+    rt.memcpyAsync(bufs.d_req.ptr, bufs.h_req.ptr, req_bytes, rt.memcpyHostToDevice, s.ptr)
+    out = bufs.h_out
+    dev.kernels.mixed(
+        (b, parts),
+        (BLOCK,),
+        (
+            bufs.d_req.ptr,
+            np.int32(b),
+            np.int32(dpad),
+            np.int32(k),
+            np.int32(mats[0].l2),
+            bufs.d_cand.ptr,
+            bufs.d_cand.ptr + 4 * b * parts * k,
+            bufs.d_counters.ptr,
+            out.ptr + 4 * b * k,
+            out.ptr,
+        ),
+        shared_mem=smem,
+        stream=s,
+    )
+    bufs.done.record(s)
 
 
 def _capture(dev: Device, launch: Callable[[], None]) -> Any:

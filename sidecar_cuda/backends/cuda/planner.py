@@ -47,6 +47,7 @@ class SearchPath(enum.Enum):
     HALF_GEMM = "gemmh"
     GEMM = "gemm"
     EXACT = "exact"
+    MIXED = "mixed"  # (kalos_mixed: each query over its own namespace's rows, one launch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +59,9 @@ class Plan:
 
 
 ROWS_PER_BLOCK = 256  # the fused path gives each block at least this many rows
+#: Namespaces of at most this many rows are searched together by kalos_mixed (each query reads
+#: its own namespace's rows); larger ones go to the planner's paths, their queries batched.
+MIXED_ROWS = 1 << 15
 ZERO_COPY_BLOCKS = 4  # at most this many blocks read the request from host memory directly
 GEMM_BLOCKS = 528  # top-k blocks aimed for per GEMM chunk (4 per SM on an H100/H200)
 SCORE_BUFFER_FLOATS = 1 << 26  # GEMM path: float32 scores per chunk (256 MiB; 32 MiB chunks that

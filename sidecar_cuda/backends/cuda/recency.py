@@ -29,7 +29,7 @@ def recency_kernel(dev: Any) -> Any:
 def add_recency(dev: Any, scores_ptr: int, b: int, nc: int, row0: int, times: Any, decay: Decay, l2: bool) -> None:
     """Enqueue on ``dev.stream``: add each row's recency part to ``b`` x ``nc`` float32 scores at
     ``scores_ptr`` (query-major) of rows ``row0 .. row0 + nc`` (``times``: the rows' times, a
-    device float64 array). Under l2 the top-k kernel scores ``2 * dot - |x|^2 - |q|^2``: half
+    device int64 array of ns). Under l2 the top-k kernel scores ``2 * dot - |x|^2 - |q|^2``: half
     the weight is added to the dot product, so the score gets all of it."""
     total = b * nc
     blocks = max(1, min(MAX_BLOCKS, -(-total // BLOCK)))
@@ -43,9 +43,9 @@ def add_recency(dev: Any, scores_ptr: int, b: int, nc: int, row0: int, times: An
             np.int32(b),
             times,
             np.int64(row0),
-            np.float64(decay.now_s),
-            np.float64(-1.0 / decay.half_life_s),
-            np.float32(weight),
+            np.int64(decay.now_ns),
+            np.float64(decay.half_life_s),
+            np.float64(weight),
         ),
         stream=dev.stream,
     )

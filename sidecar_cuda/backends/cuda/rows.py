@@ -44,7 +44,7 @@ class DeviceRows:
         with dev.stream:
             self.data = dev.cp.zeros((self.capacity, self.dpad), dev.storage.bits)
             self.sqn = dev.cp.zeros(self.capacity, np.float32)
-            self.times = dev.cp.zeros(self.capacity, np.float64)  # seconds, for recency (set_times)
+            self.times = dev.cp.zeros(self.capacity, np.int64)  # ns, for recency (set_times)
         self.ptrs = (int(self.data.data.ptr), int(self.sqn.data.ptr))
         # Rows [0, n) as stored, widened to float32, and their squared norms (l2): the host
         # path's copy, read back on first use and dropped by every write, move or growth.
@@ -125,12 +125,12 @@ def write(dev: Device, m: DeviceRows, rows: np.ndarray, vectors: np.ndarray) -> 
     requantize(dev, m, d_rows, r)
 
 
-def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_s: np.ndarray) -> None:
-    """The times (float64 seconds) of rows ``rows``, which a recency-weighted search ages."""
+def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_ns: np.ndarray) -> None:
+    """The times (int64 ns) of rows ``rows``, which a recency-weighted search ages."""
     rows = np.ascontiguousarray(rows, np.int64).reshape(-1)
-    times_s = np.ascontiguousarray(times_s, np.float64).reshape(-1)
-    if len(times_s) != len(rows):
-        raise ValueError(f"{len(times_s)} times for {len(rows)} rows")
+    times_ns = np.ascontiguousarray(times_ns, np.int64).reshape(-1)
+    if len(times_ns) != len(rows):
+        raise ValueError(f"{len(times_ns)} times for {len(rows)} rows")
     if len(rows) == 0:
         return
     if rows.min() < 0 or rows.max() >= m.capacity:
@@ -139,7 +139,7 @@ def set_times(dev: Device, m: DeviceRows, rows: np.ndarray, times_s: np.ndarray)
     m.gathered.clear()  # (gathered rows carry their times)
     cp = dev.cp
     with dev.guard("set_times"), dev.stream:
-        m.times[cp.asarray(rows)] = cp.asarray(times_s)
+        m.times[cp.asarray(rows)] = cp.asarray(times_ns)
 
 
 def move(dev: Device, m: DeviceRows, src: np.ndarray, dst: np.ndarray) -> None:
@@ -179,7 +179,7 @@ def grow(dev: Device, m: DeviceRows, capacity: int) -> None:
     with dev.guard(f"growing a matrix to {capacity} rows"), dev.stream:
         data = cp.zeros((capacity, m.dpad), dev.storage.bits)
         sqn = cp.zeros(capacity, np.float32)
-        times = cp.zeros(capacity, np.float64)
+        times = cp.zeros(capacity, np.int64)
         data[: m.capacity] = m.data
         sqn[: m.capacity] = m.sqn
         times[: m.capacity] = m.times

@@ -8,6 +8,7 @@ prove. Two searches may be pending (one per buffer set of the :class:`Device`).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from .buffers import BufferSet
 from .device import Device
 from .int8 import ensure as ensure_int8
 from .kernels import MAX_K
-from .paths import enqueue, search_host
+from .paths import enqueue, search_host, search_mixed
 from .planner import BIASED_PATHS, REDO, Plan, SearchPath, forced, plan, plan_biased
 from .rows import DeviceRows
 
@@ -51,6 +52,72 @@ class CudaSearch(PolledFuture[SearchResult]):
 
     def _collect(self) -> SearchResult:
         return collect(self._dev, self._launch)
+
+
+class MixedSearch(PolledFuture[SearchResult]):
+    """A ``kalos_mixed`` launch (:func:`start_mixed`): polled like :class:`CudaSearch`; its
+    answer is k entries per query, row -1 and -inf past a namespace's rows."""
+
+    def __init__(self, dev: Device, bufs: BufferSet, b: int, k: int, t0: int) -> None:
+        super().__init__()
+        self._dev, self._bufs, self._b, self._k, self._t0 = dev, bufs, b, k, t0
+
+    def _poll(self) -> bool:
+        return bool(self._bufs.done.done)
+
+    def _collect(self) -> SearchResult:
+        dev, bufs, b, k = self._dev, self._bufs, self._b, self._k
+        try:
+            dev.wait(bufs.done)
+            out = bufs.h_out
+            rows = out.view(np.int32, b * k).reshape(b, k).astype(np.int64)
+            scores = out.view(np.float32, 2 * b * k)[b * k :].reshape(b, k).copy()
+        except (KalosError, ValueError, IndexError, TypeError):
+            raise
+        except Exception as e:
+            raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+        finally:
+            bufs.busy = False
+            dev.graphs.prune(min((x.seq for x in dev.sets if x.busy), default=dev.seq + 1))
+        dev.stats.add(SearchPath.MIXED, b, time.perf_counter_ns() - self._t0)
+        return rows, scores
+
+
+def start_mixed(
+    dev: Device, mats: Sequence[DeviceRows], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
+) -> MixedSearch:
+    """Enqueue ``Backend.search_mixed`` (``paths.search_mixed``: one launch) and return its
+    Future. Raises ValueError for a bad shape, k or n, RuntimeError when two searches are
+    pending already, ServerError when the device fails."""
+    dev.check_usable()
+    q = np.ascontiguousarray(queries, np.float32)
+    b = len(q)
+    n = np.asarray(n, np.int64)
+    of_query = np.asarray(of_query, np.intp)
+    if q.ndim != 2 or b == 0 or not mats:
+        raise ValueError("search_mixed takes at least one query of one matrix")
+    if any(m.dim != q.shape[1] for m in mats):
+        raise ValueError(f"queries have dim {q.shape[1]}, a matrix another")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+    if len(n) != len(mats) or not all(1 <= int(x) <= m.capacity for x, m in zip(n, mats)):
+        raise ValueError("each matrix needs 1 <= n <= its capacity")
+    if len(of_query) != b or of_query.min() < 0 or of_query.max() >= len(mats):
+        raise ValueError("of_query must name a matrix for every query")
+    bufs = next((st for st in dev.sets if not st.busy), None)
+    if bufs is None:
+        raise RuntimeError("two searches are pending already: collect one first")
+    t0 = time.perf_counter_ns()
+    bufs.busy = True
+    try:
+        with dev.cuda:
+            search_mixed(dev, bufs, mats, n, of_query, q, k)
+    except BaseException as e:
+        bufs.busy = False
+        if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
+            raise
+        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+    return MixedSearch(dev, bufs, b, k, t0)
 
 
 def plan_for(dev: Device, m: DeviceRows, b: int, n: int, k: int) -> Plan:
@@ -192,4 +259,4 @@ def _answer(dev: Device, p: Launch, rows: np.ndarray, scores: np.ndarray) -> Sea
     return rows, scores
 
 
-__all__ = ["CudaSearch", "Launch", "collect", "plan_for", "run", "start"]
+__all__ = ["CudaSearch", "Launch", "MixedSearch", "collect", "plan_for", "run", "start", "start_mixed"]
