@@ -224,7 +224,9 @@ def run_tasks(args: dict[str, Any], tasks: int, procs: int) -> dict[str, Any]:
     }
 
 
-def check(samples: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], data: np.ndarray, offs: np.ndarray, k: int):
+def check(
+    samples: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], data: np.ndarray, offs: np.ndarray, k: int
+) -> tuple[int, int]:
     """Each sampled answer against its namespace's rows in float64, by score (ties by value).
     Returns (checked, wrong)."""
     wrong = 0

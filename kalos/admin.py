@@ -33,11 +33,20 @@ class CommandTimeout(KalosTimeout):
     """A command's ``--timeout`` ran out after it had attached to the sidecar."""
 
 
-def start_hint(name: str) -> str:
-    """A command that starts a sidecar for ``name`` as given (``--ephemeral``: it needs no path)."""
+def start_hint(name: str, dim: int | None = None, metric: str | None = None) -> str:
+    """A command that starts a sidecar for ``name`` (``--ephemeral``: it needs no path), with the
+    ``dim`` and ``metric`` the command needs where it knows them (an import: those of its export),
+    else placeholders that say what to put there: a sidecar started without them serves dim 128
+    and dot, which fits few models."""
+    what = []
+    if dim is None:
+        what.append("DIM: the length of your vectors")
+    if metric is None:
+        what.append("METRIC: dot, cosine or l2, your embedding model's similarity")
     return (
-        f"start one: `kalos serve --name {name} --ephemeral` (memory only; "
-        f"--data-dir DIR instead of --ephemeral keeps the memories)"
+        f"start one: `kalos serve --name {name} --ephemeral --dim {dim if dim is not None else 'DIM'} "
+        f"--metric {metric if metric is not None else 'METRIC'}` ({'; '.join(what + [''])}memory only; "
+        "--data-dir DIR instead of --ephemeral keeps the memories)"
     )
 
 
@@ -45,9 +54,10 @@ class Budget:
     """The time one command may take, in seconds from :meth:`run` (None: no limit), for broker
     ``name``."""
 
-    def __init__(self, name: str, timeout: float | None) -> None:
+    def __init__(self, name: str, timeout: float | None, *, dim: int | None = None, metric: str | None = None) -> None:
         self.name = name
         self.timeout = timeout
+        self.dim, self.metric = dim, metric  # what the command needs of a sidecar, where known (start_hint)
         self.phase = Phase.STARTING
         self._t0 = time.monotonic()
 
@@ -96,7 +106,8 @@ class Budget:
         # command that starts one. Otherwise the client's reason (loading, dead, untrusted) says more.
         if not leftover_names(self.name):
             return BrokerUnavailable(
-                f"no sidecar serves broker {self.name!r} (waited {self.elapsed():.1f} s); {start_hint(self.name)}"
+                f"no sidecar serves broker {self.name!r} (waited {self.elapsed():.1f} s); "
+                f"{start_hint(self.name, self.dim, self.metric)}"
             )
         if e is not None:
             return e

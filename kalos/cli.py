@@ -13,7 +13,7 @@ import logging
 import sys
 from typing import Any
 
-from kalos.broker.errors import KalosError
+from kalos.broker.errors import KalosError, UsageError
 from kalos.sidecar_cuda.config import (
     add_name_argument,
     add_serve_arguments,
@@ -32,15 +32,37 @@ def cmd_serve(a: argparse.Namespace) -> int:
     return run(config_from_args(a))
 
 
+def cleanup_summary(name: str, removed: list[str]) -> str:
+    """One line for what ``kalos cleanup`` removed: the kinds of objects and their count (a
+    broker has two semaphores a slot: 64 slots make 131 objects)."""
+    from kalos.broker.names import bell_name, leases_path, shm_name
+
+    if not removed:
+        return f"nothing left of broker {name!r}"
+    kinds = []
+    if shm_name(name) in removed:
+        kinds.append("its shared memory")
+    if leases_path(name) in removed:
+        kinds.append("lease file")
+    if bell_name(name) in removed:
+        kinds.append("doorbell")
+    sems = len(removed) - len(kinds)
+    if sems:
+        kinds.append(f"{sems} slot semaphores")
+    return (
+        f"removed what was left of broker {name!r}: {', '.join(kinds)} ({len(removed)} objects; --verbose lists them)"
+    )
+
+
 def cmd_cleanup(a: argparse.Namespace) -> int:
     from kalos.sidecar_cuda.objects import cleanup
 
     name = a.broker or a.name
     removed = cleanup(name, force=a.force)
-    for r in removed:
-        print(f"removed {r}")
-    if not removed:
-        print(f"nothing left of broker {name!r}")
+    if a.details or a.verbose:
+        for r in removed:
+            print(f"removed {r}")
+    print(cleanup_summary(name, removed))
     return 0
 
 
@@ -65,19 +87,53 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return run_bench(a)
 
 
-def cmd_export(a: argparse.Namespace) -> int:
-    from kalos.transfer import export_namespace
+def _namespace_and_dir(a: argparse.Namespace) -> tuple[str | None, str]:
+    """(NAMESPACE or None, DIR) of ``kalos export``/``import``, whose NAMESPACE is optional."""
+    if a.dir is None:  # one positional: it is the directory
+        return None, a.namespace
+    return a.namespace, a.dir
 
-    n = export_namespace(a.name, a.namespace, a.out, timeout=a.timeout)
-    print(f"exported {n} records of {a.namespace!r} to {a.out}")
+
+def cmd_export(a: argparse.Namespace) -> int:
+    from kalos.transfer import export_data_dir, export_namespaces
+
+    namespace, out = _namespace_and_dir(a)
+    if (namespace is None) == (not a.all):
+        raise UsageError("kalos export takes NAMESPACE DIR, or --all DIR (every namespace)")
+    names = None if a.all else [str(namespace)]
+    if a.data_dir is not None:
+        done = export_data_dir(a.data_dir, names, out)
+    else:
+        done = export_namespaces(a.name, names, out, timeout=a.timeout)
+    for ns, n in done:
+        print(f"exported {n} records of {ns!r} to {out}")
+    if a.all:
+        print(f"exported {len(done)} namespaces, {sum(n for _ns, n in done)} records, to {out}")
     return 0
 
 
 def cmd_import(a: argparse.Namespace) -> int:
-    from kalos.transfer import import_namespace
+    from kalos.transfer import DEFAULT_PAYLOAD_LIMIT, import_export, import_into_data_dir
 
-    n, secs = import_namespace(a.name, a.namespace, a.src, timeout=a.timeout)
-    print(f"imported {n} records into {a.namespace!r} in {secs:.2f} s ({n / max(secs, 1e-9):,.0f}/s)")
+    namespace, src = _namespace_and_dir(a)
+    if a.data_dir is None and (a.metric is not None or a.payload_limit is not None):
+        raise UsageError("--metric and --payload-limit are for an import into a --data-dir")
+    if a.data_dir is not None:
+        limit = DEFAULT_PAYLOAD_LIMIT if a.payload_limit is None else a.payload_limit
+        r = import_into_data_dir(a.data_dir, src, namespace, metric=a.metric, payload_limit=limit)
+    else:
+        r = import_export(a.name, src, namespace, timeout=a.timeout)
+    for ns, n, secs in r.namespaces:
+        where = f" of data dir {a.data_dir}" if a.data_dir is not None else ""
+        print(f"imported {n} records into {ns!r}{where} in {secs:.2f} s ({n / max(secs, 1e-9):,.0f}/s)")
+    if r.expired:
+        print(f"left out {r.expired} records that have expired since the export")
+    if r.had_stamps and not r.stamps_kept:
+        print(
+            "timestamps: each record keeps its expires_at; created_at and updated_at are the time of "
+            "this import (a sidecar stamps what it is sent). To keep them too, import with the "
+            "sidecar stopped: kalos import --data-dir DIR"
+        )
     return 0
 
 
@@ -138,6 +194,31 @@ def _add_load_options(p: argparse.ArgumentParser, *, rows: int, seconds: float) 
     )
 
 
+def version_line() -> str:
+    """``kalos 0.1.0 (protocol 6)``: the package and the shared-memory protocol it speaks (a
+    client and a sidecar must speak the same)."""
+    from kalos import PROTOCOL_VERSION, __version__
+
+    return f"kalos {__version__} (protocol {PROTOCOL_VERSION})"
+
+
+class _Version(argparse.Action):
+    """``--version``: print :func:`version_line` and exit, before a command is asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kalos", description="Kalos recall broker: GPU sidecar + shared-memory clients")
     _opt(
@@ -147,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=False,
         help="debug logging, and the traceback of an unexpected error",
+    )
+    p.add_argument(
+        "--version",
+        action=_Version,
+        help=f"print the version ({version_line()}) and exit (default: off)",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -185,6 +271,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("broker", nargs="?", metavar="NAME", help="broker name (default: --name)")
     add_name_argument(c)
     _opt(c, "--force", action="store_true", default=False, help="remove even if the recorded sidecar looks alive")
+    _opt(
+        c,
+        "-v",
+        "--verbose",
+        dest="details",
+        action="store_true",
+        default=False,
+        help="list every object removed, not only how many of each kind",
+    )
     c.set_defaults(func=cmd_cleanup)
 
     n = sub.add_parser("namespaces", help="list namespaces and their row counts")
@@ -194,24 +289,74 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "export",
-        help="export a namespace to DIR (vectors.npy, ids.npy, payloads.jsonl)",
-        description="Stream a namespace to DIR page by page; refuses to overwrite an "
-        "earlier export. Progress goes to stderr.",
+        usage="%(prog)s [options] (NAMESPACE | --all) DIR",
+        help="export a namespace, or every one, with timestamps and TTLs to DIR",
+        description="Stream a namespace (or --all of them) to DIR: manifest.json, then per "
+        "namespace ids.npy, vectors.npy, payloads.jsonl and stamps.npy (created_at, updated_at, "
+        "expires_at, TTL), files 0600. Through the running sidecar by default; with --data-dir, "
+        "from its store directly while it is stopped (every timestamp and TTL exact). Refuses to "
+        "overwrite an earlier export. Progress goes to stderr.",
     )
-    e.add_argument("namespace", help="the namespace to export")
-    e.add_argument("out", metavar="DIR", help="output directory (created if missing; must not hold an export)")
+    e.add_argument("namespace", metavar="NAMESPACE", help="the namespace to export (left out with --all)")
+    e.add_argument(
+        "dir",
+        nargs="?",
+        metavar="DIR",
+        help="output directory (created 0700 if missing; must not hold an export; empty for --all)",
+    )
+    _opt(
+        e, "--all", action="store_true", default=False, help="every namespace that holds records, one subdirectory each"
+    )
+    _opt(
+        e,
+        "--data-dir",
+        metavar="DATA_DIR",
+        shown="none: through the sidecar serving --name",
+        help="read the store in DATA_DIR directly (the sidecar stopped: its lock is taken)",
+    )
     add_name_argument(e)
     _add_timeout(e, None)
     e.set_defaults(func=cmd_export)
 
     i = sub.add_parser(
         "import",
-        help="bulk-import a namespace from DIR written by `kalos export`",
-        description="Upsert the records of an export into a namespace, a block at a "
-        "time over a pool of slots. Progress goes to stderr.",
+        usage="%(prog)s [options] [NAMESPACE] DIR",
+        help="bulk-import an export (kalos export) from DIR",
+        description="Upsert the records of an export: into NAMESPACE (an export of one namespace), "
+        "or each namespace into its own name. Through the running sidecar by default, a block at "
+        "a time over a pool of slots (records keep expires_at; the sidecar stamps created_at and "
+        "updated_at); with --data-dir, into its store directly while it is stopped (every "
+        "timestamp and TTL as exported). Exports of the first format (no manifest) need "
+        "NAMESPACE. Progress goes to stderr.",
     )
-    i.add_argument("namespace", help="the namespace to write into")
-    i.add_argument("src", metavar="DIR", help="directory with vectors.npy, and optionally ids.npy and payloads.jsonl")
+    i.add_argument("namespace", metavar="NAMESPACE", help="the namespace to write into (optional: see above)")
+    i.add_argument(
+        "dir",
+        nargs="?",
+        metavar="DIR",
+        help="an export's directory (manifest.json, or vectors.npy with optionally ids.npy and payloads.jsonl)",
+    )
+    _opt(
+        i,
+        "--data-dir",
+        metavar="DATA_DIR",
+        shown="none: through the sidecar serving --name",
+        help="write into the store in DATA_DIR directly (the sidecar stopped: its lock is taken; made if missing)",
+    )
+    _opt(
+        i,
+        "--metric",
+        choices=["dot", "cosine", "l2"],
+        shown="the export's",
+        help="--data-dir: the metric of a new store (an existing one keeps its own)",
+    )
+    _opt(
+        i,
+        "--payload-limit",
+        type=int,
+        shown="16384, the sidecar's default",
+        help="--data-dir: the largest payload (bytes) accepted, as the sidecar's --payload-limit",
+    )
     add_name_argument(i)
     _add_timeout(i, None)
     i.set_defaults(func=cmd_import)
@@ -220,7 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
         "top",
         help="live terminal view of a sidecar's metrics (q quits)",
         description="A live view of one sidecar's /metrics: slots, throughput, batch "
-        "sizes, latency quantiles, errors, rows. q or Ctrl-C quits.",
+        "sizes, latency quantiles, errors, rows. q or Ctrl-C quits. Where output is not a "
+        "terminal (a pipe, a file) it prints one frame every --interval seconds instead, until "
+        "Ctrl-C or the reader closes the pipe; --once prints one and exits.",
     )
     add_name_argument(t)
     _opt(

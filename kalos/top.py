@@ -486,6 +486,8 @@ def run_top(
 ) -> int:
     """Show the live view until ``q`` or Ctrl-C (``once``: scrape twice, ``interval`` seconds
     apart, print one frame with rates and exit). ``keys``: where keys are read (default: stdin).
+    Where the console is not a terminal (a pipe, a file, a log) a live view would print nothing:
+    one plain frame is printed every ``interval`` seconds instead (:func:`print_frames`).
     Returns 0, or 1 if the endpoint cannot be read."""
     console = console or Console()
     interval = max(0.05, float(interval))
@@ -508,6 +510,8 @@ def run_top(
             return 1
         console.print(render(compute_view(cur, prev), url))
         return 0
+    if not console.is_terminal:
+        return print_frames(console, url, prev, interval, get)
     keys = Keys() if keys is None else keys
     try:
         with (
@@ -533,8 +537,41 @@ def run_top(
         return 0
 
 
+def print_frames(
+    console: Console, url: str, prev: Scrape, interval: float, get: Callable[[], Scrape | None], frames: int = 0
+) -> int:
+    """``kalos top`` where output is not a terminal (as ``top -b``): a frame with the rates of
+    the last ``interval`` seconds, every ``interval`` seconds, each one printed whole and flushed
+    (so ``kalos top | grep``, ``tee`` or a log see it at once), until Ctrl-C, the reader closing
+    the pipe, or ``frames`` frames (0: no limit). An endpoint that cannot be read prints a line
+    (``get`` does) and is tried again. Returns 0."""
+    shown = 0
+    try:
+        while not frames or shown < frames:
+            time.sleep(interval)
+            cur = get()
+            if cur is None:
+                continue
+            console.print(render(compute_view(cur, prev), url))
+            console.print()
+            console.file.flush()
+            prev = cur
+            shown += 1
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:  # (kalos top | head): the reader has what it wanted
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, console.file.fileno())  # no second error when the interpreter flushes
+            os.close(devnull)
+        except (OSError, ValueError):  # not a file with a descriptor
+            pass
+    return 0
+
+
 __all__ = [
     "run_top",
+    "print_frames",
     "compute_view",
     "render",
     "parse_metrics",

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from ..broker.errors import ConfigError
-from ..broker.layout import Layout, Metric
+from ..broker.layout import GEOMETRY_LIMITS, Layout, Metric
 from .launch import Launch
 
 
@@ -56,6 +56,16 @@ def _option(kind: type[_E], value: object, flag: str) -> _E:
         values = [str(m.value) for m in kind]
         choices = f"{', '.join(values[:-1])} or {values[-1]}"
         raise ConfigError(f"{flag} must be {choices}, got {value!r}") from None
+
+
+#: The option that sets each field of the segment's layout (``broker.layout.GEOMETRY_LIMITS``).
+LAYOUT_OPTIONS = {
+    "n_slots": "--slots",
+    "dim": "--dim",
+    "max_k": "--max-k",
+    "max_queries": "--max-queries",
+    "blob_bytes": "--blob-bytes",
+}
 
 
 @dataclass
@@ -101,9 +111,15 @@ class ServeConfig:
         self.int8_pass = _option(Int8Pass, self.int8_pass, "--int8-pass")
 
     def layout(self) -> Layout:
+        """The segment's geometry; ConfigError names the option out of bounds (``--slots``, not
+        the layout's ``n_slots``)."""
         lay = Layout(
             n_slots=self.slots, dim=self.dim, max_k=self.max_k, max_queries=self.max_queries, blob_bytes=self.blob_bytes
         )
+        for fname, lo, hi in GEOMETRY_LIMITS:
+            v = getattr(lay, fname)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{LAYOUT_OPTIONS[fname]} must be an integer in [{lo}, {hi}], got {v!r}")
         lay.check()
         return lay
 
@@ -343,9 +359,10 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     opt(
         "--data-dir",
-        shown="none; one of --data-dir and --ephemeral is required",
+        shown="none; one of --data-dir, --store and --ephemeral is required",
         help="durable store directory (SQLite, WAL; created 0700 if missing, must belong to "
-        "this user); restarts keep acknowledged writes",
+        "this user); restarts keep acknowledged writes; one sidecar at a time (a second one "
+        "on the directory is refused). --store instead: a fleet's shared PostgreSQL store",
     )
     opt(
         "--ephemeral",
@@ -390,8 +407,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         default="fill",
         help="when the next batch leaves: fill (one batch of every caller where that costs the "
         "device less per request than two halves taking turns, measured; a lone caller at "
-        "once), eager (once as many are posted as the last batch held, the decision before "
-        "issue 27), or merge / split (fill held in one of its two ways, to measure them)",
+        "once), eager (once as many are posted as the last batch held: the earlier policy, "
+        "kept to compare), or merge / split (fill held in one of its two ways, to measure them)",
     )
     opt(
         "--pipeline",

@@ -39,6 +39,7 @@ from .backends.base import Backend
 from .backends.select import choose_backend
 from .batching import PIPELINE_MIN_WORK, Limits
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
+from .datadir import DataDirLock, lock_data_dir
 from .expiry import SWEEP_S, Sweeper
 from .general import GeneralRoute
 from .launch import Regime, launch_policy
@@ -47,7 +48,7 @@ from .notify import sd_notify
 from .objects import Objects
 from .objects import create as create_objects
 from .objects import unlink as unlink_objects
-from .persist import Durable, Persistence, StoreError, StoreKind, store_kind
+from .persist import Durable, Persistence, StoreError, StoreKind, prepare_data_dir, store_kind
 from .pipeline import PIPELINE_DEPTH, Pipeline
 from .slotio import SlotIO, load_compiled, open_slot_io
 from .stats import SidecarStats
@@ -94,6 +95,7 @@ class Sidecar:
         self.store = MemoryStore(self.backend, cfg.dim, self.metric)
         self.persist: Durable | None = None
         self.fleet: FleetStore | None = None  # --store postgresql://: this sidecar is a replica
+        self._dir_lock: DataDirLock | None = None  # --data-dir: held from start() to close()
         self.stats = SidecarStats(self.layout.n_slots)
         self._stop = threading.Event()
         self._objs: Objects | None = None
@@ -121,18 +123,24 @@ class Sidecar:
         # The data dir and the store first: one that cannot be used is a ConfigError before any
         # shared object exists, so no client attaches to a sidecar that is about to fail and
         # nothing has to be unlinked.
+        # One data dir, one sidecar: the lock is taken before the store is opened and held until
+        # close() (or the process's end: kill -9 releases it too), so a second sidecar on the
+        # directory is refused instead of serving and overwriting a store of its own (datadir).
         kind = store_kind(cfg.data_dir, cfg.store)
-        if kind is StoreKind.SQLITE:
-            assert cfg.data_dir is not None
-            self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
-        elif kind is StoreKind.POSTGRES:
-            self.persist = self.fleet = self._open_fleet()
         try:
+            if kind is StoreKind.SQLITE:
+                assert cfg.data_dir is not None
+                prepare_data_dir(cfg.data_dir)
+                self._dir_lock = lock_data_dir(cfg.data_dir, "sidecar", cfg.name)
+                self.persist = Persistence(cfg.data_dir, cfg.dim, self.metric.name.lower())
+            elif kind is StoreKind.POSTGRES:
+                self.persist = self.fleet = self._open_fleet()
             self._objs = create_objects(cfg.name, self.layout, mode=cfg.shm_mode)
         except BaseException:
             if self.persist is not None:
                 self.persist.close()
                 self.persist = self.fleet = None
+            self._release_data_dir()
             raise
         self.seg = SegmentView(memoryview(self._objs.mm), self.layout)
         self._words = SlotWords(memoryview(self._objs.mm), self.layout)
@@ -148,7 +156,6 @@ class Sidecar:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat", daemon=True)
         self._heartbeat.start()
         try:
-            self.store.get_or_create("default")
             if self.persist is not None:
                 rows, secs = self.persist.load_into(self.store)
                 log.info(
@@ -193,6 +200,12 @@ class Sidecar:
             if cfg.data_dir is None
             else f"data in {cfg.data_dir}",
         )
+
+    def _release_data_dir(self) -> None:
+        """Drop the data dir's lock (after the store is closed: nothing of ours writes to it)."""
+        lock, self._dir_lock = self._dir_lock, None
+        if lock is not None:
+            lock.release()
 
     def _open_fleet(self) -> FleetStore:
         """The PostgreSQL store (psycopg is an optional dependency: imported only here)."""
@@ -358,6 +371,7 @@ class Sidecar:
         unlink_objects(self.cfg.name, objs)
         if self.persist is not None:
             self.persist.close()
+        self._release_data_dir()
         self.backend.close()
         log.info("sidecar %r stopped; objects unlinked", self.cfg.name)
 

@@ -31,6 +31,7 @@ from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, SlotPath
 from kalos.broker.validation import MAX_PAYLOAD_DEPTH
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
+from kalos.clients._transport import load_compiled as load_client_slot_path
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.sidecar_cuda.slotio import load_compiled
 
@@ -532,6 +533,35 @@ def test_own_objects_open_to_others_are_refused(sidecar):
         assert len(c.recall(np.ones(32, np.float32), k=2)) == 2
 
 
+def run_py_from_private_dir(code: str, tmp_path: object, *args: str) -> subprocess.Popen[bytes]:
+    """:func:`run_py`, with ``kalos`` imported through a directory only root can read (a 0700
+    directory holding a link to the package), as from a checkout under /root or in ``mktemp -d``:
+    what a child needs after it drops root must be imported before. Where the extension is built
+    (and the pure path is not asked for), the child requires the compiled slot path, so a lazy
+    import of it after the drop fails instead of quietly falling back."""
+    private = os.path.join(str(tmp_path), "private")
+    os.mkdir(private, 0o700)
+    os.chmod(private, 0o700)
+    import kalos
+
+    os.symlink(os.path.dirname(os.path.abspath(kalos.__file__)), os.path.join(private, "kalos"))
+    env = {**os.environ, "PYTHONPATH": private, "KALOS_TEST_PRIVATE": private}
+    if os.environ.get(PURE_ENV, "") in ("", "0"):
+        try:
+            load_client_slot_path()
+            env[REQUIRE_ENV] = "1"
+        except ImportError:
+            pass
+    prelude = "import os, kalos\nassert kalos.__file__.startswith(os.environ['KALOS_TEST_PRIVATE']), kalos.__file__\n"
+    return subprocess.Popen(
+        [sys.executable, "-c", prelude + code, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=private,
+    )
+
+
 AS_NOBODY = """
 import os, sys
 from kalos.clients import RecallClient
@@ -552,8 +582,8 @@ except posix_ipc.PermissionsError:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
-def test_another_uid_cannot_attach(sidecar):
-    p = run_py(AS_NOBODY, sidecar.name, bell_name(sidecar.name))
+def test_another_uid_cannot_attach(sidecar, tmp_path):
+    p = run_py_from_private_dir(AS_NOBODY, tmp_path, sidecar.name, bell_name(sidecar.name))
     out, err = p.communicate(timeout=60)
     text = out.decode()
     assert "refused:" in text and "attached" not in text, (text, err.decode())
@@ -745,7 +775,7 @@ with RecallClient(sys.argv[1], connect_timeout=5, sidecar_uid=0) as c:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="running a client as another uid needs root")
-def test_dedicated_sidecar_user_shares_objects_with_its_group(sidecar_factory):
+def test_dedicated_sidecar_user_shares_objects_with_its_group(sidecar_factory, tmp_path):
     """--shm-mode 0660: a client of another uid in the sidecar user's group attaches only when it
     names the sidecar's uid (sidecar_uid=); the objects stay closed to everyone else."""
     h = sidecar_factory(
@@ -753,7 +783,7 @@ def test_dedicated_sidecar_user_shares_objects_with_its_group(sidecar_factory):
     )
     assert os.stat(shm_path(shm_name(h.name))).st_mode & 0o777 == 0o660
     assert os.stat(sem_path(bell_name(h.name))).st_mode & 0o777 == 0o660
-    p = run_py(AS_GROUP_MEMBER, h.name)
+    p = run_py_from_private_dir(AS_GROUP_MEMBER, tmp_path, h.name)
     out, err = p.communicate(timeout=60)
     text = out.decode()
     assert "untrusted:" in text and "belongs to uid 0 (root)" in text, (text, err.decode())
