@@ -53,7 +53,10 @@ class ForkedPoolError(UsageError):
 
 
 class UnknownNamespace(InvalidRequest):
-    """Recall or delete in a namespace that does not exist."""
+    """The sidecar's UNKNOWN_NAMESPACE status. A current sidecar never answers it: a namespace that
+    was never written (or was dropped) holds no record, so reads of it answer empty (no hits,
+    count 0) and writes of it count 0, as LangGraph's store and mem0 answer for a user with no
+    memories. Kept so that clients decode the status of an older sidecar."""
 
 
 class PayloadTooLarge(InvalidRequest):

@@ -245,7 +245,7 @@ class Status(IntEnum):
     K_OUT_OF_RANGE = 3
     TOO_MANY_QUERIES = 4
     NOT_FINITE = 5
-    UNKNOWN_NAMESPACE = 6
+    UNKNOWN_NAMESPACE = 6  # no longer answered: a namespace that does not exist reads as empty
     PAYLOAD_TOO_LARGE = 7
     BACKEND_ERROR = 8
     UNKNOWN_OP = 9

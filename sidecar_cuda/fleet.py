@@ -487,7 +487,6 @@ class Follower(threading.Thread):
                         _rows, new_cursor = bootstrap(conn, f.member, fresh, f.dim)
                     finally:
                         conn.close()
-                fresh.get_or_create("default")
                 f.swap = (dict(fresh.namespaces), new_cursor)
                 self.fetched = new_cursor
                 f.stats.reloads += 1

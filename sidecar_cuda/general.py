@@ -149,12 +149,17 @@ class GeneralRoute:
     def _answer(self, r: Request | Rejection, status: Status, detail: str = "", n_results: int = 0) -> None:
         self.writer.answer(r.slot, r.generation, status, detail, n_results)
 
+    def _answer_empty(self, group: list[Request]) -> None:
+        """Recalls of a namespace that does not exist: OK, no hits (the rule of LangGraph's store
+        and mem0 for a user with no memories yet; docs/protocol.md)."""
+        for r in group:
+            self._answer(r, Status.OK, n_results=0)
+
     # ------------------------------------------------------------------ recalls
     def _serve_recalls(self, ns_name: str, group: list[Request]) -> None:
         ns = self.store.get(ns_name)
-        if ns is None:
-            for r in group:
-                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
+        if ns is None:  # never written (or dropped): no memories, as for an empty one
+            self._answer_empty(group)
             return
         group, q, offs = self._gather_queries(group)
         if not group:
@@ -278,9 +283,8 @@ class GeneralRoute:
                     self._answer(r, Status.BAD_REQUEST, f"filter: {e}")
                 return
         ns = self.store.get(ns_name)
-        if ns is None:
-            for r in group:
-                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {ns_name!r}")
+        if ns is None:  # never written (or dropped): no memories, as for an empty one
+            self._answer_empty(group)
             return
         group, q, offs = self._gather_queries(group)
         if not group:
@@ -428,8 +432,8 @@ class GeneralRoute:
             self.writer.answer_blob(r.slot, r.generation, len(self.store.namespaces), blob)
         elif r.op == Op.EXPORT:
             ns = self.store.get(r.namespace)
-            if ns is None:
-                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+            if ns is None:  # no records: the end of an export
+                self.writer.answer_blob(r.slot, r.generation, 0, b"")
                 return
             ids, vecs, _pls, rows = ns.export_rows(
                 int(self.seg.slot[r.slot].ids[0]),
@@ -452,7 +456,7 @@ class GeneralRoute:
         elif r.op == Op.COUNT:
             ns = self.store.get(r.namespace)
             if ns is None:
-                self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
+                self._answer(r, Status.OK, n_results=0)
                 return
             live = ns.live(self._now)
             if node is None:
@@ -467,13 +471,13 @@ class GeneralRoute:
     def _serve_get(self, r: Request) -> None:
         """Records of the asked ids that exist, in the order asked, into the slot's ids and
         queries areas (the asked ids are read first: the answer overwrites them)."""
-        ns = self.store.get(r.namespace)
-        if ns is None:
-            self._answer(r, Status.UNKNOWN_NAMESPACE, f"no namespace {r.namespace!r}")
-            return
         asked = self.seg.slot[r.slot].ids[: r.nq].copy()
         if (asked < 0).any():
             self._answer(r, Status.BAD_ID, "ids must be >= 0")
+            return
+        ns = self.store.get(r.namespace)
+        if ns is None:  # none of the ids exists
+            self.writer.answer_blob(r.slot, r.generation, 0, b"")
             return
         ids, vecs, _pls, rows = ns.get_rows(asked, self._now)
         blob = self._records_blob(r, ns, ids, rows=rows)

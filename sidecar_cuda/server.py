@@ -317,6 +317,8 @@ class Sidecar:
 
     def _fill_initial(self) -> None:
         cfg = self.cfg
+        if not (cfg.random_rows or cfg.load_npy):
+            return  # nothing to fill: no namespace exists until a client writes one
         ns = self.store.get_or_create("default", capacity=max(cfg.random_rows, 1))
         if cfg.random_rows:
             rng = np.random.default_rng(cfg.seed)

@@ -104,7 +104,5 @@ def apply_write(store: MemoryStore, w: Write) -> int:
     if w.op is WriteOp.SET_TTL:
         store.get_or_create(w.namespace).default_ttl = w.ttl_ns or 0
         return 0
-    n = store.drop(w.namespace, w.now_ns or None)
-    if w.namespace == "default":
-        store.get_or_create("default")
-    return n
+    # (a dropped namespace is gone, "default" too: reads of it answer empty, as of one never written)
+    return store.drop(w.namespace, w.now_ns or None)

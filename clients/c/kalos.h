@@ -73,7 +73,8 @@ typedef enum kalos_error {
     KALOS_E_PROTOCOL = 4,
     /* No slot, or no answer, within the call's budget; or the sidecar's NOT_APPLIED. */
     KALOS_E_TIMEOUT = 5,
-    /* The namespace does not exist (recall). */
+    /* The sidecar's UNKNOWN_NAMESPACE, which a current sidecar never answers: a recall of a
+     * namespace that does not exist answers KALOS_OK and no hits. Kept for older sidecars. */
     KALOS_E_UNKNOWN_NAMESPACE = 6,
     /* A payload over the sidecar's --payload-limit or a slot's blob area (checked before
      * anything is sent), or the sidecar's PAYLOAD_TOO_LARGE. */
@@ -131,8 +132,10 @@ KALOS_API const char *kalos_metric(const kalos_client *c);
 /* Exact top-k of one vector `query` of `dim` floats (dim must be the sidecar's) in namespace
  * `ns` ([A-Za-z0-9_.:@-]{1,64}), k in 1..kalos_max_k. Writes the hits, best first, to
  * ids_out[0..n) and scores_out[0..n) (room for k each) and n = min(k, rows) to *n_out. Higher
- * scores are better in every metric. Errors: KALOS_E_INVALID, KALOS_E_UNKNOWN_NAMESPACE,
- * KALOS_E_TIMEOUT, KALOS_E_UNAVAILABLE, KALOS_E_PROTOCOL, KALOS_E_SERVER. */
+ * scores are better in every metric. A namespace that was never written (or was dropped) holds
+ * no rows: KALOS_OK with *n_out = 0, not an error. Errors: KALOS_E_INVALID, KALOS_E_TIMEOUT,
+ * KALOS_E_UNAVAILABLE, KALOS_E_PROTOCOL, KALOS_E_SERVER (KALOS_E_UNKNOWN_NAMESPACE only from a
+ * sidecar older than that rule). */
 KALOS_API int kalos_recall(kalos_client *c, const char *ns, const float *query, size_t dim, unsigned k,
                            int timeout_ms, int64_t *ids_out, float *scores_out, size_t *n_out);
 

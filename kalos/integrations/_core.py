@@ -65,6 +65,9 @@ class Connections:
         self._owns_client = False
         self._given_pool = pool
         self._pools: LoopPools[RecallPool] = LoopPools(self._open_pool)
+        #: Namespaces the store has seen holding records (a hint: a write's reads into one that
+        #: is not here start with a count, and none means nothing to read; ``_plans.read_probes``).
+        self.filled: set[str] = set()
 
     # ------------------------------------------------------------------ connections
     def client(self) -> RecallClient:

@@ -19,13 +19,13 @@ ends the plan and reaches the caller.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Generator, Mapping, MutableSet, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
-from kalos.broker.errors import PayloadTooLarge, UnknownNamespace
+from kalos.broker.errors import PayloadTooLarge
 from kalos.broker.layout import Layout
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
@@ -79,6 +79,7 @@ DELETE = Call(RecallClient.delete, RecallPool.delete)
 TOUCH = Call(RecallClient.touch, RecallPool.touch)
 DROP_NAMESPACE = Call(RecallClient.drop_namespace, RecallPool.drop_namespace)
 EXPORT_PAGE = Call(RecallClient.export_page, RecallPool.export_page)
+COUNT = Call(RecallClient.count, RecallPool.count)
 
 
 async def _pool_layout(pool: RecallPool) -> Layout:
@@ -121,22 +122,9 @@ def together(plans: Sequence[Plan[Any]]) -> Plan[list[Any]]:
 
 def fetch_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any]]:
     """The payloads of the records of ``ids`` that exist (id -> payload), read a slot-full of ids
-    per request (:func:`read_records`). A namespace that does not exist holds nothing."""
-    found = yield from read_records(namespace, ids)
-    return {} if found is None else {i: r.payload for i, r in found.items()}
-
-
-def fetch_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped]]:
-    """The records of ``ids`` that exist, with their timestamps (:func:`read_records`); none
-    when the namespace does not exist."""
-    found = yield from read_records(namespace, ids)
-    return {} if found is None else found
-
-
-def read_payloads(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Any] | None]:
-    """As :func:`read_records`, the payloads only."""
-    found = yield from read_records(namespace, ids)
-    return None if found is None else {i: r.payload for i, r in found.items()}
+    per request (:func:`fetch_records`). A namespace that does not exist holds nothing."""
+    found = yield from fetch_records(namespace, ids)
+    return {i: r.payload for i, r in found.items()}
 
 
 #: The metadata keys under which the stores hand out a record's timestamps (seconds since the
@@ -159,32 +147,26 @@ class Stamped:
     expires_at: float
 
 
-def read_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped] | None]:
-    """The records of ``ids`` that exist and have not expired (id -> :class:`Stamped`); None
-    when the namespace does not exist. A slot-full of ids per request, the requests together,
-    but the first one alone when there are more: if the namespace does not exist, it is the
-    only one sent. A request whose payloads overflow the slot is halved (PayloadTooLarge only
-    for one record alone)."""
+def fetch_records(namespace: str, ids: Sequence[int]) -> Plan[dict[int, Stamped]]:
+    """The records of ``ids`` that exist and have not expired (id -> :class:`Stamped`); none in a
+    namespace that does not exist (the sidecar answers it as empty). A slot-full of ids per
+    request, the requests together. A request whose payloads overflow the slot is halved
+    (PayloadTooLarge only for one record alone)."""
     lay = yield from layout()
     out: dict[int, Stamped] = {}
     unique = list(dict.fromkeys(ids))
     chunks = [unique[i : i + lay.max_queries] for i in range(0, len(unique), lay.max_queries)]
-    chunks, later = chunks[:1], chunks[1:]
     while chunks:
-        answers = yield [
-            GET(c, namespace=namespace, with_vectors=False).catching(UnknownNamespace, PayloadTooLarge) for c in chunks
-        ]
+        answers = yield [GET(c, namespace=namespace, with_vectors=False).catching(PayloadTooLarge) for c in chunks]
         retry: list[list[int]] = []
         for chunk, got in zip(chunks, answers):
-            if isinstance(got, UnknownNamespace):
-                return None
             if isinstance(got, PayloadTooLarge):
                 if len(chunk) == 1:
                     raise got
                 retry += [chunk[: len(chunk) // 2], chunk[len(chunk) // 2 :]]
                 continue
             out.update(_stamped(got))
-        chunks, later = retry + later, []
+        chunks = retry
     return out
 
 
@@ -224,26 +206,35 @@ class Probed(Generic[K]):
 
 
 def read_probes(
-    namespace: str, probes: Mapping[K, Sequence[int]], by: ByKey[K], place: Collection[K] | None = None
+    namespace: str,
+    probes: Mapping[K, Sequence[int]],
+    by: ByKey[K],
+    place: Collection[K] | None = None,
+    *,
+    filled: MutableSet[str] | None = None,
 ) -> Plan[Probed[K]]:
     """Read what ``_ids.next_reads`` asks (round after round: first probes, look-ups by key and
     collided keys' other probes together, rarely a last round) until ``find(probes, held)`` and
-    ``claim`` over ``place`` (every key with None) are exact. A namespace that does not exist
-    holds nothing: only its first request is sent."""
+    ``claim`` over ``place`` (every key with None) are exact.
+
+    A namespace that holds no record (a new user's, never written, or dropped) holds nothing
+    to read: unless ``filled`` (the namespaces the store has seen holding records, a hint; None:
+    none) names it, its records are counted first, and none means only that count is sent. A
+    count above 0 adds the namespace to ``filled``."""
     lay = yield from layout()
+    if filled is None or namespace not in filled:
+        [held] = yield [COUNT(namespace)]
+        if held == 0:
+            return Probed({}, {})
+        if filled is not None:
+            filled.add(namespace)
     seen: Reading[K] = Reading()
     payloads: dict[int, Any] = {}
     while reads := next_reads(probes, seen, place=place, can_locate=by.wheres is not None, per_request=lay.max_queries):
-        looked: list[Scan] = []
-        if not seen.read:  # the first round tells whether the namespace exists
-            found = yield from read_payloads(namespace, reads.ids)
-            if found is None:
-                return Probed({}, {})
-        else:
-            wheres = by.wheres(reads.locate, lay.blob_bytes) if by.wheres and reads.locate else []
-            found, *looked = yield from together(
-                [fetch_payloads(namespace, reads.ids), *(scan(namespace, w) for w in wheres)]
-            )
+        wheres = by.wheres(reads.locate, lay.blob_bytes) if by.wheres and reads.locate else []
+        found, *looked = yield from together(
+            [fetch_payloads(namespace, reads.ids), *(scan(namespace, w) for w in wheres)]
+        )
         for sc in looked:
             found.update(zip(sc.ids, sc.payloads))
         payloads.update(found)
@@ -262,15 +253,15 @@ class Scan:
 
 def scan(namespace: str, where: Where | None) -> Plan[Scan]:
     """Every record matching ``where`` (all with None), paged by id; none if the namespace does
-    not exist."""
+    not exist (the sidecar answers it as empty)."""
     dim = (yield from layout()).dim
     ids: list[int] = []
     pages: list[np.ndarray] = [np.empty((0, dim), np.float32)]
     payloads: list[Any] = []
     after = -1
     while True:
-        [page] = yield [EXPORT_PAGE(namespace, after, where=where).catching(UnknownNamespace)]
-        if isinstance(page, UnknownNamespace) or len(page[0]) == 0:
+        [page] = yield [EXPORT_PAGE(namespace, after, where=where)]
+        if len(page[0]) == 0:
             return Scan(ids, np.concatenate(pages), payloads)
         pids, vectors, ppay = page
         ids += pids.tolist()
@@ -285,11 +276,14 @@ def upsert_rows(
     vectors: np.ndarray,
     payloads: Sequence[Any],
     ttl: float | Sequence[float] | None = None,
+    *,
+    filled: MutableSet[str] | None = None,
 ) -> Plan[None]:
     """Write records (one id twice: the last row wins, at the first one's place), packed into
     requests that fit a slot (rows and payload bytes), sent together. ``ttl``: as
     ``RecallPool.upsert``'s (seconds, ``math.inf`` for never, None for the namespace's default),
-    one for every row or one per row."""
+    one for every row or one per row. Once written, the namespace joins ``filled`` (as
+    :func:`read_probes` takes it)."""
     last = {int(i): j for j, i in enumerate(ids)}
     rows = list(last.values())
     ids_, vecs, pays = list(last), vectors[rows], [payloads[j] for j in rows]
@@ -307,6 +301,8 @@ def upsert_rows(
         )
         for lo, hi in pack([line_bytes(p) for p in pays], lay.max_queries, lay.blob_bytes)
     ]
+    if filled is not None and ids_:
+        filled.add(namespace)
     return None
 
 

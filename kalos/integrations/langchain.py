@@ -100,7 +100,7 @@ from langchain_core.vectorstores import VectorStore
 from pydantic import ConfigDict, Field, field_validator
 
 from kalos.broker.clock import Recency
-from kalos.broker.errors import InvalidRequest, UnknownNamespace, UsageError
+from kalos.broker.errors import InvalidRequest, UsageError
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 from kalos.clients.results import Hits, Records
@@ -414,10 +414,14 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         emb = self._embedding
         [vectors] = yield [Step(lambda _: emb.embed_documents(texts), lambda _: emb.aembed_documents(texts))]
         probes = {sid: [kid] for sid, kid in zip(batch.doc_ids, batch.kalos_ids)}
-        seen = yield from read_probes(self.namespace, probes, ByKey(stored_id))
+        seen = yield from read_probes(self.namespace, probes, ByKey(stored_id), filled=self._conns.filled)
         at = claim(probes, seen.held)
         yield from upsert_rows(
-            self.namespace, [at[sid] for sid in batch.doc_ids], np.asarray(vectors, np.float32), batch.payloads
+            self.namespace,
+            [at[sid] for sid in batch.doc_ids],
+            np.asarray(vectors, np.float32),
+            batch.payloads,
+            filled=self._conns.filled,
         )
         return batch.doc_ids
 
@@ -440,6 +444,7 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         filter when both are given; ids in chunks that fit one ``$in``."""
         if ids is None and filter is None:
             yield [DROP_NAMESPACE(self.namespace)]
+            self._conns.filled.discard(self.namespace)
             return True
         extra = _where(filter)
         wheres: list[Where | None] = [extra]
@@ -488,9 +493,9 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         [hits] = yield [
             RECALL(
                 np.asarray(embedding, np.float32), k, namespace=self.namespace, with_payload=True, where=_where(filter)
-            ).catching(UnknownNamespace)
+            )
         ]
-        return [] if isinstance(hits, UnknownNamespace) else _docs_of(hits)
+        return _docs_of(hits)  # (a namespace never written: no hits, as the sidecar answers it)
 
     def similarity_search_with_score(self, query: str, k: int = 4, **kwargs: Any) -> list[tuple[Document, float]]:
         """Top-``k`` documents for a text with Kalos scores (higher is better); ``filter=``."""
@@ -548,9 +553,9 @@ class KalosVectorStore(ConnectedStore, VectorStore):
                 with_payload=True,
                 where=_where(filter),
                 recency=recency,
-            ).catching(UnknownNamespace)
+            )
         ]
-        return [] if isinstance(hits, UnknownNamespace) else _timed_docs_of(hits)
+        return _timed_docs_of(hits)
 
     def as_time_weighted_retriever(
         self, *, decay_rate: float = 0.01, k: int = 4, weight: float = 1.0, filter: Mapping[str, Any] | None = None
@@ -594,13 +599,11 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         [hits] = yield [
             RECALL(
                 np.asarray(embedding, np.float32), _fetch_k(k, fetch_k, max_k), namespace=self.namespace, where=where
-            ).catching(UnknownNamespace)
+            )
         ]
-        if isinstance(hits, UnknownNamespace) or len(hits) == 0:
+        if len(hits) == 0:
             return []
-        [records] = yield [GET(hits.ids, namespace=self.namespace, with_vectors=True).catching(UnknownNamespace)]
-        if isinstance(records, UnknownNamespace):
-            return []
+        [records] = yield [GET(hits.ids, namespace=self.namespace, with_vectors=True)]
         return _mmr_docs(embedding, hits, records, k, lambda_mult)
 
     def max_marginal_relevance_search(

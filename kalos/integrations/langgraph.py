@@ -85,7 +85,6 @@ from typing import Any
 import numpy as np
 
 from kalos.broker.clock import ttl_ns
-from kalos.broker.errors import UnknownNamespace
 from kalos.broker.layout import NAMESPACE_BYTES, Layout
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
@@ -595,7 +594,7 @@ class KalosStore(ConnectedStore, BaseStore):
         rest of a window only where the first holds another record; whole windows when they
         fit one request)."""
         probes = {k: item_id_window(*k) for k in dict.fromkeys(keys)}
-        seen = yield from read_probes(self.items_namespace, probes, _ITEMS, place)
+        seen = yield from read_probes(self.items_namespace, probes, _ITEMS, place, filled=self._conns.filled)
         found = find(probes, seen.held)
         return {k: _Stored(i, seen.payloads[i]) for k, i in found.items()}, seen.held
 
@@ -632,9 +631,7 @@ class KalosStore(ConnectedStore, BaseStore):
             return []
         k = min(geo.max_k, max(16, 2 * need))
         while True:
-            [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where).catching(UnknownNamespace)]
-            if isinstance(hits, UnknownNamespace):
-                return []
+            [hits] = yield [RECALL(q, k, namespace=self.vectors_namespace, where=where)]
             scored = _vector_hits(hits.ids.tolist(), hits.scores.tolist())  # best first
             exhausted = len(hits) < k
             items = list(dict.fromkeys(iid for iid, _, _ in scored))
@@ -745,11 +742,11 @@ class KalosStore(ConnectedStore, BaseStore):
                     namespace=self.items_namespace,
                     with_payload=True,
                     where=all_of([condition("depth", FieldOp.EQ, len(ns)), *prefix_conditions(ns)]),
-                ).catching(UnknownNamespace)
+                )
                 for ns in unknown
             ]
             for ns, hits in zip(unknown, answers):
-                if not isinstance(hits, UnknownNamespace) and len(hits) and hits.payloads:
+                if len(hits) and hits.payloads:
                     ns_seq[ns] = hits.payloads[0]["ns_seq"]
         texts = [self._texts(op) for op in puts]
         flat = list(dict.fromkeys(t for ts in texts for t in ts))
@@ -816,6 +813,7 @@ class KalosStore(ConnectedStore, BaseStore):
                 np.stack([r[1] for r in vec_rows]),
                 [r[2] for r in vec_rows],
                 [r[3] for r in vec_rows],
+                filled=self._conns.filled,
             )
         if item_rows:
             yield from upsert_rows(
@@ -824,6 +822,7 @@ class KalosStore(ConnectedStore, BaseStore):
                 np.zeros((len(item_rows), geo.dim), np.float32),
                 [p for _, p, _ in item_rows],
                 [t for _, _, t in item_rows],
+                filled=self._conns.filled,
             )
         timed_vecs = [r[0] for r in vec_rows if r[3] != math.inf]
         if timed_vecs and time.monotonic() - started > VECTOR_TTL_SLACK_S / 2:

@@ -83,7 +83,7 @@ from llama_index.core.vector_stores.types import (
 )
 from llama_index.core.vector_stores.utils import metadata_dict_to_node, node_to_metadata_dict
 
-from kalos.broker.errors import InvalidRequest, PayloadTooLarge, UnknownNamespace
+from kalos.broker.errors import InvalidRequest, PayloadTooLarge
 from kalos.clients.blocking import RecallClient
 from kalos.clients.pool import RecallPool
 from kalos.clients.results import Hits
@@ -135,7 +135,6 @@ _RANGE = {
     FilterOperator.LTE: FieldOp.LTE,
 }
 _SUPPORTED = "EQ, NE, IN, NIN, GT, GTE, LT, LTE, IS_EMPTY"
-_EMPTY = VectorStoreQueryResult(nodes=[], similarities=[], ids=[])
 
 
 class UnsupportedQuery(InvalidRequest):
@@ -384,9 +383,9 @@ class KalosLlamaVectorStore(
         payloads = [_payload(n, self.flat_metadata) for n in last.values()]
         vectors = unit_rows([n.get_embedding() for n in last.values()])
         probes = {nid: [kalos_id(nid, a) for a in range(MAX_PROBES)] for nid in last}
-        seen = yield from read_probes(self.namespace, probes, _NODES)
+        seen = yield from read_probes(self.namespace, probes, _NODES, filled=self._conns.filled)
         at = claim(probes, seen.held)
-        yield from upsert_rows(self.namespace, [at[nid] for nid in last], vectors, payloads)
+        yield from upsert_rows(self.namespace, [at[nid] for nid in last], vectors, payloads, filled=self._conns.filled)
         return [n.node_id for n in nodes]
 
     def delete(self, ref_doc_id: str, **delete_kwargs: Any) -> None:
@@ -434,6 +433,7 @@ class KalosLlamaVectorStore(
 
     def _clear(self) -> Plan[None]:
         yield [DROP_NAMESPACE(self.namespace)]
+        self._conns.filled.discard(self.namespace)
         return None
 
     # ------------------------------------------------------------------ reads
@@ -451,16 +451,14 @@ class KalosLlamaVectorStore(
     def _query(self, query: VectorStoreQuery) -> Plan[VectorStoreQueryResult]:
         vec, where = _check_query(query)
         k = query.similarity_top_k
+        # (a namespace never written: no hits, as the sidecar answers it)
         [hits] = yield [
-            RECALL(vec, k, namespace=self.namespace, with_payload=True, where=where).catching(
-                UnknownNamespace, PayloadTooLarge
-            )
+            RECALL(vec, k, namespace=self.namespace, with_payload=True, where=where).catching(PayloadTooLarge)
         ]
         if isinstance(hits, PayloadTooLarge):  # the hits' payloads overflow one slot: apart
-            [hits] = yield [RECALL(vec, k, namespace=self.namespace, where=where).catching(UnknownNamespace)]
-            if not isinstance(hits, UnknownNamespace):
-                hits = _with_payloads(hits, (yield from fetch_records(self.namespace, hits.ids.tolist())))
-        return _EMPTY if isinstance(hits, UnknownNamespace) else _result(hits)
+            [hits] = yield [RECALL(vec, k, namespace=self.namespace, where=where)]
+            hits = _with_payloads(hits, (yield from fetch_records(self.namespace, hits.ids.tolist())))
+        return _result(hits)
 
     def get_nodes(self, node_ids: list[str] | None = None, filters: MetadataFilters | None = None) -> list[BaseNode]:
         """The stored nodes among ``node_ids`` (all if None) matching ``filters``, in Kalos id

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from conftest import free_port, slots_free, wait_until
 
-from kalos.broker.errors import InvalidRequest, KalosError, PayloadTooLarge, UnknownNamespace
+from kalos.broker.errors import InvalidRequest, KalosError, PayloadTooLarge
 from kalos.broker.validation import MAX_WHERE_VALUES, parse_where
 from kalos.integrations import IdCollision
 from kalos.integrations._filters import (
@@ -668,21 +668,24 @@ async def test_plan_errors_reach_the_caller_and_caught_ones_come_back(sidecar_fa
 
     h = sidecar_factory("plans", "--dim", str(DIM), "--blob-bytes", "4096", "--backend", "numpy")
     conns = Connections(h.name, timeout=10.0, pool_size=2)
-
-    def plan() -> Any:
-        [missing] = yield [GET([1], namespace="nowhere").catching(UnknownNamespace)]
-        assert isinstance(missing, UnknownNamespace)
-        yield [GET([1], namespace="nowhere")]
-        raise AssertionError("not reached")
-
-    with pytest.raises(UnknownNamespace):
-        conns.run(plan())
-    with pytest.raises(UnknownNamespace):
-        await conns.arun(plan())
-    # two payloads that overflow one answer together: the read is halved, not refused
     client = conns.client()
     for i, c in ((1, "x"), (2, "y")):
         client.upsert([i], np.ones((1, DIM), np.float32), [{"t": c * 3000}], namespace="big")
+
+    def plan() -> Any:
+        # (a namespace that was never written is no error: its records are none)
+        [missing] = yield [GET([1], namespace="nowhere")]
+        assert missing.ids.tolist() == [] and missing.missing.tolist() == [1]
+        [overflow] = yield [GET([1, 2], namespace="big", with_vectors=False).catching(PayloadTooLarge)]
+        assert isinstance(overflow, PayloadTooLarge)
+        yield [GET([1, 2], namespace="big", with_vectors=False)]
+        raise AssertionError("not reached")
+
+    with pytest.raises(PayloadTooLarge):
+        conns.run(plan())
+    with pytest.raises(PayloadTooLarge):
+        await conns.arun(plan())
+    # two payloads that overflow one answer together: the read is halved, not refused
     with pytest.raises(PayloadTooLarge):
         client.get([1, 2], namespace="big", with_vectors=False)
     assert set(conns.run(fetch_payloads("big", [1, 2, 3]))) == {1, 2}
@@ -798,11 +801,11 @@ def test_adding_new_keys_reads_one_id_each(
     counting_sidecar: tuple[str, int], writes: Any, driver: str, rng: np.random.Generator
 ) -> None:
     """Round trips of adds of N keys, counted by the sidecar (and by the pool): into a namespace
-    that does not exist yet, one read request and then the writes; new keys into a namespace
-    that exists, a read of their first ids per slot, one look-up by key and the writes; the
-    same keys again, reads and writes. Every key ends up once, at its first id. (Reading all 8
-    probes of every LlamaIndex node took 90 requests for the first add, and each read of a
-    namespace that did not exist was its own UnknownNamespace.)"""
+    that does not exist yet, one read request (its count: none) and then the writes; new keys
+    into a namespace that exists, a read of their first ids per slot, one look-up by key and the
+    writes; the same keys again, reads and writes. Every key ends up once, at its first id.
+    (Reading all 8 probes of every LlamaIndex node took 90 requests for the first add; since a
+    namespace never written answers as empty, reading its probes took a request per slot.)"""
     name, port = counting_sidecar
     w = writes(rng)
     a, b = [f"a{i}" for i in range(N_NEW)], [f"b{i}" for i in range(N_NEW)]

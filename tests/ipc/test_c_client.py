@@ -399,9 +399,12 @@ def test_error_codes(sidecar_factory, rng, build, drivers):
     assert child[0] == "KALOS_E_INVALID" and "(a fork)" in " ".join(child), child
     ids, scores = d.recall(q, 3)  # and the parent's client is untouched
     assert_topk(q, matrix, ids, scores, 3)
+    # A namespace never written holds nothing: KALOS_OK and no hits, one query or several.
+    ids, scores = d.recall(q, 5, ns="nope")
+    assert ids.tolist() == [] and scores.tolist() == []
+    assert [h[0].tolist() for h in d.recall_many(np.stack([q, -q]), 5, ns="nope")] == [[], []]
     NEWLINE_JSON = b"[1,\n2]".hex()  # valid JSON, but not one line
     cases = [
-        (f"recall nope 5 1000 {DIM} {_floats(q)}", "KALOS_E_UNKNOWN_NAMESPACE", "UNKNOWN_NAMESPACE"),
         (f"recall {NS} 5 1000 {DIM - 1} {_floats(q[:-1])}", "KALOS_E_INVALID", "dim 31; the sidecar's dim is 32"),
         (f"recall {NS} 0 1000 {DIM} {_floats(q)}", "KALOS_E_INVALID", "k must be in 1..64, got 0"),
         (f"recall {NS} 65 1000 {DIM} {_floats(q)}", "KALOS_E_INVALID", "k must be in 1..64, got 65"),

@@ -154,9 +154,10 @@ async def test_without_reconnect_no_sidecar_fails_at_once_and_the_hint_works(sid
     msg = str(e.value)
     assert "reconnect=False" in msg
     hint = msg.split("`")[1]
-    words = shlex.split(hint)
+    assert "--dim DIM --metric METRIC" in hint and "DIM the length of your vectors" in msg, msg
+    words = shlex.split(hint.replace("DIM", str(DIM)).replace("METRIC", "dot"))  # the placeholders, filled
     assert words[:4] == ["kalos", "serve", "--name", name] and "--ephemeral" in words, hint
-    proc = start_sidecar_process(words[2:] + ["--dim", str(DIM), "--backend", "numpy"], name)
+    proc = start_sidecar_process(words[2:] + ["--backend", "numpy"], name)
     try:
         async with RecallPool(name, reconnect=False, connect_timeout=10) as pool:
             assert pool.layout.dim == DIM

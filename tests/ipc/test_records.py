@@ -10,7 +10,7 @@ import pytest
 from conftest import wait_until
 
 import kalos.clients._requests as _requests
-from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError, UnknownNamespace
+from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError
 from kalos.broker.layout import HIT_META_BYTES, Flag, Layout, Op, SegmentView, Status
 from kalos.clients import RecallClient, RecallPool, Records
 from kalos.clients._transport import ClientSlot, Connection
@@ -74,8 +74,9 @@ def test_get_blocking_client_and_cosine_rows_as_stored(sidecar_factory, rng):
         assert got.ids.tolist() == ids[::-1].tolist() and got.missing.size == 0
         np.testing.assert_allclose(got.vectors, unit[::-1], rtol=1e-5, atol=1e-6)
         assert got.payloads == pls[::-1]
-        with pytest.raises(UnknownNamespace):
-            c.get([1], namespace="nope")
+        nope = c.get([1, 2], namespace="nope")  # a namespace never written: no record, no error
+        assert nope.ids.tolist() == [] and nope.missing.tolist() == [1, 2] and nope.payloads == []
+        assert nope.vectors is not None and nope.vectors.shape == (0, DIM)
 
 
 @pytest.mark.asyncio
@@ -90,11 +91,11 @@ async def test_get_bad_ids_fail_before_shared_memory(small, bad):
 
 
 @pytest.mark.asyncio
-async def test_get_unknown_namespace_and_payloads_too_large(sidecar_factory, rng):
+async def test_get_of_an_unknown_namespace_is_empty_and_payloads_too_large(sidecar_factory, rng):
     h = sidecar_factory("big", "--dim", str(DIM), "--blob-bytes", "4096", "--max-queries", "8", "--backend", "numpy")
     async with RecallPool(h.name, size=2) as pool:
-        with pytest.raises(UnknownNamespace):
-            await pool.get([1], namespace="nope")
+        nope = await pool.get(np.arange(20), namespace="nope")  # (3 chunks, each answered empty)
+        assert nope.ids.tolist() == [] and nope.missing.tolist() == list(range(20)) and nope.payloads == []
         ids = np.arange(8)
         for lo in (0, 4):  # 4 payloads fit a request, 8 do not
             await pool.upsert(ids[lo : lo + 4], rng.standard_normal((4, DIM)), [{"s": "x" * 900}] * 4)
@@ -127,6 +128,9 @@ def test_get_written_by_hand_negative_ids_and_nq_out_of_range(small, rng):
             assert raw_get(c, slot, [1, -5], b"default")[0] == Status.BAD_ID
             assert raw_get(c, slot, [], b"default")[0] == Status.TOO_MANY_QUERIES
             assert raw_get(c, slot, [2, 3, 1], b"default")[:2] == (Status.OK, 2)
+            # A namespace never written: its ids are checked all the same, and none exists.
+            assert raw_get(c, slot, [1, -5], b"nope")[0] == Status.BAD_ID
+            assert raw_get(c, slot, [2, 3, 1], b"nope")[:2] == (Status.OK, 0)
         finally:
             c.give_back([slot], [])
             c.close()
@@ -471,6 +475,8 @@ async def test_bad_filters_fail_before_shared_memory(fsc, bad):
 
 
 def test_filters_blocking_client_and_unknown_namespace(fsc, rng):
+    """Filtered operations through the blocking client; on a namespace never written they find
+    nothing (no error)."""
     with RecallClient(fsc.name, timeout=10) as c:
         c.upsert([1, 2, 3], rng.standard_normal((3, DIM)), [{"a": 1}, {"a": 2}, {"a": 1}], namespace="b")
         assert c.count("b", {"a": 1}) == 2 and c.count("b") == 3
@@ -479,13 +485,13 @@ def test_filters_blocking_client_and_unknown_namespace(fsc, rng):
         assert [x.ids.tolist() for x in c.recall_many(np.ones((2, DIM)), 10, namespace="b", where={"a": 3})] == [[], []]
         assert c.export_page("b", where={"a": 1})[0].tolist() == [1, 3]
         assert c.delete(where={"a": 1}, namespace="b") == 2 and c.count("b") == 1
-        for call in (
-            lambda: c.count("nope"),
-            lambda: c.recall(np.ones(DIM), 1, namespace="nope", where={"a": 1}),
-            lambda: c.export_page("nope", where={"a": 1}),
-        ):
-            with pytest.raises(UnknownNamespace):
-                call()
+        assert c.count("nope") == 0 and c.count("nope", {"a": 1}) == 0
+        assert c.recall(np.ones(DIM), 1, namespace="nope", where={"a": 1}).ids.tolist() == []
+        assert [len(x) for x in c.recall_many(np.ones((2, DIM)), 3, namespace="nope", where={"a": 1})] == [0, 0]
+        ids, vecs, pls = c.export_page("nope", where={"a": 1})
+        assert ids.tolist() == [] and vecs.shape == (0, DIM) and pls == []
+        assert c.delete(where={"a": 1}, namespace="nope") == 0
+        assert "nope" not in c.namespaces()  # reading a namespace does not create it
 
 
 @pytest.mark.parametrize(

@@ -14,9 +14,11 @@ import numpy as np
 import pytest
 from conftest import assert_topk, slots_free
 
-from kalos.broker.errors import UnknownNamespace
+from kalos.broker.errors import InvalidRequest
+from kalos.broker.layout import Op
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath
 from kalos.clients import RecallClient, RecallPool
+from kalos.clients._requests import Prepared
 from kalos.clients._transport import CompiledSlot, Connection, NativeSemaphore, Semaphore, load_compiled
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,8 +65,14 @@ async def test_a_pool_on_either_path_answers_exactly(sidecar, rng, path, caplog)
                 assert_topk(q, sidecar.matrix, h.ids, h.scores, int(k))
             for q, h in zip(qs[:8], many):
                 assert_topk(q, sidecar.matrix, h.ids, h.scores, 7)
-            with pytest.raises(UnknownNamespace):  # an error status through the path's decoding
-                await pool.recall(qs[0], 3, namespace="nowhere", timeout=30)
+            # An error status through the path's decoding: a plain recall of a NaN row, prepared
+            # by hand past the client's own check, answered NOT_FINITE by the sidecar.
+            nan = Prepared(Op.RECALL, b"default", 3, 1, vectors=np.full((1, 32), np.nan, np.float32), single=True)
+            with pytest.raises(InvalidRequest, match="NOT_FINITE"):
+                await pool._execute(nan, 30, 0)
+            # A namespace never written: an OK answer without hits through the same decoding.
+            assert len(await pool.recall(qs[0], 3, namespace="nowhere", timeout=30)) == 0
+            assert [len(h) for h in await pool.recall_many(qs[:2], 3, namespace="nowhere", timeout=30)] == [0, 0]
             if coalesce:
                 assert pool.statistics().coalesced > 0
     assert [r.getMessage() for r in caplog.records].count(

@@ -21,7 +21,7 @@ import pytest
 from conftest import free_port, wait_until
 from rich.console import Console
 
-from kalos.broker.errors import UnknownNamespace
+from kalos.broker.errors import PayloadTooLarge
 from kalos.clients import RecallPool
 from kalos.sidecar_cuda.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
@@ -166,12 +166,18 @@ async def test_end_to_end_metrics_match_what_the_client_measured(metrics_sidecar
         q50 = s.get("kalos_stage_latency_window_seconds", stage="queue_wait", quantile="0.5")
         assert 0 < q50 <= s50 <= p50 * 1.05, (q50, s50, p50)
 
-        with pytest.raises(UnknownNamespace):
-            await pool.recall(qs[0, 0], k=5, namespace="missing")
+        # A namespace never written is no error: an OK recall without hits. An error the sidecar
+        # answers (no client check can see it): the hits' payloads overflow the slot.
+        assert len(await pool.recall(qs[0, 0], k=5, namespace="missing")) == 0
+        await pool.upsert(np.arange(20), qs[0, :20], [{"t": "x" * 15000}] * 20, namespace="big")
+        with pytest.raises(PayloadTooLarge):
+            await pool.recall(qs[0, 0], k=20, namespace="big", with_payload=True)
         s = scrape(h.url)
-        assert s.get("kalos_errors_total", kind="UNKNOWN_NAMESPACE") == 1
+        assert s.get("kalos_errors_total", kind="PAYLOAD_TOO_LARGE") == 1
+        assert not s.get("kalos_errors_total", kind="UNKNOWN_NAMESPACE")
         assert s.get("kalos_client_requests_total", op="recall", outcome="error") == 1
-        assert s.get("kalos_client_latency_seconds_count", op="recall") == total  # errors are not latencies
+        # the empty recall is one more; errors are not latencies
+        assert s.get("kalos_client_latency_seconds_count", op="recall") == total + 1
     s = scrape(h.url)
     assert s.get("kalos_slots_leased") == 0 and s.get("kalos_slots_in_flight") == 0
 

@@ -416,7 +416,7 @@ def test_promtool_check_metrics_passes_on_a_real_sidecar(prometheus_bin, sidecar
     """Issue 22, item 6: the exposition of a sidecar that served every kind of call (and an error)
     passes ``promtool check metrics`` (no ``quantile`` label outside a summary, and the rest of its
     lint)."""
-    from kalos.broker.errors import UnknownNamespace
+    from kalos.broker.errors import PayloadTooLarge
     from kalos.clients import RecallClient
 
     promtool = _promtool(prometheus_bin)
@@ -433,8 +433,10 @@ def test_promtool_check_metrics_passes_on_a_real_sidecar(prometheus_bin, sidecar
         c.export_page("lint")
         c.delete(np.arange(50), namespace="lint")
         c.drop_namespace("lint")
-        with pytest.raises(UnknownNamespace):
-            c.recall(vecs[0], k=3, namespace="missing")
+        assert len(c.recall(vecs[0], k=3, namespace="missing")) == 0  # never written: no hits, no error
+        c.upsert(np.arange(20), vecs[:20], [{"t": "x" * 15000}] * 20, namespace="big")
+        with pytest.raises(PayloadTooLarge):  # an error the sidecar answers: the hits overflow the slot
+            c.recall(vecs[0], k=20, namespace="big", with_payload=True)
     with urllib.request.urlopen(f"http://127.0.0.1:{sc.port}/metrics", timeout=10) as r:
         body = r.read()
     ops = set(re.findall(rb'kalos_client_latency_seconds_count\{op="(\w+)"\}', body))

@@ -299,7 +299,8 @@ def test_without_reconnect_no_sidecar_fails_at_once_with_a_command_that_works():
         drive(steps, clock, clock.now + 30)
     assert clock.now == 100.0  # not one pause
     msg = str(e.value)
-    assert "`kalos serve --name t-nosuch-unit --ephemeral`" in msg and "--data-dir DIR" in msg
+    assert "`kalos serve --name t-nosuch-unit --ephemeral --dim DIM --metric METRIC`" in msg and "--data-dir DIR" in msg
+    assert "DIM the length of your vectors, METRIC dot, cosine or l2" in msg
     assert "reconnect=False" in msg
 
 
