@@ -323,8 +323,9 @@ def export_namespaces(
     ``timeout`` (seconds, None: no limit) bounds the whole export, connecting included. Refuses
     (ConfigError) before reading anything if a file of an export is there already. Pages are
     read with an id cursor, so the export stays consistent record by record while writers go
-    on. Progress goes to ``progress`` (default: stderr). Raises UnknownNamespace,
-    BrokerUnavailable, CommandTimeout; a failed export removes its files."""
+    on. A namespace that holds no record (never written, or dropped) exports 0 records. Progress
+    goes to ``progress`` (default: stderr). Raises BrokerUnavailable, CommandTimeout; a failed
+    export removes its files."""
     several = namespaces is None
     check_export_target(out_dir, several=several)
 
