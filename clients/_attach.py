@@ -21,7 +21,7 @@ from typing import NamedTuple, TypeVar
 
 from ..broker.errors import BrokerUnavailable, ConfigError, ProtocolError, SlotsExhausted
 from ..broker.layout import Layout
-from ._transport import ClientSlot, Connection, LockBusy, SlotCensus
+from ._transport import ClientSlot, Connection, LockBusy, SlotCensus, SlotWant
 
 #: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
 BACKOFF_MIN_S = 0.01
@@ -86,10 +86,19 @@ def pause_within(want: float, deadline: float | None, now: float) -> float | Non
 
 
 class _Retry(Exception):
-    """One attempt failed in a way worth trying again (within the deadline)."""
+    """One attempt failed in a way worth trying again (within the deadline). ``waiting_for``:
+    what a SlotsExhausted waits for; ``want``: the announcement that this process waits for its
+    first slot (taken once, held until the attach ends)."""
 
-    def __init__(self, error: BrokerUnavailable | SlotsExhausted) -> None:
+    def __init__(
+        self,
+        error: BrokerUnavailable | SlotsExhausted,
+        waiting_for: str = "them to be reclaimed",
+        want: SlotWant | None = None,
+    ) -> None:
         self.error = error
+        self.waiting_for = waiting_for
+        self.want = want
 
 
 def attach(
@@ -105,8 +114,11 @@ def attach(
     clock: Callable[[], float],
     rng: random.Random,
     for_pool: bool = False,
+    initial: int | None = None,
+    wait_for_slots: bool = False,
 ) -> Generator[float, None, Attachment]:
-    """Attach and lease between ``min_size`` and ``size`` slots; yields pauses (seconds).
+    """Attach and lease between ``min_size`` and ``initial`` slots (default ``size``); yields
+    pauses (seconds).
 
     ``deadline``: monotonic seconds (by ``clock``), None for no limit. ``wait_for_sidecar``:
     while no live sidecar serves the name (no objects, a dead or stopping one), retry until the
@@ -115,38 +127,51 @@ def attach(
     from processes that exited. ``within``: how the budget is named in messages.
     ``for_pool``: a pool's attachment (a RecallClient's otherwise): a ``size`` above the
     sidecar's slot count is a ConfigError, and messages speak of the pool's size.
+    ``wait_for_slots``: slots that live processes hold are waited for too, within the deadline
+    (elastic pools give back what they hold beyond their ``min_size`` when idle, and at once
+    while a process waits for its first slot: this one announces its wait,
+    ``Connection.want_slots``, until the attach ends); False: SlotsExhausted at once.
 
     Raises BrokerUnavailable (naming ``within``), SlotsExhausted (other processes hold the
     slots), ConfigError, UntrustedBroker, ProtocolError.
     """
     attempt = 0
-    while True:
-        try:
-            return (
-                yield from _attempt(
-                    connect,
-                    name,
-                    sidecar_uid,
-                    size=size,
-                    min_size=min_size,
-                    deadline=deadline,
-                    within=within,
-                    clock=clock,
-                    wait_for_sidecar=wait_for_sidecar,
-                    for_pool=for_pool,
+    want: SlotWant | None = None
+    try:
+        while True:
+            try:
+                return (
+                    yield from _attempt(
+                        connect,
+                        name,
+                        sidecar_uid,
+                        size=size,
+                        min_size=min_size,
+                        initial=size if initial is None else initial,
+                        deadline=deadline,
+                        within=within,
+                        clock=clock,
+                        wait_for_sidecar=wait_for_sidecar,
+                        wait_for_slots=wait_for_slots,
+                        announced=want is not None,
+                        for_pool=for_pool,
+                    )
                 )
-            )
-        except _Retry as r:
-            pause = pause_within(backoff_s(attempt, rng), deadline, clock())
-            if pause is None:
-                e = r.error
-                if isinstance(e, SlotsExhausted):
-                    raise SlotsExhausted(f"{e} (waited {within} for them to be reclaimed)") from None
-                if isinstance(e, LockBusy):
-                    raise LockBusy(f"{e} (tried {within})") from None
-                raise BrokerUnavailable(f"{e} (no sidecar served it {within})") from None
-        yield pause
-        attempt += 1
+            except _Retry as r:
+                want = want or r.want
+                pause = pause_within(backoff_s(attempt, rng), deadline, clock())
+                if pause is None:
+                    e = r.error
+                    if isinstance(e, SlotsExhausted):
+                        raise SlotsExhausted(f"{e} (waited {within} for {r.waiting_for})") from None
+                    if isinstance(e, LockBusy):
+                        raise LockBusy(f"{e} (tried {within})") from None
+                    raise BrokerUnavailable(f"{e} (no sidecar served it {within})") from None
+            yield pause
+            attempt += 1
+    finally:
+        if want is not None:
+            want.release()
 
 
 def _attempt(
@@ -156,10 +181,13 @@ def _attempt(
     *,
     size: int,
     min_size: int,
+    initial: int,
     deadline: float | None,
     within: str,
     clock: Callable[[], float],
     wait_for_sidecar: bool,
+    wait_for_slots: bool,
+    announced: bool,
     for_pool: bool,
 ) -> Generator[float, None, Attachment]:
     try:
@@ -188,7 +216,7 @@ def _attempt(
                 "start the sidecar with more --slots"
             )
         try:
-            slots = conn.lease(size)
+            slots = conn.lease(initial)
             if len(slots) < min_size:
                 conn.give_back(slots, [])
                 census = conn.census()
@@ -200,6 +228,10 @@ def _attempt(
             error = SlotsExhausted(_exhausted(name, census, size, min_size, for_pool))
             if census.free + census.reclaimable >= min_size:
                 raise _Retry(error)  # the sidecar's reaper frees them within a fraction of a second
+            if wait_for_slots:  # elastic pools give back what they hold beyond their min_size
+                raise _Retry(
+                    error, "other pools to give slots back", None if announced else conn.want_slots(first=True)
+                )
             raise error
     except BaseException:
         conn.close()
@@ -228,17 +260,17 @@ def _exhausted(name: str, c: SlotCensus, size: int, min_size: int, for_pool: boo
             "a RecallClient needs one. Close pools that are not needed or start the sidecar with more --slots"
         )
     return held + (
-        f"this pool needs at least {min_size} (min_size; it asks for {size}). Close "
-        "pools that are not needed, lower size and min_size, or start the sidecar with "
-        "more --slots"
+        f"this pool needs at least {min_size} (min_size; it grows to size={size} on demand). "
+        "Close pools and clients that are not needed, lower min_size, or start the sidecar "
+        "with more --slots"
     )
 
 
 class Attacher:
     """One client's attachment arguments, fixed when it is made: the broker, the sidecar's user,
-    how many slots (``size``, at least ``min_size``), whose (``for_pool``: a pool's, else a
-    RecallClient's), and the backoff's random source. ``reopen`` names what a caller reopens
-    when the geometry changed."""
+    how many slots (``initial``, default ``size``, at least ``min_size``; ``wait_for_slots``:
+    :func:`attach`), whose (``for_pool``: a pool's, else a RecallClient's), and the backoff's
+    random source. ``reopen`` names what a caller reopens when the geometry changed."""
 
     def __init__(
         self,
@@ -251,8 +283,12 @@ class Attacher:
         for_pool: bool,
         rng: random.Random,
         clock: Callable[[], float] = time.monotonic,
+        initial: int | None = None,
+        wait_for_slots: bool = False,
     ) -> None:
         self.name = name
+        self._initial = initial
+        self._wait_for_slots = wait_for_slots
         self._connect = connect
         self._uid = sidecar_uid
         self._size = size
@@ -276,6 +312,8 @@ class Attacher:
             clock=self._clock,
             rng=self._rng,
             for_pool=self._for_pool,
+            initial=self._initial,
+            wait_for_slots=self._wait_for_slots,
         )
 
     def reattach(self, old: Layout) -> Generator[float, None, Attachment]:

@@ -16,6 +16,7 @@ caller's latency when its answer is read, or a timeout for a caller that had gon
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from collections.abc import Sequence
@@ -133,6 +134,42 @@ class Exchange(Generic[W]):
         self.slot.set_free()
 
 
+async def settled_within(fut: asyncio.Future[Any], timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for ``fut``: True once it is done (read its result, or
+    its own error, from it), False when the budget ran out first (``fut`` is then cancelled: its
+    caller went away). Cancelling the wait cancels ``fut`` too.
+
+    The drivers' one way of bounding a wait on an answer, instead of ``asyncio.wait_for`` and
+    ``except asyncio.TimeoutError``: that clause also catches every error the future carries
+    that is a TimeoutError (a sidecar's NOT_APPLIED answer is PositionTimeout, a KalosTimeout) on
+    Python 3.11+, where ``asyncio.TimeoutError is TimeoutError``, and not on 3.10. Here nothing
+    is caught: whether the budget ran out is whether ``fut`` is done, whatever the relation
+    between those two classes."""
+    if fut.done():
+        return True
+    loop = fut.get_loop()
+    woken: asyncio.Future[None] = loop.create_future()
+
+    def wake(_: object = None) -> None:
+        if not woken.done():
+            woken.set_result(None)
+
+    fut.add_done_callback(wake)
+    timer = loop.call_later(timeout, wake)
+    try:
+        await woken
+    except BaseException:  # the waiting task was cancelled
+        fut.cancel()
+        raise
+    finally:
+        timer.cancel()
+        fut.remove_done_callback(wake)
+    if fut.done():
+        return True
+    fut.cancel()
+    return False
+
+
 def resend_after_outage(p: Prepared, deadline: float | None, now: float) -> bool:
     """Send ``p`` again to the next sidecar after the one it was posted to went away? Reads
     only (idempotent; a write may have been applied: its caller decides), and only within the
@@ -140,4 +177,4 @@ def resend_after_outage(p: Prepared, deadline: float | None, now: float) -> bool
     return p.op in READS and (deadline is None or now < deadline)
 
 
-__all__ = ["Completion", "Exchange", "Outcome", "resend_after_outage"]
+__all__ = ["Completion", "Exchange", "Outcome", "resend_after_outage", "settled_within"]

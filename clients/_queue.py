@@ -18,7 +18,7 @@ from typing import Any, Union
 
 from ..broker.errors import KalosError, ResponseTimeout
 from ._coalesce import Key, Share, coalesce_key, pick_group
-from ._exchange import Exchange
+from ._exchange import Exchange, settled_within
 from ._requests import Prepared, recall_group
 from ._transport import ClientSlot
 
@@ -122,21 +122,20 @@ class CoalescingQueue:
         try:
             if deadline is None:
                 return await fut
-            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError as e:
-            if isinstance(e, KalosError):  # the caller's own error, not the budget running out
-                raise
-            if m.sent:
-                raise ResponseTimeout(
-                    f"no answer within {timeout} s (request stays in flight "
-                    "until the sidecar finishes it; the slot is then reused)"
-                ) from None
-            self._unqueue(m)
-            raise NotSent(m.resent) from None
+            answered = await settled_within(fut, max(0.0, deadline - loop.time()))
         except BaseException:
             if not m.sent:
                 self._unqueue(m)
             raise
+        if answered:
+            return fut.result()  # its value, or its own error (a sidecar's timeout status too)
+        if m.sent:
+            raise ResponseTimeout(
+                f"no answer within {timeout} s (request stays in flight "
+                "until the sidecar finishes it; the slot is then reused)"
+            )
+        self._unqueue(m)
+        raise NotSent(m.resent)
 
     def again(self, members: Sequence[Member]) -> None:
         """A shared slot overflowed (Completion.RESEND_ALONE): its callers still waiting go to the

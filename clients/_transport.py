@@ -22,6 +22,7 @@ import fcntl
 import importlib
 import mmap
 import os
+import struct
 import threading
 import time
 from bisect import bisect_left
@@ -140,6 +141,43 @@ def default_slot_path() -> Choice:
     environment (``KALOS_PURE_PYTHON``, ``KALOS_REQUIRE_COMPILED``); ConfigError when the
     compiled path is required and not built."""
     return choose(os.environ, load_compiled)
+
+
+def want_byte(n_slots: int, first: bool) -> int:
+    """A lease-file byte past the sidecar's (``broker.leases``) that clients hold (shared) while
+    they wait for slots, read by the elastic pools (``clients.pool.LeasePlan``): ``first``, a
+    process waits for its first slot (pools give back every slot beyond their ``min_size`` as it
+    frees up); else a pool's callers wait for slots the broker could not give it (pools give
+    back what they hold beyond a fair share). The sidecar never looks at them; the kernel drops
+    a waiter's lock when it dies, as it drops a lease's."""
+    return leases.sidecar_byte(n_slots) + (1 if first else 2)
+
+
+#: struct flock on Linux (as ``broker.leases`` packs it): type, whence, start, len, pid.
+_FLOCK = struct.Struct("@hhqqixxxx")
+
+
+class SlotWant:
+    """This process waits for slots of a broker: a shared (read) lock on a :func:`want_byte` of
+    the lease file, on a descriptor of its own, so it outlives the connection it was taken
+    through (an attach retries with new ones). :meth:`release` ends it."""
+
+    __slots__ = ("_fd", "_byte")
+
+    def __init__(self, fd: int, byte: int) -> None:
+        self._fd = fd
+        self._byte = byte
+
+    def release(self) -> None:
+        if self._fd < 0:
+            return
+        try:  # unlocked first: the descriptor may share its description with a live connection
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, 0, self._byte, 1, 0))
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -531,6 +569,8 @@ class Connection:
     #: The slot path of this attachment (``slot_path.path``: compiled or python) and its module.
     slot_path: Choice
     cslot: ModuleType | None
+    #: The broker's lease file (-1: none, as for a unit test's in-memory transport).
+    leases_fd: int = -1
 
     def __init__(self, name: str, *, sidecar_uid: int | None = None, slot_path: Choice | None = None) -> None:
         self.name = validate_broker_name(name)
@@ -543,8 +583,9 @@ class Connection:
         except posix_ipc.ExistentialError:
             raise BrokerUnavailable(
                 f"no sidecar serves broker {name!r} (start one: `kalos serve "
-                f"--name {name} --ephemeral`, or `--data-dir DIR` instead of "
-                "--ephemeral to keep the records)"
+                f"--name {name} --ephemeral --dim DIM --metric METRIC`, DIM the length of "
+                "your vectors, METRIC dot, cosine or l2 as your embedding model's similarity; "
+                "`--data-dir DIR` instead of --ephemeral keeps the records)"
             ) from None
         except posix_ipc.PermissionsError as e:
             raise BrokerUnavailable(
@@ -740,6 +781,45 @@ class Connection:
         except OSError as e:
             raise BrokerUnavailable(f"broker {self.name!r}: lease file: {e}") from None
         return SlotCensus(self.layout.n_slots, free, leased, reclaimable)
+
+    def want_slots(self, first: bool) -> SlotWant | None:
+        """Announce that this process waits for slots (:class:`SlotWant`; ``first``: its first,
+        :func:`want_byte`); None where the lock cannot be taken (no lease file): the wait goes
+        on without the announcement."""
+        byte = want_byte(self.layout.n_slots, first)
+        if self.leases_fd < 0:
+            return None
+        try:
+            fd = os.dup(self.leases_fd)
+        except OSError:
+            return None
+        try:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, 0, byte, 1, 0))
+        except OSError:
+            os.close(fd)
+            return None
+        return SlotWant(fd, byte)
+
+    def pressure(self) -> tuple[bool, bool]:
+        """(another process waits for its first slot, another pool waits for more slots): the
+        :meth:`want_slots` announcements of others, two ``F_OFD_GETLK``; (False, False) where
+        they cannot be read."""
+        if self.leases_fd < 0:
+            return False, False
+        n = self.layout.n_slots
+        try:
+            return (
+                leases.is_locked(self.leases_fd, want_byte(n, True)),
+                leases.is_locked(self.leases_fd, want_byte(n, False)),
+            )
+        except OSError:
+            return False, False
+
+    def holders(self) -> int:
+        """How many processes lease slots now (distinct owners; a snapshot read without the
+        claim lock: for a fair share, not for a decision that must be exact)."""
+        owners = self.seg.slots["owner_pid"]
+        return len(set(owners[(owners != 0) & (owners != OWNER_ABANDONED)].tolist()))
 
     def give_back(self, idle: list[ClientSlot], busy: list[ClientSlot]) -> None:
         """End leases: idle slots become free now; busy ones (request in flight) are marked

@@ -85,7 +85,9 @@ class RecallClient:
     ``timeout`` (seconds, None = no limit) is the default budget of each call. A request that times
     out stays in flight: the next call first waits for the sidecar to finish it, so a stale answer
     never reaches a later caller. Opening waits up to ``connect_timeout`` for a sidecar to serve
-    the name. Restarts and forks as for :class:`~kalos.clients.pool.RecallPool` (``reconnect``).
+    the name, and for a slot while other processes hold every one (elastic pools give back what
+    they hold beyond their ``min_size``; then SlotsExhausted). Restarts and forks as for
+    :class:`~kalos.clients.pool.RecallPool` (``reconnect``).
     """
 
     def __init__(
@@ -101,8 +103,17 @@ class RecallClient:
         connect: Connect | None = None,
     ) -> None:
         self.name = name
+        # Slots held by others are waited for (within the budget, announced to the elastic
+        # pools, which give back what they hold beyond their min_size): clients.pool.LeasePlan.
         self._attacher = Attacher(
-            connect or _connect, name, sidecar_uid, size=1, min_size=1, for_pool=False, rng=random.Random()
+            connect or _connect,
+            name,
+            sidecar_uid,
+            size=1,
+            min_size=1,
+            for_pool=False,
+            rng=random.Random(),
+            wait_for_slots=True,
         )
         self._reconnect = reconnect
         self._pid = os.getpid()
@@ -312,7 +323,8 @@ class RecallClient:
         self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
     ) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
-        if given): (ids int64, vectors float32 as stored, payloads). Raises UnknownNamespace."""
+        if given): (ids int64, vectors float32 as stored, payloads); none for a namespace that
+        does not exist."""
         return cast(
             "tuple[Any, Any, list[Any]]",
             self._call(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),

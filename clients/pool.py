@@ -1,7 +1,9 @@
 """The asyncio driver of the client core: :class:`RecallPool`.
 
-Slots are leased up front (like asyncpg's pool creates its connections) and sit on a free stack.
-A call takes a slot, sends its request in it (``clients._exchange``: write, then post) and awaits
+Slots are leased elastically (as asyncpg and psycopg_pool keep between ``min_size`` and
+``max_size`` connections): ``min_size`` at open, more up to ``size`` while callers wait for one
+and the broker has free slots, given back once idle (:class:`LeasePlan`, pure). Leased slots sit
+on a free stack. A call takes a slot, sends its request in it (``clients._exchange``: write, then post) and awaits
 a future; one poller task per pool finds answers in and resolves the futures from each exchange's
 outcome. The poller checks the slot states between event-loop turns while answers keep coming,
 for the window of the spin-then-block policy (``broker.waiting``), then a waiter thread blocks on
@@ -10,7 +12,8 @@ finishes first) and wakes the loop with ``call_soon_threadsafe``; the loop also 
 sidecar's liveness every ``LIVENESS_S``. An idle pool costs no CPU.
 
 Cancellation and timeouts never leak a slot: a slot whose caller went away stays in flight until
-the sidecar answers; the poller then drops the answer and only then frees the slot.
+the sidecar answers; the poller then drops the answer and only then frees the slot. Closing never
+waits for such a slot: it is abandoned to the sidecar's reaper, which frees it once answered.
 
 What the pool drives, each written once: ``clients._attach`` (attach, re-attach after an outage,
 detach), ``clients._exchange`` (one request in one slot), ``clients._queue`` (the coalescing
@@ -48,7 +51,7 @@ from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
-from ._exchange import Completion, Exchange, resend_after_outage
+from ._exchange import Completion, Exchange, resend_after_outage, settled_within
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT,
@@ -90,11 +93,24 @@ from ._requests import (
 from ._requests import (
     upsert as encode_upsert,
 )
-from ._transport import ClientSlot, Connection, Waiter
+from ._transport import ClientSlot, Connection, LockBusy, SlotWant, Waiter
 from ._writes import WriteCall, out_of_budget, settle
 from .results import Hits, Records, Written
 
 LIVENESS_S = 0.1
+#: Default ``idle_s``: a slot leased beyond ``min_size`` goes back once unused this long (it goes
+#: back between ``idle_s`` and twice that after its last use).
+IDLE_S = 3.0
+#: After the broker had no slot to spare, the pool asks again this much later while callers wait.
+GROW_RETRY_S = 0.05
+#: ... and this much later when the slots' claim lock was held too long by another process (a
+#: stopped or frozen client: every try would stall the event loop for ``FLOCK_WAIT_S``).
+LOCK_RETRY_S = 1.0
+#: How often a pool holding slots beyond its ``min_size`` looks whether another process waits for
+#: its first slot (``Connection.pressure``; it then gives those slots back as they free up).
+TICK_S = 0.25
+#: Default ``close_timeout``: how long close() waits for callers still waiting on an answer.
+CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("kalos.clients.pool")
 
 
@@ -141,11 +157,74 @@ def refusal(state: PoolState, broken: KalosError | None, opened_in: int, pid: in
     return ClosedError(f"pool is {state.value}")
 
 
+@dataclass(slots=True)
+class LeasePlan:
+    """When an elastic pool leases more slots and when it gives them back: the decisions, pure
+    (times are the caller's clock, in seconds; nothing here touches a slot).
+
+    * **Grow** (:meth:`grow`): a caller finds no free slot: lease one per caller waiting, within
+      ``size``; not before ``retry_at`` after the broker had none to spare (:meth:`refused`):
+      meanwhile callers queue for the pool's own slots.
+    * **Idle** (:meth:`to_return`): at the end of each period of ``idle_s``, the slots that stayed
+      on the free stack the whole period (its low-water mark; the stack is LIFO, so they are the
+      ones at its bottom) go back, down to ``min_size``: idle slots serve other processes.
+    * **Cede to a starting process** (``ceding``): while another process waits for its first
+      slot of the broker, every slot beyond ``min_size`` goes back as soon as it is free, and
+      the pool does not grow.
+    * **Fair share under contention** (``share``): while another pool's callers wait for a slot
+      the broker could not give it, no pool holds more than ``share`` (the broker's slots over
+      the processes holding some; at least ``min_size``): slots beyond it go back as they free
+      up, and the pool grows no further. Without contention a busy pool may grow past it, to
+      ``size``, into slots nobody else asks for.
+    """
+
+    size: int
+    min_size: int
+    idle_s: float
+    retry_at: float = 0.0
+    period_end: float = 0.0
+    ceding: bool = False
+    share: int | None = None
+
+    def cap(self) -> int:
+        """The most slots the pool may hold now."""
+        if self.ceding:
+            return self.min_size
+        if self.share is not None:
+            return min(self.size, max(self.min_size, self.share))
+        return self.size
+
+    def grow(self, leased: int, waiting: int, now: float) -> int:
+        """Slots to lease now for ``waiting`` callers without a free slot (0: queue instead)."""
+        if now < self.retry_at:
+            return 0
+        return max(0, min(self.cap() - leased, waiting))
+
+    def refused(self, now: float, wait: float = GROW_RETRY_S) -> None:
+        """The broker had no slot to spare: do not ask again for ``wait`` seconds."""
+        self.retry_at = now + wait
+
+    def start(self, now: float) -> None:
+        """The pool holds slots beyond ``min_size`` again: a new idle period begins."""
+        self.period_end = now + self.idle_s
+
+    def to_return(self, leased: int, free: int, idle: int, now: float) -> int:
+        """Slots to give back now: ``free`` slots on the stack, ``idle`` of them unused since
+        the period began (the low-water mark). Ceding or contended: every free one beyond
+        :meth:`cap`; then, at the end of a period, the idle ones down to ``min_size`` (and a
+        new period begins)."""
+        over = max(0, min(free, leased - self.cap()))
+        if now < self.period_end:
+            return over
+        self.period_end = now + self.idle_s
+        return max(over, min(idle, leased - self.min_size))
+
+
 @dataclass(frozen=True)
 class PoolStatistics:
     """A snapshot of a pool's state."""
 
-    size: int  # slots leased
+    size: int  # slots leased now (between min_size and max_size)
     free: int  # slots ready for a new request
     in_flight: int  # posted, not answered yet (includes orphaned)
     orphaned: int  # in flight whose caller was cancelled or timed out
@@ -159,6 +238,11 @@ class PoolStatistics:
     posted: int = 0  # requests written into a slot and posted (round trips to the sidecar)
     coalesced: int = 0  # completed recalls that shared their slot with other recalls
     slot_path: str = "python"  # "compiled" (clients/_cslot.c) or "python": who does the byte work
+    min_size: int = 1  # slots leased at open and always kept
+    max_size: int = 1  # the pool's ``size``: the most slots it leases
+    grown: int = 0  # slots leased after open, because callers waited for one
+    returned: int = 0  # slots given back: idle, or ceded to a process waiting for its first
+    refused: int = 0  # times callers waited and the broker had no slot to spare (they queued)
 
 
 _POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
@@ -195,8 +279,10 @@ class _FreeSlots:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._slots: list[ClientSlot] = []
-        self._current: frozenset[ClientSlot] = frozenset()  # the slots of the live attachment
         self._waiters: deque[asyncio.Future[ClientSlot]] = deque()
+        #: The fewest slots on the stack since it was last reset (:meth:`reset_low`): so many at
+        #: its bottom were not taken since (the stack is LIFO), idle for that whole time.
+        self.low = 0
 
     def qsize(self) -> int:
         return len(self._slots)
@@ -213,6 +299,21 @@ class _FreeSlots:
     def drain(self) -> None:
         """Forget the free slots (their attachment is gone); waiters keep waiting."""
         self._slots.clear()
+        self.low = 0
+
+    def reset_low(self) -> None:
+        self.low = len(self._slots)
+
+    def take_oldest(self, n: int) -> list[ClientSlot]:
+        """Remove and return the ``n`` slots at the bottom of the stack (released longest ago)."""
+        taken = self._slots[:n]
+        del self._slots[:n]
+        self.low = min(self.low, len(self._slots))
+        return taken
+
+    def waiting(self) -> int:
+        """Callers waiting in line for a slot (the coalescing queue counts as one)."""
+        return sum(1 for w in self._waiters if not w.done())
 
     def wake_all(self, exc: BaseException) -> None:
         """Fail every waiter with ``exc`` (the pool broke)."""
@@ -222,7 +323,14 @@ class _FreeSlots:
                 w.set_exception(exc)
 
     def get_nowait(self) -> ClientSlot | None:
-        return self._slots.pop() if self._slots else None
+        slots = self._slots
+        if slots:
+            slot = slots.pop()
+            if len(slots) < self.low:
+                self.low = len(slots)
+            return slot
+        self.low = 0
+        return None
 
     def add_waiter(self, fut: asyncio.Future[ClientSlot]) -> None:
         """Queue ``fut`` for the next released slot, in line with the callers of :meth:`get` (the
@@ -242,33 +350,58 @@ class _FreeSlots:
             pass
 
     async def get(self, timeout: float | None) -> ClientSlot:
-        """Wait for a slot; raises TimeoutError after ``timeout`` seconds (None: no limit)."""
+        """Wait for a slot; raises ``asyncio.TimeoutError`` after ``timeout`` seconds (None: no
+        limit)."""
+        slot = await self.get_within(timeout)
+        if slot is None:
+            raise asyncio.TimeoutError()
+        return slot
+
+    async def get_within(self, timeout: float | None) -> ClientSlot | None:
+        """Wait for a slot up to ``timeout`` seconds (None: no limit); None when none came. An
+        error a waiter was failed with (:meth:`wake_all`) is raised as itself."""
         fut: asyncio.Future[ClientSlot] = self._loop.create_future()
         self._waiters.append(fut)
         try:
             if timeout is None:
                 return await fut
-            return await asyncio.wait_for(fut, timeout)
+            if await settled_within(fut, timeout):
+                return fut.result()
         except BaseException:
-            if fut.done() and not fut.cancelled():
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.put_nowait(fut.result())  # handed to us as we gave up: pass it on
             else:
-                fut.cancel()
-                try:
-                    self._waiters.remove(fut)
-                except ValueError:
-                    pass
+                self._forget(fut)
             raise
+        self._forget(fut)
+        return None
+
+    def _forget(self, fut: asyncio.Future[ClientSlot]) -> None:
+        fut.cancel()
+        try:
+            self._waiters.remove(fut)
+        except ValueError:
+            pass
 
 
 class RecallPool:
     """A pool of leased slots of one broker, for asyncio (default loop or uvloop).
 
-    ``size`` slots are leased at :meth:`open` (at most the sidecar's slot count, else ConfigError;
-    at least ``min_size``, else SlotsExhausted);
+    **Elastic leases.** :meth:`open` leases ``min_size`` slots (default 1; fewer free than that:
+    it waits within ``connect_timeout`` for other pools to give slots back, then
+    SlotsExhausted, naming the sidecar's ``--slots``). A call that finds no free slot leases
+    another, up to ``size`` (at most the sidecar's slot count, else ConfigError at open), while
+    the broker has one free; when it has none, the call queues for the pool's own slots (within
+    its timeout: AcquireTimeout) and the pool asks again every ``GROW_RETRY_S`` while callers
+    wait (``statistics().refused`` counts the refusals). Slots beyond ``min_size`` go back to the
+    broker once unused for ``idle_s`` seconds (default 3), and at once, as they free up, while
+    another process waits for its first slot. So idle pools hold ``min_size`` slots each, and a
+    busy one grows to what it uses (README, "Sizing": slots against worker processes).
     ``timeout`` is the default time budget in seconds for each call (None: no limit; a dead
-    sidecar is still detected within about a tenth of a second). ``spin_us`` and ``max_spin_us``
-    bound how long the pool polls shared memory after a completion before it blocks.
+    sidecar is still detected within about a tenth of a second). ``close_timeout``: how long
+    :meth:`close` waits for callers still waiting on an answer (None: as long as they wait).
+    ``spin_us`` and ``max_spin_us`` bound how long the pool polls shared memory after a
+    completion before it blocks.
     ``sidecar_uid``: the user the sidecar runs as, if not this process's (its objects must belong
     to it and be closed to other users; raises UntrustedBroker otherwise).
 
@@ -320,6 +453,8 @@ class RecallPool:
         min_size: int = 1,
         timeout: float | None = None,
         connect_timeout: float = 10.0,
+        idle_s: float = IDLE_S,
+        close_timeout: float | None = CLOSE_TIMEOUT_S,
         spin_us: float = DEFAULT_SPIN_US,
         max_spin_us: float = MAX_SPIN_US,
         sidecar_uid: int | None = None,
@@ -329,13 +464,32 @@ class RecallPool:
     ) -> None:
         if size < 1 or min_size < 1 or min_size > size:
             raise ConfigError(f"need 1 <= min_size <= size, got size={size} min_size={min_size}")
+        if not idle_s > 0:
+            raise ConfigError(f"idle_s must be > 0 seconds, got {idle_s}")
         self.name = name
         self._timeout = timeout
         self._connect_timeout = connect_timeout
+        self._close_timeout = close_timeout
         self._reconnect = reconnect
         self._coalesce = coalesce
+        self._size = size
+        self._min_size = min_size
+        self._plan = LeasePlan(size, min_size, idle_s)
+        self._ceding = False  # (the plan's, read on every answer)
+        self._ticker: asyncio.TimerHandle | None = None  # idle and ceding checks, while grown
+        self._regrower: asyncio.TimerHandle | None = None  # asks again after a refusal
+        self._want: SlotWant | None = None  # our callers wait for slots the broker could not give
+        self._grown = self._returned = self._refused = 0
         self._attacher = Attacher(
-            connect or _connect, name, sidecar_uid, size=size, min_size=min_size, for_pool=True, rng=random.Random()
+            connect or _connect,
+            name,
+            sidecar_uid,
+            size=size,
+            min_size=min_size,
+            for_pool=True,
+            rng=random.Random(),
+            initial=min_size,
+            wait_for_slots=True,
         )
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._state = PoolState.NEW
@@ -372,14 +526,16 @@ class RecallPool:
 
     # ------------------------------------------------------------------ lifecycle
     async def open(self) -> RecallPool:
-        """Attach to the sidecar and lease slots.
+        """Attach to the sidecar and lease ``min_size`` slots.
 
-        Waits up to ``connect_timeout`` seconds for a sidecar that is loading, for slots the
-        sidecar is reclaiming from processes that exited, and (with ``reconnect=True``) while no
-        sidecar serves the name yet or a dead one is being replaced; with ``reconnect=False`` no
-        live sidecar fails at once. Raises BrokerUnavailable (no sidecar, or none ready in time),
-        SlotsExhausted (other processes hold the slots: fewer than ``min_size`` are free),
-        ConfigError (``size`` is above the sidecar's slot count), UntrustedBroker, ProtocolError.
+        Waits up to ``connect_timeout`` seconds for a sidecar that is loading, for slots (the
+        sidecar reclaiming them from processes that exited, other pools giving theirs back: they
+        do, as they free up, while a process waits for its first), and (with
+        ``reconnect=True``) while no sidecar serves the name yet or a dead one is being replaced;
+        with ``reconnect=False`` no live sidecar fails at once. Raises BrokerUnavailable (no
+        sidecar, or none ready in time), SlotsExhausted (fewer than ``min_size`` slots came free
+        in time: other processes hold them), ConfigError (``size`` is above the sidecar's slot
+        count), UntrustedBroker, ProtocolError.
         """
         if self._state is not PoolState.NEW:
             raise ClosedError(f"pool is {self._state.value}: a pool is opened once")
@@ -419,10 +575,12 @@ class RecallPool:
         assert self._loop is not None and self._free is not None and self._wake is not None
         conn, slots = att
         self._conn = conn
-        self._slots = slots
+        self._slots = list(slots)
         self._current = frozenset(slots)
+        self._plan.ceding, self._plan.share, self._ceding = False, None, False
         for s in slots:
             self._free.put_nowait(s)
+        self._arm_ticker()
         self._payload_limit = conn.payload_limit
         self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
 
@@ -443,9 +601,14 @@ class RecallPool:
         self._check_usable()
         return self._metric
 
-    async def close(self) -> None:
-        """Wait for in-flight and queued requests, then give the slots back. Closing twice is
-        fine. If the wait is cancelled or fails, falls back to :meth:`terminate`."""
+    async def close(self, timeout: Timeout = DEFAULT) -> None:
+        """Wait for the callers still waiting on an answer (their requests in flight or queued)
+        for at most ``timeout`` seconds (default: the pool's ``close_timeout``; None: as long as
+        they wait), then :meth:`terminate`: callers left get ClosedError, idle slots go back,
+        slots still in flight are abandoned to the sidecar's reaper (freed once answered).
+        Requests whose callers went away (cancelled, timed out) are never waited for, whatever
+        the sidecar does with them (a read held for a fleet position may never be answered).
+        Closing twice is fine. If the wait is cancelled or fails, falls back to terminate."""
         state = self._state
         if state is PoolState.NEW or state is PoolState.CLOSED:
             self._state = PoolState.CLOSED
@@ -456,17 +619,19 @@ class RecallPool:
             self.terminate()
             return
         self._state = PoolState.CLOSING
-        queue = self._queue
-        assert queue is not None
+        queue, loop = self._queue, self._loop
+        assert queue is not None and loop is not None
+        budget = resolve_timeout(timeout, self._close_timeout)
+        deadline = None if budget is None else loop.time() + budget
         try:
-            while (self._inflight or queue.live()) and self._state is PoolState.CLOSING and self._conn is not None:
+            while self._state is PoolState.CLOSING and self._conn is not None:
                 futs = [f for e in self._inflight.values() for f in _futures(e.waiter) if not f.done()]
                 futs += queue.futures()
-                if futs:
-                    await asyncio.wait(futs, timeout=LIVENESS_S)
-                else:
-                    await asyncio.sleep(0.001)
-                if self._poller is None or self._poller.done():
+                left = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - loop.time())
+                if not futs or left <= 0:
+                    break  # no caller waits (orphans are the reaper's), or the budget ran out
+                await asyncio.wait(futs, timeout=left)
+                if self._inflight and (self._poller is None or self._poller.done()):
                     self._kick()
         except BaseException:
             self.terminate()
@@ -487,6 +652,8 @@ class RecallPool:
         self._detach(ClosedError("pool terminated"), give_back=True)
         if self._queue is not None:
             self._queue.fail(ClosedError("pool terminated"))
+        if self._free is not None:  # callers waiting for a slot: none will come
+            self._free.wake_all(ClosedError("pool terminated"))
 
     def _detach(self, exc: KalosError, *, give_back: bool) -> None:
         """Drop the current attachment: callers in flight get ``exc``; the leases go back (idle
@@ -494,6 +661,11 @@ class RecallPool:
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None
+        for timer in (self._ticker, self._regrower):
+            if timer is not None:
+                timer.cancel()
+        self._ticker = self._regrower = None
+        self._stop_wanting()
         busy = []
         for e in self._inflight.values():
             busy.append(e.slot)
@@ -522,6 +694,8 @@ class RecallPool:
             self._queue.forget()
         self._waiter = None
         self._poller = self._reattacher = None
+        self._ticker = self._regrower = None  # (the parent's loop: never run in the child)
+        self._want = None  # (its descriptor is the parent's as well)
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
@@ -540,6 +714,11 @@ class RecallPool:
             posted=self._posted,
             coalesced=self._coalesced,
             slot_path=self._slot_path.value,
+            min_size=self._min_size,
+            max_size=self._size,
+            grown=self._grown,
+            returned=self._returned,
+            refused=self._refused,
         )
 
     def spin_window_ns(self) -> int:
@@ -580,7 +759,7 @@ class RecallPool:
 
         ``timeout`` (seconds, None = no limit; default: the pool's) covers waiting for a free slot
         and for the answer. Raises InvalidRequest (bad vector/k/namespace name/recency, before
-        anything is sent), UnknownNamespace, AcquireTimeout, ResponseTimeout, BrokerUnavailable,
+        anything is sent), AcquireTimeout, ResponseTimeout, BrokerUnavailable,
         ClosedError.
         """
         t0 = time.monotonic_ns()
@@ -718,7 +897,7 @@ class RecallPool:
         timestamps), and the ids that do not (``Records.missing``; not an error; an expired
         record does not exist). ``refresh_ttl``: the records found are touched (:meth:`touch`)
         before the answer. More ids than max_queries are sent in chunks, concurrently. Raises
-        InvalidRequest (bad ids, before anything is sent), UnknownNamespace, PayloadTooLarge (the
+        InvalidRequest (bad ids, before anything is sent), PayloadTooLarge (the
         payloads of one chunk exceed the slot's blob area), and the errors of :meth:`recall`."""
         t0 = time.monotonic_ns()
         preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
@@ -740,8 +919,8 @@ class RecallPool:
         self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
     ) -> tuple[Any, Any, list[Any]]:
         """Up to max_queries records with id > ``after`` in ascending id order (those matching
-        ``where``, if given): (ids int64, vectors float32 as stored, payloads). Raises
-        UnknownNamespace."""
+        ``where``, if given): (ids int64, vectors float32 as stored, payloads); none for a
+        namespace that does not exist."""
         return cast(
             "tuple[Any, Any, list[Any]]",
             await self._execute(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),
@@ -756,7 +935,7 @@ class RecallPool:
         after: Position | str | None = None,
     ) -> int:
         """Records in ``namespace`` (those matching ``where``, if given; ``after``: as in
-        :meth:`recall`). Raises UnknownNamespace."""
+        :meth:`recall`); 0 for a namespace that does not exist."""
         t0 = time.monotonic_ns()
         p = encode_count(self.layout, namespace, where)
         if after is not None:
@@ -785,11 +964,17 @@ class RecallPool:
         return self._free.qsize() if self._free is not None else 0
 
     def _take_slot(self) -> ClientSlot | None:
-        """A free slot of the live attachment now, or None."""
-        assert self._free is not None
-        while (slot := self._free.get_nowait()) is not None:
+        """A free slot of the live attachment now (one more leased if none is free and the
+        pool may grow), or None."""
+        free = self._free
+        assert free is not None
+        while (slot := free.get_nowait()) is not None:
             if slot in self._current:
                 return slot
+        if self._grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
+            while (slot := free.get_nowait()) is not None:
+                if slot in self._current:
+                    return slot
         return None
 
     def _queue_refusal(self) -> KalosError | None:
@@ -866,16 +1051,18 @@ class RecallPool:
         assert self._free is not None and self._loop is not None
         while True:
             slot = self._free.get_nowait()
+            if slot is None and self._grow(1):
+                slot = self._free.get_nowait()
             if slot is None:
-                try:
-                    slot = await self._free.get(None if deadline is None else max(0.0, deadline - self._loop.time()))
-                except asyncio.TimeoutError:
+                slot = await self._free.get_within(None if deadline is None else max(0.0, deadline - self._loop.time()))
+                if slot is None:
                     self._check_usable()
                     if self._conn is None:
-                        raise self._down_error() from None
+                        raise self._down_error()
                     raise AcquireTimeout(
-                        f"no free slot within the time budget ({len(self._slots)} slots, all in flight)"
-                    ) from None
+                        f"no free slot within the time budget ({len(self._slots)} slots leased, all in "
+                        f"flight; the pool grows to size={self._size} while the broker has slots free)"
+                    )
             if self._state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
@@ -922,13 +1109,12 @@ class RecallPool:
         self._post(Exchange(slot, p, fut, t0))
         if deadline is None:
             return await fut
-        try:
-            return await asyncio.wait_for(fut, max(0.0, deadline - loop.time()))
-        except asyncio.TimeoutError:
-            raise ResponseTimeout(
-                f"no answer within {timeout} s (request stays in flight until the "
-                "sidecar finishes it; the slot is then reused)"
-            ) from None
+        if await settled_within(fut, max(0.0, deadline - loop.time())):
+            return fut.result()  # the answer, or its own error (a sidecar's timeout status too)
+        raise ResponseTimeout(
+            f"no answer within {timeout} s (request stays in flight until the "
+            "sidecar finishes it; the slot is then reused)"
+        )
 
     def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
         """The error of a recall whose budget ran out in the coalescing queue."""
@@ -977,7 +1163,10 @@ class RecallPool:
         if not isinstance(waiting, list):  # one caller
             completion, value, error, round_trip = ex.complete((waiting.done(),))
             self._policy.observe(round_trip)
-            self._free.put_nowait(ex.slot)
+            if self._ceding:
+                self._cede(ex.slot)
+            else:
+                self._free.put_nowait(ex.slot)
             self._requests += 1
             if error is not None:
                 self._errors += 1
@@ -989,7 +1178,10 @@ class RecallPool:
             return
         completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
         self._policy.observe(round_trip)
-        self._free.put_nowait(ex.slot)
+        if self._ceding:
+            self._cede(ex.slot)
+        else:
+            self._free.put_nowait(ex.slot)
         if completion is Completion.RESEND_ALONE:
             assert self._queue is not None
             self._queue.again(waiting)
@@ -1004,6 +1196,126 @@ class RecallPool:
                     m.future.set_result(value[i])
                 else:
                     m.future.set_exception(copy.copy(error))
+
+    # ------------------------------------------------------------------ elastic leases
+    def _grow(self, extra: int) -> int:
+        """Lease more slots for the callers waiting for one (``extra``: those not in line yet),
+        as :meth:`LeasePlan.grow` decides; each goes to the oldest caller waiting. Returns how
+        many were leased: 0 at ``size``, while ceding, or when the broker had none to spare
+        (then asked again shortly, while callers still wait)."""
+        if len(self._slots) >= self._size:
+            return 0
+        conn, loop, free = self._conn, self._loop, self._free
+        if conn is None or self._state is not _OPEN or loop is None or free is None:
+            return 0
+        now = loop.time()
+        n = self._plan.grow(len(self._slots), free.waiting() + extra, now)
+        if n <= 0:
+            return 0
+        wait = GROW_RETRY_S
+        try:
+            got = conn.lease(n)
+        except LockBusy:  # another process held the claim lock for FLOCK_WAIT_S
+            got, wait = [], LOCK_RETRY_S
+        except BrokerUnavailable:  # the sidecar going away: the liveness check's to find
+            got = []
+        if not got:
+            self._refused += 1
+            self._plan.refused(now, wait)
+            if self._want is None:  # pools over their fair share give slots back (LeasePlan)
+                self._want = conn.want_slots(first=False)
+            if self._regrower is None:
+                self._regrower = loop.call_later(GROW_RETRY_S, self._regrow)
+            return 0
+        self._slots.extend(got)
+        self._current = self._current.union(got)
+        self._grown += len(got)
+        self._arm_ticker()
+        for s in got:
+            free.put_nowait(s)
+        return len(got)
+
+    def _regrow(self) -> None:
+        """A while after a refusal: ask again while callers still wait for a slot; once none
+        does, stop asking (and stop announcing the want to other pools)."""
+        self._regrower = None
+        free, loop = self._free, self._loop
+        if free is None or loop is None or not free.waiting() or len(self._slots) >= self._size:
+            self._stop_wanting()
+            return
+        if loop.time() + GROW_RETRY_S / 2 >= self._plan.retry_at:
+            self._plan.retry_at = 0.0  # (the timer may fire a hair before the plan's retry time)
+            self._grow(0)
+        if self._regrower is None and self._conn is not None:
+            self._regrower = loop.call_later(GROW_RETRY_S, self._regrow)
+
+    def _stop_wanting(self) -> None:
+        want, self._want = self._want, None
+        if want is not None:
+            want.release()
+
+    def _arm_ticker(self) -> None:
+        """While the pool holds slots beyond ``min_size``: look every TICK_S for idle ones and
+        for a process waiting for its first slot."""
+        if self._ticker is None and len(self._slots) > self._min_size and self._loop is not None:
+            assert self._free is not None
+            self._plan.start(self._loop.time())
+            self._free.reset_low()
+            self._ticker = self._loop.call_later(TICK_S, self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        conn, loop, free = self._conn, self._loop, self._free
+        if conn is None or loop is None or free is None or self._state not in _SERVING:
+            return
+        if len(self._slots) <= self._min_size:
+            self._plan.ceding, self._plan.share, self._ceding = False, None, False
+            return
+        first, more = conn.pressure()
+        self._plan.ceding = first
+        self._plan.share = conn.layout.n_slots // max(1, conn.holders()) if more else None
+        self._ceding = first or more
+        period = self._plan.period_end
+        n = self._plan.to_return(len(self._slots), free.qsize(), free.low, loop.time())
+        if n:
+            self._give_back(free.take_oldest(n))
+        if self._plan.period_end != period:  # a new idle period began
+            free.reset_low()
+        if len(self._slots) > self._min_size:
+            self._ticker = loop.call_later(TICK_S, self._tick)
+        else:
+            self._plan.ceding, self._plan.share, self._ceding = False, None, False
+
+    def _cede(self, slot: ClientSlot) -> None:
+        """A slot just freed while another process waits for its first, or other pools' callers
+        wait for slots: back to the broker if the pool holds more than it may
+        (:meth:`LeasePlan.cap`), else on the free stack."""
+        assert self._free is not None
+        if len(self._slots) > self._plan.cap():
+            self._give_back([slot])  # (on the free stack if the broker cannot take it now)
+        else:
+            self._free.put_nowait(slot)
+
+    def _give_back(self, idle: list[ClientSlot]) -> bool:
+        """End the leases of free slots (no request in them). False (and they go back on the
+        free stack) if the broker could not take them now."""
+        conn, free = self._conn, self._free
+        assert free is not None
+        if not idle:
+            return False
+        try:
+            if conn is None:
+                raise BrokerUnavailable("no attachment")
+            conn.give_back(idle, [])
+        except BrokerUnavailable:
+            for s in idle:
+                free.put_nowait(s)
+            return False
+        gone = set(idle)
+        self._slots = [s for s in self._slots if s not in gone]
+        self._current = self._current.difference(gone)
+        self._returned += len(idle)
+        return True
 
     # ------------------------------------------------------------------ the poller
     def _kick(self) -> None:
@@ -1074,7 +1386,7 @@ class RecallPool:
                 return
             try:
                 await asyncio.wait_for(self._wake.wait(), LIVENESS_S)
-            except asyncio.TimeoutError:
+            except asyncio.TimeoutError:  # (an Event raises nothing of its own: only wait_for's)
                 self._conn.check_alive()
         finally:
             self._blocking = False
@@ -1128,4 +1440,4 @@ def _connect(name: str, sidecar_uid: int | None) -> Connection:
     return Connection(name, sidecar_uid=sidecar_uid)
 
 
-__all__ = ["DEFAULT_SPIN_US", "MAX_SPIN_US", "PoolState", "PoolStatistics", "RecallPool"]
+__all__ = ["DEFAULT_SPIN_US", "IDLE_S", "MAX_SPIN_US", "LeasePlan", "PoolState", "PoolStatistics", "RecallPool"]

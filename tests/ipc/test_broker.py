@@ -490,7 +490,7 @@ def test_idle_sidecar_burns_no_cpu(sidecar):
 
 @pytest.mark.asyncio
 async def test_bad_input_is_refused_before_shared_memory(sidecar):
-    async with RecallPool(sidecar.name, size=2) as pool:
+    async with RecallPool(sidecar.name, size=2, min_size=2) as pool:
         good = np.zeros(32, np.float32)
         bad_inputs = [
             (np.zeros(31, np.float32), {}),  # wrong dim
@@ -565,9 +565,9 @@ def test_garbage_slot_from_a_broken_client_gets_a_status(sidecar, rng):
 
 def test_pool_refuses_when_no_slots_left(sidecar):
     async def main() -> None:
-        async with RecallPool(sidecar.name, size=32):
+        async with RecallPool(sidecar.name, size=32, min_size=32):
             with pytest.raises(SlotsExhausted, match="32 slots: 32 leased"):
-                async with RecallPool(sidecar.name, size=2):
+                async with RecallPool(sidecar.name, size=2, connect_timeout=0.5):
                     pass
 
     asyncio.run(main())

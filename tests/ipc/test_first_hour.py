@@ -175,7 +175,7 @@ async def test_a_pool_larger_than_the_sidecar_is_a_config_error(sidecar_factory)
     with pytest.raises(ConfigError, match=r"size=5 asks for more slots than broker .* has \(4\).*--slots"):
         await RecallPool(h.name, size=5).open()
     assert slots_free(h.name)  # nothing was taken
-    async with RecallPool(h.name, size=4) as pool:
+    async with RecallPool(h.name, size=4, min_size=4) as pool:
         assert pool.statistics().size == 4
 
 
@@ -183,7 +183,7 @@ HOLDER = """
 import asyncio, sys
 from kalos.clients import RecallPool
 async def main():
-    async with RecallPool(sys.argv[1], size=4) as pool:
+    async with RecallPool(sys.argv[1], size=4, min_size=4) as pool:
         print("holding", pool.statistics().size, flush=True)
         await asyncio.sleep(3600)
 asyncio.run(main())
@@ -201,18 +201,18 @@ async def test_slots_held_by_another_process_are_slots_exhausted_not_an_outage(s
         assert holder.stdout.readline().decode().split() == ["holding", "4"]
         t0 = time.monotonic()
         with pytest.raises(SlotsExhausted) as e:
-            await RecallPool(h.name, size=2, connect_timeout=60).open()
+            await RecallPool(h.name, size=2, connect_timeout=1).open()
         took = time.monotonic() - t0
         print(f"\n[slots exhausted] raised after {took * 1000:.1f} ms (connect_timeout 60 s)")
         assert took < 20
         assert not isinstance(e.value, BrokerUnavailable)
         msg = str(e.value)
         assert "has 4 slots: 4 leased by other pools" in msg and "0 free" in msg
-        assert "--slots" in msg and "waited" not in msg
+        assert "--slots" in msg and "waited within 1 s for other pools to give slots back" in msg
         holder.kill()
         holder.wait()
         t0 = time.monotonic()
-        async with RecallPool(h.name, size=2, connect_timeout=30) as pool:  # reaped, then leased
+        async with RecallPool(h.name, size=2, min_size=2, connect_timeout=30) as pool:  # reaped, then leased
             print(f"[slots exhausted] opened {(time.monotonic() - t0) * 1000:.0f} ms after the holder was killed")
             assert pool.statistics().size == 2
     finally:

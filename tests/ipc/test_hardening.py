@@ -149,7 +149,7 @@ HOLD = """
 import asyncio, sys, numpy as np
 from kalos.clients import RecallPool
 async def main():
-    async with RecallPool(sys.argv[1], size=int(sys.argv[2])) as pool:
+    async with RecallPool(sys.argv[1], size=int(sys.argv[2]), min_size=int(sys.argv[2])) as pool:
         print("ready", flush=True)
         while True:
             await pool.recall_many(np.ones((8, 64), np.float32), k=10)
@@ -205,7 +205,7 @@ from kalos.clients import RecallPool
 async def main():
     name, n_slots = sys.argv[1], int(sys.argv[2])
     q = np.ones(32, np.float32)
-    async with RecallPool(name, size=2) as pool:  # its leases: two lock bytes
+    async with RecallPool(name, size=2, min_size=2) as pool:  # its leases: two lock bytes
         assert len(await pool.recall(q, k=3)) == 3
         # Every other lock a client can take, held while it is stopped:
         seg = os.open(shm_path(shm_name(name)), os.O_RDWR)
@@ -236,7 +236,7 @@ IDLE_HOLDER = """
 import asyncio, sys, numpy as np
 from kalos.clients import RecallPool
 async def main():
-    async with RecallPool(sys.argv[1], size=2) as pool:
+    async with RecallPool(sys.argv[1], size=2, min_size=2) as pool:
         await pool.recall(np.ones(32, np.float32), k=3)
         print("ready", flush=True)
         await asyncio.sleep(3600)
@@ -296,7 +296,7 @@ async def test_a_frozen_client_holding_every_lock_cannot_pause_serving(sidecar, 
                 p.wait()
 
     try:
-        async with RecallPool(name, size=4) as pool:  # leased before any lock is taken
+        async with RecallPool(name, size=4, min_size=4) as pool:  # leased before any lock is taken
             c = Connection(name)
             try:
                 assert victim.stdout.readline().strip() == b"ready", victim.stderr.read().decode()

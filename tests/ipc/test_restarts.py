@@ -377,7 +377,7 @@ from kalos.clients import RecallPool
 async def main():
     matrix = np.random.default_rng(int(sys.argv[2])).standard_normal((3000, 16), dtype=np.float32)
     rng = np.random.default_rng(1)
-    async with RecallPool(sys.argv[1], size=4) as pool:
+    async with RecallPool(sys.argv[1], size=4, min_size=4) as pool:
         for _ in range(200):
             q = rng.standard_normal(16).astype(np.float32)
             r = await pool.recall(q, k=5)

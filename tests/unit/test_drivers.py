@@ -93,7 +93,7 @@ async def test_a_broken_pool_raises_its_cause_until_closed():
 @pytest.mark.asyncio
 async def test_a_forked_copy_refuses_every_call_and_touches_nothing():
     conn = FakeConnection(LAY)
-    pool = await RecallPool("fake", size=2, connect=lambda name, uid: conn).open()
+    pool = await RecallPool("fake", size=2, min_size=2, connect=lambda name, uid: conn).open()
     pool._forked()  # what the at-fork hook does in a child
     assert pool._state is PoolState.FORKED
     with pytest.raises(ForkedPoolError):

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.asyncio
 
 
 async def open_pool(conn: FakeConnection, size: int = 3, **kw) -> RecallPool:
+    kw.setdefault("min_size", size)  # (these tests hold every slot from the start)
     pool = RecallPool("fake", size=size, connect=lambda name, uid: conn, spin_us=50, **kw)
     return await pool.open()
 
@@ -167,7 +168,7 @@ async def test_dead_sidecar_fails_writes_in_flight_resends_reads_and_reattaches(
     matrix = rng.standard_normal((10, 8)).astype(np.float32)
     first, second = FakeConnection(LAY), FakeConnection(LAY)
     sidecars = [first]
-    pool = RecallPool("fake", size=2, spin_us=50, connect=lambda name, uid: sidecars[-1])
+    pool = RecallPool("fake", size=2, min_size=2, spin_us=50, connect=lambda name, uid: sidecars[-1])
     await pool.open()
     q = np.ones(8, np.float32)
     write = asyncio.ensure_future(pool.upsert([1], q[None]))
