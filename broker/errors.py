@@ -16,7 +16,8 @@
      |         +-- PositionTimeout  after=: the sidecar had not applied that position in time
      +-- BrokerUnavailable     no sidecar, or it died / stopped
      |    +-- UntrustedBroker  the broker's objects belong to another user or are open to others
-     +-- SlotsExhausted        the sidecar serves, but other processes hold the slots a pool needs
+     +-- SlotsExhausted        the sidecar serves, but other processes hold the slots a pool or client
+     |                         needs to open (its min_size), for all of its connect_timeout
      +-- ProtocolError         bad magic, another protocol version, a corrupt slot
      +-- ServerError           the sidecar failed serving a valid request (backend, store)
      +-- ClosedError           the pool or client was closed by its user
@@ -64,7 +65,10 @@ class PayloadTooLarge(InvalidRequest):
 
 
 class KalosTimeout(KalosError, TimeoutError):
-    """A time budget ran out."""
+    """A time budget ran out. Also a ``TimeoutError``, so (on Python 3.11+, where
+    ``asyncio.TimeoutError is TimeoutError``) an ``except asyncio.TimeoutError`` catches it too:
+    the clients never tell a sidecar's answer from their own budget that way
+    (``clients._exchange.settled_within``)."""
 
 
 class AcquireTimeout(KalosTimeout):
@@ -85,9 +89,13 @@ class BrokerUnavailable(KalosError):
 
 
 class SlotsExhausted(KalosError):
-    """The sidecar serves the name, but fewer of its slots are free than a pool needs: other
-    processes lease them. Not an outage (the sidecar is fine) and not a mistake in the call: a
-    question of sizing (the sidecar's ``--slots`` against the pools of every process)."""
+    """The sidecar serves the name, but fewer of its slots came free than a pool needs to open
+    (its ``min_size``) or a RecallClient (one), within its ``connect_timeout``: other processes
+    lease them and keep them (elastic pools give back what they hold beyond their ``min_size``
+    while a process waits for its first). Not an outage (the sidecar is fine) and not a mistake
+    in the call: a question of sizing (the sidecar's ``--slots`` against the ``min_size`` of
+    every process's pools and clients). A pool that is open never raises it: when it cannot
+    lease more slots its callers queue for its own."""
 
 
 class UntrustedBroker(BrokerUnavailable):
