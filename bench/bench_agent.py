@@ -331,7 +331,7 @@ def main() -> None:
         sargs = ["--dim", str(a.dim), "--backend", a.backend, "--slots", str(max(64, max(tasks) + 40))]
         sargs += ["--metrics-port", str(port)]
         if a.backend == "cuda":
-            sargs += ["--storage-dtype", a.dtype]
+            sargs += ["--dtype", a.dtype]
         if a.reload:
             import tempfile
 
@@ -383,6 +383,18 @@ def main() -> None:
                 p = np.percentile(lat_us, [50, 95, 99]) if len(lat_us) else [float("nan")] * 3
                 routes = deltas(before, after, "kalos_batches_by_route_total", "route")
                 paths = deltas(before, after, "kalos_backend_searches_total", "path")
+                path_s = deltas(before, after, "kalos_backend_search_seconds_total", "path")
+                stage_ms = {}  # mean per batch (compute) or request (queue_wait, service), ms
+                for stage, metric in (
+                    ("queue_wait", "kalos_queue_wait_seconds"),
+                    ("compute", "kalos_batch_compute_seconds"),
+                    ("service", "kalos_service_seconds"),
+                ):
+                    c = after.get(metric + "_count", 0) - before.get(metric + "_count", 0)
+                    sm = after.get(metric + "_sum", 0) - before.get(metric + "_sum", 0)
+                    if c:
+                        stage_ms[stage] = round(1e3 * sm / c, 3)
+                search_ms = {x: round(1e3 * path_s.get(x, 0.0) / paths[x], 3) for x in paths if paths[x]}
                 batches = after.get("kalos_batch_size_count", 0) - before.get("kalos_batch_size_count", 0)
                 reqs = after.get("kalos_batch_size_sum", 0) - before.get("kalos_batch_size_sum", 0)
                 row = {
@@ -400,13 +412,16 @@ def main() -> None:
                     "routes": routes,
                     "paths": paths,
                     "mean_batch": round(reqs / batches, 1) if batches else None,
+                    "stage_ms": stage_ms,
+                    "search_ms": search_ms,
                     "loaded": loaded,
                 }
                 report["runs"].append(row)
                 print(
                     f"{text:>16} target={a.target} tasks={t:<4} {row['recalls_per_s']:>10.1f}/s "
                     f"p50 {row['p50_us']:>8.1f} p95 {row['p95_us']:>8.1f} p99 {row['p99_us']:>8.1f} us "
-                    f"batch {row['mean_batch']} routes {routes} paths {paths} "
+                    f"batch {row['mean_batch']} routes {routes} paths {paths} search_ms {search_ms} "
+                    f"stage_ms {stage_ms} "
                     f"checked {checked} wrong {wrong} errors {r['errors']}",
                     flush=True,
                 )

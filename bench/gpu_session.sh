@@ -225,12 +225,12 @@ abtasks() {
 
 mixed() {  # issue 34 and 33.5: the kernels this change touched, on the device, then the CUDA broker suites
   STAGE=$(mktemp -d)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_mixed.py \
-    tests/gpu/test_gpu_recency.py tests/gpu/test_gpu_backend.py tests/gpu/test_gpu_wgmma.py 2>&1 | tail -25 \
+  timeout "${MIXED_TESTS_S:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_mixed.py \
+    tests/gpu/test_gpu_recency.py ${MIXED_MORE:-tests/gpu/test_gpu_backend.py} 2>&1 | tail -90 \
     > "$STAGE/gpu-tests.log"
   tail -4 "$STAGE/gpu-tests.log"; pack mixed
-  KALOS_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/ipc/test_mixed_namespaces.py \
-    tests/ipc/test_memory_time.py tests/ipc/test_broker.py 2>&1 | tail -15 > "$STAGE/cuda-broker.log"
+  KALOS_TEST_BACKEND=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/ipc/test_mixed_namespaces.py \
+    tests/ipc/test_memory_time.py 2>&1 | tail -15 > "$STAGE/cuda-broker.log"
   tail -3 "$STAGE/cuda-broker.log"; pack mixed
   rm -rf "$STAGE"
 }
@@ -239,15 +239,16 @@ agent() {  # the agent workload (bench/bench_agent.py): old and new checkout alt
   local old=${AB_OLD:-.gpu_old} new=$PWD r side dir layouts=${AGENT_LAYOUTS:-1024x1000,1x1000}
   [ -d "$old" ] || { echo "agent: no old checkout in $old"; return 1; }
   STAGE=$(mktemp -d)
-  build_old "$old"
+  case "${AGENT_SIDES:-old new}" in *old*) build_old "$old" ;; esac
   for r in $(seq 1 "${AGENT_ROUNDS:-2}"); do
     for side in ${AGENT_SIDES:-old new}; do
       dir=$new; [ "$side" = old ] && dir=$new/$old
       (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "${AGENT_TIMEOUT:-200}" python3 "$new/bench/bench_agent.py" \
         --backend cuda --dtype float16 --dim 768 --layouts "$layouts" --tasks "${AGENT_TASKS:-1,8,64,256}" \
         --procs 8 --seconds "${AGENT_SECONDS:-2}" --target "${AGENT_TARGET:-all}" --label "$side" \
-        --out "$STAGE/agent-$side-$r.json" > "$STAGE/agent-$side-$r.log" 2>&1)
-      echo "== $side round $r"; grep -E 'target=|loaded|Error|error' "$STAGE/agent-$side-$r.log" | cut -c1-260
+        --sidecar-args "${AGENT_SIDECAR_ARGS:-}" \
+        --out "$STAGE/${AGENT_PACK:-agent}-$side-$r.json" > "$STAGE/${AGENT_PACK:-agent}-$side-$r.log" 2>&1)
+      echo "== $side round $r"; grep -E 'target=|loaded|Error|error' "$STAGE/${AGENT_PACK:-agent}-$side-$r.log" | cut -c1-400
       pack "${AGENT_PACK:-agent}"
     done
   done

@@ -551,12 +551,12 @@ class MixedSearch(PolledFuture[SearchResult]):
         scores: np.ndarray,
         pending: PendingSearch | None,
         sel: np.ndarray,
-        groups: list[tuple[np.ndarray, np.ndarray]],
+        row_ids: list[np.ndarray],
     ) -> None:
         super().__init__()
         self._ids, self._scores, self._pending = ids, scores, pending
         self._sel = sel  # the queries the backend searched, in its order
-        self._groups = groups  # (positions in sel, that namespace's row_ids)
+        self._row_ids = row_ids  # each of them: its namespace's row_ids
 
     def _poll(self) -> bool:
         return self._pending is None or self._pending.done()
@@ -565,10 +565,10 @@ class MixedSearch(PolledFuture[SearchResult]):
         ids, scores = self._ids, self._scores
         if self._pending is not None:
             rows, sc = self._pending.result()
-            got = np.full(rows.shape, -1, np.int64)
-            for pos, row_ids in self._groups:
-                r = rows[pos]
-                got[pos] = np.where(r >= 0, row_ids[np.maximum(r, 0)], -1)
+            got = np.empty(rows.shape, np.int64)
+            for j, row_ids in enumerate(self._row_ids):  # (k ids each: one small take a query)
+                got[j] = row_ids.take(rows[j])
+            got[rows < 0] = -1
             ids[self._sel] = got
             scores[self._sel] = sc
         return ids, scores
@@ -640,32 +640,39 @@ class MemoryStore:
         scores = np.full((b, k), -np.inf, np.float32)
         t = self.clock() if now is None else now
         limit = self.backend.mixed_rows
-        order = np.argsort(of_query, kind="stable")
-        cuts = np.flatnonzero(np.diff(of_query[order])) + 1
-        together: list[tuple[Namespace, np.ndarray]] = []
-        for idx in np.split(order, cuts) if b else ():
-            ns = spaces[int(of_query[idx[0]])]
+        # Per namespace (not per query): searched with the others (its index among them), on its
+        # own (-2), or not at all (-1: it does not exist or is empty).
+        slot = np.full(len(spaces), -1, np.intp)
+        mats: list[Matrix] = []
+        sizes: list[int] = []
+        row_ids: list[np.ndarray] = []
+        alone: list[int] = []
+        for i, ns in enumerate(spaces):
             if ns is None or ns.n == 0:
                 continue
             if ns.n <= limit and (ns._earliest == NO_EXPIRY or ns.live(t) is None):
-                together.append((ns, idx))
-                continue
+                slot[i] = len(mats)
+                mats.append(ns.matrix)
+                sizes.append(ns.n)
+                row_ids.append(ns.row_ids)
+            else:
+                slot[i] = -2
+                alone.append(i)
+        for i in alone:
+            idx = np.flatnonzero(of_query == i)
+            ns = spaces[i]
+            assert ns is not None
             r_ids, r_scores = ns.search(queries[idx], k, now=t)
             ids[idx, : r_ids.shape[1]] = r_ids
             scores[idx, : r_ids.shape[1]] = r_scores
-        if not together:
-            return MixedSearch(ids, scores, None, order[:0], [])
-        sel = np.concatenate([idx for _ns, idx in together])
-        of = np.repeat(np.arange(len(together)), [len(idx) for _ns, idx in together])
-        mats: list[Matrix] = [ns.matrix for ns, _idx in together]
-        n = np.fromiter((ns.n for ns, _idx in together), np.int64, len(together))
-        pending = self.backend.search_mixed(mats, n, of, prepare_queries(queries[sel], self.metric), k)
-        groups = []
-        start = 0
-        for ns, idx in together:
-            groups.append((np.arange(start, start + len(idx)), ns.row_ids))
-            start += len(idx)
-        return MixedSearch(ids, scores, pending, sel, groups)
+        of = slot[of_query]
+        sel = np.flatnonzero(of >= 0)
+        if not len(sel):
+            return MixedSearch(ids, scores, None, sel, [])
+        of = of[sel]
+        q = queries if len(sel) == b else queries[sel]
+        pending = self.backend.search_mixed(mats, np.asarray(sizes, np.int64), of, prepare_queries(q, self.metric), k)
+        return MixedSearch(ids, scores, pending, sel, [row_ids[j] for j in of.tolist()])
 
     def drop(self, name: str, now: int | None = None) -> int:
         """Remove a namespace; returns its rows (those not expired at ``now``, when given)."""

@@ -60,7 +60,7 @@ def test_recency_search_is_exact_on_the_gemm_path(backend, rng, metric, n, d, k,
     m = backend.new_matrix(d, n, metric)
     m.write_rows(np.arange(n), x)
     upd = T0 - rng.integers(0, 3600 * NS, n)
-    m.set_times(np.arange(n), upd / NS)
+    m.set_times(np.arange(n), upd)
     q = np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
     xs, q64 = _stored(x, backend.storage_dtype), q.astype(np.float64)
     sim = q64 @ xs.T
@@ -82,7 +82,7 @@ def test_recency_search_is_exact_on_the_gemm_path(backend, rng, metric, n, d, k,
             _check(ref[i], rows[i], scores[i], k, np.arange(n), tol)
     # A moved row carries the time the store sets again (a compaction after a delete).
     m.move_rows(np.array([n - 1]), np.array([0]))
-    m.set_times(np.array([0]), upd[n - 1 : n] / NS)
+    m.set_times(np.array([0]), upd[n - 1 : n])
     sim2, upd2 = sim[:, : n - 1].copy(), upd[: n - 1].copy()
     sim2[:, 0], upd2[0] = sim[:, n - 1], upd[n - 1]
     decay = Decay(T0, 30.0, 3 * scale)
@@ -104,7 +104,7 @@ def test_recency_search_on_the_host_path_and_a_forced_path_is_refused(rng):
         m = be.new_matrix(d, n, Metric.DOT)
         m.write_rows(np.arange(n), x)
         upd = T0 - rng.integers(0, 100 * NS, n)
-        m.set_times(np.arange(n), upd / NS)
+        m.set_times(np.arange(n), upd)
         q = rng.standard_normal((1, d), dtype=np.float32)
         decay = Decay(T0, 30.0, 3.0)
         before = be.stats.count(SearchPath.HOST)
@@ -125,7 +125,7 @@ def test_filtered_recency_search_over_fetched_or_gathered(backend, rng, frac):
     m = backend.new_matrix(d, n, Metric.DOT)
     m.write_rows(np.arange(n), x)
     upd = T0 - rng.integers(0, 600 * NS, n)
-    m.set_times(np.arange(n), upd / NS)
+    m.set_times(np.arange(n), upd)
     cand = np.sort(rng.choice(n, max(1, int(n * frac)), replace=False)).astype(np.int64)
     q = rng.standard_normal((4, d), dtype=np.float32)
     xs = _stored(x, backend.storage_dtype)
