@@ -690,7 +690,8 @@ def test_ttl_differential(
     assert stats["checked"] >= 50 and stats.get("unchecked", 0) <= 5, stats
     assert stats["expired"] >= 1, stats
     if config.get("default_ttl") == TTL_SHORT:  # every put expires soon, every read refreshes
-        assert stats["expired"] >= 3 and stats.get("alive after its put's expiry", 0) >= 1, stats
+        # (expirations seen: 6-16 over ten random seeds; seed 3870020626 sees 2, at 59c1c62 too)
+        assert stats["expired"] >= 2 and stats.get("alive after its put's expiry", 0) >= 1, stats
 
 
 def test_ttl_arguments_are_checked_before_anything_is_sent(store: KalosStore) -> None:

@@ -268,7 +268,7 @@ def test_kalos_top_once_against_a_real_sidecar(metrics_sidecar, capsys):
 
     def load() -> None:
         async def go() -> None:
-            async with RecallPool(h.name, size=2) as pool:
+            async with RecallPool(h.name, size=2, min_size=2) as pool:
                 opened.set()
                 q = np.ones(32, np.float32)
                 while not stop.is_set():

@@ -371,7 +371,7 @@ def test_redo_paths_and_the_cheap_overfetch_k_follow_the_proving_paths():
     assert planner.cheap_k(P.HALF_GEMM) == planner.cheap_k(P.WGMMA) == planner.cheap_k(P.INT8) == planner.HALF_K == 16
     assert {planner.cheap_k(p) for p in (P.HOST, P.FUSED, P.GEMM, P.EXACT)} == {WARP_K} == {32}
     # The value labels statistics and logs: one per path, the old spellings kept.
-    assert {p.value for p in P} == {"host", "small", "wgmma", "int8", "gemmh", "gemm", "exact"}
+    assert {p.value for p in P} == {"host", "small", "wgmma", "int8", "gemmh", "gemm", "exact", "mixed"}
 
 
 def test_storage_traits_and_parsing():
