@@ -71,11 +71,11 @@ def test_sqlite_online_backups_and_restore_as_documented(sidecar_factory, tmp_pa
         want = c.get(np.arange(300), namespace="notes"), c.get(np.arange(300, 400), namespace="forever")
 
     copies = []
+    written = [0]  # ids 0..n-1 of namespace "busy", acknowledged in order, across both backups
     for name, script in (("VACUUM INTO", shell), ("Python's backup API", python)):
         if name == "VACUUM INTO" and shutil.which("sqlite3") is None:
             continue
         stop = threading.Event()
-        written = [0]
 
         def write_on() -> None:  # acknowledged upserts of one id after another during the backup
             with RecallClient(h.name) as w:
