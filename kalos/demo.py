@@ -187,23 +187,7 @@ def run_demo(a: argparse.Namespace) -> int:
     )
     with tempfile.TemporaryFile() as log:  # the sidecar's log, shown only if something fails
         try:
-            proc = start_sidecar_process(
-                [
-                    "--ephemeral",
-                    "--dim",
-                    str(a.dim),
-                    "--backend",
-                    a.backend,
-                    "--random-rows",
-                    str(a.rows),
-                    "--seed",
-                    str(seed),
-                    "--slots",
-                    str(max(64, a.agents)),
-                ],
-                name,
-                stderr=log,
-            )
+            proc = start_sidecar_process(random_rows_args(a, seed, a.agents), name, stderr=log)
         except RuntimeError as e:
             console.print(f"[red]the sidecar did not start: {escape(str(e))}[/]\n{escape(_sidecar_log_tail(log))}")
             return 1
@@ -409,6 +393,17 @@ def _backend_line(name: str) -> str:
         c.close()
 
 
+def random_rows_args(a: argparse.Namespace, seed: int, callers: int) -> list[str]:
+    """An ephemeral sidecar's arguments with ``a.rows`` random memories of ``a.dim`` (regenerable
+    from ``seed``) and a slot per caller, at least 64: what the demo and ``kalos bench`` start."""
+    return [
+        "--ephemeral",
+        *("--dim", str(a.dim), "--backend", a.backend),
+        *("--random-rows", str(a.rows), "--seed", str(seed)),
+        *("--slots", str(max(64, callers))),
+    ]
+
+
 def run_bench(a: argparse.Namespace) -> int:
     import json
 
@@ -416,22 +411,7 @@ def run_bench(a: argparse.Namespace) -> int:
 
     seed = int.from_bytes(os.urandom(4), "little")
     name = f"bench-{os.getpid()}"
-    proc = start_sidecar_process(
-        [
-            "--ephemeral",
-            "--dim",
-            str(a.dim),
-            "--backend",
-            a.backend,
-            "--random-rows",
-            str(a.rows),
-            "--seed",
-            str(seed),
-            "--slots",
-            str(max(64, a.tasks)),
-        ],
-        name,
-    )
+    proc = start_sidecar_process(random_rows_args(a, seed, a.tasks), name)
     try:
         res = run_load(
             LoadSpec(
