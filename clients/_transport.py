@@ -931,7 +931,12 @@ class Waiter:
     It never consumes an answer (it posts it back: :meth:`ClientSlot.wait_no_consume`), so the
     loop stays the only reader of responses. If waiting fails (the semaphore is gone or broke),
     ``on_error`` gets a BrokerUnavailable on the loop and the thread ends: callers are failed,
-    never left hanging."""
+    never left hanging.
+
+    A wait outlives :meth:`disarm` by up to its timeout, so a slot the thread may still wait on
+    (:meth:`holds`) must keep its lease and its semaphores: given back meanwhile, the slot could
+    be leased by another process whose answer this thread would take, and with the handle closed
+    it could not post it back (that process would wait for its answer forever)."""
 
     def __init__(
         self,
@@ -944,6 +949,7 @@ class Waiter:
         self._on_error = on_error
         self._cv = threading.Condition()
         self._target: ClientSlot | None = None
+        self._on: ClientSlot | None = None  # the slot the thread waits on now (past disarm too)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kalos-pool-waiter", daemon=True)
         self._thread.start()
@@ -956,6 +962,12 @@ class Waiter:
     def disarm(self) -> None:
         with self._cv:
             self._target = None
+
+    def holds(self, slot: ClientSlot) -> bool:
+        """Whether the thread is armed on ``slot`` or may still be inside a wait on it: then the
+        slot must not be given back (nor its semaphores closed) yet."""
+        with self._cv:
+            return slot is self._target or slot is self._on
 
     def close(self) -> None:
         with self._cv:
@@ -979,12 +991,15 @@ class Waiter:
                     self._cv.wait()
                 if self._closed or self._target is None:
                     return
-                slot = self._target
+                slot = self._on = self._target
             try:
                 posted = slot.wait_no_consume(0.05)
             except BrokerUnavailable as e:
                 self._call(self._on_error, e)
                 return
+            finally:
+                with self._cv:
+                    self._on = None
             if posted:
                 with self._cv:  # one wake per arming: the loop re-arms when it waits again
                     if self._target is slot:

@@ -1298,9 +1298,16 @@ class RecallPool:
 
     def _give_back(self, idle: list[ClientSlot]) -> bool:
         """End the leases of free slots (no request in them). False (and they go back on the
-        free stack) if the broker could not take them now."""
+        free stack) if the broker could not take them now. A slot the waiter thread may still be
+        waiting on stays (on the free stack) for a later give-back (:meth:`Waiter.holds`)."""
         conn, free = self._conn, self._free
         assert free is not None
+        waiter = self._waiter
+        if waiter is not None:  # the waiter thread may still be inside a wait on one of them
+            held = {s for s in idle if waiter.holds(s)}
+            for s in held:
+                free.put_nowait(s)
+            idle = [s for s in idle if s not in held]
         if not idle:
             return False
         try:

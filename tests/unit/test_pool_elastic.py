@@ -279,3 +279,88 @@ async def test_a_pool_over_its_fair_share_gives_slots_back_while_another_pool_wa
     assert b.statistics().errors == 0
     await a.close()
     await b.close()
+
+
+# --------------------------------------------------------------------------- the waiter thread
+class _BlockingSlot:
+    """A slot whose response wait blocks until released (what a slow answer looks like to the
+    waiter thread): ``entered`` is set while the thread is inside the wait."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def wait_no_consume(self, timeout: float) -> bool:
+        self.entered.set()
+        self.go.wait(5)
+        return False
+
+
+@pytest.mark.asyncio
+async def test_the_waiter_holds_a_slot_while_inside_a_wait_on_it_even_after_disarm():
+    """A wait outlives disarm by up to its timeout; while it lasts, the slot must not be given
+    back (another process could lease it, and this thread would take that process's answer)."""
+    from kalos.clients._transport import Waiter
+
+    loop = asyncio.get_running_loop()
+    w = Waiter(loop, lambda: None, lambda e: None)
+    slot = _BlockingSlot()
+    try:
+        assert not w.holds(slot)  # type: ignore[arg-type]
+        w.arm(slot)  # type: ignore[arg-type]
+        assert w.holds(slot)  # type: ignore[arg-type]
+        assert slot.entered.wait(5)
+        w.disarm()
+        assert w.holds(slot)  # type: ignore[arg-type]  # still inside the wait
+        slot.go.set()
+        for _ in range(500):
+            if not w.holds(slot):  # type: ignore[arg-type]
+                break
+            await asyncio.sleep(0.002)
+        assert not w.holds(slot)  # type: ignore[arg-type]
+    finally:
+        slot.go.set()
+        w.close()
+
+
+@pytest.mark.asyncio
+async def test_a_slot_the_waiter_holds_is_not_given_back_until_the_wait_is_over(rng):
+    """The CI hang of stop 33 (tests/ipc/test_capacity.py, 32 processes): a pool gave back a slot
+    its waiter thread was still waiting on; another process leased it and lost its answer to
+    that thread. A give-back now skips such a slot (it stays on the free stack) and takes it
+    once the thread is out of the wait."""
+    matrix = rng.standard_normal((40, 8)).astype(np.float32)
+    conn = FakeConnection(LAY)
+    pool = await RecallPool("fake", size=3, connect=lambda n, u: conn, spin_us=50).open()
+    qs = rng.standard_normal((3, 8)).astype(np.float32)
+    calls = [asyncio.ensure_future(pool.recall(q, k=3, timeout=5)) for q in qs]
+    await serve_until(conn, topk_answer(matrix), lambda: all(c.done() for c in calls))
+    for q, c in zip(qs, calls):
+        assert_topk(q, matrix, c.result().ids, c.result().scores, 3)
+    assert leased(conn) == 3
+    waiter, free = pool._waiter, pool._free
+    assert waiter is not None and free is not None
+    x, y = free.take_oldest(2)
+    waiter.arm(x)  # (its response is never posted: the thread waits on it, 50 ms at a time)
+    assert pool._give_back([x, y]) is True  # y went back; x stays, on the free stack
+    assert leased(conn) == 2 and x in pool._slots and y not in pool._slots
+    assert int(conn.seg.slots[x.index]["owner_pid"]) == conn.pid
+    waiter.disarm()
+    for _ in range(500):
+        if not waiter.holds(x):
+            break
+        await asyncio.sleep(0.002)
+    taken = free.take_oldest(free.qsize())
+    assert x in taken
+    for s in taken:
+        if s is not x:
+            free.put_nowait(s)
+    assert pool._give_back([x]) is True and leased(conn) == 1 and x not in pool._slots
+    # The pool still serves from what it kept.
+    call = asyncio.ensure_future(pool.recall(qs[0], k=3, timeout=5))
+    await serve_until(conn, topk_answer(matrix), call.done)
+    assert_topk(qs[0], matrix, call.result().ids, call.result().scores, 3)
+    await pool.close()
+    assert leased(conn) == 0
