@@ -14,7 +14,7 @@ DEMO_STAMP := $(VENV)/.installed-demo
 # The compiled slot path (setup.py): built in place, again whenever a source changes. Optional: without
 # a C compiler the build warns and Kalos runs the pure-Python slot path. With one, the suite requires
 # the compiled path (KALOS_REQUIRE_COMPILED=1), so a broken build cannot pass as a Python-path run.
-EXT_SRC := setup.py broker/kalos_protocol.h clients/_cslot.c sidecar_cuda/_cserve.c
+EXT_SRC := setup.py broker/kalos_protocol.h clients/_cslot.c sidecar_cuda/serving/_cserve.c
 EXT_STAMP := build/.ext-stamp
 HAVE_CC := $(shell command -v $${CC:-cc} 2> /dev/null)
 

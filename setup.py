@@ -2,7 +2,7 @@
 
 Two C extensions do the byte work of the slot protocol (``docs/protocol.md``) under the Python API:
 ``kalos.clients._cslot`` (a client's encode + write + post and its answer's decode) and
-``kalos.sidecar_cuda._cserve`` (the sidecar's scan, gather and answer writing). Both include the
+``kalos.sidecar_cuda.serving._cserve`` (the sidecar's scan, gather and answer writing). Both include the
 header generated from ``broker/layout.py`` (``broker/kalos_protocol.h``) and numpy's C API (numpy
 is a build requirement: the extensions make the result arrays themselves). They are optional: where
 no C compiler is found, numpy's headers are missing, or a build fails, the install goes on with a
@@ -72,7 +72,7 @@ def _ext(name: str, source: str) -> Extension:
 setup(
     ext_modules=[
         _ext("kalos.clients._cslot", "clients/_cslot.c"),
-        _ext("kalos.sidecar_cuda._cserve", "sidecar_cuda/_cserve.c"),
+        _ext("kalos.sidecar_cuda.serving._cserve", "sidecar_cuda/serving/_cserve.c"),
     ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -39,7 +39,7 @@ from kalos.broker.validation import (
     parse_where,
 )
 from kalos.sidecar_cuda.backends.select import choose_backend
-from kalos.sidecar_cuda.store import Filtered, Namespace
+from kalos.sidecar_cuda.storage.store import Filtered, Namespace
 from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 

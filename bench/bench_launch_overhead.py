@@ -24,7 +24,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
 from kalos.broker.layout import Op
-from kalos.clients._transport import ClientSlot, Connection
+from kalos.clients._slots import ClientSlot
+from kalos.clients._transport import Connection
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
 from kalos.testing.loadgen import environment

@@ -108,9 +108,9 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[s
     """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
     from kalos.broker.layout import Metric
     from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-    from kalos.sidecar_cuda.persist import Persistence
-    from kalos.sidecar_cuda.store import MemoryStore
-    from kalos.sidecar_cuda.writes import Write, WriteOp
+    from kalos.sidecar_cuda.storage.sqlite import Persistence
+    from kalos.sidecar_cuda.storage.store import MemoryStore
+    from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
     rng = np.random.default_rng(4)
     vecs = rng.standard_normal((4096, dim)).astype(np.float32)

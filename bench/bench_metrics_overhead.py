@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from kalos.broker.layout import Layout
 from kalos.clients import RecallClient, RecallPool
 from kalos.sidecar_cuda.metrics import SidecarCollector
-from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.sidecar_cuda.serving.stats import BatchRecord, SidecarStats
 from kalos.testing.loadgen import environment
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 

@@ -54,7 +54,7 @@ from kalos.sidecar_cuda.backends.base import (
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
-from kalos.sidecar_cuda.slotio import load_compiled
+from kalos.sidecar_cuda.serving.slotio import load_compiled
 from kalos.testing.loadgen import LoadSpec, check_samples, environment, run_load
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 

@@ -38,7 +38,8 @@ from kalos.broker.slotpath import Choice, SlotPath
 from kalos.clients import _requests
 from kalos.clients._coalesce import Share
 from kalos.clients._exchange import Exchange
-from kalos.clients._transport import ClientSlot, NativeSemaphore, Semaphore, load_compiled
+from kalos.clients._slots import ClientSlot, NativeSemaphore, load_compiled
+from kalos.clients._transport import Semaphore
 from kalos.clients.fake import FakeConnection
 from kalos.testing.loadgen import environment
 

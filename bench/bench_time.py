@@ -128,7 +128,7 @@ def inproc(a: argparse.Namespace, vecs: np.ndarray, qs: np.ndarray, rel: float) 
     from kalos.broker.layout import Metric
     from kalos.sidecar_cuda.backends.base import Decay
     from kalos.sidecar_cuda.backends.select import choose_backend
-    from kalos.sidecar_cuda.store import MemoryStore, Stamps
+    from kalos.sidecar_cuda.storage.store import MemoryStore, Stamps
 
     n, d = vecs.shape
     backend = choose_backend(a.backend, storage_dtype=a.dtype, devices="all", shards=0)

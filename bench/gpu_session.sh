@@ -36,7 +36,7 @@ python3 setup.py -q build_ext --inplace >"$OUT/build-ext.log" 2>&1 || echo "buil
   date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader
   python3 -c "import sys, numpy, cupy; print(sys.version.split()[0], 'numpy', numpy.__version__, 'cupy', cupy.__version__)"
   python3 -c "import importlib, os; from kalos.broker.slotpath import choose
-for m in ('kalos.clients._cslot', 'kalos.sidecar_cuda._cserve'):
+for m in ('kalos.clients._cslot', 'kalos.sidecar_cuda.serving._cserve'):
     c = choose(os.environ, lambda: importlib.import_module(m)); print('slot path', m, c.path.value, '-', c.reason)"
   echo "cpus $(nproc)"; git log -1 --format='code %h %s' 2>/dev/null | cut -c1-120; git status --short 2>/dev/null | head
 } 2>&1 | tee "$OUT/env.log"

@@ -36,7 +36,7 @@ from llama_index.core.schema import TextNode
 from kalos.integrations.langchain import KalosVectorStore
 from kalos.integrations.langgraph import KalosStore
 from kalos.integrations.llamaindex import KalosLlamaVectorStore
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 

@@ -27,7 +27,7 @@ from dataclasses import replace
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
-from kalos.sidecar_cuda.launch import EagerPolicy, FillPolicy, LaunchPolicy
+from kalos.sidecar_cuda.serving.launch import EagerPolicy, FillPolicy, LaunchPolicy
 from kalos.testing.launchsim import SimSpec, run
 
 # batch size -> GPU ms of the planner's path (measured; linear in between)

@@ -1,5 +1,5 @@
 """Which slot path a process runs: the compiled byte work (``kalos.clients._cslot`` on a client,
-``kalos.sidecar_cuda._cserve`` in the sidecar) or the pure-Python one. Pure decision; the caller
+``kalos.sidecar_cuda.serving._cserve`` in the sidecar) or the pure-Python one. Pure decision; the caller
 imports.
 
 The compiled path is used whenever its extension imports, unless ``KALOS_PURE_PYTHON=1`` asks for

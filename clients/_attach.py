@@ -21,7 +21,8 @@ from typing import NamedTuple, TypeVar
 
 from ..broker.errors import BrokerUnavailable, ConfigError, ProtocolError, SlotsExhausted
 from ..broker.layout import Layout
-from ._transport import ClientSlot, Connection, LockBusy, SlotCensus, SlotWant
+from ._slots import ClientSlot
+from ._transport import Connection, LockBusy, SlotCensus, SlotWant
 
 #: Re-attach attempts after an outage: jittered exponential backoff between these (seconds).
 BACKOFF_MIN_S = 0.01

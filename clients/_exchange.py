@@ -27,7 +27,7 @@ from ..broker.errors import KalosError, PayloadTooLarge
 from ..broker.layout import latency_op
 from ._coalesce import Share, split
 from ._requests import READS, Prepared, hits_only, read, rows_only, write
-from ._transport import ClientSlot, CompiledSlot
+from ._slots import ClientSlot, CompiledSlot
 
 
 class Completion(enum.Enum):

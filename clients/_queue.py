@@ -20,7 +20,7 @@ from ..broker.errors import KalosError, ResponseTimeout
 from ._coalesce import Key, Share, coalesce_key, pick_group
 from ._exchange import Exchange, settled_within
 from ._requests import Prepared, recall_group
-from ._transport import ClientSlot
+from ._slots import ClientSlot
 
 #: Who waits for a posted exchange (``Exchange.waiter``): its one caller's future, or the
 #: callers sharing its slot.

@@ -71,7 +71,8 @@ from ._requests import (
 from ._requests import (
     upsert as encode_upsert,
 )
-from ._transport import ClientSlot, Connection
+from ._slots import ClientSlot
+from ._transport import Connection
 from ._writes import out_of_budget, settle
 from .results import Hits, Records, Written
 

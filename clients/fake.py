@@ -2,7 +2,7 @@
 (free-slot stack, timeouts, cancellation, orphan draining, a broken waiter) without a sidecar.
 
 :class:`FakeConnection` lays out a real segment (``broker.layout``) in a bytearray and gives out
-real :class:`~kalos.clients._transport.ClientSlot` objects whose semaphores are counters; the test plays
+real :class:`~kalos.clients._slots.ClientSlot` objects whose semaphores are counters; the test plays
 the sidecar with :meth:`FakeConnection.serve`::
 
     conn = FakeConnection(Layout(n_slots=2, dim=4, max_k=4, max_queries=2, blob_bytes=1024))
@@ -38,7 +38,9 @@ from ..broker.layout import (
     header_field_offset,
 )
 from ..broker.slotpath import Choice
-from ._transport import ClientSlot, Connection, SlotCensus, Waiter, make_slot
+from ._slots import ClientSlot, make_slot
+from ._transport import Connection, SlotCensus
+from ._waiter import Waiter
 
 #: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
 #: an int (rows affected) for a write, or a Status to answer with an error.

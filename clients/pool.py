@@ -30,7 +30,6 @@ import os
 import random
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -52,6 +51,8 @@ from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
 from ._exchange import Completion, Exchange, resend_after_outage, settled_within
+from ._free import FreeSlots
+from ._leaseplan import GROW_RETRY_S, IDLE_S, LOCK_RETRY_S, TICK_S, LeasePlan
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT,
@@ -93,22 +94,13 @@ from ._requests import (
 from ._requests import (
     upsert as encode_upsert,
 )
-from ._transport import ClientSlot, Connection, LockBusy, SlotWant, Waiter
+from ._slots import ClientSlot
+from ._transport import Connection, LockBusy, SlotWant
+from ._waiter import Waiter
 from ._writes import WriteCall, out_of_budget, settle
 from .results import Hits, Records, Written
 
 LIVENESS_S = 0.1
-#: Default ``idle_s``: a slot leased beyond ``min_size`` goes back once unused this long (it goes
-#: back between ``idle_s`` and twice that after its last use).
-IDLE_S = 3.0
-#: After the broker had no slot to spare, the pool asks again this much later while callers wait.
-GROW_RETRY_S = 0.05
-#: ... and this much later when the slots' claim lock was held too long by another process (a
-#: stopped or frozen client: every try would stall the event loop for ``FLOCK_WAIT_S``).
-LOCK_RETRY_S = 1.0
-#: How often a pool holding slots beyond its ``min_size`` looks whether another process waits for
-#: its first slot (``Connection.pressure``; it then gives those slots back as they free up).
-TICK_S = 0.25
 #: Default ``close_timeout``: how long close() waits for callers still waiting on an answer.
 CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("kalos.clients.pool")
@@ -155,69 +147,6 @@ def refusal(state: PoolState, broken: KalosError | None, opened_in: int, pid: in
     if state is PoolState.NEW:
         return ClosedError("pool is not open (use `async with RecallPool(...)` or await open())")
     return ClosedError(f"pool is {state.value}")
-
-
-@dataclass(slots=True)
-class LeasePlan:
-    """When an elastic pool leases more slots and when it gives them back: the decisions, pure
-    (times are the caller's clock, in seconds; nothing here touches a slot).
-
-    * **Grow** (:meth:`grow`): a caller finds no free slot: lease one per caller waiting, within
-      ``size``; not before ``retry_at`` after the broker had none to spare (:meth:`refused`):
-      meanwhile callers queue for the pool's own slots.
-    * **Idle** (:meth:`to_return`): at the end of each period of ``idle_s``, the slots that stayed
-      on the free stack the whole period (its low-water mark; the stack is LIFO, so they are the
-      ones at its bottom) go back, down to ``min_size``: idle slots serve other processes.
-    * **Cede to a starting process** (``ceding``): while another process waits for its first
-      slot of the broker, every slot beyond ``min_size`` goes back as soon as it is free, and
-      the pool does not grow.
-    * **Fair share under contention** (``share``): while another pool's callers wait for a slot
-      the broker could not give it, no pool holds more than ``share`` (the broker's slots over
-      the processes holding some; at least ``min_size``): slots beyond it go back as they free
-      up, and the pool grows no further. Without contention a busy pool may grow past it, to
-      ``size``, into slots nobody else asks for.
-    """
-
-    size: int
-    min_size: int
-    idle_s: float
-    retry_at: float = 0.0
-    period_end: float = 0.0
-    ceding: bool = False
-    share: int | None = None
-
-    def cap(self) -> int:
-        """The most slots the pool may hold now."""
-        if self.ceding:
-            return self.min_size
-        if self.share is not None:
-            return min(self.size, max(self.min_size, self.share))
-        return self.size
-
-    def grow(self, leased: int, waiting: int, now: float) -> int:
-        """Slots to lease now for ``waiting`` callers without a free slot (0: queue instead)."""
-        if now < self.retry_at:
-            return 0
-        return max(0, min(self.cap() - leased, waiting))
-
-    def refused(self, now: float, wait: float = GROW_RETRY_S) -> None:
-        """The broker had no slot to spare: do not ask again for ``wait`` seconds."""
-        self.retry_at = now + wait
-
-    def start(self, now: float) -> None:
-        """The pool holds slots beyond ``min_size`` again: a new idle period begins."""
-        self.period_end = now + self.idle_s
-
-    def to_return(self, leased: int, free: int, idle: int, now: float) -> int:
-        """Slots to give back now: ``free`` slots on the stack, ``idle`` of them unused since
-        the period began (the low-water mark). Ceding or contended: every free one beyond
-        :meth:`cap`; then, at the end of a period, the idle ones down to ``min_size`` (and a
-        new period begins)."""
-        over = max(0, min(free, leased - self.cap()))
-        if now < self.period_end:
-            return over
-        self.period_end = now + self.idle_s
-        return max(over, min(idle, leased - self.min_size))
 
 
 @dataclass(frozen=True)
@@ -268,120 +197,6 @@ def _futures(w: Waiting) -> list[asyncio.Future[Any]]:
 def _orphaned(w: Waiting) -> bool:
     """Every caller of a posted exchange went away (cancelled or timed out)."""
     return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
-
-
-class _FreeSlots:
-    """Free slots, the last released first (its cache lines are warm); callers waiting for one are
-    served in arrival order, a released slot going straight to the oldest waiter. A cheaper
-    ``asyncio.LifoQueue`` for this one use: a slot handed to a waiter that was cancelled or timed
-    out meanwhile is put back, never lost."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._slots: list[ClientSlot] = []
-        self._waiters: deque[asyncio.Future[ClientSlot]] = deque()
-        #: The fewest slots on the stack since it was last reset (:meth:`reset_low`): so many at
-        #: its bottom were not taken since (the stack is LIFO), idle for that whole time.
-        self.low = 0
-
-    def qsize(self) -> int:
-        return len(self._slots)
-
-    def put_nowait(self, slot: ClientSlot) -> None:
-        waiters = self._waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done():
-                w.set_result(slot)
-                return
-        self._slots.append(slot)
-
-    def drain(self) -> None:
-        """Forget the free slots (their attachment is gone); waiters keep waiting."""
-        self._slots.clear()
-        self.low = 0
-
-    def reset_low(self) -> None:
-        self.low = len(self._slots)
-
-    def take_oldest(self, n: int) -> list[ClientSlot]:
-        """Remove and return the ``n`` slots at the bottom of the stack (released longest ago)."""
-        taken = self._slots[:n]
-        del self._slots[:n]
-        self.low = min(self.low, len(self._slots))
-        return taken
-
-    def waiting(self) -> int:
-        """Callers waiting in line for a slot (the coalescing queue counts as one)."""
-        return sum(1 for w in self._waiters if not w.done())
-
-    def wake_all(self, exc: BaseException) -> None:
-        """Fail every waiter with ``exc`` (the pool broke)."""
-        while self._waiters:
-            w = self._waiters.popleft()
-            if not w.done():
-                w.set_exception(exc)
-
-    def get_nowait(self) -> ClientSlot | None:
-        slots = self._slots
-        if slots:
-            slot = slots.pop()
-            if len(slots) < self.low:
-                self.low = len(slots)
-            return slot
-        self.low = 0
-        return None
-
-    def add_waiter(self, fut: asyncio.Future[ClientSlot]) -> None:
-        """Queue ``fut`` for the next released slot, in line with the callers of :meth:`get` (the
-        pool's coalescing queue waits as one of them)."""
-        self._waiters.append(fut)
-
-    def remove_waiter(self, fut: asyncio.Future[ClientSlot]) -> None:
-        """Take ``fut`` out of line (cancelled); a slot it already holds goes to the next one."""
-        if fut.done():
-            if not fut.cancelled() and fut.exception() is None:
-                self.put_nowait(fut.result())
-            return
-        fut.cancel()
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
-
-    async def get(self, timeout: float | None) -> ClientSlot:
-        """Wait for a slot; raises ``asyncio.TimeoutError`` after ``timeout`` seconds (None: no
-        limit)."""
-        slot = await self.get_within(timeout)
-        if slot is None:
-            raise asyncio.TimeoutError()
-        return slot
-
-    async def get_within(self, timeout: float | None) -> ClientSlot | None:
-        """Wait for a slot up to ``timeout`` seconds (None: no limit); None when none came. An
-        error a waiter was failed with (:meth:`wake_all`) is raised as itself."""
-        fut: asyncio.Future[ClientSlot] = self._loop.create_future()
-        self._waiters.append(fut)
-        try:
-            if timeout is None:
-                return await fut
-            if await settled_within(fut, timeout):
-                return fut.result()
-        except BaseException:
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                self.put_nowait(fut.result())  # handed to us as we gave up: pass it on
-            else:
-                self._forget(fut)
-            raise
-        self._forget(fut)
-        return None
-
-    def _forget(self, fut: asyncio.Future[ClientSlot]) -> None:
-        fut.cancel()
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
 
 
 class RecallPool:
@@ -500,7 +315,7 @@ class RecallPool:
         self._conn: Connection | None = None
         self._slots: list[ClientSlot] = []
         self._current: frozenset[ClientSlot] = frozenset()
-        self._free: _FreeSlots | None = None
+        self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
         self._inflight: dict[int, Exchange[Waiting]] = {}  # posted, by slot index
         self._queue: CoalescingQueue | None = None
@@ -540,7 +355,7 @@ class RecallPool:
         if self._state is not PoolState.NEW:
             raise ClosedError(f"pool is {self._state.value}: a pool is opened once")
         loop = self._loop = asyncio.get_running_loop()
-        free = self._free = _FreeSlots(loop)
+        free = self._free = FreeSlots(loop)
         self._wake = asyncio.Event()
         att = await drive_async(
             self._attacher.attach(

@@ -43,10 +43,10 @@ __version__ = "0.1.0"
 def _import_slot_path() -> None:
     """Import the compiled slot path now (see the module's text); ``KALOS_PURE_PYTHON=1`` rules it
     out, as it does at connection time. Nothing is decided here: each connection still chooses
-    (:func:`kalos.clients._transport.default_slot_path`) and says why when the extension is
+    (:func:`kalos.clients._slots.default_slot_path`) and says why when the extension is
     missing; it then finds the module already imported."""
     from kalos.broker.slotpath import PURE_ENV
-    from kalos.clients._transport import load_compiled
+    from kalos.clients._slots import load_compiled
 
     if _os.environ.get(PURE_ENV, "") in ("", "0"):
         try:

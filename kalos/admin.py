@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from kalos.broker.errors import BrokerUnavailable, KalosTimeout
 from kalos.clients.pool import RecallPool
-from kalos.sidecar_cuda.objects import leftover_names
+from kalos.sidecar_cuda.serving.objects import leftover_names
 
 T = TypeVar("T")
 #: Seconds connecting may take when the command has no time budget (RecallPool's default).

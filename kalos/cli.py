@@ -55,7 +55,7 @@ def cleanup_summary(name: str, removed: list[str]) -> str:
 
 
 def cmd_cleanup(a: argparse.Namespace) -> int:
-    from kalos.sidecar_cuda.objects import cleanup
+    from kalos.sidecar_cuda.serving.objects import cleanup
 
     name = a.broker or a.name
     removed = cleanup(name, force=a.force)

@@ -38,7 +38,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kalos.broker.errors import ConfigError
-from kalos.sidecar_cuda.objects import live_sidecar
+from kalos.sidecar_cuda.serving.objects import live_sidecar
 
 #: Where ``kalos top`` looks last (and the port the docs' examples give ``--metrics-port``).
 DEFAULT_URL = "http://127.0.0.1:9464/metrics"

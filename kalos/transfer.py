@@ -26,7 +26,7 @@ own clock, by design: one clock decides): each record gets ``updated_at = create
 it is imported, keeps its ``expires_at`` (its TTL is the time it had left, rounded up to the
 millisecond), records that expired since the export are skipped, and a namespace's default TTL is
 set again. With ``--data-dir DIR`` both work on the SQLite store directly, with the sidecar
-stopped (the data dir's lock says so, :mod:`kalos.sidecar_cuda.datadir`): every timestamp and TTL,
+stopped (the data dir's lock says so, :mod:`kalos.sidecar_cuda.storage.datadir`): every timestamp and TTL,
 each record's own TTL and each namespace's default round-trip exactly, and an import into a new
 directory makes the store (a way to change ``--metric``: export, then import into a new dir).
 
@@ -390,8 +390,8 @@ def export_data_dir(
     default exactly; returns (namespace, records) of each. The data dir is locked meanwhile
     (DataDirInUse while a sidecar serves it). Records that have expired are left out, as a
     sidecar leaves them out of every answer. Raises ConfigError."""
-    from kalos.sidecar_cuda.datadir import lock_data_dir
-    from kalos.sidecar_cuda.persist import DB_FILE, Persistence, prepare_data_dir
+    from kalos.sidecar_cuda.storage.datadir import lock_data_dir
+    from kalos.sidecar_cuda.storage.sqlite import DB_FILE, Persistence, prepare_data_dir
 
     several = namespaces is None
     check_export_target(out_dir, several=several)
@@ -671,10 +671,10 @@ def import_into_data_dir(
     ``expires_at - updated_at``. Vectors, ids and payloads are checked as a sidecar checks them
     (payloads up to ``payload_limit`` bytes). Each block is one transaction: blocks committed
     before an error stay written. Raises ConfigError."""
-    from kalos.sidecar_cuda.datadir import lock_data_dir
-    from kalos.sidecar_cuda.persist import DB_FILE, Persistence, prepare_data_dir
-    from kalos.sidecar_cuda.store import Stamps
-    from kalos.sidecar_cuda.writes import Write, WriteOp
+    from kalos.sidecar_cuda.storage.datadir import lock_data_dir
+    from kalos.sidecar_cuda.storage.sqlite import DB_FILE, Persistence, prepare_data_dir
+    from kalos.sidecar_cuda.storage.store import Stamps
+    from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
     data = open_export(src)
     targets = _targets(data, namespace, src)

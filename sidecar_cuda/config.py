@@ -16,7 +16,8 @@ from typing import Any, TypeVar
 
 from ..broker.errors import ConfigError
 from ..broker.layout import GEOMETRY_LIMITS, Layout, Metric
-from .launch import Launch
+from .backends.options import FusedKernel, Int8Pass
+from .serving.launch import Launch
 
 
 class Pipelining(str, enum.Enum):
@@ -25,23 +26,6 @@ class Pipelining(str, enum.Enum):
 
     AUTO = "auto"  # for batches of batching.PIPELINE_MIN_WORK and more
     ON = "on"
-    OFF = "off"
-
-
-class FusedKernel(str, enum.Enum):
-    """``--fused-kernel``: the CUDA backend's wgmma path (Hopper, float16 storage) where it was
-    measured to win (AUTO), or never (OFF)."""
-
-    AUTO = "auto"
-    OFF = "off"
-
-
-class Int8Pass(str, enum.Enum):
-    """``--int8-pass``: the CUDA backend's int8 first pass (an int8 copy of the rows beside them,
-    half the bytes of float16 rows) for the small batches where it was measured to win (AUTO), or
-    never, and no copy (OFF)."""
-
-    AUTO = "auto"
     OFF = "off"
 
 

@@ -4,9 +4,9 @@ posted before the stop, and unlinks everything.
 
 The loop (:meth:`Sidecar.serve_forever`) polls the slot states while requests keep coming and
 sleeps on the doorbell once idle; each pass is :meth:`Pipeline.serve_pending
-<sidecar_cuda.pipeline.Pipeline.serve_pending>` (take the posted slots, classify them, serve the
+<sidecar_cuda.serving.pipeline.Pipeline.serve_pending>` (take the posted slots, classify them, serve the
 route), guarded so that nothing a slot holds can end the loop, and the reaper
-(:mod:`kalos.sidecar_cuda.leases`) runs on time, busy or not.
+(:mod:`kalos.sidecar_cuda.serving.leases`) runs on time, busy or not.
 
 One recall, end to end: client -> (shm) -> this loop -> pipeline -> batching.classify -> store ->
 backend -> answers -> (shm) -> client."""
@@ -34,29 +34,30 @@ from ..broker.names import validate_broker_name
 from ..broker.positions import BEYOND, Position
 from ..broker.slotpath import Choice, choose
 from ..broker.waiting import SpinThenBlock
-from .answers import AnswerWriter
 from .backends.base import Backend
 from .backends.select import choose_backend
-from .batching import PIPELINE_MIN_WORK, Limits
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
-from .datadir import DataDirLock, lock_data_dir
-from .expiry import SWEEP_S, Sweeper
-from .general import GeneralRoute
-from .launch import Regime, launch_policy
-from .leases import REAP_S, ReapOutcome, reap_dead_owners
-from .notify import sd_notify
-from .objects import Objects
-from .objects import create as create_objects
-from .objects import unlink as unlink_objects
-from .persist import Durable, Persistence, StoreError, StoreKind, prepare_data_dir, store_kind
-from .pipeline import PIPELINE_DEPTH, Pipeline
-from .slotio import SlotIO, load_compiled, open_slot_io
-from .stats import SidecarStats
-from .store import MemoryStore
-from .waits import HeldReads
+from .serving.answers import AnswerWriter
+from .serving.batching import PIPELINE_MIN_WORK, Limits
+from .serving.expiry import SWEEP_S, Sweeper
+from .serving.general import GeneralRoute
+from .serving.launch import Regime, launch_policy
+from .serving.leases import REAP_S, ReapOutcome, reap_dead_owners
+from .serving.notify import sd_notify
+from .serving.objects import Objects
+from .serving.objects import create as create_objects
+from .serving.objects import unlink as unlink_objects
+from .serving.pipeline import PIPELINE_DEPTH, Pipeline
+from .serving.slotio import SlotIO, load_compiled, open_slot_io
+from .serving.stats import SidecarStats
+from .serving.waits import HeldReads
+from .storage.datadir import DataDirLock, lock_data_dir
+from .storage.durable import Durable, StoreError, StoreKind, store_kind
+from .storage.sqlite import Persistence, prepare_data_dir
+from .storage.store import MemoryStore
 
 if TYPE_CHECKING:
-    from .fleet import FleetStore
+    from .storage.fleet import FleetStore
 
 log = logging.getLogger("kalos.sidecar")
 _POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
@@ -211,9 +212,9 @@ class Sidecar:
         """The PostgreSQL store (psycopg is an optional dependency: imported only here)."""
         assert self.cfg.store is not None
         try:
-            from .fleet import FleetOptions
-            from .fleet import FleetStore as Fleet
-            from .pgstore import parse_target
+            from .storage.fleet import FleetOptions
+            from .storage.fleet import FleetStore as Fleet
+            from .storage.pgstore import parse_target
         except ImportError as e:
             raise ConfigError(
                 f"--store postgresql:// needs psycopg 3: pip install 'kalos-recall[postgres]' ({e})"
@@ -527,7 +528,7 @@ class Sidecar:
 
     def reap_dead_owners(self) -> int:
         """Free the slots of clients that died (or gave them up) while holding them, and slots
-        left in a state other than FREE without an owner (:mod:`kalos.sidecar_cuda.leases`). Slots of a
+        left in a state other than FREE without an owner (:mod:`kalos.sidecar_cuda.serving.leases`). Slots of a
         batch in flight are left alone until it is answered. Never waits for the claim lock: while
         a client holds it, the slots wait for a later pass (every REAP_S)."""
         assert self._objs is not None and self.seg is not None and self.pipeline is not None
@@ -575,7 +576,7 @@ def run(cfg: ServeConfig) -> int:
     try:
         sidecar.start()
         if exporter is not None and sidecar.fleet is not None:
-            from .fleet import FleetCollector
+            from .storage.fleet import FleetCollector
 
             exporter.registry.register(FleetCollector(sidecar.fleet))
         sidecar.serve_forever()

@@ -1,9 +1,9 @@
-"""A deterministic simulation of the sidecar's launch decision (:mod:`kalos.sidecar_cuda.launch`)
+"""A deterministic simulation of the sidecar's launch decision (:mod:`kalos.sidecar_cuda.serving.launch`)
 under a closed loop of callers: what batches a policy makes, how busy it keeps the device, what
 latency the callers see. No processes, no clock: events in simulated nanoseconds.
 
 The model follows the serving loop (:meth:`Pipeline.serve_pending
-<kalos.sidecar_cuda.pipeline.Pipeline.serve_pending>`): one host thread that, pass after pass,
+<kalos.sidecar_cuda.serving.pipeline.Pipeline.serve_pending>`): one host thread that, pass after pass,
 answers the oldest batch in flight once the device has finished it, then (with fewer than
 ``depth`` batches in flight) asks the policy about the posted requests and, told to launch, takes
 them and starts them on the device, queued behind the batch there. With ``depth`` 1 (``--pipeline
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kalos.sidecar_cuda.launch import LaunchPolicy, Returning
+from kalos.sidecar_cuda.serving.launch import LaunchPolicy, Returning
 
 
 @dataclass(frozen=True)

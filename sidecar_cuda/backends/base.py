@@ -1,7 +1,7 @@
 """The backend interface: where the memory matrix lives and how a batch is searched.
 
 A backend owns device memory; everything about ids, namespaces, payloads and durability lives in
-:mod:`kalos.sidecar_cuda.store` and is the same for every backend. Backends are chosen in one place,
+:mod:`kalos.sidecar_cuda.storage.store` and is the same for every backend. Backends are chosen in one place,
 :func:`kalos.sidecar_cuda.backends.select.choose_backend`; this module imports none of them.
 
 A search started with ``search_async`` is a :class:`concurrent.futures.Future` of (rows, scores):

@@ -7,8 +7,8 @@ The backends are imported here, when chosen, and by nothing else of the sidecar:
 from __future__ import annotations
 
 from ...broker.errors import ConfigError
-from ..config import FusedKernel, Int8Pass
 from .base import Backend
+from .options import FusedKernel, Int8Pass
 from .sharded import ShardedBackend, parse_devices
 
 

@@ -17,7 +17,7 @@ from prometheus_client.utils import floatToGoString
 
 from ...broker.errors import ConfigError
 from ...broker.layout import LATENCY_BOUNDS_NS, RING_NS_MAX, RING_OP_SHIFT
-from ..stats import BatchRecord
+from ..serving.stats import BatchRecord
 
 QUANTILES: tuple[float, ...] = (0.5, 0.95, 0.99)
 #: The sidecar's stages can be shorter than the shortest end-to-end bucket (5 us): two finer ones.

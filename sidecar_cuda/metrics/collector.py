@@ -37,7 +37,7 @@ from ...broker.layout import (
 )
 from ...broker.slotpath import Choice
 from ..backends.base import BackendStatistics
-from ..stats import ROUTES, BatchRecord, SidecarStats
+from ..serving.stats import ROUTES, BatchRecord, SidecarStats
 from .aggregate import (
     BATCH_SIZE_BOUNDS,
     OTHER_NAMESPACES,

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 from conftest import unique_name  # (tests/conftest.py: the root's)
 
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process
 
 pytest.importorskip("psycopg", reason="the fleet store needs psycopg 3 (pip install '.[postgres]' from a checkout)")

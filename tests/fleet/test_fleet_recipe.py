@@ -25,7 +25,7 @@ import pytest
 from conftest import free_port, unique_name
 from fleetkit import pg_server  # noqa: F401 (fixture: installs PostgreSQL where it can, else skips)
 
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 
 pytestmark = pytest.mark.timeout(240)
 DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"

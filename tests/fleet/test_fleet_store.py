@@ -246,8 +246,8 @@ def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn
     import psycopg
 
     from kalos.broker.positions import ORIGIN
-    from kalos.sidecar_cuda.pgstore import fetch_changes, write_change
-    from kalos.sidecar_cuda.writes import Write, WriteOp
+    from kalos.sidecar_cuda.storage.pgstore import fetch_changes, write_change
+    from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
     fleet("schema").stop()  # creates the schema
     vec = np.ones((1, 16), np.float32)

@@ -15,7 +15,7 @@ from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import HALF_K, MAX_K, WARP_K, SearchPath, cuda_available
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-from kalos.sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.storage.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [

@@ -13,7 +13,7 @@ from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import HALF_K, cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import cheap_k
-from kalos.sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.storage.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [

@@ -11,7 +11,7 @@ The planner's row threshold is lowered (``int8_min_rows``) so small matrices tak
 the backend's ``stats``. Fresh random data (the seed is printed). Skipped at collection where CuPy
 or a CUDA device is missing, and on a device below compute capability 7.5 (no int8 GEMM).
 
-The names of the path (``SearchPath.INT8``, ``config.Int8Pass``, ``planner.INT8_*``) are looked up
+The names of the path (``SearchPath.INT8``, ``options.Int8Pass``, ``planner.INT8_*``) are looked up
 when a test runs, not at import: collection never fails where the backend cannot run.
 """
 
@@ -22,7 +22,7 @@ import pytest
 from gpu_reference import check, queries
 
 from kalos.broker.layout import Metric
-from kalos.sidecar_cuda import config
+from kalos.sidecar_cuda.backends import options
 from kalos.sidecar_cuda.backends.base import prepare_rows
 from kalos.sidecar_cuda.backends.cuda import SearchPath, cuda_available, planner
 
@@ -66,7 +66,9 @@ def backends():
 
     def get(storage: str):
         if storage not in made:
-            be = CupyBackend(storage_dtype=storage, host_work=0, int8_pass=config.Int8Pass.AUTO, int8_min_rows=MIN_ROWS)
+            be = CupyBackend(
+                storage_dtype=storage, host_work=0, int8_pass=options.Int8Pass.AUTO, int8_min_rows=MIN_ROWS
+            )
             made[storage] = be
             assert be.int8_on, f"the int8 path is off on a {storage} backend (see the log)"
         return made[storage]
@@ -275,7 +277,7 @@ def test_identical_rows_force_the_float32_redo(backends, rng, storage, metric):
 def test_int8_pass_off_never_takes_the_path(rng):
     from kalos.sidecar_cuda.backends.cuda import CupyBackend
 
-    be = CupyBackend(storage_dtype="float16", host_work=0, int8_pass=config.Int8Pass.OFF, int8_min_rows=MIN_ROWS)
+    be = CupyBackend(storage_dtype="float16", host_work=0, int8_pass=options.Int8Pass.OFF, int8_min_rows=MIN_ROWS)
     try:
         assert not be.int8_on
         n, d = 3000, 128

@@ -12,7 +12,7 @@ import pytest
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import SearchPath, cuda_available
-from kalos.sidecar_cuda.store import MemoryStore
+from kalos.sidecar_cuda.storage.store import MemoryStore
 
 _WHY = cuda_available()
 pytestmark = [

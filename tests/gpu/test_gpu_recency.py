@@ -16,7 +16,7 @@ from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.base import Decay, prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import SearchPath
-from kalos.sidecar_cuda.store import MemoryStore, Stamps
+from kalos.sidecar_cuda.storage.store import MemoryStore, Stamps
 
 _WHY = cuda_available()
 pytestmark = [

@@ -14,7 +14,7 @@ from kalos.broker.layout import Metric
 from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.cuda import cuda_available, device_count
 from kalos.sidecar_cuda.backends.sharded import ShardedBackend
-from kalos.sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.storage.store import Namespace
 
 _WHY = cuda_available()
 pytestmark = [

@@ -15,7 +15,7 @@ from gpu_reference import check, queries
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.base import prepare_rows
 from kalos.sidecar_cuda.backends.cuda import Plan, SearchPath, cuda_available
-from kalos.sidecar_cuda.config import FusedKernel
+from kalos.sidecar_cuda.backends.options import FusedKernel
 
 
 def _why() -> str | None:

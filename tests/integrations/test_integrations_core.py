@@ -34,7 +34,7 @@ from kalos.integrations._filters import (
 from kalos.integrations._ids import IdScheme, Probing, Reading, Reads, claim, find, next_reads
 from kalos.integrations._loops import LoopPools
 from kalos.integrations._plans import Step, pack, together
-from kalos.sidecar_cuda.filters import PayloadIndex
+from kalos.sidecar_cuda.storage.filters import PayloadIndex
 
 DIM = 8
 
@@ -365,7 +365,7 @@ def random_payloads(rng: np.random.Generator, n: int) -> list[dict[str, Any]]:
 def test_mongo_filters_match_the_reference_through_the_sidecars_evaluator(rng: np.random.Generator) -> None:
     """Random Mongo-style filters ($eq spelled both ways, several operators on one field,
     nested $and/$or) translated by mongo_where, parsed and evaluated by the sidecar's own code
-    (broker.validation.parse_where, sidecar_cuda.filters.PayloadIndex) on random payloads: the
+    (broker.validation.parse_where, sidecar_cuda.storage.filters.PayloadIndex) on random payloads: the
     rows that match are exactly those the reference picks."""
     docs = random_payloads(rng, 300)
     index = PayloadIndex(len(docs))

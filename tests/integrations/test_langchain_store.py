@@ -41,7 +41,7 @@ from kalos.integrations.langchain import (
     mmr_select,
     to_where,
 )
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 DIM = 6  # the standard suite's EMBEDDING_SIZE

@@ -29,7 +29,8 @@ from kalos.broker.layout import (
     Flag,
     Status,
 )
-from kalos.clients._transport import ClientSlot, Connection, Semaphore
+from kalos.clients._slots import ClientSlot
+from kalos.clients._transport import Connection, Semaphore
 
 N_SLOTS = 6
 DEEP = b"[" * 20000 + b"]" * 20000  # beyond any JSON decoder's recursion limit

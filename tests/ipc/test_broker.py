@@ -593,9 +593,9 @@ def test_objects_are_private_to_the_owner(sidecar):
 @pytest.mark.asyncio
 async def test_cancel_while_waiting_for_a_slot_restores_it():
     """A slot handed to a waiter that is cancelled before it runs goes back, never lost (pure)."""
-    from kalos.clients.pool import _FreeSlots
+    from kalos.clients._free import FreeSlots
 
-    free = _FreeSlots(asyncio.get_running_loop())
+    free = FreeSlots(asyncio.get_running_loop())
     waiter = asyncio.ensure_future(free.get(None))
     await asyncio.sleep(0)
     free.put_nowait("slot-a")  # handed straight to the waiter ...

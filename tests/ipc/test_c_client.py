@@ -48,7 +48,7 @@ from kalos.broker.names import bell_name, leases_path, shm_name
 from kalos.broker.owners import sem_path, shm_path
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
-from kalos.sidecar_cuda.objects import create, unlink
+from kalos.sidecar_cuda.serving.objects import create, unlink
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "clients" / "c"

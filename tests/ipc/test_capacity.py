@@ -20,7 +20,7 @@ from conftest import assert_topk
 
 from kalos import RecallClient, RecallPool, SlotsExhausted
 from kalos.clients._transport import Connection
-from kalos.clients.pool import IDLE_S, TICK_S
+from kalos.clients._leaseplan import IDLE_S, TICK_S
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -21,7 +21,7 @@ import pytest
 from conftest import free_port, unique_name
 
 from kalos.clients import RecallClient
-from kalos.sidecar_cuda.objects import cleanup, leftover_names
+from kalos.sidecar_cuda.serving.objects import cleanup, leftover_names
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 pytestmark = pytest.mark.timeout(120)
@@ -384,7 +384,7 @@ def _serve_ready_line(name: str, env: dict[str, str]) -> str:
 
 def test_serve_logs_its_slot_path_and_refuses_two_at_once() -> None:
     from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV
-    from kalos.sidecar_cuda.slotio import load_compiled
+    from kalos.sidecar_cuda.serving.slotio import load_compiled
 
     line = _serve_ready_line(unique_name("pypath"), {PURE_ENV: "1"})
     assert "slot path python (KALOS_PURE_PYTHON=1)" in line, line

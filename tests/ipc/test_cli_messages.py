@@ -25,7 +25,7 @@ from kalos.broker.layout import PROTOCOL_VERSION
 from kalos.cli import build_parser
 from kalos.clients import RecallClient
 from kalos.sidecar_cuda.config import ServeConfig
-from kalos.sidecar_cuda.objects import cleanup, leftover_names
+from kalos.sidecar_cuda.serving.objects import cleanup, leftover_names
 from kalos.testing.sidecar import start_sidecar_process
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,6 +1,6 @@
 """One data dir, one sidecar: a second sidecar on a directory another serves is refused with an
 error naming the directory and the holder, and a sidecar killed with kill -9 leaves nothing that
-blocks its restart (sidecar_cuda.datadir)."""
+blocks its restart (sidecar_cuda.storage.datadir)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from conftest import unique_name
 
 from kalos.broker.errors import ConfigError
 from kalos.clients import RecallClient
-from kalos.sidecar_cuda.datadir import LOCK_FILE, DataDirInUse, lock_data_dir
-from kalos.sidecar_cuda.objects import cleanup, leftover_names
+from kalos.sidecar_cuda.serving.objects import cleanup, leftover_names
+from kalos.sidecar_cuda.storage.datadir import LOCK_FILE, DataDirInUse, lock_data_dir
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 pytestmark = pytest.mark.timeout(120)

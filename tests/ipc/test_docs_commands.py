@@ -260,7 +260,13 @@ def test_make_demo_installs_the_package_alone_and_neither_target_reinstalls(tmp_
     """The Makefile in a scratch directory (the files it names, empty), with a Python that only
     records what it is asked: what ``make demo`` and ``make test`` install, in either order."""
     shutil.copy(ROOT / "Makefile", tmp_path / "Makefile")
-    for f in ("pyproject.toml", "setup.py", "broker/kalos_protocol.h", "clients/_cslot.c", "sidecar_cuda/_cserve.c"):
+    for f in (
+        "pyproject.toml",
+        "setup.py",
+        "broker/kalos_protocol.h",
+        "clients/_cslot.c",
+        "sidecar_cuda/serving/_cserve.c",
+    ):
         (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / f).write_text("")
         os.utime(tmp_path / f, (1e9, 1e9))  # older than anything make will touch

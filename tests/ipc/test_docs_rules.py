@@ -28,7 +28,7 @@ from kalos.broker.errors import BrokerUnavailable
 from kalos.cli import build_parser
 from kalos.clients import RecallClient
 from kalos.clients._transport import Connection
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 pytestmark = pytest.mark.timeout(180)

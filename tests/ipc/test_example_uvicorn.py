@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from conftest import assert_topk, free_port, unique_name
 
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing import start_sidecar_process
 
 uvicorn = pytest.importorskip("uvicorn")

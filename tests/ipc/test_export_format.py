@@ -18,7 +18,7 @@ import pytest
 from conftest import unique_name
 
 from kalos.clients import RecallClient
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.transfer import FORMAT_VERSION, STAMPS_DTYPE, TTL_UNKNOWN
 

@@ -26,7 +26,7 @@ from kalos import (
     RecallPool,
     SlotsExhausted,
 )
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing import start_sidecar_process
 
 pytestmark = pytest.mark.timeout(240)

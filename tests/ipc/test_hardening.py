@@ -30,10 +30,10 @@ from kalos.broker.owners import sem_path, shm_path
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, SlotPath
 from kalos.broker.validation import MAX_PAYLOAD_DEPTH
 from kalos.clients import RecallClient, RecallPool
+from kalos.clients._slots import load_compiled as load_client_slot_path
 from kalos.clients._transport import Connection
-from kalos.clients._transport import load_compiled as load_client_slot_path
-from kalos.sidecar_cuda.objects import cleanup
-from kalos.sidecar_cuda.slotio import load_compiled
+from kalos.sidecar_cuda.serving.objects import cleanup
+from kalos.sidecar_cuda.serving.slotio import load_compiled
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)  # where conftest.py lives

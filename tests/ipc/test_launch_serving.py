@@ -13,8 +13,8 @@ import pytest
 from conftest import unique_name
 
 from kalos import RecallClient
-from kalos.sidecar_cuda.launch import EagerPolicy, FillPolicy, Regime
 from kalos.sidecar_cuda.server import ServeConfig, Sidecar
+from kalos.sidecar_cuda.serving.launch import EagerPolicy, FillPolicy, Regime
 from kalos.testing.loadgen import LoadSpec, check_samples, run_load
 
 pytestmark = pytest.mark.timeout(120)

@@ -389,7 +389,7 @@ def test_kill9_during_writes_loses_nothing_acknowledged(sidecar_factory, tmp_pat
 
 
 def test_corrupt_or_mismatched_store_is_refused_and_left_untouched(tmp_path, sidecar_factory):
-    from kalos.sidecar_cuda.persist import DB_FILE
+    from kalos.sidecar_cuda.storage.sqlite import DB_FILE
 
     d = tmp_path / "data"
     h = sidecar_factory("st", "--dim", "8", "--backend", "numpy", "--data-dir", str(d), ephemeral=False)

@@ -34,7 +34,8 @@ from kalos.broker.layout import (
     latency_op,
 )
 from kalos.broker.slotpath import Choice, SlotPath
-from kalos.clients._transport import ClientSlot, Connection
+from kalos.clients._slots import ClientSlot
+from kalos.clients._transport import Connection
 
 pytestmark = pytest.mark.timeout(120)
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "protocol.md").read_text(encoding="utf-8")

@@ -13,7 +13,8 @@ import kalos.clients._requests as _requests
 from kalos.broker.errors import InvalidRequest, PayloadTooLarge, ProtocolError
 from kalos.broker.layout import HIT_META_BYTES, Flag, Layout, Op, SegmentView, Status
 from kalos.clients import RecallClient, RecallPool, Records
-from kalos.clients._transport import ClientSlot, Connection
+from kalos.clients._slots import ClientSlot
+from kalos.clients._transport import Connection
 
 pytestmark = pytest.mark.timeout(120)
 

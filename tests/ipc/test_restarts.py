@@ -20,7 +20,7 @@ from kalos.broker.errors import BrokerUnavailable, ProtocolError
 from kalos.broker.names import shm_name
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._transport import Connection
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing import start_sidecar_process
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: conftest.py

@@ -19,7 +19,8 @@ from kalos.broker.layout import Op
 from kalos.broker.slotpath import PURE_ENV, REQUIRE_ENV, Choice, SlotPath
 from kalos.clients import RecallClient, RecallPool
 from kalos.clients._requests import Prepared
-from kalos.clients._transport import CompiledSlot, Connection, NativeSemaphore, Semaphore, load_compiled
+from kalos.clients._slots import CompiledSlot, NativeSemaphore, load_compiled
+from kalos.clients._transport import Connection, Semaphore
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -24,7 +24,7 @@ import pytest
 from kalos.clients._transport import Connection
 from kalos.sidecar_cuda.__main__ import build_parser
 from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args, env_var
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"

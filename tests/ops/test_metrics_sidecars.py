@@ -23,7 +23,7 @@ from rich.console import Console
 
 from kalos.broker.errors import PayloadTooLarge
 from kalos.clients import RecallPool
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 from kalos.top import Scrape, compute_view, fetch, parse_metrics, render
 

@@ -81,7 +81,7 @@ def _venv_with(wheel: Path, where: Path) -> Path:
 _CHOSEN = (
     "import os; from kalos.broker.slotpath import choose; import importlib; "
     "print(choose(os.environ, lambda: importlib.import_module('kalos.clients._cslot')).path.value, "
-    "choose(os.environ, lambda: importlib.import_module('kalos.sidecar_cuda._cserve')).path.value)"
+    "choose(os.environ, lambda: importlib.import_module('kalos.sidecar_cuda.serving._cserve')).path.value)"
 )
 _PLAIN_ENV = {
     k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "KALOS_PURE_PYTHON", "KALOS_REQUIRE_COMPILED")

@@ -27,7 +27,7 @@ import pytest
 from conftest import free_port
 
 from kalos.clients import RecallPool
-from kalos.sidecar_cuda.objects import cleanup
+from kalos.sidecar_cuda.serving.objects import cleanup
 from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The one writer of answers (``sidecar_cuda.answers``), alone, on a segment in process memory:
+"""The one writer of answers (``sidecar_cuda.serving.answers``), alone, on a segment in process memory:
 when a slot's response semaphore is posted, its answer, stamps and DONE state are all written.
 The fake semaphores record what a client woken by the post would read at that moment."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kalos.broker.layout import S_BUSY, S_DONE, Layout, SegmentView, SlotWords, Status
-from kalos.sidecar_cuda.answers import AnswerWriter
-from kalos.sidecar_cuda.slotio import PySlotIO
+from kalos.sidecar_cuda.serving.answers import AnswerWriter
+from kalos.sidecar_cuda.serving.slotio import PySlotIO
 
 LAYOUT = Layout(n_slots=6, dim=8, max_k=4, max_queries=2, blob_bytes=256)
 

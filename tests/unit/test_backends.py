@@ -20,7 +20,7 @@ from kalos.sidecar_cuda.backends import blas
 from kalos.sidecar_cuda.backends.base import PolledFuture, completed, size_bucket
 from kalos.sidecar_cuda.backends.cuda import WARP_K, Storage, kernels, planner
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
-from kalos.sidecar_cuda.store import MemoryStore
+from kalos.sidecar_cuda.storage.store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
 

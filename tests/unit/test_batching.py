@@ -1,4 +1,4 @@
-"""The route of a batch (``sidecar_cuda.batching.classify``), alone: control blocks built with
+"""The route of a batch (``sidecar_cuda.serving.batching.classify``), alone: control blocks built with
 ``broker.layout.slot_dtype()``, or one slot of a segment in anonymous process memory read through
 word views; namespaces from a dict. No processes, no shared memory."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kalos.broker.layout import Flag, Layout, Op, SegmentView, SlotWords, slot_dtype, slot_field_offset
-from kalos.sidecar_cuda.batching import Blobs, Limits, Plan, Route, SlotRef, classify
+from kalos.sidecar_cuda.serving.batching import Blobs, Limits, Plan, Route, SlotRef, classify
 
 DIM = 8
 LIMITS = Limits(k_limit=16, dim=DIM, min_work=-1)
@@ -209,7 +209,7 @@ MULTI = LIMITS._replace(max_queries=4)
 
 
 def test_query_rows_lists_every_row_of_each_request_in_order():
-    from kalos.sidecar_cuda.batching import query_rows
+    from kalos.sidecar_cuda.serving.batching import query_rows
 
     slots, rows = query_rows(np.array([3, 5, 7]), np.array([2, 1, 3], np.uint32), 4)
     assert slots.tolist() == [3, 3, 5, 7, 7, 7] and rows.tolist() == [0, 1, 0, 0, 1, 2]

@@ -24,7 +24,7 @@ from kalos.broker.validation import VectorsFor, as_vectors
 from kalos.clients import _exchange, _requests
 from kalos.clients._coalesce import Share, split
 from kalos.clients._exchange import Completion, Exchange
-from kalos.clients._transport import (
+from kalos.clients._slots import (
     ClientSlot,
     CompiledSlot,
     NativeSemaphore,

@@ -1,5 +1,5 @@
 """The sidecar's data dir: checked in words before anything is created, and the start-up load's
-progress lines (sidecar_cuda.persist)."""
+progress lines (sidecar_cuda.storage.sqlite)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.select import choose_backend
-from kalos.sidecar_cuda.persist import Persistence, prepare_data_dir
-from kalos.sidecar_cuda.store import MemoryStore
-from kalos.sidecar_cuda.writes import Write, WriteOp
+from kalos.sidecar_cuda.storage.sqlite import Persistence, prepare_data_dir
+from kalos.sidecar_cuda.storage.store import MemoryStore
+from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Filters without processes: parsing (broker.validation), the payload index (sidecar_cuda.filters),
+"""Filters without processes: parsing (broker.validation), the payload index (sidecar_cuda.storage.filters),
 the numpy backend's filtered search, and the routes filtered requests take."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Flag, Metric, Op
 from kalos.broker.validation import decode_where, encode_where, parse_where
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-from kalos.sidecar_cuda.batching import Request, _field_problem, plan_batch, write_segments
-from kalos.sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.serving.batching import Request, _field_problem, plan_batch, write_segments
+from kalos.sidecar_cuda.storage.store import Namespace
 
 
 def test_encoding_is_canonical_and_decodes_to_the_same_filter():

@@ -17,10 +17,10 @@ from kalos.broker.validation import decode_where
 from kalos.clients.results import written
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.config import add_serve_arguments, config_from_args
-from kalos.sidecar_cuda.persist import StoreKind, store_kind
-from kalos.sidecar_cuda.store import MemoryStore
-from kalos.sidecar_cuda.waits import Held, sort_held
-from kalos.sidecar_cuda.writes import Write, WriteOp, apply_write
+from kalos.sidecar_cuda.serving.waits import Held, sort_held
+from kalos.sidecar_cuda.storage.durable import StoreKind, store_kind
+from kalos.sidecar_cuda.storage.store import MemoryStore
+from kalos.sidecar_cuda.storage.writes import Write, WriteOp, apply_write
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -67,7 +67,7 @@ def test_sort_held_ready_expired_waiting() -> None:
 
 def test_backoff_doubles_to_the_cap_with_jitter() -> None:
     pytest.importorskip("psycopg")
-    from kalos.sidecar_cuda.fleet import LAG_BOUNDS_S, backoff_s, lag_bucket
+    from kalos.sidecar_cuda.storage.fleet import LAG_BOUNDS_S, backoff_s, lag_bucket
 
     assert [backoff_s(n, 5.0, rand=lambda: 1.0) for n in (1, 2, 3, 8, 30)] == [0.1, 0.2, 0.4, 5.0, 5.0]
     assert backoff_s(1, 5.0, rand=lambda: 0.0) == 0.05
@@ -107,7 +107,7 @@ def test_store_option_rules_and_no_password_in_the_config_repr() -> None:
 
 
 def test_targets_are_shown_without_password_and_errors_scrubbed(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
+    pg = pytest.importorskip("kalos.sidecar_cuda.storage.pgstore")
     t = pg.parse_target("postgresql://alice:hunter2@db.example:5433/mem?sslmode=require")
     assert t.shown == "postgresql://alice@db.example:5433/mem"
     assert "hunter2" not in repr(t) and "hunter2" not in t.shown
@@ -124,7 +124,7 @@ def test_targets_are_shown_without_password_and_errors_scrubbed(monkeypatch) -> 
 
 
 def test_every_psycopg_error_maps_to_ours_without_the_password() -> None:
-    pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
+    pg = pytest.importorskip("kalos.sidecar_cuda.storage.pgstore")
     import psycopg
 
     t = pg.parse_target("postgresql://alice:hunter2@db/mem")
@@ -149,7 +149,7 @@ def test_every_psycopg_error_maps_to_ours_without_the_password() -> None:
 
 
 def test_change_rows_decode_and_bad_rows_are_refused() -> None:
-    pg = pytest.importorskip("kalos.sidecar_cuda.pgstore")
+    pg = pytest.importorskip("kalos.sidecar_cuda.storage.pgstore")
     ids = np.array([3, 1], np.int64)
     vecs = np.arange(8, dtype=np.float32).reshape(2, 4)
     c = pg.decode_change(
@@ -187,3 +187,49 @@ def test_apply_is_idempotent_and_deletes_by_filter_resolve_against_the_store(rng
     dw.resolve(store)
     assert dw.ids is not None and dw.ids.tolist() == [1]
     assert apply_write(store, dw) == 1 and apply_write(store, dw) == 0
+
+
+def test_the_follower_hands_changes_to_the_serving_thread_in_order_bounded_and_a_reload_once() -> None:
+    """``Handoff``: the follower puts batches (full at its limit: it then waits), the serving thread
+    takes at most N changes a pass in log order, batches split across passes; a finished reload is
+    taken once. Two threads at once lose nothing and reorder nothing."""
+    import threading
+
+    pytest.importorskip("psycopg")
+    from kalos.sidecar_cuda.storage.fleet import Handoff
+    from kalos.sidecar_cuda.storage.pgstore import Change
+
+    def change(i: int) -> Change:
+        return Change(Position(1, i), Write(WriteOp.DELETE, "ns", ids=np.array([i], np.int64)), 0.0)
+
+    h = Handoff(limit=2)
+    assert not h.pending() and not h.full() and h.take_changes(5) == [] and h.take_reload() is None
+    h.put_changes([change(1), change(2), change(3)])
+    h.put_changes([change(4)])
+    assert h.full() and h.pending()
+    assert [c.position.seq for c in h.take_changes(2)] == [1, 2]  # a batch split across passes
+    assert h.full()  # (what is left of it still counts as a batch waiting)
+    assert [c.position.seq for c in h.take_changes(5)] == [3, 4]
+    assert not h.pending()
+    h.put_reload({}, Position(9, 9))
+    assert h.pending() and h.take_reload() == ({}, Position(9, 9)) and h.take_reload() is None
+
+    h = Handoff(limit=4)
+    n = 2000
+    seen: list[int] = []
+
+    def follower() -> None:
+        i = 0
+        while i < n:
+            if h.full():
+                continue
+            batch = [change(j) for j in range(i, min(n, i + 7))]
+            h.put_changes(batch)
+            i += len(batch)
+
+    t = threading.Thread(target=follower)
+    t.start()
+    while len(seen) < n:
+        seen += [c.position.seq for c in h.take_changes(16)]
+    t.join()
+    assert seen == list(range(n))

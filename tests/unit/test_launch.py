@@ -1,4 +1,4 @@
-"""The launch decision (sidecar_cuda/launch.py): pure, so it is driven here with a fake clock and
+"""The launch decision (sidecar_cuda/serving/launch.py): pure, so it is driven here with a fake clock and
 made-up measurements; tests/unit/test_launch_sim.py runs it in a simulated closed loop and
 tests/ipc/test_launch_serving.py on a real sidecar."""
 
@@ -9,8 +9,8 @@ import math
 import numpy as np
 import pytest
 
-from kalos.sidecar_cuda import launch as L
-from kalos.sidecar_cuda.launch import (
+from kalos.sidecar_cuda.serving import launch as L
+from kalos.sidecar_cuda.serving.launch import (
     Cost,
     EagerPolicy,
     FillPolicy,

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from kalos.sidecar_cuda.launch import EagerPolicy, FillPolicy, Regime
+from kalos.sidecar_cuda.serving.launch import EagerPolicy, FillPolicy, Regime
 from kalos.testing.launchsim import SimResult, SimSpec, run
 
 pytestmark = pytest.mark.timeout(120)

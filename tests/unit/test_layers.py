@@ -148,6 +148,72 @@ def import_circles(graph: Graph) -> list[list[str]]:
     return sorted(circles)
 
 
+#: The sidecar's wings (sub-packages of ``sidecar_cuda``) and the wings each may import, besides
+#: itself and the broker. The top level (the composition root ``server``, ``config``, ``__main__``)
+#: may import every wing; no wing imports the top level: options reach the backends as typed values
+#: (``backends/options.py``), and storage never reaches into serving.
+WINGS: dict[str, frozenset[str]] = {
+    "backends": frozenset(),
+    "storage": frozenset({"backends"}),
+    "serving": frozenset({"backends", "storage"}),
+    "metrics": frozenset({"backends", "serving"}),
+}
+#: The only modules at the top of ``sidecar_cuda/``.
+SIDECAR_TOP = frozenset({"sidecar_cuda", "sidecar_cuda.__main__", "sidecar_cuda.config", "sidecar_cuda.server"})
+
+
+def wing_of(module: str) -> str | None:
+    """``storage`` for ``sidecar_cuda.storage.store``; None for the top level and other layers."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "sidecar_cuda" and len(parts) > 1 and parts[1] in WINGS else None
+
+
+def wing_violations(graph: Graph) -> list[str]:
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        wing = wing_of(module)
+        if wing is None:
+            continue
+        for target in sorted(targets):
+            if target.split(".")[0] != "sidecar_cuda":
+                continue
+            other = wing_of(target)
+            if other != wing and other not in WINGS[wing]:
+                wrong.append(f"{module} ({wing}) imports {target} ({other or 'the top level'})")
+    return wrong
+
+
+def test_the_sidecars_wings_point_one_way() -> None:
+    wrong = wing_violations(import_graph(ROOT))
+    assert not wrong, "imports against the sidecar's wings:\n  " + "\n  ".join(wrong)
+
+
+def test_the_sidecars_top_level_is_only_its_composition_root_and_config() -> None:
+    top = {m for m in find_modules(ROOT) if m.startswith("sidecar_cuda") and wing_of(m) is None}
+    assert top == SIDECAR_TOP, sorted(top - SIDECAR_TOP)
+
+
+def test_the_wing_check_catches_what_it_should(tmp_path: Path) -> None:
+    files = {
+        "sidecar_cuda/__init__.py": "",
+        "sidecar_cuda/config.py": "from .backends.options import FusedKernel\n",
+        "sidecar_cuda/backends/__init__.py": "",
+        "sidecar_cuda/backends/options.py": "",
+        "sidecar_cuda/backends/select.py": "from ..config import FusedKernel\n",
+        "sidecar_cuda/storage/__init__.py": "",
+        "sidecar_cuda/storage/expiry.py": "from ..serving.stats import SidecarStats\n",
+        "sidecar_cuda/serving/__init__.py": "",
+        "sidecar_cuda/serving/stats.py": "from ..storage import expiry\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert wing_violations(import_graph(tmp_path)) == [
+        "sidecar_cuda.backends.select (backends) imports sidecar_cuda.config (the top level)",
+        "sidecar_cuda.storage.expiry (storage) imports sidecar_cuda.serving.stats (serving)",
+    ]
+
+
 def test_layers_point_one_way() -> None:
     wrong = layer_violations(import_graph(ROOT))
     assert not wrong, "imports against the layers:\n  " + "\n  ".join(wrong)
@@ -176,7 +242,7 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "clients/_requests.py": "from . import pool\n",
         "sidecar_cuda/__init__.py": "",
         "sidecar_cuda/server.py": "from . import objects\n",
-        "sidecar_cuda/objects.py": "import clients.pool as pool\n",
+        "sidecar_cuda/serving/objects.py": "import clients.pool as pool\n",
         "kalos/__init__.py": "import broker\n",
         "kalos/cli.py": "from kalos.clients import pool\nfrom kalos.sidecar_cuda import server\n",
         "clients/fake.py": "from kalos.broker import layout\nfrom ..broker import errors\n",
@@ -189,7 +255,7 @@ def test_checker_catches_what_it_should(tmp_path: Path) -> None:
         "broker.cli imports sidecar_cuda.server",
         "clients.fake imports kalos",
         "clients.pool imports kalos",
-        "sidecar_cuda.objects imports clients.pool",
+        "sidecar_cuda.serving.objects imports clients.pool",
     ]
     assert graph["kalos.cli"] == {"clients", "clients.pool", "sidecar_cuda", "sidecar_cuda.server"}
     assert "broker.errors" in graph["clients.fake"]

@@ -46,7 +46,7 @@ from kalos.broker.layout import (
 )
 from kalos.broker.slotpath import Choice, SlotPath
 from kalos.clients import RecallPool
-from kalos.clients._transport import ClientSlot
+from kalos.clients._slots import ClientSlot
 from kalos.clients.fake import FakeConnection
 from kalos.sidecar_cuda.backends.base import BackendStatistics, PathStat, merge_statistics
 from kalos.sidecar_cuda.metrics import (
@@ -68,7 +68,7 @@ from kalos.sidecar_cuda.metrics import (
     split_ring_entries,
     top_namespaces,
 )
-from kalos.sidecar_cuda.stats import BatchRecord, SidecarStats
+from kalos.sidecar_cuda.serving.stats import BatchRecord, SidecarStats
 from kalos.top import compute_view, parse_metrics, render, run_top
 
 pytestmark = pytest.mark.timeout(90)

@@ -12,10 +12,10 @@ from kalos.broker.clock import NS
 from kalos.broker.layout import Flag, Metric, slot_dtype
 from kalos.sidecar_cuda.backends.base import search_each
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-from kalos.sidecar_cuda.batching import Limits, Route, classify, namespace_field
-from kalos.sidecar_cuda.persist import commit_and_apply
-from kalos.sidecar_cuda.store import MemoryStore, Namespace, Stamps
-from kalos.sidecar_cuda.writes import Write, WriteOp
+from kalos.sidecar_cuda.serving.batching import Limits, Route, classify, namespace_field
+from kalos.sidecar_cuda.storage.durable import commit_and_apply
+from kalos.sidecar_cuda.storage.store import MemoryStore, Namespace, Stamps
+from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
 pytestmark = pytest.mark.timeout(60)
 

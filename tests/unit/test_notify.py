@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kalos.sidecar_cuda.notify import sd_notify
+from kalos.sidecar_cuda.serving.notify import sd_notify
 
 pytestmark = pytest.mark.timeout(10)
 

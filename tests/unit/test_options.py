@@ -11,7 +11,6 @@ import pytest
 
 from kalos.broker.errors import ConfigError
 from kalos.sidecar_cuda.backends.select import choose_backend
-from kalos.sidecar_cuda.batching import Route
 from kalos.sidecar_cuda.config import (
     FusedKernel,
     Pipelining,
@@ -19,7 +18,8 @@ from kalos.sidecar_cuda.config import (
     add_serve_arguments,
     config_from_args,
 )
-from kalos.sidecar_cuda.stats import ROUTES
+from kalos.sidecar_cuda.serving.batching import Route
+from kalos.sidecar_cuda.serving.stats import ROUTES
 
 pytestmark = pytest.mark.timeout(10)
 

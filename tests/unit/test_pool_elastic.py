@@ -19,7 +19,7 @@ from kalos.broker.errors import SlotsExhausted
 from kalos.broker.layout import Layout
 from kalos.clients import RecallPool
 from kalos.clients.fake import FakeConnection
-from kalos.clients.pool import GROW_RETRY_S, IDLE_S, TICK_S, LeasePlan
+from kalos.clients._leaseplan import GROW_RETRY_S, IDLE_S, TICK_S, LeasePlan
 
 LAY = Layout(n_slots=6, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 OTHER = 7  # the pid of "another process" holding slots in the fake segment
@@ -302,7 +302,7 @@ class _BlockingSlot:
 async def test_the_waiter_holds_a_slot_while_inside_a_wait_on_it_even_after_disarm():
     """A wait outlives disarm by up to its timeout; while it lasts, the slot must not be given
     back (another process could lease it, and this thread would take that process's answer)."""
-    from kalos.clients._transport import Waiter
+    from kalos.clients._waiter import Waiter
 
     loop = asyncio.get_running_loop()
     w = Waiter(loop, lambda: None, lambda e: None)

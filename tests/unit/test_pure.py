@@ -9,7 +9,7 @@ from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Layout, Metric, Op, Status
 from kalos.broker.validation import VectorsFor, as_ids, as_vectors, check_k, payload_lines
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend, topk_rows
-from kalos.sidecar_cuda.batching import (
+from kalos.sidecar_cuda.serving.batching import (
     Rejection,
     Request,
     SlotFields,
@@ -18,7 +18,7 @@ from kalos.sidecar_cuda.batching import (
     plan_batch,
     posted_slots,
 )
-from kalos.sidecar_cuda.store import MemoryStore, compaction_moves, last_wins
+from kalos.sidecar_cuda.storage.store import MemoryStore, compaction_moves, last_wins
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 
@@ -183,7 +183,7 @@ def test_store_upsert_delete_search_match_reference(rng, metric):
 
 
 def test_pipeline_decision():
-    from kalos.sidecar_cuda.batching import PIPELINE_MIN_WORK, pipelined
+    from kalos.sidecar_cuda.serving.batching import PIPELINE_MIN_WORK, pipelined
 
     assert not pipelined(10**15, -1)  # --pipeline off
     assert pipelined(0, 0) and pipelined(1, 0)  # --pipeline on

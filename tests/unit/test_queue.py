@@ -18,7 +18,7 @@ from kalos.broker.layout import Layout
 from kalos.clients import _requests
 from kalos.clients._exchange import Completion, Exchange
 from kalos.clients._queue import CoalescingQueue, NotSent, Waiting
-from kalos.clients._transport import ClientSlot
+from kalos.clients._slots import ClientSlot
 from kalos.clients.fake import FakeConnection
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)

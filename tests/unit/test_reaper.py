@@ -20,7 +20,7 @@ from kalos.broker.layout import (
     S_POSTED,
     slot_dtype,
 )
-from kalos.sidecar_cuda.leases import Reap, ReapOutcome, needs_reaping, reap_dead_owners
+from kalos.sidecar_cuda.serving.leases import Reap, ReapOutcome, needs_reaping, reap_dead_owners
 
 
 class CountingSem:

@@ -24,7 +24,7 @@ from kalos.sidecar_cuda.backends.sharded import (
     parse_devices,
     place,
 )
-from kalos.sidecar_cuda.store import Namespace
+from kalos.sidecar_cuda.storage.store import Namespace
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 5])

@@ -26,7 +26,7 @@ from kalos.broker.layout import (
     slot_dtype,
 )
 from kalos.broker.slotpath import REQUIRE_ENV, Choice, SlotPath
-from kalos.sidecar_cuda.slotio import SlotIO, layout_problems, load_compiled, open_slot_io
+from kalos.sidecar_cuda.serving.slotio import SlotIO, layout_problems, load_compiled, open_slot_io
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,7 +66,7 @@ class World:
         self.io: SlotIO = open_slot_io(choice, self.seg, self.words, memoryview(self.buf), self.req, self.resp)
         # (what each world claims to run is what runs)
         assert type(self.io).__name__ == ("SlotIO" if path is SlotPath.COMPILED else "PySlotIO"), type(self.io)
-        assert (type(self.io).__module__ == "kalos.sidecar_cuda._cserve") == (path is SlotPath.COMPILED)
+        assert (type(self.io).__module__ == "kalos.sidecar_cuda.serving._cserve") == (path is SlotPath.COMPILED)
 
     def values(self) -> tuple[list[int], list[int]]:
         return [s.value for s in self.req], [s.value for s in self.resp]

@@ -20,12 +20,13 @@ from kalos.clients import _requests
 from kalos.sidecar_cuda.backends.base import Decay
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.backends.sharded import ShardedBackend
-from kalos.sidecar_cuda.batching import Rejection, Request, SlotFields, parse_request, write_segments
-from kalos.sidecar_cuda.expiry import Sweeper, due
-from kalos.sidecar_cuda.persist import Persistence, StoreError, commit_and_apply
-from kalos.sidecar_cuda.stats import SidecarStats
-from kalos.sidecar_cuda.store import NO_EXPIRY, MemoryStore, Namespace, Stamps
-from kalos.sidecar_cuda.writes import Write, WriteOp
+from kalos.sidecar_cuda.serving.batching import Rejection, Request, SlotFields, parse_request, write_segments
+from kalos.sidecar_cuda.serving.expiry import Sweeper, due
+from kalos.sidecar_cuda.serving.stats import SidecarStats
+from kalos.sidecar_cuda.storage.durable import StoreError, commit_and_apply
+from kalos.sidecar_cuda.storage.sqlite import Persistence
+from kalos.sidecar_cuda.storage.store import NO_EXPIRY, MemoryStore, Namespace, Stamps
+from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
 pytestmark = pytest.mark.timeout(60)
 

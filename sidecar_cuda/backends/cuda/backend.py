@@ -78,8 +78,8 @@ import numpy as np
 
 from ....broker.errors import ConfigError
 from ....broker.layout import Metric
-from ...config import FusedKernel, Int8Pass
 from ..base import BackendStatistics, Matrix, PendingSearch, completed, search_each
+from ..options import FusedKernel, Int8Pass
 from .device import Device, SearchStats
 from .kernels import MAX_K, WARP_K, Storage
 from .matrix import CupyMatrix

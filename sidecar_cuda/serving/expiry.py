@@ -1,7 +1,7 @@
 """The sweeper: expired records deleted durably, a bounded pass at a time, on the serving thread.
 
 Expiry itself needs no sweeper: every read leaves out the records expired at its ``now``
-(:mod:`kalos.sidecar_cuda.store`), so a record is never answered after its ``expires_at`` whether
+(:mod:`kalos.sidecar_cuda.storage.store`), so a record is never answered after its ``expires_at`` whether
 it was deleted yet or not. The sweeper frees what they hold and keeps the durable store (and, in a
 fleet, every replica through the change log, as DELETEs) in step: every :data:`SWEEP_S` seconds,
 busy or not, the namespaces whose earliest expiry has passed (:func:`due`, pure) get one EXPIRE
@@ -17,10 +17,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from .persist import Durable, StoreError, commit_and_apply
+from ..storage.durable import Durable, StoreError, commit_and_apply
+from ..storage.store import MemoryStore
+from ..storage.writes import Write, WriteOp
 from .stats import SidecarStats
-from .store import MemoryStore
-from .writes import Write, WriteOp
 
 log = logging.getLogger("kalos.sidecar")
 

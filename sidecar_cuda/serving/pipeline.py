@@ -1,8 +1,8 @@
 """From posted slots to answers: one pass of the serving loop (:meth:`Pipeline.serve_pending`).
 
 A pass answers the oldest batch in flight if it has finished, takes every posted slot as one
-batch once the launch policy says it leaves (:mod:`kalos.sidecar_cuda.launch`, ``--launch``),
-lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and runs it:
+batch once the launch policy says it leaves (:mod:`kalos.sidecar_cuda.serving.launch`, ``--launch``),
+lets :func:`~kalos.sidecar_cuda.serving.batching.classify` pick its route, and runs it:
 
 * SINGLE: searched in place and answered at once;
 * UNIFORM: one search of the gathered queries, started on the backend; a pipelined batch is left
@@ -10,13 +10,13 @@ lets :func:`~kalos.sidecar_cuda.batching.classify` pick its route, and runs it:
   started as the next batch, queued right behind it), any other is answered at once (a batch of
   filtered recalls that all carry the same filter is UNIFORM too: searched over its rows at once);
 * GENERAL: what is in flight is answered first (so a write never moves rows under a search, and
-  answers leave in order), then the batch is served request by request (:mod:`kalos.sidecar_cuda.general`).
+  answers leave in order), then the batch is served request by request (:mod:`kalos.sidecar_cuda.serving.general`).
 
 At most :data:`PIPELINE_DEPTH` batches are in flight. Answers go through the
-:class:`~kalos.sidecar_cuda.answers.AnswerWriter`. The byte work (finding and taking the posted
+:class:`~kalos.sidecar_cuda.serving.answers.AnswerWriter`. The byte work (finding and taking the posted
 slots, the snapshot of their control blocks, gathering their queries, writing and publishing
-answers) is the :class:`~kalos.sidecar_cuda.slotio.SlotIO`'s, compiled or not; every decision is
-made here and in :mod:`~kalos.sidecar_cuda.batching`, on either path.
+answers) is the :class:`~kalos.sidecar_cuda.serving.slotio.SlotIO`'s, compiled or not; every decision is
+made here and in :mod:`~kalos.sidecar_cuda.serving.batching`, on either path.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_dtype, slot_field_offset
-from ..broker.names import decode_namespace
+from ...broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_dtype, slot_field_offset
+from ...broker.names import decode_namespace
+from ..backends.base import PendingSearch, completed
+from ..storage.store import MemoryStore, Namespace
 from .answers import AnswerWriter
-from .backends.base import PendingSearch, completed
 from .batching import (
     Blobs,
     Limits,
@@ -50,7 +51,6 @@ from .general import GeneralRoute
 from .launch import LaunchPolicy, Returning
 from .slotio import SlotIO
 from .stats import BatchRecord, SidecarStats
-from .store import MemoryStore, Namespace
 from .waits import HeldReads
 
 log = logging.getLogger("kalos.sidecar")
@@ -86,7 +86,7 @@ class Pipeline:
     ``io``: the slot path's byte work (the same object the writer answers through); ``mem``: the
     mapped segment (namespace bytes are read from it); ``stagings``: :data:`PIPELINE_DEPTH` buffers
     for gathered queries (pinned on CUDA); ``launch``: decides when the next batch leaves
-    (:mod:`kalos.sidecar_cuda.launch`, ``--launch``);
+    (:mod:`kalos.sidecar_cuda.serving.launch`, ``--launch``);
     ``on_unexpected(what, error)``: logs and counts an error nothing expected."""
 
     def __init__(

@@ -16,7 +16,7 @@ slots first); steps 2-4 are :meth:`AnswerWriter.deliver`, called once the whole 
 else in the sidecar writes these fields or posts ``resp``.
 
 The calls every recall makes (a uniform batch's answers, the publishing of every batch, the SINGLE
-route's answer) are byte work of the sidecar's :class:`~kalos.sidecar_cuda.slotio.SlotIO`: compiled
+route's answer) are byte work of the sidecar's :class:`~kalos.sidecar_cuda.serving.slotio.SlotIO`: compiled
 (``_cserve``) or its Python twin, in the same order. The rarer answers (errors, blobs, exported
 rows, the general route's hits) are written here in Python on either path.
 """
@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..broker.layout import Layout, SegmentView, SlotWords, Status
-from ..broker.positions import Position
+from ...broker.layout import Layout, SegmentView, SlotWords, Status
+from ...broker.positions import Position
 from .slotio import SlotIO
 
 

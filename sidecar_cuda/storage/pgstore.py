@@ -54,8 +54,8 @@ import numpy as np
 import psycopg
 from psycopg import conninfo as pg_conninfo
 
-from ..broker.errors import ConfigError
-from ..broker.positions import Position
+from ...broker.errors import ConfigError
+from ...broker.positions import Position
 from .store import Stamps, last_wins
 from .writes import Write, WriteOp
 

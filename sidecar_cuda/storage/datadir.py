@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 
-from ..broker.errors import ConfigError
+from ...broker.errors import ConfigError
 
 LOCK_FILE = "kalos.lock"
 #: Bytes of the holder's description read back for a refusal (it is a short JSON line).
@@ -112,7 +112,7 @@ def _read_holder(fd: int) -> Holder | None:
 
 
 def lock_data_dir(directory: str, what: str, broker: str | None = None) -> DataDirLock:
-    """Lock ``directory`` (which must exist: :func:`kalos.sidecar_cuda.persist.prepare_data_dir`
+    """Lock ``directory`` (which must exist: :func:`kalos.sidecar_cuda.storage.sqlite.prepare_data_dir`
     makes and checks it) for ``what`` ("sidecar", with the ``broker`` it serves, or the tool's
     name), or raise :class:`DataDirInUse` naming the directory and who holds it. Never waits.
     Raises ConfigError when the lock file cannot be opened."""

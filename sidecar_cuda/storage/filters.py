@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from ..broker.validation import TIME_FIELDS, WhereNode
+from ...broker.validation import TIME_FIELDS, WhereNode
 
 #: The record timestamp column (int64 ns, rows [0, n)) of a time field such as ``$updated_at``.
 TimeColumns = Callable[[str], np.ndarray]

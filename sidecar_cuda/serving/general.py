@@ -1,8 +1,8 @@
 """The GENERAL route: any batch, request by request. Every op is served here (writes, payloads,
 several namespaces, listing, export) and every request a broken client wrote gets its own status.
 
-Each request is parsed (:func:`~kalos.sidecar_cuda.batching.parse_request`); a rejected one is answered
-at once with its status; the rest are grouped (:func:`~kalos.sidecar_cuda.batching.plan_batch`): writes
+Each request is parsed (:func:`~kalos.sidecar_cuda.serving.batching.parse_request`); a rejected one is answered
+at once with its status; the rest are grouped (:func:`~kalos.sidecar_cuda.serving.batching.plan_batch`): writes
 first in posting order (made durable, then applied), then one search per namespace, then the other
 ops. An unexpected error in a group answers that group SERVER_ERROR (logged) and the rest of the
 batch is served as usual.
@@ -13,7 +13,7 @@ in ``now_ns``. Recalls are grouped by (namespace, filter, recency): one search e
 Flag.REFRESH touch what they answered, durably, once the batch's reads are written (a failed
 touch turns their answers into STORE_ERROR before anything is published).
 
-Answers are written through the :class:`~kalos.sidecar_cuda.answers.AnswerWriter` and published
+Answers are written through the :class:`~kalos.sidecar_cuda.serving.answers.AnswerWriter` and published
 by the caller once the whole batch is written.
 """
 
@@ -26,12 +26,15 @@ from functools import partial
 
 import numpy as np
 
-from ..broker.errors import InvalidRequest
-from ..broker.layout import Flag, Op, SegmentView, Status
-from ..broker.positions import ORIGIN
-from ..broker.validation import WhereNode, decode_where, payload_problem
+from ...broker.errors import InvalidRequest
+from ...broker.layout import Flag, Op, SegmentView, Status
+from ...broker.positions import ORIGIN
+from ...broker.validation import WhereNode, decode_where, payload_problem
+from ..backends.base import Decay
+from ..storage.durable import Durable, StoreError, commit_and_apply
+from ..storage.store import MemoryStore, Namespace
+from ..storage.writes import Write, WriteOp
 from .answers import AnswerWriter
-from .backends.base import Decay
 from .batching import (
     Rejection,
     Request,
@@ -41,9 +44,6 @@ from .batching import (
     plan_batch,
     write_segments,
 )
-from .persist import Durable, StoreError, commit_and_apply
-from .store import MemoryStore, Namespace
-from .writes import Write, WriteOp
 
 #: Flags whose answers carry the sidecar's clock (``now_ns``).
 _CLOCKED = int(Flag.TTL | Flag.TIMES | Flag.RECENCY | Flag.REFRESH)

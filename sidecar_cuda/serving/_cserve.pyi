@@ -1,5 +1,5 @@
 """Types of the compiled extension (``_cserve.c``); what each call does is documented in
-:mod:`kalos.sidecar_cuda.slotio`, beside its Python twin."""
+:mod:`kalos.sidecar_cuda.serving.slotio`, beside its Python twin."""
 
 from collections.abc import Sequence
 

@@ -34,9 +34,9 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
-from ..broker.clock import MAX_TTL_NS, check_recency
-from ..broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
-from ..broker.names import decode_namespace
+from ...broker.clock import MAX_TTL_NS, check_recency
+from ...broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
+from ...broker.names import decode_namespace
 
 _RECALL = int(Op.RECALL)  # plain ints: cheaper than enum members in comparisons
 _WHERE = int(Flag.WHERE)

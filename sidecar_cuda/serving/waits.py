@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..broker.layout import S_BUSY, Flag, SlotWords, Status
-from ..broker.positions import Position
+from ...broker.layout import S_BUSY, Flag, SlotWords, Status
+from ...broker.positions import Position
 from .answers import AnswerWriter
 
 _AFTER = int(Flag.AFTER)

@@ -3,7 +3,7 @@
 Rows of a namespace are kept dense: a delete moves the last live rows into the holes at once
 (compaction is part of the delete, so no search ever scans a tombstone), and capacity doubles when
 full (one device-side copy). This module holds no I/O of its own; durability is the job of
-:mod:`kalos.sidecar_cuda.persist`, called by the server before anything here changes.
+:mod:`kalos.sidecar_cuda.storage.sqlite`, called by the server before anything here changes.
 
 **Time** (``broker.clock``): beside each row, host columns of its ``created``, ``updated`` and
 ``expires`` timestamps (int64 ns of the sidecar's clock; expires 0: never) and its ``ttl`` (for a
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..broker.clock import decay_part
-from ..broker.layout import Metric, hit_meta_dtype
-from ..broker.validation import WhereNode, decode_where
-from .backends.base import (
+from ...broker.clock import decay_part
+from ...broker.layout import Metric, hit_meta_dtype
+from ...broker.validation import WhereNode, decode_where
+from ..backends.base import (
     Backend,
     Decay,
     Matrix,

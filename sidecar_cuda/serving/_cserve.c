@@ -1,15 +1,15 @@
-/* kalos.sidecar_cuda._cserve: the sidecar's byte work on the slot path, compiled (see setup.py).
+/* kalos.sidecar_cuda.serving._cserve: the sidecar's byte work on the slot path, compiled (see setup.py).
  *
  * One object, SlotIO, made once at start over the mapped segment: it finds the posted slots,
  * takes them (sem_trywait of each request semaphore: the fence before a request is read), marks
  * a batch BUSY while copying its control blocks out (the snapshot every decision then reads),
  * gathers query rows into a staging buffer, writes a uniform batch's answers, and publishes
  * answers (stamps, state DONE, sem_post of each response semaphore). Every decision stays in
- * Python (kalos.sidecar_cuda.pipeline, .batching); the Python twin of this object is
- * kalos.sidecar_cuda.slotio.PySlotIO, and a unit test compares the bytes both write.
+ * Python (kalos.sidecar_cuda.serving.pipeline, .batching); the Python twin of this object is
+ * kalos.sidecar_cuda.serving.slotio.PySlotIO, and a unit test compares the bytes both write.
  *
  * Offsets: the control-block fields come from kalos_protocol.h (generated from broker/layout.py;
- * SlotIO.layout() reports the values compiled in, and kalos.sidecar_cuda.slotio refuses a build
+ * SlotIO.layout() reports the values compiled in, and kalos.sidecar_cuda.serving.slotio refuses a build
  * that disagrees with the layout); the data-area offsets are passed in from broker.layout.Layout
  * at construction, so nothing here computes an offset of its own.
  *
@@ -18,7 +18,7 @@
  * bounds-checked against the geometry before any byte is touched (a bad one is a ValueError and
  * nothing is written); values read from a slot (k, generation) are only copied or compared.
  *
- * The semaphores are the ones the sidecar created (kalos.sidecar_cuda.objects), opened again by
+ * The semaphores are the ones the sidecar created (kalos.sidecar_cuda.serving.objects), opened again by
  * name without O_CREAT: glibc hands back the same mapping, so these are the same sem_t. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -569,7 +569,7 @@ static PyObject *SlotIO_answer_single(SlotIO *s, PyObject *const *args, Py_ssize
 /* ------------------------------------------------------------------ what was compiled in */
 
 /* The header's values this file uses, and the widths it assumes for the fields, so that
- * kalos.sidecar_cuda.slotio can refuse a build made from another layout. */
+ * kalos.sidecar_cuda.serving.slotio can refuse a build made from another layout. */
 static PyObject *SlotIO_layout(PyObject *Py_UNUSED(cls), PyObject *Py_UNUSED(ignored)) {
     return Py_BuildValue(
         "{s:i,s:i,s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:(ii),s:i,s:i,s:i,s:i}",
@@ -604,7 +604,7 @@ static PyMethodDef SlotIO_methods[] = {
 
 static PyTypeObject SlotIOType = {
     PyVarObject_HEAD_INIT(NULL, 0) /* (the macro ends with a comma) */
-    .tp_name = "kalos.sidecar_cuda._cserve.SlotIO",
+    .tp_name = "kalos.sidecar_cuda.serving._cserve.SlotIO",
     .tp_basicsize = sizeof(SlotIO),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "The sidecar's slot byte work over one mapped segment (see the module source).",

@@ -1,4 +1,4 @@
-"""A sidecar of a fleet: PostgreSQL is the system of record (:mod:`kalos.sidecar_cuda.pgstore`),
+"""A sidecar of a fleet: PostgreSQL is the system of record (:mod:`kalos.sidecar_cuda.storage.pgstore`),
 this sidecar's memory a replica that follows it.
 
 Threads and who touches what:
@@ -35,11 +35,11 @@ import psycopg
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..broker.errors import ConfigError
-from ..broker.layout import Metric as MetricKind
-from ..broker.positions import ORIGIN, Position
-from .backends.base import Backend
-from .persist import StoreError
+from ...broker.errors import ConfigError
+from ...broker.layout import Metric as MetricKind
+from ...broker.positions import ORIGIN, Position
+from ..backends.base import Backend
+from .durable import StoreError
 from .pgstore import (
     CHANNEL,
     Change,
@@ -123,8 +123,60 @@ class _NotStarted(Exception):
     """A write transaction failed before it took the write lock."""
 
 
+class Handoff:
+    """The follower-to-serving hand-off, declared: the follower thread (and its reload thread) only
+    put, the serving thread only takes, under one lock. What is handed over: batches of decoded
+    changes in log order, at most :data:`_QUEUED_MAX` batches waiting (the follower waits while the
+    serving thread is behind: no unbounded memory), and a finished reload (a new store's namespaces
+    and the log position they hold)."""
+
+    def __init__(self, limit: int = _QUEUED_MAX) -> None:
+        self._lock = threading.Lock()
+        self._changes: deque[list[Change]] = deque()
+        self._reload: tuple[dict[str, Namespace], Position] | None = None
+        self._limit = limit
+
+    # -- the follower's side
+    def full(self) -> bool:
+        with self._lock:
+            return len(self._changes) >= self._limit
+
+    def put_changes(self, changes: list[Change]) -> None:
+        with self._lock:
+            self._changes.append(changes)
+
+    def put_reload(self, namespaces: dict[str, Namespace], cursor: Position) -> None:
+        with self._lock:
+            self._reload = (namespaces, cursor)
+
+    # -- the serving thread's side
+    def pending(self) -> bool:
+        """Anything to take (checked every pass: one lock, no copy)."""
+        with self._lock:
+            return bool(self._changes) or self._reload is not None
+
+    def take_reload(self) -> tuple[dict[str, Namespace], Position] | None:
+        with self._lock:
+            out, self._reload = self._reload, None
+            return out
+
+    def take_changes(self, at_most: int) -> list[Change]:
+        """Up to ``at_most`` changes, in log order (a batch split across calls if need be)."""
+        out: list[Change] = []
+        with self._lock:
+            while self._changes and len(out) < at_most:
+                batch = self._changes[0]
+                room = at_most - len(out)
+                out += batch[:room]
+                if len(batch) > room:
+                    self._changes[0] = batch[room:]
+                else:
+                    self._changes.popleft()
+        return out
+
+
 class FleetStore:
-    """The :class:`~kalos.sidecar_cuda.persist.Durable` of a fleet sidecar, and its replica state:
+    """The :class:`~kalos.sidecar_cuda.storage.durable.Durable` of a fleet sidecar, and its replica state:
     ``applied`` is the position up to which this sidecar's memory holds the log."""
 
     def __init__(
@@ -146,8 +198,7 @@ class FleetStore:
         self._app = f"kalos {name}"
         self.applied: Position = ORIGIN
         self.stats = ReplicationStats()
-        self.incoming: deque[list[Change]] = deque()  # follower -> serving thread
-        self.swap: tuple[dict[str, Namespace], Position] | None = None  # a finished reload
+        self.handoff = Handoff()  # follower -> serving thread
         self._writer: Conn | None = None
         self._writer_failures = 0
         self._writer_retry_at = 0.0
@@ -185,7 +236,7 @@ class FleetStore:
 
     # ------------------------------------------------------------------ the serving thread
     def commit(self, writes: list[Write], store: MemoryStore) -> list[Position]:
-        """See :class:`~kalos.sidecar_cuda.persist.Durable`. Under the fleet's write lock the
+        """See :class:`~kalos.sidecar_cuda.storage.durable.Durable`. Under the fleet's write lock the
         memory is brought up to the log's end first, so deletes by filter match what every node
         committed before them, and this batch's changes follow them in every replica. Returns
         each write's position (a write that changed nothing: the position before it). Raises
@@ -280,31 +331,23 @@ class FleetStore:
 
     def has_work(self) -> bool:
         """Followed changes or a reload wait to be applied (checked every pass: cheap)."""
-        return bool(self.incoming) or self.swap is not None
+        return self.handoff.pending()
 
     def apply_pending(self, store: MemoryStore) -> int:
         """Apply what the follower queued (at most :data:`APPLY_PER_PASS` changes; the rest next
         pass), or swap in a finished reload. Serving thread, nothing in flight. Returns the
         changes applied."""
-        if self.swap is not None:
-            namespaces, cursor = self.swap
-            self.swap = None
+        reload = self.handoff.take_reload()
+        if reload is not None:
+            namespaces, cursor = reload
             store.namespaces = namespaces
             self.applied = cursor
             # (what is queued stays: older changes are at or before the snapshot's cursor and
             # are skipped, newer ones were fetched after it and are needed)
             log.info("replica reloaded from %s; following from %s", self.target.shown, cursor)
             return 0
-        done = 0
-        while self.incoming and done < APPLY_PER_PASS:
-            batch = self.incoming[0]
-            take, rest = batch[: APPLY_PER_PASS - done], batch[APPLY_PER_PASS - done :]
-            if rest:
-                self.incoming[0] = rest
-            else:
-                self.incoming.popleft()
-            done += self._apply(take, store, observe=True)
-        return done
+        changes = self.handoff.take_changes(APPLY_PER_PASS)
+        return self._apply(changes, store, observe=True) if changes else 0
 
     def _apply(self, changes: list[Change], store: MemoryStore, *, observe: bool) -> int:
         """Apply changes after ``applied``, in order (those at or before it are skipped)."""
@@ -376,7 +419,7 @@ def bootstrap(conn: Conn, member: str, store: MemoryStore, dim: int) -> tuple[in
 
 
 class Follower(threading.Thread):
-    """Reads the change log into ``fleet.incoming`` (see the module docstring)."""
+    """Reads the change log into ``fleet.handoff`` (see the module docstring)."""
 
     def __init__(self, fleet: FleetStore, wake: Callable[[], None]) -> None:
         super().__init__(name="kalos-follower", daemon=True)
@@ -439,7 +482,7 @@ class Follower(threading.Thread):
                 if n:
                     log.debug("pruned %d changes from the log", n)
                 next_prune = now + opt.prune_s
-            if self._reloading is not None or len(f.incoming) >= _QUEUED_MAX:
+            if self._reloading is not None or f.handoff.full():
                 self._halt.wait(0.01)  # (a reload, or the serving thread is behind: no more memory)
                 continue
             cursor = max(self.fetched, f.applied)
@@ -452,7 +495,7 @@ class Follower(threading.Thread):
                 continue
             if changes:
                 self.fetched = changes[-1].position
-                f.incoming.append(changes)
+                f.handoff.put_changes(changes)
                 self._wake()
                 quick = 0
                 if len(changes) == opt.fetch_rows:
@@ -487,7 +530,7 @@ class Follower(threading.Thread):
                         _rows, new_cursor = bootstrap(conn, f.member, fresh, f.dim)
                     finally:
                         conn.close()
-                f.swap = (dict(fresh.namespaces), new_cursor)
+                f.handoff.put_reload(dict(fresh.namespaces), new_cursor)
                 self.fetched = new_cursor
                 f.stats.reloads += 1
                 self._wake()

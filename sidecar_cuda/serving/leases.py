@@ -23,8 +23,8 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from ..broker.layout import OWNER_ABANDONED, S_FREE
-from ..broker.leases import release_claim_lock, try_claim_lock
+from ...broker.layout import OWNER_ABANDONED, S_FREE
+from ...broker.leases import release_claim_lock, try_claim_lock
 
 #: Seconds between two passes of the reaper (the serving loop runs it on time, busy or not).
 REAP_S = 0.25

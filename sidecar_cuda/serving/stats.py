@@ -38,7 +38,7 @@ class SidecarStats:
     batches: int = 0
     requests: int = 0
     slots_reclaimed: int = 0
-    records_expired: int = 0  # deleted by the sweeper once expired (sidecar_cuda.expiry)
+    records_expired: int = 0  # deleted by the sweeper once expired (sidecar_cuda.serving.expiry)
     internal_errors: int = 0  # unexpected errors the serving loop caught (each logged)
     errors: Counter[int] = field(default_factory=Counter)
     #: Batches per route ("single", "uniform", "general"), written by the serving thread only.

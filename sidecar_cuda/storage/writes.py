@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..broker.validation import WhereNode
+from ...broker.validation import WhereNode
 from .store import MemoryStore, Stamps
 
 

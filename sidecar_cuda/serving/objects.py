@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import posix_ipc
 
-from ..broker import leases
-from ..broker.errors import ConfigError
-from ..broker.layout import MAGIC_U64, Layout, SidecarState, peek_header
-from ..broker.names import bell_name, leases_path, req_name, resp_name, shm_name
-from ..broker.owners import owner_problem, sem_path, shm_path
-from ..broker.procs import pid_alive
+from ...broker import leases
+from ...broker.errors import ConfigError
+from ...broker.layout import MAGIC_U64, Layout, SidecarState, peek_header
+from ...broker.names import bell_name, leases_path, req_name, resp_name, shm_name
+from ...broker.owners import owner_problem, sem_path, shm_path
+from ...broker.procs import pid_alive
 
 log = logging.getLogger("kalos.sidecar")
 MODE = 0o600

@@ -1,11 +1,11 @@
 """The sidecar's byte work on the slot path, behind one interface with two implementations: the
-compiled :class:`kalos.sidecar_cuda._cserve.SlotIO` and its Python twin :class:`PySlotIO`, which
+compiled :class:`kalos.sidecar_cuda.serving._cserve.SlotIO` and its Python twin :class:`PySlotIO`, which
 behave identically (``tests/unit/test_slotio.py`` compares the bytes both write into a segment,
 hostile control blocks included). :func:`open_slot_io` makes the one a sidecar uses, once, from the
 path :mod:`kalos.broker.slotpath` chose.
 
 Byte work only: which slots, which rows, which answers are decided in Python
-(:mod:`~kalos.sidecar_cuda.pipeline`, :mod:`~kalos.sidecar_cuda.batching`) and passed in as index
+(:mod:`~kalos.sidecar_cuda.serving.pipeline`, :mod:`~kalos.sidecar_cuda.serving.batching`) and passed in as index
 arrays; nothing here decides anything. The calls, in the order a uniform batch makes them:
 
 ==================  ==============================================================================
@@ -19,7 +19,7 @@ arrays; nothing here decides anything. The calls, in the order a uniform batch m
                     slot ``slots[j]`` into ``out[j]`` (float32, (len(slots), dim))
 ``answer_recalls``  ``(sel, rec, ids, scores, slots, rows)``: the OK answers of a uniform batch
                     (results, status, n_results = min(k, kk), blob_len 0, the generation echoed
-                    from ``rec``), not yet published (see :mod:`~kalos.sidecar_cuda.answers`)
+                    from ``rec``), not yet published (see :mod:`~kalos.sidecar_cuda.serving.answers`)
 ``deliver(sel)``    publish: ``batch_size``, ``t_done_ns``, state DONE, then each response post;
                     returns ``t_done_ns``
 ``answer_single``   ``(slot, ids, scores)``: all of the above for one one-query recall
@@ -45,7 +45,7 @@ from typing import Protocol
 import numpy as np
 import posix_ipc
 
-from ..broker.layout import (
+from ...broker.layout import (
     CONTROL_BYTES,
     S_BUSY,
     S_DONE,
@@ -55,7 +55,7 @@ from ..broker.layout import (
     Status,
     c_header,
 )
-from ..broker.slotpath import Choice, SlotPath
+from ...broker.slotpath import Choice, SlotPath
 from .batching import posted_slots
 
 _OK = int(Status.OK)
@@ -292,7 +292,7 @@ def load_compiled() -> ModuleType:
     _cserve: ModuleType = importlib.import_module(f"{__package__}._cserve")
     problems = layout_problems(_cserve.SlotIO.layout())
     if problems:
-        raise ImportError(f"kalos.sidecar_cuda._cserve was built from another layout ({'; '.join(problems)})")
+        raise ImportError(f"kalos.sidecar_cuda.serving._cserve was built from another layout ({'; '.join(problems)})")
     return _cserve
 
 
