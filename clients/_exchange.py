@@ -43,6 +43,7 @@ class Completion(enum.Enum):
 #: the request's t0 to its answer read (what the spin policy follows). A plain tuple: one is made
 #: for every answer.
 Outcome = tuple[Completion, Any, KalosError | None, int]
+R = TypeVar("R")
 W = TypeVar("W")
 
 
@@ -52,7 +53,7 @@ _ANSWERED, _FAILED, _RESEND_ALONE = Completion.ANSWERED, Completion.FAILED, Comp
 
 
 @dataclass(slots=True, eq=False)
-class Exchange(Generic[W]):
+class Exchange(Generic[R, W]):
     """``prep`` in ``slot``. ``waiter``: the driver's own record of who waits for the answer
     (the pool: its caller's future, or a shared slot's callers; the blocking client: None);
     ``t0``: when the call began (monotonic ns; 0: timed from its sending, as the chunks of a
@@ -60,7 +61,7 @@ class Exchange(Generic[W]):
     (``clients._coalesce.Share``: rows, k, recall or recall_many, t0; None: one caller)."""
 
     slot: ClientSlot
-    prep: Prepared
+    prep: Prepared[R]
     waiter: W
     t0: int = 0
     parts: list[Share] | None = None
@@ -89,34 +90,23 @@ class Exchange(Generic[W]):
         """Read the answer (its response post consumed) and free the slot. ``gone``: per caller,
         whether it went away (cancelled, timed out): its latency is recorded as a timeout and
         its share of the answer is the driver's to drop. A failed chunk of a write marks its
-        call failed before the slot is free to carry the call's next chunk."""
-        slot, p = self.slot, self.prep
+        call failed before the slot is free to carry the call's next chunk. One caller: as
+        :meth:`answer`; a shared slot: the value is each caller's share, in order."""
+        if self.parts is None:
+            return self.answer(gone[0])
+        slot, parts = self.slot, self.parts
+        p: Prepared[Any] = self.prep  # a group of recalls (``_requests.recall_group``)
         error: KalosError | None = None
-        value: Any = None
-        parts = self.parts
+        shares: list[Any] | None = None
         try:
             if isinstance(slot, CompiledSlot) and hits_only(p):
-                # One call: the checks, the Hits, and a shared slot's split among its callers.
-                value = slot.read_hits(p.nq, p.k, p.single, parts)  # None: an error status, mapped below
-            if value is None:
-                value = read(slot.view, slot.outcome(), p)
-                if parts is not None:
-                    value = split(value, parts)
+                # One call: the checks, the Hits, and the split among the slot's callers.
+                shares = slot.read_hits(p.nq, p.k, p.single, parts)  # None: an error status, mapped below
+            if shares is None:
+                shares = split(read(slot.view, slot.outcome(), p), parts)
         except KalosError as e:
             error = e
-            if p.call is not None:
-                p.call.failed = True
         now = time.monotonic_ns()
-        if parts is None:
-            op = latency_op(p.op, p.single)
-            if gone[0]:
-                slot.record(now - self.t0, ok=False, timed_out=True, op=op)
-            else:
-                slot.record(now - self.t0, ok=error is None, op=op)
-            slot.set_free()
-            if error is None:
-                return _ANSWERED, value, None, now - self.t0
-            return _FAILED, None, error, now - self.t0
         slot.set_free()
         if isinstance(error, PayloadTooLarge):
             # Together their payloads overflowed the slot; each alone may fit, as it would have
@@ -124,6 +114,32 @@ class Exchange(Generic[W]):
             return _RESEND_ALONE, None, error, now - self.t0
         # Each caller's own latency and kind; a caller that went away, a timeout.
         slot.record_shares(now, parts, gone, error is None, latency_op(p.op, True), latency_op(p.op, False))
+        if error is None:
+            return _ANSWERED, shares, None, now - self.t0
+        return _FAILED, None, error, now - self.t0
+
+    def answer(self, gone: bool) -> tuple[Completion, R | None, KalosError | None, int]:
+        """:meth:`complete` for a slot of one caller, typed: the value is what ``prep`` decodes
+        to (``Prepared[R]``)."""
+        slot, p = self.slot, self.prep
+        error: KalosError | None = None
+        value: R | None = None
+        try:
+            if isinstance(slot, CompiledSlot) and hits_only(p):
+                value = slot.read_hits(p.nq, p.k, p.single, None)  # None: an error status, mapped below
+            if value is None:
+                value = read(slot.view, slot.outcome(), p)
+        except KalosError as e:
+            error = e
+            if p.call is not None:
+                p.call.failed = True
+        now = time.monotonic_ns()
+        op = latency_op(p.op, p.single)
+        if gone:
+            slot.record(now - self.t0, ok=False, timed_out=True, op=op)
+        else:
+            slot.record(now - self.t0, ok=error is None, op=op)
+        slot.set_free()
         if error is None:
             return _ANSWERED, value, None, now - self.t0
         return _FAILED, None, error, now - self.t0
@@ -170,7 +186,7 @@ async def settled_within(fut: asyncio.Future[Any], timeout: float) -> bool:
     return False
 
 
-def resend_after_outage(p: Prepared, deadline: float | None, now: float) -> bool:
+def resend_after_outage(p: Prepared[Any], deadline: float | None, now: float) -> bool:
     """Send ``p`` again to the next sidecar after the one it was posted to went away? Reads
     only (idempotent; a write may have been applied: its caller decides), and only within the
     call's budget (``deadline``, ``now``: seconds on one monotonic clock; None: no limit)."""

@@ -14,7 +14,7 @@ import asyncio
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from ..broker.errors import KalosError, ResponseTimeout
 from ._coalesce import Key, Share, coalesce_key, pick_group
@@ -27,8 +27,9 @@ from ._slots import ClientSlot
 Waiting = Union["asyncio.Future[Any]", "list[Member]"]
 #: ``post(exchange)``: send it and count it in flight, or raise with the slot back among the
 #: free ones.
-Post = Callable[["Exchange[Waiting]"], None]
+Post = Callable[["Exchange[Any, Waiting]"], None]
 
+R = TypeVar("R")
 _KEY_CACHE = 4096  # unfiltered coalescing keys kept (one per namespace, flags and k seen)
 
 
@@ -37,7 +38,7 @@ class Member:
     """A queued recall (then riding in a shared slot): its request, its caller's future, when
     its call began, and its coalescing key (None: it goes alone)."""
 
-    prep: Prepared
+    prep: Prepared[Any]
     future: asyncio.Future[Any]
     t0: int
     key: Key | None
@@ -109,13 +110,13 @@ class CoalescingQueue:
         """The futures of the callers still waiting in the queue."""
         return [m.future for m in self._queue if not m.future.done()]
 
-    async def submit(self, p: Prepared, t0: int, timeout: float | None, deadline: float | None) -> Any:
+    async def submit(self, p: Prepared[R], t0: int, timeout: float | None, deadline: float | None) -> R:
         """Queue the recall ``p`` (its call began at ``t0``, monotonic ns) and await its share of
         a slot's answer until ``deadline`` (the loop's clock, ``timeout`` seconds from the call's
         start; None: no limit). Raises its own error, ResponseTimeout (sent, not answered in
         time), NotSent (still queued when the budget ran out)."""
         loop = self._loop
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[R] = loop.create_future()
         m = Member(p, fut, t0, self._key_of(p), p.nq)
         self._queue.append(m)
         self._schedule()
@@ -163,7 +164,7 @@ class CoalescingQueue:
         self._slot_waiter = None
 
     # ------------------------------------------------------------------ dispatch
-    def _key_of(self, p: Prepared) -> Key | None:
+    def _key_of(self, p: Prepared[Any]) -> Key | None:
         """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
         ones (cached: most recalls of a pool share a few), computed for filtered ones. A recall
         that waits for a fleet position (``after=``) goes alone: a shared slot has one position."""
@@ -266,7 +267,7 @@ class CoalescingQueue:
 
     def _send(self, slot: ClientSlot, group: list[Member]) -> None:
         """Write a group (one recall, or several sharing the slot) and post it."""
-        ex: Exchange[Waiting]
+        ex: Exchange[Any, Waiting]
         if len(group) == 1:  # completes as a call of its own
             m = group[0]
             ex = Exchange(slot, m.prep, m.future, m.t0)

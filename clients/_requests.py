@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -55,8 +56,26 @@ def resolve_timeout(timeout: Timeout, default: float | None) -> float | None:
 READS: Final = frozenset({Op.RECALL, Op.LIST_NAMESPACES, Op.EXPORT, Op.GET, Op.COUNT})
 
 
+R = TypeVar("R")
+#: How an answer's words become a call's result: (the slot's views, n_results, blob_len, the
+#: request) -> the result; each operation's encoder names its own (:class:`Prepared`).
+Decoder = Callable[[SlotView, int, int, "Prepared[R]"], R]
+
+
+def _by_op(v: SlotView, n: int, blob_len: int, p: Prepared[Any]) -> Any:
+    """The decoder of a request built without one (a unit test's hand-made Prepared): by op."""
+    if p.op == Op.RECALL:
+        hits = _recall_hits(v, n, blob_len, p)
+        return hits[0] if p.single else hits
+    return _DECODERS[p.op](v, n, blob_len, p)
+
+
 @dataclass(slots=True)
-class Prepared:
+class Prepared(Generic[R]):
+    """One request, encoded (and checked) before a slot is taken: its header fields, its arrays,
+    and ``decode``, which turns its answer into the call's result (``R``: ``Hits`` for a recall,
+    ``Written`` for a write, ...), so a driver returns ``R`` without a cast."""
+
     op: Op
     ns: bytes
     k: int = 0
@@ -76,6 +95,7 @@ class Prepared:
     after_until_ns: int = 0  # ... or answered NOT_APPLIED at this CLOCK_MONOTONIC time (0: never)
     ttl_ns: int | None = None  # ttl_ns field: Flag.TTL (UPSERT, TOUCH) or Op.SET_TTL; None: not written
     recency: Recency | None = None  # Flag.RECENCY: half_life_s, recency_weight
+    decode: Decoder[R] = field(default=_by_op, kw_only=True)
 
 
 #: A read given after= asks the sidecar to give up this much before the caller's own deadline
@@ -85,7 +105,7 @@ _AFTER_MARGIN_S = 0.2
 _AFTER_MARGIN_SHARE = 0.2
 
 
-def wait_after(preps: list[Prepared], after: Any, t0_ns: int, budget_s: float | None) -> None:
+def wait_after(preps: Sequence[Prepared[Any]], after: Any, t0_ns: int, budget_s: float | None) -> None:
     """Make reads wait for a fleet position (``after=``: a Position, its string, or None) within
     the call's budget (seconds from ``t0_ns``, CLOCK_MONOTONIC; None: no limit). Raises
     InvalidRequest for anything else than a position."""
@@ -140,7 +160,7 @@ def recall(
     recency: Recency | None = None,
     with_times: bool = False,
     refresh_ttl: bool = False,
-) -> Prepared:
+) -> Prepared[Any]:
     """``namespace`` is already validated and encoded (NamespaceCache.encode); ``fast``: the
     compiled check of the common vectors (None: ``as_vectors`` only; the result is the same). A
     recall with payloads carries the hits' timestamps too (Flag.TIMES), as does one
@@ -153,7 +173,10 @@ def recall(
         q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY, layout.max_queries)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
-    p = Prepared(Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single)
+    p: Prepared[Any] = Prepared(
+        Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single
+    )
+    p.decode = decode_hits if single else decode_hits_list
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags |= Flag.WHERE
@@ -161,6 +184,64 @@ def recall(
         p.flags |= _time_flags(recency, with_payload or with_times, refresh_ttl)
         p.recency = recency
     return p
+
+
+def recall_one(
+    layout: Layout,
+    x: Any,
+    k: int,
+    namespace: bytes,
+    with_payload: bool,
+    where: Any = None,
+    fast: FastRows | None = None,
+    *,
+    recency: Recency | None = None,
+    with_times: bool = False,
+    refresh_ttl: bool = False,
+) -> Prepared[Hits]:
+    """:func:`recall` of one vector: its answer is one :class:`Hits`."""
+    return recall(
+        layout,
+        x,
+        k,
+        namespace,
+        with_payload,
+        True,
+        where,
+        fast,
+        recency=recency,
+        with_times=with_times,
+        refresh_ttl=refresh_ttl,
+    )
+
+
+def recall_rows(
+    layout: Layout,
+    x: Any,
+    k: int,
+    namespace: bytes,
+    with_payload: bool,
+    where: Any = None,
+    fast: FastRows | None = None,
+    *,
+    recency: Recency | None = None,
+    with_times: bool = False,
+    refresh_ttl: bool = False,
+) -> Prepared[list[Hits]]:
+    """:func:`recall` of several rows in one slot: its answer is one :class:`Hits` per row."""
+    return recall(
+        layout,
+        x,
+        k,
+        namespace,
+        with_payload,
+        False,
+        where,
+        fast,
+        recency=recency,
+        with_times=with_times,
+        refresh_ttl=refresh_ttl,
+    )
 
 
 def _time_flags(recency: Any, with_times: bool, refresh_ttl: bool) -> int:
@@ -177,7 +258,7 @@ def _time_flags(recency: Any, with_times: bool, refresh_ttl: bool) -> int:
     return flags
 
 
-def recall_group(preps: list[Prepared]) -> Prepared:
+def recall_group(preps: list[Prepared[Any]]) -> Prepared[list[Hits]]:
     """One multi-query recall carrying the rows of ``preps``, in order: recalls that may share a
     slot (one namespace, the same flags and filter: ``clients._coalesce``), asking for the largest
     k among them (each gets its own first k back: ``clients._coalesce.split``)."""
@@ -189,12 +270,12 @@ def recall_group(preps: list[Prepared]) -> Prepared:
         rows.append(p.vectors)
         k = max(k, p.k)
     q = np.concatenate(rows)
-    return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob)
+    return Prepared(Op.RECALL, first.ns, k, len(q), first.flags, vectors=q, blob=first.blob, decode=decode_hits_list)
 
 
 def upsert(
     layout: Layout, ids: Any, vectors: Any, payloads: Any, namespace: str, payload_limit: int, ttl: Any = None
-) -> list[Prepared]:
+) -> list[Prepared[Written]]:
     """One request per chunk of rows (sent concurrently by the pool): every row, id, payload and
     TTL is checked here, before anything is sent. Chunks hold at most max_queries rows and as many
     payload bytes as a slot's blob area; duplicate ids keep their last row (the chunks of a call
@@ -223,7 +304,7 @@ def upsert(
         gv, gid = v[rows], idarr[rows]
         glines = None if lines is None else [lines[i] for i in rows.tolist()]
         for lo, hi in pack(glines, len(gid), layout.max_queries, layout.blob_bytes, payload_limit):
-            p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=gv[lo:hi], ids=gid[lo:hi])
+            p = Prepared(Op.UPSERT, ns, nq=hi - lo, vectors=gv[lo:hi], ids=gid[lo:hi], decode=_decode_written)
             if glines is not None:
                 p.blob = b"\n".join(glines[lo:hi])
             if code is not None:
@@ -232,7 +313,7 @@ def upsert(
     return out
 
 
-def touch(layout: Layout, ids: Any, namespace: str, ttl: Any = None) -> list[Prepared]:
+def touch(layout: Layout, ids: Any, namespace: str, ttl: Any = None) -> list[Prepared[Written]]:
     """Restart the expiry clock of ``ids`` (``ttl``: None, each row's own TTL; seconds, a new
     one; math.inf, never expire): one request per max_queries ids (duplicates dropped)."""
     ns = validate_namespace(namespace)
@@ -244,37 +325,45 @@ def touch(layout: Layout, ids: Any, namespace: str, ttl: Any = None) -> list[Pre
     step = layout.max_queries
     out = []
     for lo in range(0, len(idarr), step):
-        p = Prepared(Op.TOUCH, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step])
+        p = Prepared(Op.TOUCH, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step], decode=_decode_written)
         if code is not None:
             p.ttl_ns, p.flags = code, Flag.TTL
         out.append(p)
     return out
 
 
-def set_ttl(namespace: str, ttl: Any) -> Prepared:
+def set_ttl(namespace: str, ttl: Any) -> Prepared[Written]:
     """The namespace's default TTL (seconds; None or math.inf: none)."""
-    return Prepared(Op.SET_TTL, validate_namespace(namespace), ttl_ns=0 if ttl is None else ttl_ns(ttl))
+    return Prepared(
+        Op.SET_TTL, validate_namespace(namespace), ttl_ns=0 if ttl is None else ttl_ns(ttl), decode=_decode_written
+    )
 
 
-def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared]:
+def delete(layout: Layout, ids: Any, namespace: str, where: Any = None) -> list[Prepared[Written]]:
     """By filter: one request. By ids: one request per max_queries ids (duplicates dropped)."""
     ns = validate_namespace(namespace)
     if (ids is None) == (where is None):
         raise InvalidRequest("delete takes ids or where=, one of them")
     if where is not None:
-        return [Prepared(Op.DELETE, ns, flags=Flag.WHERE, blob=encode_where(where, layout.blob_bytes))]
+        return [
+            Prepared(
+                Op.DELETE, ns, flags=Flag.WHERE, blob=encode_where(where, layout.blob_bytes), decode=_decode_written
+            )
+        ]
     idarr = as_ids(ids)
     keep = last_wins(idarr)
     if keep is not None:
         idarr = idarr[keep]
     step = layout.max_queries
     return [
-        Prepared(Op.DELETE, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step])
+        Prepared(Op.DELETE, ns, nq=len(idarr[lo : lo + step]), ids=idarr[lo : lo + step], decode=_decode_written)
         for lo in range(0, len(idarr), step)
     ]
 
 
-def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool, refresh_ttl: bool = False) -> list[Prepared]:
+def get(
+    layout: Layout, ids: Any, namespace: str, with_vectors: bool, refresh_ttl: bool = False
+) -> list[Prepared[Records]]:
     """One request per slot-full of ids (answers come back in the slot's ids/queries areas, each
     record's timestamps at the start of the blob: Flag.TIMES); ``refresh_ttl``: the records
     found are touched."""
@@ -284,13 +373,19 @@ def get(layout: Layout, ids: Any, namespace: str, with_vectors: bool, refresh_tt
     flags = Flag.TIMES | (Flag.REFRESH if refresh_ttl else 0)
     return [
         Prepared(
-            Op.GET, ns, nq=len(idarr[lo : lo + step]), flags=flags, ids=idarr[lo : lo + step], with_vectors=with_vectors
+            Op.GET,
+            ns,
+            nq=len(idarr[lo : lo + step]),
+            flags=flags,
+            ids=idarr[lo : lo + step],
+            with_vectors=with_vectors,
+            decode=_records,
         )
         for lo in range(0, len(idarr), step)
     ]
 
 
-def merge_records(asked: list[Prepared], parts: list[Records], dim: int) -> Records:
+def merge_records(asked: list[Prepared[Records]], parts: list[Records], dim: int) -> Records:
     """One :class:`Records` from the answers of :func:`get`'s chunks, in the order asked."""
     if len(parts) == 1:
         return parts[0]
@@ -313,31 +408,37 @@ def _joined(arrays: list[np.ndarray | None]) -> np.ndarray | None:
     return None if any(a is None for a in arrays) else np.concatenate(arrays)  # type: ignore[arg-type]
 
 
-def drop(namespace: str) -> Prepared:
-    return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace))
+def drop(namespace: str) -> Prepared[Written]:
+    return Prepared(Op.DROP_NAMESPACE, validate_namespace(namespace), decode=_decode_written)
 
 
-def export_page(layout: Layout, namespace: str, after: int, where: Any = None) -> Prepared:
-    p = Prepared(Op.EXPORT, validate_namespace(namespace), nq=layout.max_queries, ids=np.array([after], np.int64))
+def export_page(layout: Layout, namespace: str, after: int, where: Any = None) -> Prepared[ExportPage]:
+    p = Prepared(
+        Op.EXPORT,
+        validate_namespace(namespace),
+        nq=layout.max_queries,
+        ids=np.array([after], np.int64),
+        decode=_decode_export,
+    )
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags = Flag.WHERE
     return p
 
 
-def count(layout: Layout, namespace: str, where: Any = None) -> Prepared:
-    p = Prepared(Op.COUNT, validate_namespace(namespace))
+def count(layout: Layout, namespace: str, where: Any = None) -> Prepared[int]:
+    p = Prepared(Op.COUNT, validate_namespace(namespace), decode=_decode_count)
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags = Flag.WHERE
     return p
 
 
-def list_namespaces() -> Prepared:
-    return Prepared(Op.LIST_NAMESPACES, b"")
+def list_namespaces() -> Prepared[dict[str, int]]:
+    return Prepared(Op.LIST_NAMESPACES, b"", decode=_decode_listing)
 
 
-def rows_only(p: Prepared) -> bool:
+def rows_only(p: Prepared[Any]) -> bool:
     """Is the request its rows and header fields alone (a recall without a filter blob or a
     fleet position)? Such a request may be written and posted in one compiled call
     (``ClientSlot.post_rows``); any other goes through :func:`write` (a recency recall too: its
@@ -345,7 +446,7 @@ def rows_only(p: Prepared) -> bool:
     return p.op is Op.RECALL and not p.blob and p.after is None and p.recency is None
 
 
-def hits_only(p: Prepared) -> bool:
+def hits_only(p: Prepared[Any]) -> bool:
     """Is the answer ids and scores alone (a recall without payloads)? Such an answer may be
     checked and decoded in one compiled call (``ClientSlot.read_hits``); any other, and every
     error status, goes through :func:`read` (one with timestamps too: its blob holds them)."""
@@ -356,7 +457,7 @@ def hits_only(p: Prepared) -> bool:
 _BLOB_ANSWER: Final = Flag.WITH_PAYLOAD | Flag.TIMES | Flag.RECENCY
 
 
-def write(v: SlotView, p: Prepared) -> int:
+def write(v: SlotView, p: Prepared[Any]) -> int:
     """Copy the request's arrays into the slot's data areas; returns blob_len."""
     if p.vectors is not None:
         v.queries[: p.nq] = p.vectors
@@ -376,59 +477,83 @@ def write(v: SlotView, p: Prepared) -> int:
     return len(p.blob)
 
 
-def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared) -> Any:
-    """Result of a consumed response whose (status, n_results, blob_len) is ``outcome``:
-    Hits / list[Hits] / int / dict / export page. Raises the mapped error."""
+def read(v: SlotView, outcome: tuple[int, int, int], p: Prepared[R]) -> R:
+    """Result of a consumed response whose (status, n_results, blob_len) is ``outcome``, as the
+    request's own decoder makes it (Hits, list[Hits], Written, Records, ...). Raises the mapped
+    error of an error status."""
     status, n, blob_len = outcome
     if status != Status.OK:
         p.status = status
         raise error_for_status(status, _blob(v, blob_len).decode(errors="replace"))
-    if p.op == Op.RECALL:
-        if n > p.k:  # (an untrusted word: never more hits than asked for, never beyond max_k)
-            raise ProtocolError(f"slot {v.index}: {n} results per query for k={p.k}")
-        if p.single and not p.flags:  # the common case, with the fewest calls
-            return Hits(v.result_ids[0, :n].copy(), v.result_scores[0, :n].copy())
-        ids = v.result_ids[: p.nq, :n].copy()
-        scores = v.result_scores[: p.nq, :n].copy()
-        payloads = None
-        meta, start = None, 0
-        if p.flags & Flag.TIMES:
-            meta, start = _meta(v, p.nq * n, blob_len)
-        if p.flags & Flag.WITH_PAYLOAD:
-            flat = _json_lines(v, blob_len, start)
-            if len(flat) != p.nq * n:
-                raise ProtocolError(f"slot {v.index}: {len(flat)} payloads for {p.nq * n} hits")
-            payloads = [flat[i * n : (i + 1) * n] for i in range(p.nq)]
-        if meta is None:
-            hits = [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
-        else:
-            rec = p.flags & Flag.RECENCY
-            served = int(v.ctl["now_ns"])
-            hits = [
-                Hits(
-                    ids[i],
-                    scores[i],
-                    None if payloads is None else payloads[i],
-                    recency=meta["recency"][i * n : (i + 1) * n].copy() if rec else None,
-                    created_at=seconds(meta["created_at_ns"][i * n : (i + 1) * n]),
-                    updated_at=seconds(meta["updated_at_ns"][i * n : (i + 1) * n]),
-                    expires_at=expiry_seconds(meta["expires_at_ns"][i * n : (i + 1) * n]),
-                    served_at_ns=served,
-                )
-                for i in range(p.nq)
-            ]
-        return hits[0] if p.single else hits
-    if p.op == Op.LIST_NAMESPACES:
-        listing = _json_lines(v, blob_len)
-        if len(listing) != 1 or not isinstance(listing[0], dict):
-            raise ProtocolError(f"slot {v.index}: namespace listing is not one JSON object")
-        return listing[0]
-    if p.op == Op.EXPORT:
-        return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
-    if p.op == Op.GET:
-        return _records(v, n, blob_len, p)
-    if p.op in _WRITES:
-        return Written(n, _position(v))
+    return p.decode(v, n, blob_len, p)
+
+
+def _recall_hits(v: SlotView, n: int, blob_len: int, p: Prepared[Any]) -> list[Hits]:
+    """A recall's hits, one Hits per query row."""
+    if n > p.k:  # (an untrusted word: never more hits than asked for, never beyond max_k)
+        raise ProtocolError(f"slot {v.index}: {n} results per query for k={p.k}")
+    if p.single and not p.flags:  # the common case, with the fewest calls
+        return [Hits(v.result_ids[0, :n].copy(), v.result_scores[0, :n].copy())]
+    ids = v.result_ids[: p.nq, :n].copy()
+    scores = v.result_scores[: p.nq, :n].copy()
+    payloads = None
+    meta, start = None, 0
+    if p.flags & Flag.TIMES:
+        meta, start = _meta(v, p.nq * n, blob_len)
+    if p.flags & Flag.WITH_PAYLOAD:
+        flat = _json_lines(v, blob_len, start)
+        if len(flat) != p.nq * n:
+            raise ProtocolError(f"slot {v.index}: {len(flat)} payloads for {p.nq * n} hits")
+        payloads = [flat[i * n : (i + 1) * n] for i in range(p.nq)]
+    if meta is None:
+        return [Hits(ids[i], scores[i], None if payloads is None else payloads[i]) for i in range(p.nq)]
+    rec = p.flags & Flag.RECENCY
+    served = int(v.ctl["now_ns"])
+    return [
+        Hits(
+            ids[i],
+            scores[i],
+            None if payloads is None else payloads[i],
+            recency=meta["recency"][i * n : (i + 1) * n].copy() if rec else None,
+            created_at=seconds(meta["created_at_ns"][i * n : (i + 1) * n]),
+            updated_at=seconds(meta["updated_at_ns"][i * n : (i + 1) * n]),
+            expires_at=expiry_seconds(meta["expires_at_ns"][i * n : (i + 1) * n]),
+            served_at_ns=served,
+        )
+        for i in range(p.nq)
+    ]
+
+
+def decode_hits(v: SlotView, n: int, blob_len: int, p: Prepared[Hits]) -> Hits:
+    """``recall``: the one query's hits."""
+    return _recall_hits(v, n, blob_len, p)[0]
+
+
+def decode_hits_list(v: SlotView, n: int, blob_len: int, p: Prepared[list[Hits]]) -> list[Hits]:
+    """``recall_many`` (and a coalesced group): one Hits per row."""
+    return _recall_hits(v, n, blob_len, p)
+
+
+def _decode_listing(v: SlotView, n: int, blob_len: int, p: Prepared[dict[str, int]]) -> dict[str, int]:
+    listing = _json_lines(v, blob_len)
+    if len(listing) != 1 or not isinstance(listing[0], dict):
+        raise ProtocolError(f"slot {v.index}: namespace listing is not one JSON object")
+    return listing[0]
+
+
+#: An export page: (ids int64, vectors float32 as stored, payloads).
+ExportPage = tuple[np.ndarray, np.ndarray, list[Any]]
+
+
+def _decode_export(v: SlotView, n: int, blob_len: int, p: Prepared[ExportPage]) -> ExportPage:
+    return v.ids[:n].copy(), v.queries[:n].copy(), _json_lines(v, blob_len) if n else []
+
+
+def _decode_written(v: SlotView, n: int, blob_len: int, p: Prepared[Written]) -> Written:
+    return Written(n, _position(v))
+
+
+def _decode_count(v: SlotView, n: int, blob_len: int, p: Prepared[int]) -> int:
     return n
 
 
@@ -446,7 +571,7 @@ def _position(v: SlotView) -> Position | None:
         raise ProtocolError(f"slot {v.index}: write position ({xid}, {seq}) out of range") from None
 
 
-def _records(v: SlotView, n: int, blob_len: int, p: Prepared) -> Records:
+def _records(v: SlotView, n: int, blob_len: int, p: Prepared[Records]) -> Records:
     assert p.ids is not None
     if n > p.nq:
         raise ProtocolError(f"slot {v.index}: {n} records for {p.nq} ids asked")
@@ -499,3 +624,12 @@ def _json_lines(v: SlotView, blob_len: int, start: int = 0) -> list[Any]:
         return [json.loads(line) for line in _blob(v, blob_len)[start:].split(b"\n")]
     except (ValueError, RecursionError) as e:
         raise ProtocolError(f"slot {v.index}: response blob is not JSON lines: {e}") from None
+
+
+_DECODERS: dict[Op, Decoder[Any]] = {
+    Op.LIST_NAMESPACES: _decode_listing,
+    Op.EXPORT: _decode_export,
+    Op.GET: _records,
+    Op.COUNT: _decode_count,
+    **dict.fromkeys(_WRITES, _decode_written),
+}

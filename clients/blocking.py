@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from ..broker.clock import Recency
 from ..broker.errors import (
@@ -38,46 +38,27 @@ from ._requests import (
     Prepared,
     Timeout,
     merge_records,
+    recall_one,
+    recall_rows,
     resolve_timeout,
     wait_after,
 )
-from ._requests import (
-    count as encode_count,
-)
-from ._requests import (
-    delete as encode_delete,
-)
-from ._requests import (
-    drop as encode_drop,
-)
-from ._requests import (
-    export_page as encode_export_page,
-)
-from ._requests import (
-    get as encode_get,
-)
-from ._requests import (
-    list_namespaces as encode_list_namespaces,
-)
-from ._requests import (
-    recall as encode_recall,
-)
-from ._requests import (
-    set_ttl as encode_set_ttl,
-)
-from ._requests import (
-    touch as encode_touch,
-)
-from ._requests import (
-    upsert as encode_upsert,
-)
+from ._requests import count as encode_count
+from ._requests import delete as encode_delete
+from ._requests import drop as encode_drop
+from ._requests import export_page as encode_export_page
+from ._requests import get as encode_get
+from ._requests import list_namespaces as encode_list_namespaces
+from ._requests import set_ttl as encode_set_ttl
+from ._requests import touch as encode_touch
+from ._requests import upsert as encode_upsert
 from ._slots import ClientSlot
 from ._transport import Connection
 from ._writes import out_of_budget, settle
 from .results import Hits, Records, Written
 
+R = TypeVar("R")
 _SLICE_S = 0.05  # a blocked wait looks at the sidecar's liveness this often (seconds)
-_WAITING = (False,)  # complete(): the one caller still waits for its answer
 
 
 class RecallClient:
@@ -122,7 +103,7 @@ class RecallClient:
         self._timeout = timeout
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._lock = threading.Lock()
-        self._pending: Exchange[None] | None = None  # a timed-out request still in the slot
+        self._pending: Exchange[Any, None] | None = None  # a timed-out request still in the slot
         self._closed = False
         self._ns = NamespaceCache()
         self._conn: Connection | None = None
@@ -191,13 +172,12 @@ class RecallClient:
         """Top-k of one vector; see RecallPool.recall for semantics (``after=``, ``recency=``,
         ``with_times``, ``refresh_ttl`` too) and errors."""
         t0 = time.monotonic_ns()
-        p = encode_recall(
+        p = recall_one(
             self.layout,
             vector,
             k,
             self._ns.encode(namespace),
             with_payload,
-            True,
             where,
             self._fast,
             recency=recency,
@@ -206,7 +186,7 @@ class RecallClient:
         )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast(Hits, self._call(p, timeout, t0))
+        return self._call(p, timeout, t0)
 
     def recall_many(
         self,
@@ -224,13 +204,12 @@ class RecallClient:
     ) -> list[Hits]:
         """Top-k for each row; see RecallPool.recall_many."""
         t0 = time.monotonic_ns()
-        p = encode_recall(
+        p = recall_rows(
             self.layout,
             vectors,
             k,
             self._ns.encode(namespace),
             with_payload,
-            False,
             where,
             self._fast,
             recency=recency,
@@ -239,7 +218,7 @@ class RecallClient:
         )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast("list[Hits]", self._call(p, timeout, t0))
+        return self._call(p, timeout, t0)
 
     def upsert(
         self,
@@ -265,7 +244,7 @@ class RecallClient:
 
     def set_default_ttl(self, namespace: str, ttl: float | None, *, timeout: Timeout = DEFAULT) -> Written:
         """The namespace's default TTL; see RecallPool.set_default_ttl."""
-        return cast(Written, self._call(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns()))
+        return self._call(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns())
 
     def delete(
         self,
@@ -278,7 +257,7 @@ class RecallClient:
         """Delete by ids or by filter; see RecallPool.delete."""
         return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
 
-    def _write(self, op: Op, preps: list[Prepared], budget: Timeout) -> Written:
+    def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout) -> Written:
         """The chunks of one upsert or delete, in turn, within one budget; after a failure no
         further chunk is sent, and the error names the ids by fate (clients._writes.settle)."""
         deadline = self._deadline(budget)
@@ -310,15 +289,15 @@ class RecallClient:
         preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
         if after is not None:
             wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
-        parts = [cast(Records, self._call(p, timeout, t0)) for p in preps]
+        parts = [self._call(p, timeout, t0) for p in preps]
         return merge_records(preps, parts, self.layout.dim)
 
     def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> Written:
-        return cast(Written, self._call(encode_drop(namespace), timeout, time.monotonic_ns()))
+        return self._call(encode_drop(namespace), timeout, time.monotonic_ns())
 
     def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return cast("dict[str, int]", self._call(encode_list_namespaces(), timeout, time.monotonic_ns()))
+        return self._call(encode_list_namespaces(), timeout, time.monotonic_ns())
 
     def export_page(
         self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
@@ -326,10 +305,7 @@ class RecallClient:
         """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
         if given): (ids int64, vectors float32 as stored, payloads); none for a namespace that
         does not exist."""
-        return cast(
-            "tuple[Any, Any, list[Any]]",
-            self._call(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),
-        )
+        return self._call(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns())
 
     def count(
         self,
@@ -344,16 +320,16 @@ class RecallClient:
         p = encode_count(self.layout, namespace, where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast(int, self._call(p, timeout, t0))
+        return self._call(p, timeout, t0)
 
     def _deadline(self, budget: Timeout) -> float | None:
         timeout = resolve_timeout(budget, self._timeout)
         return None if timeout is None else time.monotonic() + timeout
 
-    def _call(self, p: Prepared, budget: Timeout, t0: int) -> Any:
+    def _call(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
         return self._call_until(p, self._deadline(budget), t0)
 
-    def _call_until(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+    def _call_until(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
         if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
             raise ForkedPoolError(
                 f"this client was opened in process {self._pid} and cannot be used in process "
@@ -369,7 +345,7 @@ class RecallClient:
         finally:
             self._lock.release()
 
-    def _call_locked(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+    def _call_locked(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
         if self._closed:
             raise ClosedError("client is closed")
         if self._broken is not None:
@@ -416,7 +392,7 @@ class RecallClient:
             Attachment(conn, [self._slot]).end(give_back=False)
         self._pending = None
 
-    def _roundtrip(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+    def _roundtrip(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
         op = latency_op(p.op, p.single)
         pending = self._pending
         if pending is not None:  # finish the abandoned request first
@@ -428,12 +404,13 @@ class RecallClient:
         self._pending = ex
         self._wait(ex, deadline, op)
         self._pending = None
-        _, value, error, _ = ex.complete(_WAITING)
+        _, value, error, _ = ex.answer(False)
         if error is not None:
             raise error
+        assert value is not None
         return value
 
-    def _wait(self, ex: Exchange[None], deadline: float | None, op: int) -> None:
+    def _wait(self, ex: Exchange[Any, None], deadline: float | None, op: int) -> None:
         """Poll the slot for the policy's window, then block on its response semaphore in
         slices, checking the sidecar's liveness between slices. On ResponseTimeout the
         request stays in the slot (``_pending``) and the timeout is recorded now."""

@@ -32,7 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 from ..broker.clock import Recency
 from ..broker.errors import (
@@ -61,45 +61,27 @@ from ._requests import (
     Prepared,
     Timeout,
     merge_records,
+    recall_one,
+    recall_rows,
     resolve_timeout,
     wait_after,
 )
-from ._requests import (
-    count as encode_count,
-)
-from ._requests import (
-    delete as encode_delete,
-)
-from ._requests import (
-    drop as encode_drop,
-)
-from ._requests import (
-    export_page as encode_export_page,
-)
-from ._requests import (
-    get as encode_get,
-)
-from ._requests import (
-    list_namespaces as encode_list_namespaces,
-)
-from ._requests import (
-    recall as encode_recall,
-)
-from ._requests import (
-    set_ttl as encode_set_ttl,
-)
-from ._requests import (
-    touch as encode_touch,
-)
-from ._requests import (
-    upsert as encode_upsert,
-)
+from ._requests import count as encode_count
+from ._requests import delete as encode_delete
+from ._requests import drop as encode_drop
+from ._requests import export_page as encode_export_page
+from ._requests import get as encode_get
+from ._requests import list_namespaces as encode_list_namespaces
+from ._requests import set_ttl as encode_set_ttl
+from ._requests import touch as encode_touch
+from ._requests import upsert as encode_upsert
 from ._slots import ClientSlot
 from ._transport import Connection, LockBusy, SlotWant
 from ._waiter import Waiter
 from ._writes import WriteCall, out_of_budget, settle
 from .results import Hits, Records, Written
 
+R = TypeVar("R")
 LIVENESS_S = 0.1
 #: Default ``close_timeout``: how long close() waits for callers still waiting on an answer.
 CLOSE_TIMEOUT_S = 10.0
@@ -317,7 +299,7 @@ class RecallPool:
         self._current: frozenset[ClientSlot] = frozenset()
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
-        self._inflight: dict[int, Exchange[Waiting]] = {}  # posted, by slot index
+        self._inflight: dict[int, Exchange[Any, Waiting]] = {}  # posted, by slot index
         self._queue: CoalescingQueue | None = None
         self._poller: asyncio.Task[None] | None = None
         self._waiter: Waiter | None = None
@@ -580,13 +562,12 @@ class RecallPool:
         t0 = time.monotonic_ns()
         if self._state is not _OPEN:
             self._check_usable()
-        p = encode_recall(
+        p = recall_one(
             self._layout,
             vector,
             k,
             self._ns.encode(namespace),
             with_payload,
-            True,
             where,
             self._fast,
             recency=recency,
@@ -595,7 +576,7 @@ class RecallPool:
         )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast(Hits, await self._execute(p, timeout, t0))
+        return await self._execute(p, timeout, t0)
 
     async def recall_many(
         self,
@@ -616,13 +597,12 @@ class RecallPool:
         every row; ``after``: as in :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._check_usable()
-        p = encode_recall(
+        p = recall_rows(
             self._layout,
             vectors,
             k,
             self._ns.encode(namespace),
             with_payload,
-            False,
             where,
             self._fast,
             recency=recency,
@@ -631,7 +611,7 @@ class RecallPool:
         )
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast("list[Hits]", await self._execute(p, timeout, t0))
+        return await self._execute(p, timeout, t0)
 
     async def upsert(
         self,
@@ -681,7 +661,7 @@ class RecallPool:
         """The TTL (seconds) of the records an upsert without ``ttl=`` writes into ``namespace``
         from now on (None or ``math.inf``: none); records already written keep theirs. Durable,
         kept until the namespace is dropped; creates the namespace if it does not exist."""
-        return cast(Written, await self._execute(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns()))
+        return await self._execute(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns())
 
     async def delete(
         self,
@@ -718,17 +698,17 @@ class RecallPool:
         preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
         if after is not None:  # (``after``: as in :meth:`recall`)
             wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
-        parts = cast("list[Records]", await self._execute_all(preps, timeout, t0))
+        parts = await self._execute_all(preps, timeout, t0)
         return merge_records(preps, parts, self.layout.dim)
 
     async def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> Written:
         """Remove a namespace and all its records; returns the rows it held (0 if unknown; a
         :class:`Written`, as :meth:`upsert`)."""
-        return cast(Written, await self._execute(encode_drop(namespace), timeout, time.monotonic_ns()))
+        return await self._execute(encode_drop(namespace), timeout, time.monotonic_ns())
 
     async def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
         """Every namespace with its row count."""
-        return cast("dict[str, int]", await self._execute(encode_list_namespaces(), timeout, time.monotonic_ns()))
+        return await self._execute(encode_list_namespaces(), timeout, time.monotonic_ns())
 
     async def export_page(
         self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
@@ -736,9 +716,8 @@ class RecallPool:
         """Up to max_queries records with id > ``after`` in ascending id order (those matching
         ``where``, if given): (ids int64, vectors float32 as stored, payloads); none for a
         namespace that does not exist."""
-        return cast(
-            "tuple[Any, Any, list[Any]]",
-            await self._execute(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()),
+        return await self._execute(
+            encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns()
         )
 
     async def count(
@@ -755,7 +734,7 @@ class RecallPool:
         p = encode_count(self.layout, namespace, where)
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return cast(int, await self._execute(p, timeout, t0))
+        return await self._execute(p, timeout, t0)
 
     # ------------------------------------------------------------------ machinery
     def _check_usable(self) -> None:
@@ -802,7 +781,7 @@ class RecallPool:
         """A bug: fail the callers rather than hang them (as the poller does)."""
         self._break(BrokerUnavailable(f"pool dispatcher failed: {type(e).__name__}: {e}"))
 
-    async def _write(self, op: Op, preps: list[Prepared], budget: Timeout, t0: int) -> Written:
+    async def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout, t0: int) -> Written:
         """Send the chunks of one upsert or delete within one budget, at once (every row and
         payload was checked when they were built). After the first failure no
         further chunk is posted; the chunks in flight are awaited, and the error says what
@@ -812,7 +791,7 @@ class RecallPool:
         assert loop is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
-        results: list[object] = [None] * len(preps)
+        results: list[Written | KalosError | None] = [None] * len(preps)
         if len(preps) == 1:
             results[0] = await self._chunk(preps[0], deadline, t0)
         elif preps:
@@ -839,7 +818,7 @@ class RecallPool:
                 results[i] = r
         return settle(op, preps, results)
 
-    async def _chunk(self, p: Prepared, deadline: float | None, t0: int) -> Any:
+    async def _chunk(self, p: Prepared[Written], deadline: float | None, t0: int) -> Written | KalosError:
         """One chunk of a write: its count, or the KalosError it failed with (an outcome)."""
         assert self._loop is not None
         now = self._loop.time()
@@ -853,7 +832,7 @@ class RecallPool:
                 p.call.failed = True
             return e
 
-    async def _execute_all(self, preps: list[Prepared], timeout: Timeout, t0: int) -> list[Any]:
+    async def _execute_all(self, preps: list[Prepared[R]], timeout: Timeout, t0: int) -> list[R]:
         if len(preps) == 1:
             return [await self._execute(preps[0], timeout, t0)]
         # Chunks are timed each from its own sending (t0=0), not from the call: what a chunk
@@ -884,7 +863,7 @@ class RecallPool:
             if slot in self._current:  # not a slot of a dead attachment
                 return slot
 
-    async def _execute(self, p: Prepared, budget: Timeout, t0: int) -> Any:
+    async def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
         if self._state is not _OPEN:
             self._check_usable()
         loop = self._loop
@@ -913,14 +892,14 @@ class RecallPool:
                 ):
                     raise
 
-    async def _execute_once(self, p: Prepared, timeout: float | None, deadline: float | None, t0: int) -> Any:
+    async def _execute_once(self, p: Prepared[R], timeout: float | None, deadline: float | None, t0: int) -> R:
         loop = self._loop
         assert loop is not None and self._free is not None
         slot = await self._acquire(deadline)
         if p.call is not None and p.call.failed:
             self._free.put_nowait(slot)
             raise _Halted  # another chunk of this write failed: this one is not sent
-        fut: asyncio.Future[Any] = loop.create_future()
+        fut: asyncio.Future[R] = loop.create_future()
         self._post(Exchange(slot, p, fut, t0))
         if deadline is None:
             return await fut
@@ -946,7 +925,7 @@ class RecallPool:
             f"{len(self._slots)} slots, {self._free_count()} free)"
         )
 
-    def _post(self, ex: Exchange[Waiting]) -> None:
+    def _post(self, ex: Exchange[Any, Waiting]) -> None:
         """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
         free stack and the error is raised (a sidecar found dead is an outage as well)."""
         slot = ex.slot
@@ -970,7 +949,7 @@ class RecallPool:
         if poller is None or self._blocking or poller.done():  # else its next pass finds it
             self._kick()
 
-    def _complete(self, ex: Exchange[Waiting]) -> None:
+    def _complete(self, ex: Exchange[Any, Waiting]) -> None:
         """An answer is in: the exchange's outcome goes to its callers (those still waiting);
         the slot is free again, and only now (the sidecar is done with it)."""
         assert self._free is not None
