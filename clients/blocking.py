@@ -20,8 +20,6 @@ from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
-    ClosedError,
-    ForkedPoolError,
     KalosError,
     ProtocolError,
     ResponseTimeout,
@@ -31,6 +29,7 @@ from ..broker.positions import Position
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, Connect, drive
 from ._exchange import Exchange, resend_after_outage
+from ._life import Driver, PoolState, refusal
 from ._requests import (
     DEFAULT,
     FastRows,
@@ -99,12 +98,12 @@ class RecallClient:
         )
         self._reconnect = reconnect
         self._pid = os.getpid()
-        self._broken: Exception | None = None
+        self._state = PoolState.NEW
+        self._broken: KalosError | None = None  # the cause, while BROKEN
         self._timeout = timeout
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._lock = threading.Lock()
         self._pending: Exchange[Any, None] | None = None  # a timed-out request still in the slot
-        self._closed = False
         self._ns = NamespaceCache()
         self._conn: Connection | None = None
         self._slot: ClientSlot
@@ -113,6 +112,7 @@ class RecallClient:
         )
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
+        self._state = PoolState.OPEN
 
     def _install(self, att: Attachment) -> None:
         self._conn, self._slot = att.conn, att.slots[0]
@@ -147,13 +147,22 @@ class RecallClient:
         """Give the slot back (to the sidecar's reaper if a request is still in it). Closing
         twice is fine."""
         with self._lock:
-            if self._closed:
+            if self._state is PoolState.CLOSED:
                 return
-            self._closed = True
+            self._state = PoolState.CLOSED
             if os.getpid() != self._pid or self._conn is None:
                 return  # a forked copy (the parent's lease) or no sidecar: nothing to give back
             busy = [self._slot] if self._pending is not None else []
             Attachment(self._conn, [self._slot]).end(busy)
+
+    def _refusal(self) -> KalosError:
+        err = refusal(self._state, self._broken, self._pid, os.getpid(), Driver.CLIENT)
+        assert err is not None
+        return err
+
+    def _break(self, e: KalosError) -> None:
+        """No more service from this client: every later call raises ``e``."""
+        self._state, self._broken = PoolState.BROKEN, e
 
     def recall(
         self,
@@ -331,10 +340,8 @@ class RecallClient:
 
     def _call_until(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
         if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
-            raise ForkedPoolError(
-                f"this client was opened in process {self._pid} and cannot be used in process "
-                f"{os.getpid()} (a fork): open one in each worker after forking"
-            )
+            self._state = PoolState.FORKED
+            raise self._refusal()
         # Another thread's call holds the slot: waiting for it is part of this call's budget.
         if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
             raise AcquireTimeout(
@@ -346,10 +353,8 @@ class RecallClient:
             self._lock.release()
 
     def _call_locked(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
-        if self._closed:
-            raise ClosedError("client is closed")
-        if self._broken is not None:
-            raise self._broken
+        if self._state is not PoolState.OPEN:
+            raise self._refusal()
         while True:
             if self._conn is None or self._conn.quiet():
                 self._ensure_attached(deadline)
@@ -357,7 +362,7 @@ class RecallClient:
                 return self._roundtrip(p, deadline, t0)
             except BrokerUnavailable as e:
                 if not self._reconnect:
-                    self._broken = e
+                    self._break(e)
                     raise
                 self._drop()  # the answer can no longer come from this sidecar
                 if resend_after_outage(p, deadline, time.monotonic()):
@@ -375,14 +380,14 @@ class RecallClient:
                 return
             except BrokerUnavailable as e:
                 if not self._reconnect:
-                    self._broken = e
+                    self._break(e)
                     raise
                 self._drop()
         att = drive(self._attacher.attach(deadline, True, "within the call's time budget"))
         try:
             self._install(self._attacher.check_geometry(att, self._layout))
         except ProtocolError as e:
-            self._broken = e  # every later call too: the client's requests no longer fit
+            self._break(e)  # every later call too: the client's requests no longer fit
             raise
 
     def _drop(self) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import enum
 import logging
 import os
 import random
@@ -40,7 +39,6 @@ from ..broker.errors import (
     BrokerUnavailable,
     ClosedError,
     ConfigError,
-    ForkedPoolError,
     KalosError,
     ResponseTimeout,
 )
@@ -53,6 +51,7 @@ from ._coalesce import Path, route
 from ._exchange import Completion, Exchange, resend_after_outage, settled_within
 from ._free import FreeSlots
 from ._leaseplan import GROW_RETRY_S, IDLE_S, LOCK_RETRY_S, TICK_S, LeasePlan
+from ._life import PoolState, refusal
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT,
@@ -92,43 +91,11 @@ class _Halted(Exception):
     """A write chunk not posted because another chunk of its call failed (not an error)."""
 
 
-class PoolState(enum.Enum):
-    """A pool's life: NEW -> OPEN -> CLOSING -> CLOSED; BROKEN from OPEN or CLOSING when it can
-    serve no more (an outage with ``reconnect=False``, a sidecar of another geometry, a bug);
-    FORKED: the copy of an open pool in a forked child."""
-
-    NEW = "new"
-    OPEN = "open"
-    CLOSING = "closing"  # close() waits for what is in flight or queued; no new calls
-    CLOSED = "closed"
-    BROKEN = "broken"
-    FORKED = "forked"
-
-
 #: Requests in flight and queued still go on (the poller, the dispatcher, the re-attacher run).
 _SERVING = frozenset({PoolState.OPEN, PoolState.CLOSING})
 # Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
 # CPython 3.11.
 _OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
-
-
-def refusal(state: PoolState, broken: KalosError | None, opened_in: int, pid: int) -> KalosError | None:
-    """What a call on a pool in ``state`` raises; None when it may go ahead (OPEN). ``broken``:
-    the cause of a BROKEN pool; ``opened_in`` / ``pid``: the process that opened it, this one.
-    Pure."""
-    if state is PoolState.OPEN:
-        return None
-    if state is PoolState.BROKEN and broken is not None:
-        return broken
-    if state is PoolState.FORKED:
-        return ForkedPoolError(
-            f"this pool was opened in process {opened_in} and cannot be used in process {pid} "
-            "(a fork): open a RecallPool in each worker after forking (e.g. in the FastAPI "
-            "lifespan or gunicorn's post_fork)"
-        )
-    if state is PoolState.NEW:
-        return ClosedError("pool is not open (use `async with RecallPool(...)` or await open())")
-    return ClosedError(f"pool is {state.value}")
 
 
 @dataclass(frozen=True)
@@ -955,7 +922,7 @@ class RecallPool:
         assert self._free is not None
         waiting = ex.waiter
         if not isinstance(waiting, list):  # one caller
-            completion, value, error, round_trip = ex.complete((waiting.done(),))
+            completion, value, error, round_trip = ex.answer(waiting.done())
             self._policy.observe(round_trip)
             if self._ceding:
                 self._cede(ex.slot)
