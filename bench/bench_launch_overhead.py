@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from kalos.broker.layout import Op
 from kalos.clients._slots import ClientSlot
 from kalos.clients._transport import Connection
+from kalos.sidecar_cuda.backends.options import BackendKind
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
 from kalos.testing.loadgen import environment
@@ -62,7 +63,7 @@ def main() -> int:
                 name=f"blo{os.getpid()}{pol}",
                 dim=a.dim,
                 slots=4,
-                backend="numpy",
+                backend=BackendKind.NUMPY,
                 random_rows=a.rows,
                 launch=pol,
             )

@@ -52,6 +52,7 @@ from kalos.sidecar_cuda.backends.base import (
     search_each,
 )
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+from kalos.sidecar_cuda.backends.options import BackendKind
 from kalos.sidecar_cuda.config import ServeConfig
 from kalos.sidecar_cuda.server import Sidecar
 from kalos.sidecar_cuda.serving.slotio import load_compiled
@@ -235,7 +236,7 @@ def in_process(batches: list[int], blocks: int, passes: int, seed: int) -> list[
                 slots=max(b, 1),
                 max_k=64,
                 max_queries=4,
-                backend="numpy",
+                backend=BackendKind.NUMPY,
                 random_rows=ROWS,
                 seed=seed,
                 gather_us=0.0,  # every batch is posted whole: nothing to wait for

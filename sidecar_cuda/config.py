@@ -12,11 +12,11 @@ import enum
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from ..broker.errors import ConfigError
 from ..broker.layout import GEOMETRY_LIMITS, Layout, Metric
-from .backends.options import FusedKernel, Int8Pass
+from .backends.options import BackendKind, FusedKernel, Int8Pass, StorageDtype, parse_option
 from .serving.launch import Launch
 
 
@@ -27,19 +27,6 @@ class Pipelining(str, enum.Enum):
     AUTO = "auto"  # for batches of batching.PIPELINE_MIN_WORK and more
     ON = "on"
     OFF = "off"
-
-
-_E = TypeVar("_E", bound=enum.Enum)
-
-
-def _option(kind: type[_E], value: object, flag: str) -> _E:
-    """``value`` as a member of ``kind``; ConfigError names the option and its choices."""
-    try:
-        return kind(value)
-    except ValueError:
-        values = [str(m.value) for m in kind]
-        choices = f"{', '.join(values[:-1])} or {values[-1]}"
-        raise ConfigError(f"{flag} must be {choices}, got {value!r}") from None
 
 
 #: The option that sets each field of the segment's layout (``broker.layout.GEOMETRY_LIMITS``).
@@ -61,8 +48,8 @@ class ServeConfig:
     max_queries: int = 32
     blob_bytes: int = 256 * 1024
     payload_limit: int = 16 * 1024
-    backend: str = "auto"
-    storage_dtype: str = "float32"
+    backend: BackendKind = BackendKind.AUTO
+    storage_dtype: StorageDtype = StorageDtype.FLOAT32
     metric: str = "dot"
     devices: str = "all"  # GPUs of the cuda backend: all, or a comma list (--device N: "N")
     shards: int = 0  # shards per namespace: 0 = one per device (1 on numpy)
@@ -89,10 +76,13 @@ class ServeConfig:
     def __post_init__(self) -> None:
         # The one check of these options: the command line and direct construction (tests, the
         # harness) give their spellings, and nothing downstream sees a string.
-        self.pipeline = _option(Pipelining, self.pipeline, "--pipeline")
-        self.launch = _option(Launch, self.launch, "--launch")
-        self.fused_kernel = _option(FusedKernel, self.fused_kernel, "--fused-kernel")
-        self.int8_pass = _option(Int8Pass, self.int8_pass, "--int8-pass")
+        self.pipeline = parse_option(Pipelining, self.pipeline, "--pipeline")
+        self.launch = parse_option(Launch, self.launch, "--launch")
+        self.backend = parse_option(BackendKind, self.backend, "--backend")
+        self.storage_dtype = parse_option(StorageDtype, self.storage_dtype, "--dtype")
+        self.fused_kernel = parse_option(FusedKernel, self.fused_kernel, "--fused-kernel")
+        self.int8_pass = parse_option(Int8Pass, self.int8_pass, "--int8-pass")
+        self.metric_enum()  # (checked here, once: ConfigError names the choices)
 
     def layout(self) -> Layout:
         """The segment's geometry; ConfigError names the option out of bounds (``--slots``, not

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from ...broker.errors import ConfigError
 from .base import Backend
-from .options import FusedKernel, Int8Pass
+from .options import BackendKind, FusedKernel, Int8Pass, StorageDtype, parse_option
 from .sharded import ShardedBackend, parse_devices
 
 
 def choose_backend(
-    kind: str,
+    kind: BackendKind | str,
     *,
-    storage_dtype: str = "float32",
+    storage_dtype: StorageDtype | str = StorageDtype.FLOAT32,
     devices: str = "all",
     shards: int = 0,
     host_work: int | None = None,
@@ -32,15 +32,15 @@ def choose_backend(
 
     Raises ConfigError for an unknown ``kind``, for ``cuda`` where CUDA is not usable, for
     devices that do not exist, and for a ``storage_dtype`` other than float32 on numpy."""
-    if kind not in ("auto", "numpy", "cuda"):
-        raise ConfigError(f"backend must be auto, numpy or cuda, got {kind!r}")
+    kind = parse_option(BackendKind, kind, "--backend")
+    dtype = parse_option(StorageDtype, storage_dtype, "--dtype")
     if shards < 0:
         raise ConfigError(f"--shards must be >= 0, got {shards}")
-    if kind in ("auto", "cuda"):
+    if kind is not BackendKind.NUMPY:
         try:
             from .cuda import CupyBackend, cuda_available, device_count
         except ImportError as e:  # no CUDA backend module or no CuPy
-            if kind == "cuda":
+            if kind is BackendKind.CUDA:
                 raise ConfigError(f"--backend cuda needs CuPy: {e}") from None
         else:
             why = cuda_available()
@@ -52,7 +52,7 @@ def choose_backend(
                 n = shards or len(devs)
                 if n == 1:
                     return CupyBackend(
-                        storage_dtype=storage_dtype,
+                        storage_dtype=dtype.value,
                         device=devs[0],
                         host_work=hw,
                         fused_kernel=fused_kernel,
@@ -61,7 +61,7 @@ def choose_backend(
                 placed = [devs[i % len(devs)] for i in range(n)]
                 parts: list[Backend] = [
                     CupyBackend(
-                        storage_dtype=storage_dtype,
+                        storage_dtype=dtype.value,
                         device=d,
                         host_work=hw,
                         fused_kernel=fused_kernel,
@@ -70,10 +70,10 @@ def choose_backend(
                     for d in placed
                 ]
                 return ShardedBackend(parts, [f"cuda:{d}" for d in placed])
-            if kind == "cuda":
+            if kind is BackendKind.CUDA:
                 raise ConfigError(f"--backend cuda: {why}")
-    if storage_dtype != "float32":
-        raise ConfigError(f"the numpy backend stores float32 only, not {storage_dtype}")
+    if dtype is not StorageDtype.FLOAT32:
+        raise ConfigError(f"the numpy backend stores float32 only, not {dtype.value}")
     from .numpy_backend import NumpyBackend
 
     if shards <= 1:

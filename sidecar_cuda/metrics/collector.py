@@ -4,6 +4,7 @@ registry the caller passes. See the package docstring for the sources of every m
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -494,8 +495,8 @@ class SidecarCollector(Collector):
                     "broker": str(cfg.name),
                     "backend": str(backend.name),
                     "description": str(backend.description),
-                    "dtype": str(cfg.storage_dtype),
-                    "metric": str(cfg.metric),
+                    "dtype": _spelling(cfg.storage_dtype),
+                    "metric": _spelling(cfg.metric),
                     "dim": str(cfg.dim),
                     "device": str(backend.placement),
                 },
@@ -555,3 +556,8 @@ def _backend_families(st: BackendStatistics | None) -> Iterator[Metric]:
         for part, b in st.memory:
             memory.add_metric([part], b)
     yield from (searches, seconds, redone, memory)
+
+
+def _spelling(option: str) -> str:
+    """An option as it was spelled: an enum's value (``str()`` of a ``str`` enum is its name)."""
+    return str(option.value) if isinstance(option, enum.Enum) else str(option)

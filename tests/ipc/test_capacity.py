@@ -19,8 +19,8 @@ import pytest
 from conftest import assert_topk
 
 from kalos import RecallClient, RecallPool, SlotsExhausted
-from kalos.clients._transport import Connection
 from kalos.clients._leaseplan import IDLE_S, TICK_S
+from kalos.clients._transport import Connection
 
 pytestmark = pytest.mark.timeout(420)
 

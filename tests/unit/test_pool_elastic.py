@@ -18,8 +18,8 @@ from fake_sidecar import topk as topk_answer
 from kalos.broker.errors import SlotsExhausted
 from kalos.broker.layout import Layout
 from kalos.clients import RecallPool
-from kalos.clients.fake import FakeConnection
 from kalos.clients._leaseplan import GROW_RETRY_S, IDLE_S, TICK_S, LeasePlan
+from kalos.clients.fake import FakeConnection
 
 LAY = Layout(n_slots=6, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 OTHER = 7  # the pid of "another process" holding slots in the fake segment
