@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: demo test test-gpu bench typecheck lint format protocol-header ext clean
+.PHONY: demo test test-gpu bench typecheck lint format protocol-header ext ops clean
 
 # The compiled slot path (setup.py): built in place, again whenever a source changes. Optional: without
 # a C compiler the build warns and Kalos runs the pure-Python slot path. With one, the suite requires
@@ -60,6 +60,11 @@ test-gpu: $(STAMP) $(EXT_STAMP)
 
 bench: $(STAMP) $(EXT_STAMP)
 	$(BIN)/python bench/bench_broker.py
+
+# The blocking client's operations, generated from the pool's (clients/_unasync.py; a unit test
+# fails while clients/_ops_sync.py is stale).
+ops: $(STAMP)
+	$(BIN)/python -m kalos.clients._unasync
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -13,10 +13,8 @@ import os
 import random
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any, TypeVar, cast
 
-from ..broker.clock import Recency
 from ..broker.errors import (
     AcquireTimeout,
     BrokerUnavailable,
@@ -25,42 +23,28 @@ from ..broker.errors import (
     ResponseTimeout,
 )
 from ..broker.layout import Layout, Op, latency_op
-from ..broker.positions import Position
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, Connect, drive
 from ._exchange import Exchange, resend_after_outage
 from ._life import Driver, PoolState, refusal
+from ._ops_sync import SyncOps
 from ._requests import (
-    DEFAULT,
     FastRows,
     NamespaceCache,
     Prepared,
     Timeout,
-    merge_records,
-    recall_one,
-    recall_rows,
     resolve_timeout,
-    wait_after,
 )
-from ._requests import count as encode_count
-from ._requests import delete as encode_delete
-from ._requests import drop as encode_drop
-from ._requests import export_page as encode_export_page
-from ._requests import get as encode_get
-from ._requests import list_namespaces as encode_list_namespaces
-from ._requests import set_ttl as encode_set_ttl
-from ._requests import touch as encode_touch
-from ._requests import upsert as encode_upsert
 from ._slots import ClientSlot
 from ._transport import Connection
 from ._writes import out_of_budget, settle
-from .results import Hits, Records, Written
+from .results import Written
 
 R = TypeVar("R")
 _SLICE_S = 0.05  # a blocked wait looks at the sidecar's liveness this often (seconds)
 
 
-class RecallClient:
+class RecallClient(SyncOps):
     """One leased slot; one request at a time (calls from several threads are serialised).
 
     ``timeout`` (seconds, None = no limit) is the default budget of each call. A request that times
@@ -164,109 +148,7 @@ class RecallClient:
         """No more service from this client: every later call raises ``e``."""
         self._state, self._broken = PoolState.BROKEN, e
 
-    def recall(
-        self,
-        vector: Any,
-        k: int = 10,
-        *,
-        namespace: str = "default",
-        timeout: Timeout = DEFAULT,
-        with_payload: bool = False,
-        where: dict[str, Any] | None = None,
-        after: Position | str | None = None,
-        recency: Recency | None = None,
-        with_times: bool = False,
-        refresh_ttl: bool = False,
-    ) -> Hits:
-        """Top-k of one vector; see RecallPool.recall for semantics (``after=``, ``recency=``,
-        ``with_times``, ``refresh_ttl`` too) and errors."""
-        t0 = time.monotonic_ns()
-        p = recall_one(
-            self.layout,
-            vector,
-            k,
-            self._ns.encode(namespace),
-            with_payload,
-            where,
-            self._fast,
-            recency=recency,
-            with_times=with_times,
-            refresh_ttl=refresh_ttl,
-        )
-        if after is not None:
-            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return self._call(p, timeout, t0)
-
-    def recall_many(
-        self,
-        vectors: Any,
-        k: int = 10,
-        *,
-        namespace: str = "default",
-        timeout: Timeout = DEFAULT,
-        with_payload: bool = False,
-        where: dict[str, Any] | None = None,
-        after: Position | str | None = None,
-        recency: Recency | None = None,
-        with_times: bool = False,
-        refresh_ttl: bool = False,
-    ) -> list[Hits]:
-        """Top-k for each row; see RecallPool.recall_many."""
-        t0 = time.monotonic_ns()
-        p = recall_rows(
-            self.layout,
-            vectors,
-            k,
-            self._ns.encode(namespace),
-            with_payload,
-            where,
-            self._fast,
-            recency=recency,
-            with_times=with_times,
-            refresh_ttl=refresh_ttl,
-        )
-        if after is not None:
-            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return self._call(p, timeout, t0)
-
-    def upsert(
-        self,
-        ids: Any,
-        vectors: Any,
-        payloads: list[Any] | None = None,
-        *,
-        namespace: str = "default",
-        timeout: Timeout = DEFAULT,
-        ttl: float | Sequence[float | None] | None = None,
-    ) -> Written:
-        """Insert or replace records (``ttl``: as for RecallPool.upsert); see RecallPool.upsert.
-        Chunks go one after the other; after a failure no further chunk is sent."""
-        return self._write(
-            Op.UPSERT, encode_upsert(self.layout, ids, vectors, payloads, namespace, self._payload_limit, ttl), timeout
-        )
-
-    def touch(
-        self, ids: Any, *, namespace: str = "default", ttl: float | None = None, timeout: Timeout = DEFAULT
-    ) -> Written:
-        """Restart the expiry clock of records; see RecallPool.touch."""
-        return self._write(Op.TOUCH, encode_touch(self.layout, ids, namespace, ttl), timeout)
-
-    def set_default_ttl(self, namespace: str, ttl: float | None, *, timeout: Timeout = DEFAULT) -> Written:
-        """The namespace's default TTL; see RecallPool.set_default_ttl."""
-        return self._call(encode_set_ttl(namespace, ttl), timeout, time.monotonic_ns())
-
-    def delete(
-        self,
-        ids: Any = None,
-        *,
-        where: dict[str, Any] | None = None,
-        namespace: str = "default",
-        timeout: Timeout = DEFAULT,
-    ) -> Written:
-        """Delete by ids or by filter; see RecallPool.delete."""
-        return self._write(Op.DELETE, encode_delete(self.layout, ids, namespace, where), timeout)
-
-    def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout) -> Written:
+    def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout, t0: int) -> Written:
         """The chunks of one upsert or delete, in turn, within one budget; after a failure no
         further chunk is sent, and the error names the ids by fate (clients._writes.settle)."""
         deadline = self._deadline(budget)
@@ -283,60 +165,18 @@ class RecallClient:
                 break
         return settle(op, preps, results)
 
-    def get(
-        self,
-        ids: Any,
-        *,
-        namespace: str = "default",
-        with_vectors: bool = True,
-        timeout: Timeout = DEFAULT,
-        after: Position | str | None = None,
-        refresh_ttl: bool = False,
-    ) -> Records:
-        """Records by id; see RecallPool.get for semantics and errors."""
-        t0 = time.monotonic_ns()
-        preps = encode_get(self.layout, ids, namespace, with_vectors, refresh_ttl)
-        if after is not None:
-            wait_after(preps, after, t0, resolve_timeout(timeout, self._timeout))
-        parts = [self._call(p, timeout, t0) for p in preps]
-        return merge_records(preps, parts, self.layout.dim)
-
-    def drop_namespace(self, namespace: str, *, timeout: Timeout = DEFAULT) -> Written:
-        return self._call(encode_drop(namespace), timeout, time.monotonic_ns())
-
-    def namespaces(self, *, timeout: Timeout = DEFAULT) -> dict[str, int]:
-        """Every namespace with its row count."""
-        return self._call(encode_list_namespaces(), timeout, time.monotonic_ns())
-
-    def export_page(
-        self, namespace: str, after: int = -1, *, where: dict[str, Any] | None = None, timeout: Timeout = DEFAULT
-    ) -> tuple[Any, Any, list[Any]]:
-        """Up to max_queries records with id > ``after`` in ascending id order (matching ``where``
-        if given): (ids int64, vectors float32 as stored, payloads); none for a namespace that
-        does not exist."""
-        return self._call(encode_export_page(self.layout, namespace, after, where), timeout, time.monotonic_ns())
-
-    def count(
-        self,
-        namespace: str = "default",
-        where: dict[str, Any] | None = None,
-        *,
-        timeout: Timeout = DEFAULT,
-        after: Position | str | None = None,
-    ) -> int:
-        """Records in ``namespace`` (matching ``where`` if given); see RecallPool.count."""
-        t0 = time.monotonic_ns()
-        p = encode_count(self.layout, namespace, where)
-        if after is not None:
-            wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
-        return self._call(p, timeout, t0)
-
     def _deadline(self, budget: Timeout) -> float | None:
         timeout = resolve_timeout(budget, self._timeout)
         return None if timeout is None else time.monotonic() + timeout
 
-    def _call(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
+    def _gate(self) -> None:
+        pass  # (the state is looked at under the call's lock: _call_until)
+
+    def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
         return self._call_until(p, self._deadline(budget), t0)
+
+    def _execute_all(self, preps: list[Prepared[R]], timeout: Timeout, t0: int) -> list[R]:
+        return [self._execute(p, timeout, t0) for p in preps]
 
     def _call_until(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
         if os.getpid() != self._pid:  # before the lock: a fork may have copied it held

@@ -91,7 +91,7 @@ _PLAIN_ENV = {
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here: the compiled wheel cannot be built")
 def test_the_wheel_carries_the_compiled_slot_path(wheel: Path, tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
-    for ext in ("kalos/clients/_cslot", "kalos/sidecar_cuda/_cserve"):
+    for ext in ("kalos/clients/_cslot", "kalos/sidecar_cuda/serving/_cserve"):
         assert any(n.startswith(ext) and n.endswith(".so") for n in names), ext
     py = _venv_with(wheel, tmp_path)
     r = subprocess.run([str(py), "-c", _CHOSEN], cwd=tmp_path, env=_PLAIN_ENV, capture_output=True, text=True)
