@@ -582,6 +582,71 @@ static PyObject *SlotIO_layout(PyObject *Py_UNUSED(cls), PyObject *Py_UNUSED(ign
         KALOS_SLOTSTATE_DONE, "KALOS_STATUS_OK", KALOS_STATUS_OK);
 }
 
+/* ------------------------------------------------------------------ a mixed search's ids */
+
+/* map_ids(tables, rows, out): out[j, c] = tables[j][rows[j, c]], and -1 where rows[j, c] < 0 (no
+ * hit): the ids of a mixed-namespace search's rows, each query's from its own namespace's row ids.
+ * The rows come from the backend, not from a client; a row past its table is still refused
+ * (ValueError), never read. */
+static PyObject *SlotIO_map_ids(SlotIO *Py_UNUSED(s), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "map_ids(tables, rows, out)");
+        return NULL;
+    }
+    PyObject *tables = args[0];
+    if (!PyList_Check(tables)) {
+        PyErr_SetString(PyExc_TypeError, "tables must be a list of int64 arrays");
+        return NULL;
+    }
+    Py_buffer rw, out;
+    if (get_matrix(args[1], &rw, 'q', "rows") < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyBuffer_Release(&rw);
+        return NULL;
+    }
+    PyObject *ret = NULL;
+    Py_ssize_t q = rw.shape[0], k = rw.shape[1];
+    if (out.ndim != 2 || out.itemsize != 8 || !is_int64_format(out.format) || out.shape[0] != q ||
+        out.shape[1] != k) {
+        PyErr_SetString(PyExc_ValueError, "out must be a contiguous int64 array shaped as rows");
+    } else if (PyList_GET_SIZE(tables) != q) {
+        PyErr_SetString(PyExc_ValueError, "tables must hold one table per row of rows");
+    } else {
+        const int64_t *r = rw.buf;
+        int64_t *o = out.buf;
+        int bad = 0;
+        for (Py_ssize_t j = 0; j < q && !bad; j++) {
+            Py_buffer t;
+            if (get_index(PyList_GET_ITEM(tables, j), &t, 0, "each table") < 0) {
+                bad = 1;
+                break;
+            }
+            const int64_t *ids = t.buf;
+            Py_ssize_t n = t.shape[0];
+            for (Py_ssize_t c = 0; c < k; c++) {
+                int64_t x = r[j * k + c];
+                if (x < 0) {
+                    o[j * k + c] = -1;
+                } else if (x >= n) {
+                    PyErr_Format(PyExc_ValueError, "row %lld of query %zd is past its table's %zd rows", (long long)x, j, n);
+                    bad = 1;
+                    break;
+                } else {
+                    o[j * k + c] = ids[x];
+                }
+            }
+            PyBuffer_Release(&t);
+        }
+        if (!bad) {
+            ret = Py_None;
+            Py_INCREF(ret);
+        }
+    }
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&rw);
+    return ret;
+}
+
 static PyMethodDef SlotIO_methods[] = {
     {"scan", (PyCFunction)SlotIO_scan, METH_O, "scan(out) -> n: the POSTED slots' indices into out[:n]."},
     {"take", (PyCFunction)(void (*)(void))SlotIO_take, METH_FASTCALL,
@@ -596,6 +661,8 @@ static PyMethodDef SlotIO_methods[] = {
      "deliver(sel) -> t_done_ns: batch_size, t_done_ns, state DONE, then post each response semaphore."},
     {"answer_single", (PyCFunction)(void (*)(void))SlotIO_answer_single, METH_FASTCALL,
      "answer_single(slot, ids, scores) -> t_done_ns: answer and publish one one-query recall."},
+    {"map_ids", (PyCFunction)(void (*)(void))SlotIO_map_ids, METH_FASTCALL,
+     "map_ids(tables, rows, out): out[j] = tables[j][rows[j]], -1 where rows[j] < 0."},
     {"close", (PyCFunction)SlotIO_close, METH_NOARGS, "Close the semaphores and release the segment (idempotent)."},
     {"layout", (PyCFunction)SlotIO_layout, METH_NOARGS | METH_STATIC,
      "The protocol values and field (offset, width) compiled in."},

@@ -343,7 +343,7 @@ class Pipeline:
         of_query = of_req if rows is None else np.repeat(of_req, rec["nq"].astype(np.intp))
         t_start = time.monotonic_ns()
         try:
-            pending = self.store.search_mixed(spaces, of_query, q, plan.k)
+            pending = self.store.search_mixed(spaces, of_query, q, plan.k, map_ids=self._io.map_ids)
         except Exception:
             return None
         sizes = np.fromiter((0 if ns is None else ns.n for ns in spaces), np.int64, len(spaces))

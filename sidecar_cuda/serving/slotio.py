@@ -23,6 +23,9 @@ arrays; nothing here decides anything. The calls, in the order a uniform batch m
 ``deliver(sel)``    publish: ``batch_size``, ``t_done_ns``, state DONE, then each response post;
                     returns ``t_done_ns``
 ``answer_single``   ``(slot, ids, scores)``: all of the above for one one-query recall
+``map_ids``         ``(tables, rows, out)``: a mixed-namespace search's ids, ``out[j] =
+                    tables[j][rows[j]]`` (-1 where a row is -1: no hit); a row past its table is a
+                    ValueError (:func:`~kalos.sidecar_cuda.storage.store.map_row_ids` is the twin)
 ==================  ==============================================================================
 
 Index arguments are int64 arrays (``np.intp``); every slot and row index is checked against the
@@ -56,6 +59,7 @@ from ...broker.layout import (
     c_header,
 )
 from ...broker.slotpath import Choice, SlotPath
+from ..storage.store import map_row_ids
 from .batching import posted_slots
 
 _OK = int(Status.OK)
@@ -98,6 +102,8 @@ class SlotIO(Protocol):
     def deliver(self, sel: np.ndarray, /) -> int: ...
 
     def answer_single(self, slot: int, ids: np.ndarray, scores: np.ndarray, /) -> int: ...
+
+    def map_ids(self, tables: list[np.ndarray], rows: np.ndarray, out: np.ndarray, /) -> None: ...
 
     def close(self) -> None: ...
 
@@ -256,6 +262,9 @@ class PySlotIO:
                     failed = e if isinstance(e, OSError) else OSError(errno.EIO, str(e))
         if failed is not None:
             raise failed
+
+    def map_ids(self, tables: list[np.ndarray], rows: np.ndarray, out: np.ndarray, /) -> None:
+        map_row_ids(tables, rows, out)
 
     def close(self) -> None:
         self._open = False

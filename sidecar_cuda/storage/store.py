@@ -540,10 +540,29 @@ class Namespace:
 _META = hit_meta_dtype()
 
 
+#: ``map_ids(tables, rows, out)``: ``out[j] = tables[j][rows[j]]``, -1 where ``rows[j]`` is -1
+#: (:func:`map_row_ids`; the sidecar passes its compiled twin, ``SlotIO.map_ids``).
+MapIds = Callable[[list[np.ndarray], np.ndarray, np.ndarray], None]
+
+
+def map_row_ids(tables: list[np.ndarray], rows: np.ndarray, out: np.ndarray) -> None:
+    """A mixed search's ids: ``out[j] = tables[j][rows[j]]`` and -1 where ``rows[j]`` is negative
+    (no hit); ValueError for a row past its table. One small take a query (the compiled
+    ``SlotIO.map_ids`` does the same without a Python call per query)."""
+    if len(tables) != len(rows) or out.shape != rows.shape:
+        raise ValueError("map_ids: one table per row of rows, and out shaped as rows")
+    try:
+        for j, table in enumerate(tables):
+            out[j] = table.take(rows[j])  # (a -1 takes the last id: set to -1 below)
+    except IndexError as e:  # a row past its table
+        raise ValueError(f"map_ids: {e}") from None
+    out[rows < 0] = -1
+
+
 class MixedSearch(PolledFuture[SearchResult]):
     """A mixed-namespace search under way (:meth:`MemoryStore.search_mixed`): the namespaces
     searched on their own are in ``ids``/``scores`` already; the backend's one search of the rest
-    is ``pending``, its rows mapped to each namespace's ids when collected."""
+    is ``pending``, its rows mapped to each namespace's ids when collected (``map_ids``)."""
 
     def __init__(
         self,
@@ -552,11 +571,13 @@ class MixedSearch(PolledFuture[SearchResult]):
         pending: PendingSearch | None,
         sel: np.ndarray,
         row_ids: list[np.ndarray],
+        map_ids: MapIds = map_row_ids,
     ) -> None:
         super().__init__()
         self._ids, self._scores, self._pending = ids, scores, pending
         self._sel = sel  # the queries the backend searched, in its order
         self._row_ids = row_ids  # each of them: its namespace's row_ids
+        self._map_ids = map_ids
 
     def _poll(self) -> bool:
         return self._pending is None or self._pending.done()
@@ -566,9 +587,7 @@ class MixedSearch(PolledFuture[SearchResult]):
         if self._pending is not None:
             rows, sc = self._pending.result()
             got = np.empty(rows.shape, np.int64)
-            for j, row_ids in enumerate(self._row_ids):  # (k ids each: one small take a query)
-                got[j] = row_ids.take(rows[j])
-            got[rows < 0] = -1
+            self._map_ids(self._row_ids, np.ascontiguousarray(rows, np.int64), got)
             ids[self._sel] = got
             scores[self._sel] = sc
         return ids, scores
@@ -624,7 +643,13 @@ class MemoryStore:
         return out
 
     def search_mixed(
-        self, spaces: list[Namespace | None], of_query: np.ndarray, queries: np.ndarray, k: int, now: int | None = None
+        self,
+        spaces: list[Namespace | None],
+        of_query: np.ndarray,
+        queries: np.ndarray,
+        k: int,
+        now: int | None = None,
+        map_ids: MapIds = map_row_ids,
     ) -> PendingSearch:
         """Each query over its own namespace's live rows: query j searches ``spaces[of_query[j]]``
         (None: a namespace that does not exist, no hits). A Future of (ids int64 (Q, k), scores
@@ -672,7 +697,7 @@ class MemoryStore:
         of = of[sel]
         q = queries if len(sel) == b else queries[sel]
         pending = self.backend.search_mixed(mats, np.asarray(sizes, np.int64), of, prepare_queries(q, self.metric), k)
-        return MixedSearch(ids, scores, pending, sel, [row_ids[j] for j in of.tolist()])
+        return MixedSearch(ids, scores, pending, sel, [row_ids[j] for j in of.tolist()], map_ids)
 
     def drop(self, name: str, now: int | None = None) -> int:
         """Remove a namespace; returns its rows (those not expired at ``now``, when given)."""

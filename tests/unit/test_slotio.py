@@ -356,3 +356,32 @@ def test_the_compiled_object_checks_its_geometry(cserve):
         )
     with pytest.raises(BufferError):
         cserve.SlotIO(bytes(L.total_bytes), **good)  # read-only
+
+
+def test_both_paths_map_a_mixed_searchs_rows_to_ids_alike_and_refuse_alike(worlds, rng):
+    """``map_ids``: each query's rows through its own namespace's ids (-1 where no hit), the same
+    on both paths against a plain reference; a row past its table, or arguments that do not fit,
+    refused by both (ValueError) with nothing written past the refusal's query."""
+    init, _ = hostile_segment(rng)
+    a, b = worlds(init)
+    for _ in range(20):
+        q, k = int(rng.integers(1, 40)), int(rng.integers(1, 12))
+        tables = [rng.integers(-(2**62), 2**62, int(rng.integers(1, 50))) for _ in range(q)]
+        rows = np.stack([rng.integers(-1, len(t), k) for t in tables]).astype(np.int64)
+        want = np.array([[t[r] if r >= 0 else -1 for r in row] for t, row in zip(tables, rows)], np.int64)
+        for w in (a, b):
+            out = np.zeros((q, k), np.int64)
+            w.io.map_ids(tables, rows, out)
+            np.testing.assert_array_equal(out, want)
+    tables = [np.arange(5, dtype=np.int64), np.arange(3, dtype=np.int64)]
+    bad = [
+        (tables, np.array([[0, 1], [2, 3]], np.int64), np.zeros((2, 2), np.int64)),  # row 3 of a 3-row table
+        (tables[:1], np.zeros((2, 2), np.int64), np.zeros((2, 2), np.int64)),  # a table short
+        (tables, np.zeros((2, 2), np.int64), np.zeros((2, 3), np.int64)),  # out not shaped as rows
+    ]
+    for args in bad:
+        for w in (a, b):
+            with pytest.raises(ValueError):
+                w.io.map_ids(*args)
+    same(a, b, "map_ids")
+    assert a.buf == init
