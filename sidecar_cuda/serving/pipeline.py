@@ -331,23 +331,33 @@ class Pipeline:
         """Start a batch of plain recalls to several namespaces as one search
         (``MemoryStore.search_mixed``); None if a namespace field is not a valid name (the
         general route answers it) or the backend refused the search."""
+        # Per request: its namespace's index among the batch's distinct ones; per distinct
+        # namespace (not per request): the lookup. A plain loop: it runs for every request.
         index: dict[tuple[bytes, int], int] = {}
-        keys = list(zip(namespace_field(rec).tolist(), rec["ns_len"].tolist()))
-        of_req = np.fromiter((index.setdefault(key, len(index)) for key in keys), np.intp, len(keys))
+        of_req_list: list[int] = []
+        for key in zip(namespace_field(rec).tolist(), rec["ns_len"].tolist()):
+            j = index.get(key)
+            if j is None:
+                j = index[key] = len(index)
+            of_req_list.append(j)
+        of_req = np.array(of_req_list, np.intp)
         spaces: list[Namespace | None] = []
+        sizes_list: list[int] = []
+        names, namespaces = self._ns_names, self.store.namespaces
         for key in index:
-            ns = self._lookup(key)
-            if ns is None and decode_namespace(*key) is None:
+            name = names.get(key)
+            ns = namespaces.get(name) if name is not None else self._lookup(key)
+            if ns is None and name is None and decode_namespace(*key) is None:
                 return None
             spaces.append(ns)
+            sizes_list.append(0 if ns is None else ns.n)
         of_query = of_req if rows is None else np.repeat(of_req, rec["nq"].astype(np.intp))
         t_start = time.monotonic_ns()
         try:
             pending = self.store.search_mixed(spaces, of_query, q, plan.k, map_ids=self._io.map_ids)
         except Exception:
             return None
-        sizes = np.fromiter((0 if ns is None else ns.n for ns in spaces), np.int64, len(spaces))
-        work = int(sizes[of_query].sum()) * self.limits.dim
+        work = int(np.asarray(sizes_list, np.int64)[of_query].sum()) * self.limits.dim
         self.launch.launched(len(taken), t_pick, t_start, pipelined(work, self.limits.min_work))
         return InFlight(sel, rec, taken, t_pick, t0, st, pending, work, rows, t_start, Route.MIXED)
 

@@ -667,22 +667,26 @@ class MemoryStore:
         limit = self.backend.mixed_rows
         # Per namespace (not per query): searched with the others (its index among them), on its
         # own (-2), or not at all (-1: it does not exist or is empty).
-        slot = np.full(len(spaces), -1, np.intp)
+        slot_of = [-1] * len(spaces)
         mats: list[Matrix] = []
         sizes: list[int] = []
         row_ids: list[np.ndarray] = []
         alone: list[int] = []
-        for i, ns in enumerate(spaces):
-            if ns is None or ns.n == 0:
+        for i, ns in enumerate(spaces):  # (a plain loop: it runs for every namespace of a batch)
+            if ns is None:
                 continue
-            if ns.n <= limit and (ns._earliest == NO_EXPIRY or ns.live(t) is None):
-                slot[i] = len(mats)
+            n = ns.n
+            if not n:
+                continue
+            if n <= limit and (ns._earliest == NO_EXPIRY or ns.live(t) is None):
+                slot_of[i] = len(mats)
                 mats.append(ns.matrix)
-                sizes.append(ns.n)
+                sizes.append(n)
                 row_ids.append(ns.row_ids)
             else:
-                slot[i] = -2
+                slot_of[i] = -2
                 alone.append(i)
+        slot = np.array(slot_of, np.intp)
         for i in alone:
             idx = np.flatnonzero(of_query == i)
             ns = spaces[i]
