@@ -26,8 +26,8 @@ from typing import Any, Generic, TypeVar
 from ..broker.errors import KalosError, PayloadTooLarge
 from ..broker.layout import latency_op
 from ._coalesce import Share, split
-from ._requests import READS, Prepared, hits_only, read, rows_only, write
-from ._slots import ClientSlot, CompiledSlot
+from ._requests import READS, Prepared, read
+from ._slots import ClientSlot
 
 
 class Completion(enum.Enum):
@@ -68,17 +68,13 @@ class Exchange(Generic[R, W]):
 
     def send(self) -> None:
         """Write the request into the slot's data areas, then post it (header fields, POSTED, the
-        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post``); on the
-        compiled slot path a recall of rows alone does both in one call (``post_rows``). If
+        request semaphore, the doorbell if the sidecar sleeps: ``ClientSlot.post_request``, which
+        the compiled slot path does in one call for a recall of rows alone). If
         either step fails the slot is FREE again and the error is raised; the driver keeps the
         slot."""
         slot, p = self.slot, self.prep
         try:
-            if isinstance(slot, CompiledSlot) and rows_only(p):
-                assert p.vectors is not None
-                slot.post_rows(p.vectors, p.k, p.ns, p.flags)
-            else:
-                slot.post(p.op, p.ns, p.k, p.nq, p.flags, write(slot.view, p), self.t0)
+            slot.post_request(p, self.t0)
         except BaseException:
             slot.set_free()
             raise
@@ -99,9 +95,8 @@ class Exchange(Generic[R, W]):
         error: KalosError | None = None
         shares: list[Any] | None = None
         try:
-            if isinstance(slot, CompiledSlot) and hits_only(p):
-                # One call: the checks, the Hits, and the split among the slot's callers.
-                shares = slot.read_hits(p.nq, p.k, p.single, parts)  # None: an error status, mapped below
+            # The compiled path: the checks, the Hits and the split among the callers in one call.
+            shares = slot.fast_hits(p, parts)  # (None: decoded here, an error status too)
             if shares is None:
                 shares = split(read(slot.view, slot.outcome(), p), parts)
         except KalosError as e:
@@ -125,8 +120,7 @@ class Exchange(Generic[R, W]):
         error: KalosError | None = None
         value: R | None = None
         try:
-            if isinstance(slot, CompiledSlot) and hits_only(p):
-                value = slot.read_hits(p.nq, p.k, p.single, None)  # None: an error status, mapped below
+            value = slot.fast_hits(p, None)  # (None: decoded here, an error status too)
             if value is None:
                 value = read(slot.view, slot.outcome(), p)
         except KalosError as e:

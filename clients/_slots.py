@@ -52,6 +52,7 @@ from ..broker.layout import (
     slot_field_offset,
 )
 from ..broker.slotpath import Choice, choose
+from ._requests import Prepared, hits_only, rows_only, write
 from .results import Hits
 
 if TYPE_CHECKING:
@@ -263,6 +264,16 @@ class ClientSlot:
         self.generation = int(self._w64[self._gen])
 
     # -- request ---------------------------------------------------------------------------
+    def post_request(self, p: Prepared[Any], t0: int) -> None:
+        """Write the request ``p`` into the slot's data areas, then post it (:meth:`post`)."""
+        self.post(p.op, p.ns, p.k, p.nq, p.flags, write(self.view, p), t0)
+
+    def fast_hits(self, p: Prepared[Any], shares: Sequence[Share] | None) -> Any:
+        """The answer of ``p`` decoded in one call where this slot path has one (the compiled
+        path's :meth:`CompiledSlot.read_hits`), else None: the caller decodes it
+        (``_requests.read``)."""
+        return None
+
     def post(self, op: int, ns: bytes, k: int, nq: int, flags: int, blob_len: int, t0: int) -> int:
         """Write the request header and post. Payload areas must already be written."""
         w32, w64 = self._w32, self._w64
@@ -419,6 +430,19 @@ class CompiledSlot(ClientSlot):
         except OSError as e:
             raise BrokerUnavailable(f"{self._where}: {e}") from None
         return self.generation
+
+    def post_request(self, p: Prepared[Any], t0: int) -> None:
+        """A recall of rows alone is written and posted in one call (:meth:`post_rows`)."""
+        if rows_only(p):
+            assert p.vectors is not None
+            self.post_rows(p.vectors, p.k, p.ns, p.flags)
+        else:
+            super().post_request(p, t0)
+
+    def fast_hits(self, p: Prepared[Any], shares: Sequence[Share] | None) -> Any:
+        """A recall's ids and scores checked and decoded in one call (:meth:`read_hits`; None
+        for an error status, which the caller maps); None for any other answer."""
+        return self.read_hits(p.nq, p.k, p.single, shares) if hits_only(p) else None
 
     def post_rows(self, rows: np.ndarray, k: int, ns: bytes, flags: int) -> int:
         """Post a recall whose request is ``rows`` (C-contiguous float32 (n, dim), as
