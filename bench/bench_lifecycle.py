@@ -108,6 +108,7 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[s
     """The in-process baseline: the same store code (numpy backend + SQLite), no IPC."""
     from kalos.broker.layout import Metric
     from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+    from kalos.sidecar_cuda.storage.durable import resolve_writes
     from kalos.sidecar_cuda.storage.sqlite import Persistence
     from kalos.sidecar_cuda.storage.store import MemoryStore
     from kalos.sidecar_cuda.storage.writes import Write, WriteOp
@@ -127,7 +128,9 @@ def inproc_upserts(dim: int, seconds: float, batch: int, workdir: str) -> dict[s
                 v = vecs[n % 4096 : n % 4096 + size] if n % 4096 + size <= 4096 else vecs[:size]
                 pls: list[bytes | None] = [b'{"n":1}'] * size
                 if persist is not None:
-                    persist.commit([Write(WriteOp.UPSERT, "w", ids=ids, vectors=v, payloads=pls)])
+                    writes = [Write(WriteOp.UPSERT, "w", ids=ids, vectors=v, payloads=pls)]
+                    resolve_writes(writes, None)
+                    persist.commit(writes)
                 store.get_or_create("w").upsert(ids, v, pls)
                 n += size
             res[label] = {"upserts_per_s": round(n / (time.perf_counter() - t0))}

@@ -672,6 +672,7 @@ def import_into_data_dir(
     (payloads up to ``payload_limit`` bytes). Each block is one transaction: blocks committed
     before an error stay written. Raises ConfigError."""
     from kalos.sidecar_cuda.storage.datadir import lock_data_dir
+    from kalos.sidecar_cuda.storage.durable import resolve_writes
     from kalos.sidecar_cuda.storage.sqlite import DB_FILE, Persistence, prepare_data_dir
     from kalos.sidecar_cuda.storage.store import Stamps
     from kalos.sidecar_cuda.storage.writes import Write, WriteOp
@@ -753,6 +754,7 @@ def import_into_data_dir(
                                 stamps=stamps.take(keep),
                             )
                             try:
+                                resolve_writes([w], None)  # (stamped already: nothing changes)
                                 persist.commit([w])
                             except Exception as e:  # StoreError
                                 raise ConfigError(f"writing into the store in {data_dir} failed: {e}") from None

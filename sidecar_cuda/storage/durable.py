@@ -31,19 +31,33 @@ def store_kind(data_dir: str | None, store: str | None) -> StoreKind:
 
 
 class Durable(Protocol):
-    """What the serving loop asks of a durable store (SQLite here, PostgreSQL in ``fleet``).
+    """What the serving loop asks of a durable store (SQLite in ``sqlite``, PostgreSQL in
+    ``fleet``).
 
-    The serving thread is the only caller; ``commit`` runs before anything of the batch is applied
-    in memory, ``applied`` after."""
+    The serving thread is the only caller, through :func:`commit_and_apply`: ``begin`` (brought
+    up to date, the store's write lock held), the writes resolved against the memory (here, the
+    one place), ``commit`` (or ``abort``), then the writes applied in memory, then
+    ``applied_through``."""
 
     def load_into(self, store: MemoryStore) -> tuple[int, float]:
         """Load every namespace into ``store``; returns (rows, seconds). Raises ConfigError."""
         ...
 
-    def commit(self, writes: list[Write], store: MemoryStore) -> list[Position] | None:
-        """Resolve the deletes by filter against ``store`` (brought up to date first where other
-        writers exist) and make ``writes`` durable, all or nothing. Returns each write's position
-        in the change log (None where the store has none). Raises StoreError."""
+    def begin(self, store: MemoryStore) -> None:
+        """Before a batch's writes are resolved: bring ``store`` up to what other writers
+        committed (where there are any) and hold the store's write lock until :meth:`commit` or
+        :meth:`abort`, so deletes by filter match what every writer committed before them.
+        Raises StoreError (nothing begun)."""
+        ...
+
+    def commit(self, writes: list[Write]) -> list[Position] | None:
+        """Make the resolved ``writes`` durable, all or nothing, and end what :meth:`begin` began.
+        Returns each write's position in the change log (None where the store has none).
+        Raises StoreError."""
+        ...
+
+    def abort(self) -> None:
+        """End what :meth:`begin` began without writing anything."""
         ...
 
     def applied_through(self, position: Position | None) -> None:
@@ -54,21 +68,34 @@ class Durable(Protocol):
     def close(self) -> None: ...
 
 
+def resolve_writes(writes: list[Write], store: MemoryStore | None) -> None:
+    """Resolve ``writes`` against ``store`` (None: an empty one, for tools without a memory):
+    stamps, the ids a delete by filter or an expiry names. The one place writes are resolved:
+    :func:`commit_and_apply` on the serving thread, and the offline tools before they commit."""
+    for w in writes:
+        w.resolve(store)
+
+
 def commit_and_apply(
     persist: Durable | None, store: MemoryStore, writes: list[Write]
 ) -> tuple[list[Position] | None, list[int | Exception]]:
-    """Make ``writes`` durable (resolved against ``store`` by the store's ``commit``; resolved
-    here without one), then apply them to ``store`` in order. Returns the positions ``commit``
-    gave (None: no change log) and each write's count, or the exception applying it raised (then
-    durable but not applied here: the change log brings it again where there is one). Raises
-    StoreError when the commit fails (nothing applied). The serving thread's one way to write:
-    the general route, refreshes on read and the sweeper."""
+    """Make ``writes`` durable (``begin``, resolved against ``store``, ``commit``; resolved only,
+    without a durable store), then apply them to ``store`` in order. Returns the positions
+    ``commit`` gave (None: no change log) and each write's count, or the exception applying it
+    raised (then durable but not applied here: the change log brings it again where there is
+    one). Raises StoreError when the commit fails (nothing applied). The serving thread's one way
+    to write: the general route, refreshes on read and the sweeper."""
     positions = None
-    if persist is not None:
-        positions = persist.commit(writes, store)
+    if persist is None:
+        resolve_writes(writes, store)
     else:
-        for w in writes:
-            w.resolve(store)
+        persist.begin(store)
+        try:
+            resolve_writes(writes, store)
+        except BaseException:
+            persist.abort()
+            raise
+        positions = persist.commit(writes)
     out: list[int | Exception] = []
     for w in writes:
         try:

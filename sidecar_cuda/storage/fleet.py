@@ -200,6 +200,7 @@ class FleetStore:
         self.stats = ReplicationStats()
         self.handoff = Handoff()  # follower -> serving thread
         self._writer: Conn | None = None
+        self._xid = 0  # the write transaction begin() took the lock in
         self._writer_failures = 0
         self._writer_retry_at = 0.0
         self.follower: Follower | None = None
@@ -235,37 +236,29 @@ class FleetStore:
         self.follower.start()
 
     # ------------------------------------------------------------------ the serving thread
-    def commit(self, writes: list[Write], store: MemoryStore) -> list[Position]:
-        """See :class:`~kalos.sidecar_cuda.storage.durable.Durable`. Under the fleet's write lock the
-        memory is brought up to the log's end first, so deletes by filter match what every node
-        committed before them, and this batch's changes follow them in every replica. Returns
-        each write's position (a write that changed nothing: the position before it). Raises
-        StoreError (nothing of the batch is then applied here; it may have been committed if the
-        connection broke during COMMIT, as with any database)."""
+    def begin(self, store: MemoryStore) -> None:
+        """See :class:`~kalos.sidecar_cuda.storage.durable.Durable`. Takes the fleet's write lock
+        (a transaction on the serving thread's connection) and brings the memory up to the log's
+        end under it, so deletes by filter match what every node committed before them, and this
+        batch's changes follow them in every replica. Raises StoreError (nothing begun)."""
         try:
             try:
-                positions = self._commit_once(self._writer_conn(), writes, store)
+                self._begin_once(self._writer_conn(), store)
             except _NotStarted:
                 # A connection broken while idle (the database restarted since the last write)
                 # fails at the first statement, before anything was written: connect once more.
                 self._drop_writer()
-                positions = self._commit_once(self._writer_conn(), writes, store)
+                self._begin_once(self._writer_conn(), store)
         except (psycopg.Error, _NotStarted) as e:
-            self._writer_broken()
-            cause = e.__cause__ if isinstance(e, _NotStarted) else e
-            raise StoreError(
-                scrub(f"PostgreSQL store {self.target.shown}: {str(cause).strip()}", self.target)
-            ) from None
+            raise self._failed(e) from None
         except ValueError as e:  # a change no sidecar wrote: apply nothing more from it
             raise StoreError(f"PostgreSQL store {self.target.shown}: {e}") from None
-        self._writer_failures = 0
-        return positions
 
-    def _commit_once(self, conn: Conn, writes: list[Write], store: MemoryStore) -> list[Position]:
-        """One attempt of :meth:`commit`. Raises _NotStarted if the connection failed before the
+    def _begin_once(self, conn: Conn, store: MemoryStore) -> None:
+        """One attempt of :meth:`begin`. Raises _NotStarted if the connection failed before the
         transaction took the write lock (nothing was sent that could have been committed)."""
         try:  # (the connection is not in autocommit mode: this statement begins the transaction)
-            xid = lock_for_write(conn)
+            self._xid = lock_for_write(conn)
         except psycopg.OperationalError as e:
             raise _NotStarted() from e
         try:
@@ -274,23 +267,55 @@ class FleetStore:
                 self._apply(changes, store, observe=False)
                 if len(changes) < 4096:
                     break
-            positions = []
-            last = self.applied
-            for w in writes:
-                w.resolve(store)
-                seq = write_change(conn, xid, w)
-                if seq is not None:
-                    last = Position(xid, seq)
-                positions.append(last)
-            notify(conn)
-            conn.commit()
         except BaseException:
-            try:
-                conn.rollback()
-            except psycopg.Error:
-                pass  # (a broken connection: the server rolls back on its own)
+            self._rollback(conn)
             raise
+
+    def commit(self, writes: list[Write]) -> list[Position]:
+        """See :class:`~kalos.sidecar_cuda.storage.durable.Durable`: the resolved writes and their
+        change-log rows, then COMMIT, ending what :meth:`begin` began. Returns each write's
+        position (a write that changed nothing: the position before it). Raises StoreError
+        (nothing of the batch is then applied here; it may have been committed if the
+        connection broke during COMMIT, as with any database)."""
+        conn, xid = self._writer, self._xid
+        assert conn is not None, "commit() without begin()"
+        try:
+            try:
+                positions = []
+                last = self.applied
+                for w in writes:
+                    seq = write_change(conn, xid, w)
+                    if seq is not None:
+                        last = Position(xid, seq)
+                    positions.append(last)
+                notify(conn)
+                conn.commit()
+            except BaseException:
+                self._rollback(conn)
+                raise
+        except psycopg.Error as e:
+            raise self._failed(e) from None
+        except ValueError as e:  # a write the change log cannot hold
+            raise StoreError(f"PostgreSQL store {self.target.shown}: {e}") from None
+        self._writer_failures = 0
         return positions
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._rollback(self._writer)
+
+    @staticmethod
+    def _rollback(conn: Conn) -> None:
+        try:
+            conn.rollback()
+        except psycopg.Error:
+            pass  # (a broken connection: the server rolls back on its own)
+
+    def _failed(self, e: BaseException) -> StoreError:
+        """The writer's connection failed (``e``): back off, and the error a caller gets."""
+        self._writer_broken()
+        cause = e.__cause__ if isinstance(e, _NotStarted) else e
+        return StoreError(scrub(f"PostgreSQL store {self.target.shown}: {str(cause).strip()}", self.target))
 
     def applied_through(self, position: Position | None) -> None:
         if position is not None and position > self.applied:

@@ -330,11 +330,10 @@ def write_change(conn: Conn, xid: int, w: Write) -> int | None:
     """In a write transaction (under :func:`lock_for_write`): apply one resolved write to
     ``kalos.records`` (``kalos.namespaces``) and append it to the change log. Returns its seq
     (None: it changed nothing and nothing was logged). The write's arrays are left as the store
-    will apply them. An upsert not resolved against a memory (tools, tests) is stamped now."""
+    will apply them. The write is resolved already (``durable.resolve_writes``)."""
     ns = w.namespace
     if w.op is WriteOp.UPSERT:
-        w.resolve(None)  # (nothing when resolved already)
-        assert w.ids is not None and w.vectors is not None and w.stamps is not None
+        assert w.ids is not None and w.vectors is not None and w.stamps is not None, "an upsert not resolved"
         keep = last_wins(w.ids)  # (one statement may not update a row twice)
         ids = w.ids[keep]
         vecs = np.ascontiguousarray(w.vectors[keep], "<f4")

@@ -170,13 +170,18 @@ class Persistence:
     def _tx(self) -> _Tx:
         return _Tx(self.db)
 
-    def commit(self, writes: list[Write], store: MemoryStore | None = None) -> list[Position] | None:
-        """Make ``writes`` durable, all or nothing (deletes by filter resolved against ``store``,
-        the only writer's memory). Raises StoreError."""
+    def begin(self, store: MemoryStore) -> None:
+        """Nothing to do: this sidecar is the store's only writer (``storage.datadir`` locks the
+        directory), so its memory is the store's state; :meth:`commit` is one transaction."""
+
+    def abort(self) -> None:
+        """Nothing begun (see :meth:`begin`)."""
+
+    def commit(self, writes: list[Write]) -> list[Position] | None:
+        """Make the resolved ``writes`` durable, all or nothing (``durable.resolve_writes``
+        first). Raises StoreError."""
         if not writes:
             return None
-        for w in writes:
-            w.resolve(store)
         try:
             with self._tx():
                 for w in writes:

@@ -246,6 +246,7 @@ def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn
     import psycopg
 
     from kalos.broker.positions import ORIGIN
+    from kalos.sidecar_cuda.storage.durable import resolve_writes
     from kalos.sidecar_cuda.storage.pgstore import fetch_changes, write_change
     from kalos.sidecar_cuda.storage.writes import Write, WriteOp
 
@@ -260,10 +261,15 @@ def test_the_follower_cursor_never_skips_a_late_committing_transaction(fleet_dsn
         psycopg.connect(fleet_dsn) as t2,
         psycopg.connect(fleet_dsn, autocommit=True) as reader,
     ):
+        w1, w2 = (
+            Write(WriteOp.UPSERT, "late", np.array([1]), vec, None),
+            Write(WriteOp.UPSERT, "late", np.array([2]), vec, None),
+        )
+        resolve_writes([w1, w2], None)
         x1 = xid(t1)
-        s1 = write_change(t1, x1, Write(WriteOp.UPSERT, "late", np.array([1]), vec, None))
+        s1 = write_change(t1, x1, w1)
         x2 = xid(t2)
-        s2 = write_change(t2, x2, Write(WriteOp.UPSERT, "late", np.array([2]), vec, None))
+        s2 = write_change(t2, x2, w2)
         assert x1 < x2 and s1 < s2
         t2.commit()
         seen = reader.execute("SELECT seq FROM kalos.changes WHERE ns = 'late'").fetchall()

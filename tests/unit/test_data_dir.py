@@ -13,6 +13,7 @@ import pytest
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends.select import choose_backend
+from kalos.sidecar_cuda.storage.durable import resolve_writes
 from kalos.sidecar_cuda.storage.sqlite import Persistence, prepare_data_dir
 from kalos.sidecar_cuda.storage.store import MemoryStore
 from kalos.sidecar_cuda.storage.writes import Write, WriteOp
@@ -59,12 +60,12 @@ def test_a_data_dir_of_another_user_names_both_users(tmp_path) -> None:
 def test_start_up_load_reports_progress(tmp_path, rng: np.random.Generator, caplog: pytest.LogCaptureFixture) -> None:
     p = Persistence(str(tmp_path), 8, "dot")
     vecs = rng.standard_normal((250, 8), dtype=np.float32)
-    p.commit(
-        [
-            Write(WriteOp.UPSERT, "a", np.arange(250, dtype=np.int64), vecs, None),
-            Write(WriteOp.UPSERT, "b", np.arange(50, dtype=np.int64), vecs[:50], None),
-        ]
-    )
+    writes = [
+        Write(WriteOp.UPSERT, "a", np.arange(250, dtype=np.int64), vecs, None),
+        Write(WriteOp.UPSERT, "b", np.arange(50, dtype=np.int64), vecs[:50], None),
+    ]
+    resolve_writes(writes, None)
+    p.commit(writes)
     p.close()
     p = Persistence(str(tmp_path), 8, "dot")
     store = MemoryStore(choose_backend("numpy"), 8, Metric.DOT)

@@ -507,9 +507,15 @@ class FailingStore:
     def __init__(self) -> None:
         self.commits = 0
 
-    def commit(self, writes, store):  # type: ignore[no-untyped-def]
+    def begin(self, store) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def commit(self, writes):  # type: ignore[no-untyped-def]
         self.commits += 1
         raise StoreError("the store is away")
+
+    def abort(self) -> None:
+        raise AssertionError("commit() ends what begin() began, failed or not")
 
     def applied_through(self, position) -> None:  # type: ignore[no-untyped-def]
         raise AssertionError("nothing was committed")
