@@ -798,14 +798,19 @@ def slot_field_offset(layout: Layout, i: int, field: str) -> int:
     raise KeyError(field)
 
 
+def word_views(buf: memoryview) -> tuple[memoryview, memoryview]:
+    """The segment as 4-byte and 8-byte words (``u32``, ``u64``), the views every hot path indexes
+    by a field's word offset (:func:`slot_field_offset` // size): made here, for both sides."""
+    return buf.cast("I"), buf.cast("Q")
+
+
 class SlotWords:
     """Word-indexed access to every slot's header fields, for hot paths (a memoryview item costs
     ~50 ns; a numpy record field ~1 us). ``u32[w.state[i]]`` is slot i's state, and so on for every
     4- and 8-byte field (8-byte ones index ``u64``)."""
 
     def __init__(self, buf: memoryview, layout: Layout) -> None:
-        self.u32 = buf.cast("I")
-        self.u64 = buf.cast("Q")
+        self.u32, self.u64 = word_views(buf)
         for name, typ, _off in SLOT_FIELDS + STATS_FIELDS:
             size = np.dtype(typ).itemsize
             if size in (4, 8):

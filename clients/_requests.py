@@ -11,6 +11,7 @@ import enum
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import numpy as np
@@ -145,6 +146,21 @@ class FastRows(Protocol):
     def as_row(self, x: Any, dim: int, /) -> np.ndarray | None: ...
 
     def as_rows(self, x: Any, dim: int, max_rows: int, /) -> np.ndarray | None: ...
+
+
+class CompiledRows:
+    """:class:`FastRows` over the compiled module (``clients/_cslot``), its two checks bound once."""
+
+    __slots__ = ("as_row", "as_rows")
+
+    def __init__(self, module: ModuleType) -> None:
+        self.as_row: Callable[[Any, int], np.ndarray | None] = module.as_row
+        self.as_rows: Callable[[Any, int, int], np.ndarray | None] = module.as_rows
+
+
+def fast_rows(module: ModuleType | None) -> FastRows | None:
+    """The compiled checks of a connection's slot path (None on the Python path)."""
+    return None if module is None else CompiledRows(module)
 
 
 def recall(

@@ -45,6 +45,7 @@ from ..broker.layout import (
     header_field_offset,
     metric_name,
     peek_header,
+    word_views,
 )
 from ..broker.names import (
     bell_name,
@@ -222,8 +223,7 @@ class Connection:
             if self.layout.total_bytes != self.shm.size:
                 raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")
             self.seg = SegmentView(memoryview(self.mm), self.layout)
-            self.w32 = memoryview(self.mm).cast("I")
-            self.w64 = memoryview(self.mm).cast("Q")
+            self.w32, self.w64 = word_views(memoryview(self.mm))
             for sem in [bell_name(name)] + [
                 f(name, i) for i in range(self.layout.n_slots) for f in (req_name, resp_name)
             ]:

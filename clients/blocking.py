@@ -13,7 +13,7 @@ import os
 import random
 import threading
 import time
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from ..broker.errors import (
     AcquireTimeout,
@@ -29,10 +29,10 @@ from ._exchange import Exchange, resend_after_outage
 from ._life import Driver, PoolState, refusal
 from ._ops_sync import SyncOps
 from ._requests import (
-    FastRows,
     NamespaceCache,
     Prepared,
     Timeout,
+    fast_rows,
     resolve_timeout,
 )
 from ._slots import ClientSlot
@@ -100,7 +100,7 @@ class RecallClient(SyncOps):
 
     def _install(self, att: Attachment) -> None:
         self._conn, self._slot = att.conn, att.slots[0]
-        self._fast = cast("FastRows | None", att.conn.cslot)
+        self._fast = fast_rows(att.conn.cslot)
         self._slot_path = att.conn.slot_path.path
         self._metric = att.conn.metric
         self._payload_limit = att.conn.payload_limit

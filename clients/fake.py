@@ -36,6 +36,7 @@ from ..broker.layout import (
     SlotView,
     Status,
     header_field_offset,
+    word_views,
 )
 from ..broker.slotpath import Choice
 from ._slots import ClientSlot, make_slot
@@ -100,8 +101,7 @@ class FakeConnection(Connection):
         self.seg = SegmentView(memoryview(self.mm), layout)
         self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns(), payload_limit=payload_limit)
         self.seg.header["state"] = SidecarState.READY
-        self.w32 = memoryview(self.mm).cast("I")
-        self.w64 = memoryview(self.mm).cast("Q")
+        self.w32, self.w64 = word_views(memoryview(self.mm))
         self.bell = FakeSemaphore()  # type: ignore[assignment]
         self.req = [FakeSemaphore() for _ in range(layout.n_slots)]
         self.resp = [FakeSemaphore() for _ in range(layout.n_slots)]

@@ -31,7 +31,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from ..broker.errors import (
     AcquireTimeout,
@@ -58,6 +58,7 @@ from ._requests import (
     NamespaceCache,
     Prepared,
     Timeout,
+    fast_rows,
     resolve_timeout,
 )
 from ._slots import ClientSlot
@@ -300,7 +301,7 @@ class RecallPool(AsyncOps):
         self._layout = att.conn.layout
         self._metric = att.conn.metric
         self._slot_path = att.conn.slot_path.path
-        self._fast = cast("FastRows | None", att.conn.cslot)
+        self._fast = fast_rows(att.conn.cslot)
         log.info("kalos pool %r: %s slot path (%s)", self.name, self._slot_path.value, att.conn.slot_path.reason)
         self._queue = CoalescingQueue(
             loop,
