@@ -46,9 +46,10 @@ from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
+from ._elastic import Leases
 from ._exchange import Completion, Exchange, resend_after_outage, settled_within
 from ._free import FreeSlots
-from ._leaseplan import GROW_RETRY_S, IDLE_S, LOCK_RETRY_S, TICK_S, LeasePlan
+from ._leaseplan import IDLE_S, LeasePlan
 from ._life import PoolState, refusal
 from ._ops import AsyncOps
 from ._queue import CoalescingQueue, NotSent, Waiting
@@ -62,7 +63,7 @@ from ._requests import (
     resolve_timeout,
 )
 from ._slots import ClientSlot
-from ._transport import Connection, LockBusy, SlotWant
+from ._transport import Connection
 from ._waiter import Waiter
 from ._writes import WriteCall, out_of_budget, settle
 from .results import Written
@@ -225,12 +226,7 @@ class RecallPool(AsyncOps):
         self._coalesce = coalesce
         self._size = size
         self._min_size = min_size
-        self._plan = LeasePlan(size, min_size, idle_s)
-        self._ceding = False  # (the plan's, read on every answer)
-        self._ticker: asyncio.TimerHandle | None = None  # idle and ceding checks, while grown
-        self._regrower: asyncio.TimerHandle | None = None  # asks again after a refusal
-        self._want: SlotWant | None = None  # our callers wait for slots the broker could not give
-        self._grown = self._returned = self._refused = 0
+        self._leases = Leases(size, min_size, idle_s)  # the attachment's slots, elastic
         self._attacher = Attacher(
             connect or _connect,
             name,
@@ -247,10 +243,9 @@ class RecallPool(AsyncOps):
         self._broken: KalosError | None = None  # why a BROKEN pool serves no more
         self._pid = os.getpid()
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The live attachment (none during an outage): its connection, its slots, the free ones.
+        # The live attachment (none during an outage): its connection and the free slots (its
+        # slots: self._leases).
         self._conn: Connection | None = None
-        self._slots: list[ClientSlot] = []
-        self._current: frozenset[ClientSlot] = frozenset()
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
         self._inflight: dict[int, Exchange[Any, Waiting]] = {}  # posted, by slot index
@@ -318,6 +313,7 @@ class RecallPool(AsyncOps):
         )
         self._install(att)
         self._state = PoolState.OPEN
+        self._leases.open = True
         _POOLS.add(self)
         return self
 
@@ -326,14 +322,9 @@ class RecallPool(AsyncOps):
         assert self._loop is not None and self._free is not None and self._wake is not None
         conn, slots = att
         self._conn = conn
-        self._slots = list(slots)
-        self._current = frozenset(slots)
-        self._plan.ceding, self._plan.share, self._ceding = False, None, False
-        for s in slots:
-            self._free.put_nowait(s)
-        self._arm_ticker()
+        self._leases.attach(conn, slots, self._loop, self._free)
         self._payload_limit = conn.payload_limit
-        self._waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
+        self._waiter = self._leases.waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
 
     async def __aenter__(self) -> RecallPool:
         return await self.open()
@@ -370,6 +361,7 @@ class RecallPool(AsyncOps):
             self.terminate()
             return
         self._state = PoolState.CLOSING
+        self._leases.open = False
         queue, loop = self._queue, self._loop
         assert queue is not None and loop is not None
         budget = resolve_timeout(timeout, self._close_timeout)
@@ -411,12 +403,7 @@ class RecallPool(AsyncOps):
         slots freed, busy ones abandoned to the reaper) when ``give_back``."""
         if self._waiter is not None:
             self._waiter.close()
-            self._waiter = None
-        for timer in (self._ticker, self._regrower):
-            if timer is not None:
-                timer.cancel()
-        self._ticker = self._regrower = None
-        self._stop_wanting()
+            self._waiter = self._leases.waiter = None
         busy = []
         for e in self._inflight.values():
             busy.append(e.slot)
@@ -429,8 +416,8 @@ class RecallPool(AsyncOps):
         self._inflight.clear()
         if self._free is not None:
             self._free.drain()
-        conn, slots = self._conn, self._slots
-        self._conn, self._slots, self._current = None, [], frozenset()
+        conn, slots = self._leases.detach()
+        self._conn = None
         if conn is not None:
             Attachment(conn, slots).end(busy, give_back=give_back)
 
@@ -439,18 +426,16 @@ class RecallPool(AsyncOps):
         without touching shared memory (the parent still uses them)."""
         self._state = PoolState.FORKED
         self._conn = None
-        self._slots = []
+        self._leases.forget()
         self._inflight = {}
         if self._queue is not None:
             self._queue.forget()
         self._waiter = None
         self._poller = self._reattacher = None
-        self._ticker = self._regrower = None  # (the parent's loop: never run in the child)
-        self._want = None  # (its descriptor is the parent's as well)
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
-            size=len(self._slots),
+            size=len(self._leases.slots),
             free=self._free_count(),
             in_flight=len(self._inflight),
             orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
@@ -467,9 +452,9 @@ class RecallPool(AsyncOps):
             slot_path=self._slot_path.value,
             min_size=self._min_size,
             max_size=self._size,
-            grown=self._grown,
-            returned=self._returned,
-            refused=self._refused,
+            grown=self._leases.grown,
+            returned=self._leases.returned,
+            refused=self._leases.refused,
         )
 
     def spin_window_ns(self) -> int:
@@ -496,7 +481,7 @@ class RecallPool(AsyncOps):
 
     def _usable(self, slot: ClientSlot) -> bool:
         """A slot of the live attachment (not one of an attachment lost to an outage)."""
-        return slot in self._current
+        return slot in self._leases.current
 
     def _free_count(self) -> int:
         return self._free.qsize() if self._free is not None else 0
@@ -507,11 +492,11 @@ class RecallPool(AsyncOps):
         free = self._free
         assert free is not None
         while (slot := free.get_nowait()) is not None:
-            if slot in self._current:
+            if slot in self._leases.current:
                 return slot
-        if self._grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
+        if self._leases.grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
             while (slot := free.get_nowait()) is not None:
-                if slot in self._current:
+                if slot in self._leases.current:
                     return slot
         return None
 
@@ -589,7 +574,7 @@ class RecallPool(AsyncOps):
         assert self._free is not None and self._loop is not None
         while True:
             slot = self._free.get_nowait()
-            if slot is None and self._grow(1):
+            if slot is None and self._leases.grow(1):
                 slot = self._free.get_nowait()
             if slot is None:
                 slot = await self._free.get_within(None if deadline is None else max(0.0, deadline - self._loop.time()))
@@ -598,13 +583,13 @@ class RecallPool(AsyncOps):
                     if self._conn is None:
                         raise self._down_error()
                     raise AcquireTimeout(
-                        f"no free slot within the time budget ({len(self._slots)} slots leased, all in "
+                        f"no free slot within the time budget ({len(self._leases.slots)} slots leased, all in "
                         f"flight; the pool grows to size={self._size} while the broker has slots free)"
                     )
             if self._state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
-            if slot in self._current:  # not a slot of a dead attachment
+            if slot in self._leases.current:  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
@@ -666,7 +651,7 @@ class RecallPool(AsyncOps):
             )
         return AcquireTimeout(
             f"not sent within the time budget (queued to be coalesced; "
-            f"{len(self._slots)} slots, {self._free_count()} free)"
+            f"{len(self._leases.slots)} slots, {self._free_count()} free)"
         )
 
     def _post(self, ex: Exchange[Any, Waiting]) -> None:
@@ -701,8 +686,8 @@ class RecallPool(AsyncOps):
         if not isinstance(waiting, list):  # one caller
             completion, value, error, round_trip = ex.answer(waiting.done())
             self._policy.observe(round_trip)
-            if self._ceding:
-                self._cede(ex.slot)
+            if self._leases.ceding:
+                self._leases.cede(ex.slot)
             else:
                 self._free.put_nowait(ex.slot)
             self._requests += 1
@@ -716,8 +701,8 @@ class RecallPool(AsyncOps):
             return
         completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
         self._policy.observe(round_trip)
-        if self._ceding:
-            self._cede(ex.slot)
+        if self._leases.ceding:
+            self._leases.cede(ex.slot)
         else:
             self._free.put_nowait(ex.slot)
         if completion is Completion.RESEND_ALONE:
@@ -734,133 +719,6 @@ class RecallPool(AsyncOps):
                     m.future.set_result(value[i])
                 else:
                     m.future.set_exception(copy.copy(error))
-
-    # ------------------------------------------------------------------ elastic leases
-    def _grow(self, extra: int) -> int:
-        """Lease more slots for the callers waiting for one (``extra``: those not in line yet),
-        as :meth:`LeasePlan.grow` decides; each goes to the oldest caller waiting. Returns how
-        many were leased: 0 at ``size``, while ceding, or when the broker had none to spare
-        (then asked again shortly, while callers still wait)."""
-        if len(self._slots) >= self._size:
-            return 0
-        conn, loop, free = self._conn, self._loop, self._free
-        if conn is None or self._state is not _OPEN or loop is None or free is None:
-            return 0
-        now = loop.time()
-        n = self._plan.grow(len(self._slots), free.waiting() + extra, now)
-        if n <= 0:
-            return 0
-        wait = GROW_RETRY_S
-        try:
-            got = conn.lease(n)
-        except LockBusy:  # another process held the claim lock for FLOCK_WAIT_S
-            got, wait = [], LOCK_RETRY_S
-        except BrokerUnavailable:  # the sidecar going away: the liveness check's to find
-            got = []
-        if not got:
-            self._refused += 1
-            self._plan.refused(now, wait)
-            if self._want is None:  # pools over their fair share give slots back (LeasePlan)
-                self._want = conn.want_slots(first=False)
-            if self._regrower is None:
-                self._regrower = loop.call_later(GROW_RETRY_S, self._regrow)
-            return 0
-        self._slots.extend(got)
-        self._current = self._current.union(got)
-        self._grown += len(got)
-        self._arm_ticker()
-        for s in got:
-            free.put_nowait(s)
-        return len(got)
-
-    def _regrow(self) -> None:
-        """A while after a refusal: ask again while callers still wait for a slot; once none
-        does, stop asking (and stop announcing the want to other pools)."""
-        self._regrower = None
-        free, loop = self._free, self._loop
-        if free is None or loop is None or not free.waiting() or len(self._slots) >= self._size:
-            self._stop_wanting()
-            return
-        if loop.time() + GROW_RETRY_S / 2 >= self._plan.retry_at:
-            self._plan.retry_at = 0.0  # (the timer may fire a hair before the plan's retry time)
-            self._grow(0)
-        if self._regrower is None and self._conn is not None:
-            self._regrower = loop.call_later(GROW_RETRY_S, self._regrow)
-
-    def _stop_wanting(self) -> None:
-        want, self._want = self._want, None
-        if want is not None:
-            want.release()
-
-    def _arm_ticker(self) -> None:
-        """While the pool holds slots beyond ``min_size``: look every TICK_S for idle ones and
-        for a process waiting for its first slot."""
-        if self._ticker is None and len(self._slots) > self._min_size and self._loop is not None:
-            assert self._free is not None
-            self._plan.start(self._loop.time())
-            self._free.reset_low()
-            self._ticker = self._loop.call_later(TICK_S, self._tick)
-
-    def _tick(self) -> None:
-        self._ticker = None
-        conn, loop, free = self._conn, self._loop, self._free
-        if conn is None or loop is None or free is None or self._state not in _SERVING:
-            return
-        if len(self._slots) <= self._min_size:
-            self._plan.ceding, self._plan.share, self._ceding = False, None, False
-            return
-        first, more = conn.pressure()
-        self._plan.ceding = first
-        self._plan.share = conn.layout.n_slots // max(1, conn.holders()) if more else None
-        self._ceding = first or more
-        period = self._plan.period_end
-        n = self._plan.to_return(len(self._slots), free.qsize(), free.low, loop.time())
-        if n:
-            self._give_back(free.take_oldest(n))
-        if self._plan.period_end != period:  # a new idle period began
-            free.reset_low()
-        if len(self._slots) > self._min_size:
-            self._ticker = loop.call_later(TICK_S, self._tick)
-        else:
-            self._plan.ceding, self._plan.share, self._ceding = False, None, False
-
-    def _cede(self, slot: ClientSlot) -> None:
-        """A slot just freed while another process waits for its first, or other pools' callers
-        wait for slots: back to the broker if the pool holds more than it may
-        (:meth:`LeasePlan.cap`), else on the free stack."""
-        assert self._free is not None
-        if len(self._slots) > self._plan.cap():
-            self._give_back([slot])  # (on the free stack if the broker cannot take it now)
-        else:
-            self._free.put_nowait(slot)
-
-    def _give_back(self, idle: list[ClientSlot]) -> bool:
-        """End the leases of free slots (no request in them). False (and they go back on the
-        free stack) if the broker could not take them now. A slot the waiter thread may still be
-        waiting on stays (on the free stack) for a later give-back (:meth:`Waiter.holds`)."""
-        conn, free = self._conn, self._free
-        assert free is not None
-        waiter = self._waiter
-        if waiter is not None:  # the waiter thread may still be inside a wait on one of them
-            held = {s for s in idle if waiter.holds(s)}
-            for s in held:
-                free.put_nowait(s)
-            idle = [s for s in idle if s not in held]
-        if not idle:
-            return False
-        try:
-            if conn is None:
-                raise BrokerUnavailable("no attachment")
-            conn.give_back(idle, [])
-        except BrokerUnavailable:
-            for s in idle:
-                free.put_nowait(s)
-            return False
-        gone = set(idle)
-        self._slots = [s for s in self._slots if s not in gone]
-        self._current = self._current.difference(gone)
-        self._returned += len(idle)
-        return True
 
     # ------------------------------------------------------------------ the poller
     def _kick(self) -> None:

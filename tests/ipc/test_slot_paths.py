@@ -51,7 +51,7 @@ async def test_a_pool_on_either_path_answers_exactly(sidecar, rng, path, caplog)
     for coalesce in (False, True):
         async with RecallPool(sidecar.name, size=4, coalesce=coalesce, connect=connect_on(choice)) as pool:
             assert pool.statistics().slot_path == path
-            slots = pool._slots
+            slots = pool._leases.slots
             assert all(isinstance(s, CompiledSlot) == (path == "compiled") for s in slots)
             sem_type = NativeSemaphore if path == "compiled" else Semaphore
             assert all(type(s.req) is sem_type and type(s.resp) is sem_type for s in slots)

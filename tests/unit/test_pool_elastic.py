@@ -262,7 +262,7 @@ async def test_a_pool_over_its_fair_share_gives_slots_back_while_another_pool_wa
     assert a.statistics().size == 5 and b.statistics().size == 1
     calls = [asyncio.ensure_future(b.recall(q, k=2, timeout=10)) for _ in range(4)]
     await asyncio.sleep(0.02)
-    assert b.statistics().refused >= 1 and b._want is None  # (no lease file on the fake)
+    assert b.statistics().refused >= 1 and b._leases._want is None  # (no lease file on the fake)
     wanting[0] = True
     await asyncio.sleep(TICK_S * 2)  # a looks: contended; nothing of it is free yet
     assert a.statistics().size == 5
@@ -344,8 +344,8 @@ async def test_a_slot_the_waiter_holds_is_not_given_back_until_the_wait_is_over(
     assert waiter is not None and free is not None
     x, y = free.take_oldest(2)
     waiter.arm(x)  # (its response is never posted: the thread waits on it, 50 ms at a time)
-    assert pool._give_back([x, y]) is True  # y went back; x stays, on the free stack
-    assert leased(conn) == 2 and x in pool._slots and y not in pool._slots
+    assert pool._leases.give_back([x, y]) is True  # y went back; x stays, on the free stack
+    assert leased(conn) == 2 and x in pool._leases.slots and y not in pool._leases.slots
     assert int(conn.seg.slots[x.index]["owner_pid"]) == conn.pid
     waiter.disarm()
     for _ in range(500):
@@ -357,7 +357,7 @@ async def test_a_slot_the_waiter_holds_is_not_given_back_until_the_wait_is_over(
     for s in taken:
         if s is not x:
             free.put_nowait(s)
-    assert pool._give_back([x]) is True and leased(conn) == 1 and x not in pool._slots
+    assert pool._leases.give_back([x]) is True and leased(conn) == 1 and x not in pool._leases.slots
     # The pool still serves from what it kept.
     call = asyncio.ensure_future(pool.recall(qs[0], k=3, timeout=5))
     await serve_until(conn, topk_answer(matrix), call.done)

@@ -214,7 +214,7 @@ async def test_a_broken_waiter_thread_fails_the_callers_at_once():
     pool = await open_pool(conn, size=1, reconnect=False)
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
     await asyncio.sleep(0.03)  # blocking phase: the waiter thread sits on the response semaphore
-    slot = pool._slots[0]
+    slot = pool._leases.slots[0]
     conn.resp[slot.index].break_(BrokerUnavailable("resp semaphore vanished"))
     with pytest.raises(BrokerUnavailable, match="vanished"):  # the waiter's error, not liveness
         await asyncio.wait_for(task, 30)
