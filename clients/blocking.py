@@ -25,8 +25,9 @@ from ..broker.errors import (
 from ..broker.layout import Layout, Op, latency_op
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, Connect, drive
+from ._core import Life, Step
 from ._exchange import Exchange, resend_after_outage
-from ._life import Driver, PoolState, refusal
+from ._life import Driver, PoolState
 from ._ops_sync import SyncOps
 from ._requests import (
     NamespaceCache,
@@ -81,9 +82,7 @@ class RecallClient(SyncOps):
             wait_for_slots=True,
         )
         self._reconnect = reconnect
-        self._pid = os.getpid()
-        self._state = PoolState.NEW
-        self._broken: KalosError | None = None  # the cause, while BROKEN
+        self._life = Life(os.getpid(), Driver.CLIENT)  # one life model with the pool (clients._core)
         self._timeout = timeout
         self._policy = SpinThenBlock(spin_us, max_spin_us)
         self._lock = threading.Lock()
@@ -96,7 +95,7 @@ class RecallClient(SyncOps):
         )
         assert self._conn is not None
         self._layout: Layout = self._conn.layout
-        self._state = PoolState.OPEN
+        self._life.open()
 
     def _install(self, att: Attachment) -> None:
         self._conn, self._slot = att.conn, att.slots[0]
@@ -131,22 +130,21 @@ class RecallClient(SyncOps):
         """Give the slot back (to the sidecar's reaper if a request is still in it). Closing
         twice is fine."""
         with self._lock:
-            if self._state is PoolState.CLOSED:
+            if self._life.terminate() is Step.NOTHING:
                 return
-            self._state = PoolState.CLOSED
-            if os.getpid() != self._pid or self._conn is None:
+            if os.getpid() != self._life.opened_in or self._conn is None:
                 return  # a forked copy (the parent's lease) or no sidecar: nothing to give back
             busy = [self._slot] if self._pending is not None else []
             Attachment(self._conn, [self._slot]).end(busy)
 
     def _refusal(self) -> KalosError:
-        err = refusal(self._state, self._broken, self._pid, os.getpid(), Driver.CLIENT)
+        err = self._life.refusal(os.getpid())
         assert err is not None
         return err
 
     def _break(self, e: KalosError) -> None:
         """No more service from this client: every later call raises ``e``."""
-        self._state, self._broken = PoolState.BROKEN, e
+        self._life.break_(e)
 
     def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout, t0: int) -> Written:
         """The chunks of one upsert or delete, in turn, within one budget; after a failure no
@@ -179,8 +177,8 @@ class RecallClient(SyncOps):
         return [self._execute(p, timeout, t0) for p in preps]
 
     def _call_until(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
-        if os.getpid() != self._pid:  # before the lock: a fork may have copied it held
-            self._state = PoolState.FORKED
+        if os.getpid() != self._life.opened_in:  # before the lock: a fork may have copied it held
+            self._life.fork()
             raise self._refusal()
         # Another thread's call holds the slot: waiting for it is part of this call's budget.
         if not self._lock.acquire(timeout=-1 if deadline is None else max(0.0, deadline - time.monotonic())):
@@ -193,7 +191,7 @@ class RecallClient(SyncOps):
             self._lock.release()
 
     def _call_locked(self, p: Prepared[R], deadline: float | None, t0: int) -> R:
-        if self._state is not PoolState.OPEN:
+        if self._life.state is not PoolState.OPEN:
             raise self._refusal()
         while True:
             if self._conn is None or self._conn.quiet():

@@ -30,7 +30,6 @@ import random
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..broker.errors import (
@@ -46,11 +45,13 @@ from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
 from ._coalesce import Path, route
+from ._core import ClientCore, Life, PoolStatistics, Step
 from ._elastic import Leases
 from ._exchange import Completion, Exchange, resend_after_outage, settled_within
+from ._fanout import Halted, write_chunks
 from ._free import FreeSlots
 from ._leaseplan import IDLE_S, LeasePlan
-from ._life import PoolState, refusal
+from ._life import PoolState
 from ._ops import AsyncOps
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
@@ -65,7 +66,7 @@ from ._requests import (
 from ._slots import ClientSlot
 from ._transport import Connection
 from ._waiter import Waiter
-from ._writes import WriteCall, out_of_budget, settle
+from ._writes import settle
 from .results import Written
 
 R = TypeVar("R")
@@ -75,40 +76,9 @@ CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("kalos.clients.pool")
 
 
-class _Halted(Exception):
-    """A write chunk not posted because another chunk of its call failed (not an error)."""
-
-
-#: Requests in flight and queued still go on (the poller, the dispatcher, the re-attacher run).
-_SERVING = frozenset({PoolState.OPEN, PoolState.CLOSING})
 # Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
 # CPython 3.11.
 _OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
-
-
-@dataclass(frozen=True)
-class PoolStatistics:
-    """A snapshot of a pool's state."""
-
-    size: int  # slots leased now (between min_size and max_size)
-    free: int  # slots ready for a new request
-    in_flight: int  # posted, not answered yet (includes orphaned)
-    orphaned: int  # in flight whose caller was cancelled or timed out
-    requests: int  # completed calls (each recall counts once, coalesced or not)
-    errors: int  # completed with an error
-    outages: int = 0  # times the sidecar was found dead or stopped
-    reattaches: int = 0  # times the pool attached to a new sidecar after an outage
-    unavailable_s: float = 0.0  # time spent without a sidecar (the current outage included)
-    attached: bool = False  # attached to a serving sidecar now
-    queued: int = 0  # recalls waiting to be coalesced into a slot
-    posted: int = 0  # requests written into a slot and posted (round trips to the sidecar)
-    coalesced: int = 0  # completed recalls that shared their slot with other recalls
-    slot_path: str = "python"  # "compiled" (clients/_cslot.c) or "python": who does the byte work
-    min_size: int = 1  # slots leased at open and always kept
-    max_size: int = 1  # the pool's ``size``: the most slots it leases
-    grown: int = 0  # slots leased after open, because callers waited for one
-    returned: int = 0  # slots given back: idle, or ceded to a process waiting for its first
-    refused: int = 0  # times callers waited and the broker had no slot to spare (they queued)
 
 
 _POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
@@ -239,16 +209,16 @@ class RecallPool(AsyncOps):
             wait_for_slots=True,
         )
         self._policy = SpinThenBlock(spin_us, max_spin_us)
-        self._state = PoolState.NEW
-        self._broken: KalosError | None = None  # why a BROKEN pool serves no more
-        self._pid = os.getpid()
+        # Its life, its exchanges in flight and its tallies: the client core (no I/O).
+        self._core: ClientCore[Waiting] = ClientCore(Life(os.getpid()))
+        self._life = self._core.life
+        self._inflight = self._core.inflight  # posted, by slot index (the core's table, bound once)
         self._loop: asyncio.AbstractEventLoop | None = None
         # The live attachment (none during an outage): its connection and the free slots (its
         # slots: self._leases).
         self._conn: Connection | None = None
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
-        self._inflight: dict[int, Exchange[Any, Waiting]] = {}  # posted, by slot index
         self._queue: CoalescingQueue | None = None
         self._poller: asyncio.Task[None] | None = None
         self._waiter: Waiter | None = None
@@ -256,14 +226,7 @@ class RecallPool(AsyncOps):
         self._blocking = False  # the poller waits for the waiter thread (a post must wake it)
         self._last_check_ns = 0  # last liveness check while answers were DONE but not posted
         self._reattacher: asyncio.Task[None] | None = None
-        self._requests = 0
-        self._errors = 0
-        self._posted = 0
-        self._coalesced = 0
-        self._outages = 0
-        self._reattaches = 0
-        self._unavailable_ns = 0
-        self._down_since = 0  # monotonic ns when the current outage began (0: none)
+        self._tally = self._core.tally
         self._ns = NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
         self._metric = "unknown"  # set by open()
@@ -283,8 +246,8 @@ class RecallPool(AsyncOps):
         in time: other processes hold them), ConfigError (``size`` is above the sidecar's slot
         count), UntrustedBroker, ProtocolError.
         """
-        if self._state is not PoolState.NEW:
-            raise ClosedError(f"pool is {self._state.value}: a pool is opened once")
+        if self._life.state is not PoolState.NEW:
+            self._life.open()  # (raises: a pool is opened once)
         loop = self._loop = asyncio.get_running_loop()
         free = self._free = FreeSlots(loop)
         self._wake = asyncio.Event()
@@ -312,7 +275,7 @@ class RecallPool(AsyncOps):
             on_bug=self._dispatcher_failed,
         )
         self._install(att)
-        self._state = PoolState.OPEN
+        self._life.open()
         self._leases.open = True
         _POOLS.add(self)
         return self
@@ -351,23 +314,19 @@ class RecallPool(AsyncOps):
         Requests whose callers went away (cancelled, timed out) are never waited for, whatever
         the sidecar does with them (a read held for a fleet position may never be answered).
         Closing twice is fine. If the wait is cancelled or fails, falls back to terminate."""
-        state = self._state
-        if state is PoolState.NEW or state is PoolState.CLOSED:
-            self._state = PoolState.CLOSED
+        step = self._life.close()
+        if step is Step.NOTHING:
             return
-        if state is PoolState.FORKED:
-            return
-        if state is PoolState.BROKEN:
+        if step is Step.TERMINATE:
             self.terminate()
             return
-        self._state = PoolState.CLOSING
         self._leases.open = False
         queue, loop = self._queue, self._loop
         assert queue is not None and loop is not None
         budget = resolve_timeout(timeout, self._close_timeout)
         deadline = None if budget is None else loop.time() + budget
         try:
-            while self._state is PoolState.CLOSING and self._conn is not None:
+            while self._life.state is PoolState.CLOSING and self._conn is not None:
                 futs = [f for e in self._inflight.values() for f in _futures(e.waiter) if not f.done()]
                 futs += queue.futures()
                 left = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - loop.time())
@@ -384,10 +343,8 @@ class RecallPool(AsyncOps):
     def terminate(self) -> None:
         """Close now: pending callers get ClosedError; slots still in flight are handed to the
         sidecar's reaper (freed once it has answered them)."""
-        if self._state is PoolState.CLOSED or self._state is PoolState.FORKED:
-            self._state = PoolState.CLOSED
+        if self._life.terminate() is Step.NOTHING:
             return
-        self._state = PoolState.CLOSED
         _POOLS.discard(self)
         for task in (self._poller, self._reattacher):
             if task is not None and not task.done():
@@ -405,15 +362,11 @@ class RecallPool(AsyncOps):
             self._waiter.close()
             self._waiter = self._leases.waiter = None
         busy = []
-        for e in self._inflight.values():
+        for e in self._core.lost():
             busy.append(e.slot)
-            call = e.prep.call
-            if call is not None:
-                call.failed = True  # its call's other chunks are not posted (_write)
             for f in _futures(e.waiter):
                 if not f.done():
                     f.set_exception(copy.copy(exc))
-        self._inflight.clear()
         if self._free is not None:
             self._free.drain()
         conn, slots = self._leases.detach()
@@ -424,10 +377,9 @@ class RecallPool(AsyncOps):
     def _forked(self) -> None:
         """In a child after fork: the parent's slots, threads and loop are not ours. Forget them
         without touching shared memory (the parent still uses them)."""
-        self._state = PoolState.FORKED
+        self._core.forget()
         self._conn = None
         self._leases.forget()
-        self._inflight = {}
         if self._queue is not None:
             self._queue.forget()
         self._waiter = None
@@ -439,16 +391,15 @@ class RecallPool(AsyncOps):
             free=self._free_count(),
             in_flight=len(self._inflight),
             orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
-            requests=self._requests,
-            errors=self._errors,
-            outages=self._outages,
-            reattaches=self._reattaches,
-            unavailable_s=(self._unavailable_ns + (time.monotonic_ns() - self._down_since if self._down_since else 0))
-            / 1e9,
+            requests=self._tally.requests,
+            errors=self._tally.errors,
+            outages=self._tally.outages,
+            reattaches=self._tally.reattaches,
+            unavailable_s=self._tally.unavailable_s(time.monotonic_ns()),
             attached=self._conn is not None,
             queued=self._queue.live() if self._queue is not None else 0,
-            posted=self._posted,
-            coalesced=self._coalesced,
+            posted=self._tally.posted,
+            coalesced=self._tally.coalesced,
             slot_path=self._slot_path.value,
             min_size=self._min_size,
             max_size=self._size,
@@ -463,11 +414,11 @@ class RecallPool(AsyncOps):
 
     # ------------------------------------------------------------------ machinery
     def _gate(self) -> None:
-        if self._state is not _OPEN:
+        if self._life.state is not _OPEN:
             self._check_usable()
 
     def _check_usable(self) -> None:
-        err = refusal(self._state, self._broken, self._pid, os.getpid())
+        err = self._life.refusal(os.getpid())
         if err is not None:
             raise err
 
@@ -475,7 +426,7 @@ class RecallPool(AsyncOps):
         """What a caller whose budget ran out during an outage gets."""
         return BrokerUnavailable(
             f"broker {self.name!r}: no sidecar within the time budget (down for "
-            f"{(time.monotonic_ns() - self._down_since) / 1e9:.2f} s; the pool "
+            f"{(time.monotonic_ns() - self._tally.down_since) / 1e9:.2f} s; the pool "
             "re-attaches as soon as one serves the name)"
         )
 
@@ -502,64 +453,23 @@ class RecallPool(AsyncOps):
 
     def _queue_refusal(self) -> KalosError | None:
         """None while queued recalls may still be sent (OPEN or CLOSING), else their error."""
-        if self._state in _SERVING:
+        if self._life.serving:
             return None
-        return refusal(self._state, self._broken, self._pid, os.getpid())
+        return self._life.refusal(os.getpid())
 
     def _dispatcher_failed(self, e: Exception) -> None:
         """A bug: fail the callers rather than hang them (as the poller does)."""
         self._break(BrokerUnavailable(f"pool dispatcher failed: {type(e).__name__}: {e}"))
 
     async def _write(self, op: Op, preps: list[Prepared[Written]], budget: Timeout, t0: int) -> Written:
-        """Send the chunks of one upsert or delete within one budget, at once (every row and
-        payload was checked when they were built). After the first failure no
-        further chunk is posted; the chunks in flight are awaited, and the error says what
-        became of every id (clients._writes.settle)."""
+        """Send the chunks of one upsert or delete at once, within one budget (``clients._fanout``;
+        every row and payload was checked when they were built)."""
         self._check_usable()
         loop = self._loop
         assert loop is not None
         timeout = resolve_timeout(budget, self._timeout)
         deadline = None if timeout is None else loop.time() + timeout
-        results: list[Written | KalosError | None] = [None] * len(preps)
-        if len(preps) == 1:
-            results[0] = await self._chunk(preps[0], deadline, t0)
-        elif preps:
-            # Each chunk timed from its own sending (t0=0), not from the call.
-            call = WriteCall()
-            for p in preps:
-                p.call = call
-            tasks = [loop.create_task(self._chunk(p, deadline, 0)) for p in preps]
-
-            def stop_unposted(_done: asyncio.Task[Any]) -> None:
-                if call.failed:  # chunks still waiting for a slot (or a sidecar) give up now
-                    for t, p in zip(tasks, preps):
-                        if not t.done() and not p.posted:
-                            t.cancel()
-
-            for t in tasks:
-                t.add_done_callback(stop_unposted)
-            settled = await asyncio.gather(*tasks, return_exceptions=True)
-            for i, r in enumerate(settled):
-                if isinstance(r, (asyncio.CancelledError, _Halted)):
-                    continue  # stopped before it was posted: not sent
-                if isinstance(r, BaseException) and not isinstance(r, KalosError):
-                    raise r  # a bug, not an outcome (_chunk returns Kalos errors)
-                results[i] = r
-        return settle(op, preps, results)
-
-    async def _chunk(self, p: Prepared[Written], deadline: float | None, t0: int) -> Written | KalosError:
-        """One chunk of a write: its count, or the KalosError it failed with (an outcome)."""
-        assert self._loop is not None
-        now = self._loop.time()
-        try:
-            spent = out_of_budget(deadline, now)
-            if spent is not None:
-                raise spent
-            return await self._execute(p, None if deadline is None else deadline - now, t0)
-        except KalosError as e:
-            if p.call is not None:
-                p.call.failed = True
-            return e
+        return settle(op, preps, await write_chunks(loop, preps, deadline, t0, self._execute))
 
     async def _execute_all(self, preps: list[Prepared[R]], timeout: Timeout, t0: int) -> list[R]:
         if len(preps) == 1:
@@ -586,14 +496,14 @@ class RecallPool(AsyncOps):
                         f"no free slot within the time budget ({len(self._leases.slots)} slots leased, all in "
                         f"flight; the pool grows to size={self._size} while the broker has slots free)"
                     )
-            if self._state is not _OPEN:
+            if self._life.state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
             if slot in self._leases.current:  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
-        if self._state is not _OPEN:
+        if self._life.state is not _OPEN:
             self._check_usable()
         loop = self._loop
         assert loop is not None and self._free is not None and self._queue is not None
@@ -617,7 +527,7 @@ class RecallPool(AsyncOps):
                 # Lost to a sidecar that went away (in flight, or posted just before the pool
                 # noticed): a read is sent again once the pool has re-attached.
                 if not (
-                    self._reconnect and self._state is PoolState.OPEN and resend_after_outage(p, deadline, loop.time())
+                    self._reconnect and self._life.state is _OPEN and resend_after_outage(p, deadline, loop.time())
                 ):
                     raise
 
@@ -627,7 +537,7 @@ class RecallPool(AsyncOps):
         slot = await self._acquire(deadline)
         if p.call is not None and p.call.failed:
             self._free.put_nowait(slot)
-            raise _Halted  # another chunk of this write failed: this one is not sent
+            raise Halted  # another chunk of this write failed: this one is not sent
         fut: asyncio.Future[R] = loop.create_future()
         self._post(Exchange(slot, p, fut, t0))
         if deadline is None:
@@ -672,8 +582,7 @@ class RecallPool(AsyncOps):
         except BaseException:
             self._free.put_nowait(slot)
             raise
-        self._inflight[slot.index] = ex
-        self._posted += 1
+        self._core.posted(ex)
         poller = self._poller
         if poller is None or self._blocking or poller.done():  # else its next pass finds it
             self._kick()
@@ -690,9 +599,7 @@ class RecallPool(AsyncOps):
                 self._leases.cede(ex.slot)
             else:
                 self._free.put_nowait(ex.slot)
-            self._requests += 1
-            if error is not None:
-                self._errors += 1
+            self._tally.answered(1, error is None, False)
             if not waiting.done():
                 if error is None:
                     waiting.set_result(value)
@@ -709,10 +616,7 @@ class RecallPool(AsyncOps):
             assert self._queue is not None
             self._queue.again(waiting)
             return
-        self._requests += len(waiting)
-        self._coalesced += len(waiting)
-        if error is not None:
-            self._errors += len(waiting)
+        self._tally.answered(len(waiting), error is None, True)
         for i, m in enumerate(waiting):
             if not m.future.done():
                 if error is None:
@@ -748,7 +652,7 @@ class RecallPool(AsyncOps):
         spinning = self._policy.spinning
         try:
             last = clock()
-            while self._state is not _CLOSED and self._conn is not None:
+            while self._life.state is not _CLOSED and self._conn is not None:
                 if self._inflight:
                     if self._reap():
                         last = clock()
@@ -773,7 +677,7 @@ class RecallPool(AsyncOps):
 
     async def _block(self) -> None:
         assert self._wake is not None and self._waiter is not None and self._conn is not None
-        oldest = next(iter(self._inflight.values())).slot
+        oldest = self._core.oldest().slot
         self._wake.clear()
         self._blocking = True
         self._waiter.arm(oldest)
@@ -800,13 +704,11 @@ class RecallPool(AsyncOps):
     def _unavailable(self, exc: BrokerUnavailable) -> None:
         """The sidecar is dead or stopped (or its objects broke). Fail what was in flight, and
         re-attach in the background (or break for good without ``reconnect``)."""
-        if self._state not in _SERVING or self._conn is None:
-            return
-        if not self._reconnect:
+        step = self._core.outage(self._conn is not None, self._reconnect, time.monotonic_ns())
+        if step is Step.BREAK:
             self._break(exc)
+        if step is not Step.REATTACH:
             return
-        self._outages += 1
-        self._down_since = time.monotonic_ns()
         # The dead sidecar's segment is gone with it; leases in it need no giving back, but the
         # locks are released by closing the attachment.
         self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"), give_back=False)
@@ -819,19 +721,14 @@ class RecallPool(AsyncOps):
         except KalosError as e:  # UntrustedBroker, ProtocolError (another geometry), ConfigError
             self._break(e)
             return
-        if self._state not in _SERVING:
+        if self._core.reattached(time.monotonic_ns()) is Step.END:
             att.end()
             return
-        self._unavailable_ns += time.monotonic_ns() - self._down_since
-        self._down_since = 0
-        self._reattaches += 1
         self._install(att)
 
     def _break(self, exc: KalosError) -> None:
         """No more service from this pool: fail every caller now; later calls raise ``exc``."""
-        self._broken = exc
-        if self._state in _SERVING:
-            self._state = PoolState.BROKEN
+        self._life.break_(exc)
         self._detach(exc, give_back=True)
         if self._free is not None:
             self._free.wake_all(exc)

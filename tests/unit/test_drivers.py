@@ -21,8 +21,8 @@ from kalos.broker.errors import (
 )
 from kalos.broker.layout import L_RECALL, Layout
 from kalos.clients import RecallClient, RecallPool
+from kalos.clients._life import PoolState, refusal
 from kalos.clients.fake import FakeConnection
-from kalos.clients.pool import PoolState, refusal
 
 LAY = Layout(n_slots=3, dim=8, max_k=8, max_queries=2, blob_bytes=1024)
 
@@ -46,28 +46,28 @@ def test_refusal_says_what_a_call_on_each_state_raises():
 async def test_the_pools_states_from_open_to_closed():
     conn = FakeConnection(LAY)
     pool = RecallPool("fake", size=2, connect=lambda name, uid: conn)
-    assert pool._state is PoolState.NEW
+    assert pool._life.state is PoolState.NEW
     with pytest.raises(ClosedError, match="not open"):
         await pool.recall(np.ones(8, np.float32), k=2)
     await pool.open()
-    assert pool._state is PoolState.OPEN
+    assert pool._life.state is PoolState.OPEN
     with pytest.raises(ClosedError, match="pool is open: a pool is opened once"):
         await pool.open()
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2, timeout=5))
     await asyncio.sleep(0.01)
     closing = asyncio.ensure_future(pool.close())
     await asyncio.sleep(0.01)
-    assert pool._state is PoolState.CLOSING  # waits for the request in flight
+    assert pool._life.state is PoolState.CLOSING  # waits for the request in flight
     with pytest.raises(ClosedError, match="pool is closing"):
         await pool.recall(np.ones(8, np.float32), k=2)
     ids, scores = np.zeros((1, 2), np.int64), np.zeros((1, 2), np.float32)
     conn.serve(lambda v, op, k, nq: (ids, scores))
     await closing
     assert (await task).ids.tolist() == [0, 0]
-    assert pool._state is PoolState.CLOSED
+    assert pool._life.state is PoolState.CLOSED
     await pool.close()  # twice is fine
     pool.terminate()
-    assert pool._state is PoolState.CLOSED
+    assert pool._life.state is PoolState.CLOSED
 
 
 @pytest.mark.asyncio
@@ -79,13 +79,13 @@ async def test_a_broken_pool_raises_its_cause_until_closed():
     conn.alive = False
     with pytest.raises(BrokerUnavailable, match="dead") as first:
         await asyncio.wait_for(task, 2)
-    assert pool._state is PoolState.BROKEN
+    assert pool._life.state is PoolState.BROKEN
     with pytest.raises(BrokerUnavailable) as later:
         await pool.recall(np.ones(8, np.float32), k=2)
-    assert later.value is pool._broken and str(later.value) == str(first.value)
+    assert later.value is pool._life.broken and str(later.value) == str(first.value)
     assert pool.statistics().attached is False
     await pool.close()
-    assert pool._state is PoolState.CLOSED
+    assert pool._life.state is PoolState.CLOSED
     with pytest.raises(ClosedError):
         await pool.recall(np.ones(8, np.float32), k=2)
 
@@ -95,7 +95,7 @@ async def test_a_forked_copy_refuses_every_call_and_touches_nothing():
     conn = FakeConnection(LAY)
     pool = await RecallPool("fake", size=2, min_size=2, connect=lambda name, uid: conn).open()
     pool._forked()  # what the at-fork hook does in a child
-    assert pool._state is PoolState.FORKED
+    assert pool._life.state is PoolState.FORKED
     with pytest.raises(ForkedPoolError):
         await pool.recall(np.ones(8, np.float32), k=2)
     await pool.close()  # the parent's slots stay leased: not the child's to give back

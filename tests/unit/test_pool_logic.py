@@ -201,7 +201,7 @@ async def test_a_new_sidecar_with_another_geometry_is_an_error_not_a_reattach():
     sidecars.append(other)
     first.alive = False
     pool._unavailable(BrokerUnavailable("gone"))
-    await until(lambda: pool._broken is not None)
+    await until(lambda: pool._life.broken is not None)
     with pytest.raises(ProtocolError, match="dim 16"):
         await pool.recall(np.ones(8, np.float32), k=2, timeout=1)
     pool.terminate()
