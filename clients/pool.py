@@ -53,6 +53,7 @@ from ._free import FreeSlots
 from ._leaseplan import IDLE_S, LeasePlan
 from ._life import PoolState
 from ._ops import AsyncOps
+from ._poller import LIVENESS_S, Poller
 from ._queue import CoalescingQueue, NotSent, Waiting
 from ._requests import (
     DEFAULT,
@@ -65,12 +66,10 @@ from ._requests import (
 )
 from ._slots import ClientSlot
 from ._transport import Connection
-from ._waiter import Waiter
 from ._writes import settle
 from .results import Written
 
 R = TypeVar("R")
-LIVENESS_S = 0.1
 #: Default ``close_timeout``: how long close() waits for callers still waiting on an answer.
 CLOSE_TIMEOUT_S = 10.0
 log = logging.getLogger("kalos.clients.pool")
@@ -220,11 +219,7 @@ class RecallPool(AsyncOps):
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
         self._queue: CoalescingQueue | None = None
-        self._poller: asyncio.Task[None] | None = None
-        self._waiter: Waiter | None = None
-        self._wake: asyncio.Event | None = None
-        self._blocking = False  # the poller waits for the waiter thread (a post must wake it)
-        self._last_check_ns = 0  # last liveness check while answers were DONE but not posted
+        self._poller: Poller | None = None  # finds the answers in (set by open())
         self._reattacher: asyncio.Task[None] | None = None
         self._tally = self._core.tally
         self._ns = NamespaceCache()
@@ -250,7 +245,7 @@ class RecallPool(AsyncOps):
             self._life.open()  # (raises: a pool is opened once)
         loop = self._loop = asyncio.get_running_loop()
         free = self._free = FreeSlots(loop)
-        self._wake = asyncio.Event()
+        self._poller = Poller(loop, self._core, self._policy, self._complete, self._unavailable, self._break)
         att = await drive_async(
             self._attacher.attach(
                 time.monotonic() + self._connect_timeout, self._reconnect, f"within {self._connect_timeout} s"
@@ -282,12 +277,13 @@ class RecallPool(AsyncOps):
 
     def _install(self, att: Attachment) -> None:
         """Make an attachment current: its slots free, its waiter thread started."""
-        assert self._loop is not None and self._free is not None and self._wake is not None
+        assert self._loop is not None and self._free is not None and self._poller is not None
         conn, slots = att
         self._conn = conn
         self._leases.attach(conn, slots, self._loop, self._free)
         self._payload_limit = conn.payload_limit
-        self._waiter = self._leases.waiter = conn.waiter(self._loop, self._wake.set, self._unavailable)
+        waiter = self._leases.waiter = conn.waiter(self._loop, self._poller.wake.set, self._unavailable)
+        self._poller.attach(conn, waiter)
 
     async def __aenter__(self) -> RecallPool:
         return await self.open()
@@ -333,8 +329,8 @@ class RecallPool(AsyncOps):
                 if not futs or left <= 0:
                     break  # no caller waits (orphans are the reaper's), or the budget ran out
                 await asyncio.wait(futs, timeout=left)
-                if self._inflight and (self._poller is None or self._poller.done()):
-                    self._kick()
+                if self._inflight and self._poller is not None and self._poller.idle():
+                    self._poller.kick()
         except BaseException:
             self.terminate()
             raise
@@ -346,9 +342,10 @@ class RecallPool(AsyncOps):
         if self._life.terminate() is Step.NOTHING:
             return
         _POOLS.discard(self)
-        for task in (self._poller, self._reattacher):
-            if task is not None and not task.done():
-                task.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
+        if self._reattacher is not None and not self._reattacher.done():
+            self._reattacher.cancel()
         self._detach(ClosedError("pool terminated"), give_back=True)
         if self._queue is not None:
             self._queue.fail(ClosedError("pool terminated"))
@@ -358,9 +355,9 @@ class RecallPool(AsyncOps):
     def _detach(self, exc: KalosError, *, give_back: bool) -> None:
         """Drop the current attachment: callers in flight get ``exc``; the leases go back (idle
         slots freed, busy ones abandoned to the reaper) when ``give_back``."""
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = self._leases.waiter = None
+        if self._poller is not None:
+            self._poller.detach()
+        self._leases.waiter = None
         busy = []
         for e in self._core.lost():
             busy.append(e.slot)
@@ -382,8 +379,9 @@ class RecallPool(AsyncOps):
         self._leases.forget()
         if self._queue is not None:
             self._queue.forget()
-        self._waiter = None
-        self._poller = self._reattacher = None
+        if self._poller is not None:
+            self._poller.forget()
+        self._reattacher = None
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
@@ -583,9 +581,8 @@ class RecallPool(AsyncOps):
             self._free.put_nowait(slot)
             raise
         self._core.posted(ex)
-        poller = self._poller
-        if poller is None or self._blocking or poller.done():  # else its next pass finds it
-            self._kick()
+        assert self._poller is not None
+        self._poller.posted()
 
     def _complete(self, ex: Exchange[Any, Waiting]) -> None:
         """An answer is in: the exchange's outcome goes to its callers (those still waiting);
@@ -623,82 +620,6 @@ class RecallPool(AsyncOps):
                     m.future.set_result(value[i])
                 else:
                     m.future.set_exception(copy.copy(error))
-
-    # ------------------------------------------------------------------ the poller
-    def _kick(self) -> None:
-        if self._poller is None or self._poller.done():
-            assert self._loop is not None
-            self._poller = self._loop.create_task(self._poll_loop())
-        elif self._blocking:
-            assert self._wake is not None
-            self._wake.set()
-
-    def _reap(self) -> bool:
-        """Complete every in-flight request whose answer is in. Returns True if any was."""
-        progressed = False
-        for idx, e in list(self._inflight.items()):
-            if not e.slot.answered():
-                continue
-            del self._inflight[idx]
-            self._complete(e)
-            progressed = True
-        return progressed
-
-    async def _poll_loop(self) -> None:
-        """Resolve in-flight requests. Spins between loop turns while answers keep coming (and
-        for the policy's window after the last one, so back-to-back requests never pay a
-        wake-up), then blocks (waiter thread) or, with nothing in flight, exits."""
-        clock = time.monotonic_ns
-        spinning = self._policy.spinning
-        try:
-            last = clock()
-            while self._life.state is not _CLOSED and self._conn is not None:
-                if self._inflight:
-                    if self._reap():
-                        last = clock()
-                    elif not spinning(clock() - last):
-                        await self._block()
-                        last = clock()
-                        continue
-                    else:
-                        # Nothing arrived: let another process on this core (the sidecar, other
-                        # workers) run before the next look; a no-op when the core is ours.
-                        os.sched_yield()
-                elif not spinning(clock() - last):
-                    return
-                await asyncio.sleep(0)
-        except BrokerUnavailable as e:
-            self._unavailable(e)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as e:  # a bug: fail the callers rather than hang them
-            self._break(BrokerUnavailable(f"pool poller failed: {type(e).__name__}: {e}"))
-            raise
-
-    async def _block(self) -> None:
-        assert self._wake is not None and self._waiter is not None and self._conn is not None
-        oldest = self._core.oldest().slot
-        self._wake.clear()
-        self._blocking = True
-        self._waiter.arm(oldest)
-        try:
-            if any(e.slot.is_done() for e in self._inflight.values()):
-                # Answered while arming, or DONE with its response not posted yet (the sidecar
-                # may have died in between): look again shortly, checking liveness on schedule.
-                await asyncio.sleep(0.0002)
-                now = time.monotonic_ns()
-                if now - self._last_check_ns > LIVENESS_S * 1e9:
-                    self._last_check_ns = now
-                    self._conn.check_alive()
-                return
-            try:
-                await asyncio.wait_for(self._wake.wait(), LIVENESS_S)
-            except asyncio.TimeoutError:  # (an Event raises nothing of its own: only wait_for's)
-                self._conn.check_alive()
-        finally:
-            self._blocking = False
-            if self._waiter is not None:
-                self._waiter.disarm()
 
     # ------------------------------------------------------------------ outages
     def _unavailable(self, exc: BrokerUnavailable) -> None:

@@ -340,7 +340,7 @@ async def test_a_slot_the_waiter_holds_is_not_given_back_until_the_wait_is_over(
     for q, c in zip(qs, calls):
         assert_topk(q, matrix, c.result().ids, c.result().scores, 3)
     assert leased(conn) == 3
-    waiter, free = pool._waiter, pool._free
+    waiter, free = pool._leases.waiter, pool._free
     assert waiter is not None and free is not None
     x, y = free.take_oldest(2)
     waiter.arm(x)  # (its response is never posted: the thread waits on it, 50 ms at a time)

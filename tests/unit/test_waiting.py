@@ -54,12 +54,16 @@ def test_a_fixed_window_is_the_sidecars_spin_us():
 
 def test_the_clients_and_the_sidecars_loop_take_their_window_from_the_policy():
     """The three waiters decide spin-or-block through SpinThenBlock.spinning, not a copy of the
-    rule: each module constructs a SpinThenBlock and calls ``spinning``."""
-    for rel in ("clients/pool.py", "clients/blocking.py", "sidecar_cuda/server.py"):
-        tree = ast.parse((ROOT / rel).read_text())
-        names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        attrs = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
-        assert "SpinThenBlock" in names and "spinning" in attrs, rel
+    rule: each driver constructs a SpinThenBlock and its waiting loop (the pool's poller, the
+    blocking client, the sidecar's loop) calls ``spinning``."""
+    for made, used in (
+        ("clients/pool.py", "clients/_poller.py"),
+        ("clients/blocking.py", "clients/blocking.py"),
+        ("sidecar_cuda/server.py", "sidecar_cuda/server.py"),
+    ):
+        names = {n.id for n in ast.walk(ast.parse((ROOT / made).read_text())) if isinstance(n, ast.Name)}
+        attrs = {n.attr for n in ast.walk(ast.parse((ROOT / used).read_text())) if isinstance(n, ast.Attribute)}
+        assert "SpinThenBlock" in names and "spinning" in attrs, (made, used)
 
 
 @pytest.mark.asyncio
