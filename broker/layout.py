@@ -87,6 +87,7 @@ from .errors import (
     ServerError,
     UnknownNamespace,
 )
+from .texts import MAX_TEXT_BYTES
 
 MAGIC = b"KALOSHM\x00"
 MAGIC_U64 = int.from_bytes(MAGIC, "little")
@@ -217,6 +218,7 @@ class Op(IntEnum):
     COUNT = 8  # rows of a namespace (that match the filter, with Flag.WHERE): n_results
     TOUCH = 9  # restart the expiry clock of ids[0..nq) (a new TTL with Flag.TTL): n_results touched
     SET_TTL = 10  # the namespace's default TTL: ttl_ns (0: none), for upserts without Flag.TTL
+    EMBED = 11  # nq texts in the blob (broker.texts) -> their vectors in queries[0..nq): n_results = nq
 
 
 # Indexed by Op value (a tuple: hashing an IntEnum runs Python code, indexing does not).
@@ -351,6 +353,9 @@ HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
     # The sidecar's --payload-limit (bytes of one payload's JSON): clients check every payload of
     # a write against it before sending any part of the call.
     ("payload_limit", "<u4", 116),
+    # The dimension of the sidecar's embedding model (kalos serve --embed; Op.EMBED), 0: none. A
+    # sidecar before it left the word 0: a client reads "no model" there too.
+    ("embed_dim", "<u4", 120),
 )
 
 # Slot header fields: (name, numpy type, offset within the slot).
@@ -610,7 +615,9 @@ class SegmentView:
             (L.n_slots, L.blob_bytes), np.uint8, buf, L.data_offset + L.blob_offset, (L.slot_bytes, 1)
         )
 
-    def init_header(self, *, metric: int, backend: int, pid: int, start_epoch_ns: int, payload_limit: int) -> None:
+    def init_header(
+        self, *, metric: int, backend: int, pid: int, start_epoch_ns: int, payload_limit: int, embed_dim: int = 0
+    ) -> None:
         h = self.header
         L = self.layout
         h["version"] = PROTOCOL_VERSION
@@ -628,6 +635,7 @@ class SegmentView:
         h["metric"] = metric
         h["backend"] = backend
         h["payload_limit"] = payload_limit
+        h["embed_dim"] = embed_dim
         h["hist_buckets"] = HIST_BUCKETS
         h["ring_len"] = RING_LEN
         h["state"] = SidecarState.STARTING
@@ -660,6 +668,7 @@ def c_header() -> str:
         f"#define KALOS_RING_NS_MAX 0x{RING_NS_MAX:x}ULL",
         f"#define KALOS_LATENCY_OPS {LATENCY_OPS}",
         f"#define KALOS_HIT_META_BYTES {HIT_META_BYTES}",
+        f"#define KALOS_MAX_TEXT_BYTES {MAX_TEXT_BYTES} /* Op.EMBED: the most UTF-8 bytes of one text */",
     ]
     for prefix, fields in (
         ("KALOS_HDR", HEADER_FIELDS),

@@ -9,7 +9,11 @@ encodes its request (``_requests``: a ``Prepared[R]``), then hands it to the dri
 * ``_execute_all(preps, timeout, t0) -> list[R]``: a read's chunks;
 * ``_write(op, preps, timeout, t0) -> Written``: a write's chunks, settled into one outcome.
 
-A driver sets ``_ns``, ``_fast``, ``_timeout`` and ``_payload_limit`` and has a ``layout``.
+A driver sets ``name``, ``_ns``, ``_fast``, ``_timeout``, ``_payload_limit`` and ``_embed_dim`` (the
+sidecar's model's dimension, 0: none) and has a ``layout``. The text operations (``embed``,
+``upsert_text``, ``recall_text``, ``recall_text_many``) embed in the sidecar (Op.EMBED: every
+client's text requests of a pass in one forward pass), then write or recall as the vector
+operations do, within one budget.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from ..broker.clock import Recency
 from ..broker.layout import Layout, Op
@@ -30,12 +36,15 @@ from ._requests import (
     merge_records,
     recall_one,
     recall_rows,
+    remaining,
     resolve_timeout,
+    text_payloads,
     wait_after,
 )
 from ._requests import count as encode_count
 from ._requests import delete as encode_delete
 from ._requests import drop as encode_drop
+from ._requests import embed as encode_embed
 from ._requests import export_page as encode_export_page
 from ._requests import get as encode_get
 from ._requests import list_namespaces as encode_list_namespaces
@@ -50,10 +59,12 @@ R = TypeVar("R")
 class SyncOps:
     """The operations of a blocking driver (``RecallClient``); see the module docstring."""
 
+    name: str
     _ns: NamespaceCache
     _fast: FastRows | None
     _timeout: float | None
     _payload_limit: int
+    _embed_dim: int
 
     @property
     def layout(self) -> Layout:
@@ -281,6 +292,107 @@ class SyncOps:
         if after is not None:
             wait_after([p], after, t0, resolve_timeout(timeout, self._timeout))
         return self._execute(p, timeout, t0)
+
+    # ------------------------------------------------------------------ text
+    def embed(self, texts: Sequence[str], *, timeout: Timeout = DEFAULT) -> np.ndarray:
+        """The vectors of ``texts`` under the sidecar's embedding model (``kalos serve --embed
+        DIR``): (len(texts), dim) float32, in order. Texts pending from every client process are
+        embedded together, in one forward pass per batch. Each text: 1 to 16,384 bytes of UTF-8,
+        no NUL, not only whitespace (README, "Text"); longer than the model's token window, it
+        is truncated (as sentence-transformers does). More texts than a slot holds go in chunks.
+        Raises ConfigError (the sidecar serves no model), InvalidRequest (a bad text, before
+        anything is sent), and the errors of :meth:`recall`."""
+        t0 = time.monotonic_ns()
+        self._gate()
+        preps = encode_embed(self.layout, texts, self._embed_dim, self.name)
+        parts = self._execute_all(preps, timeout, t0)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def upsert_text(
+        self,
+        ids: Any,
+        texts: Sequence[str],
+        payloads: list[Any] | None = None,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        ttl: float | Sequence[float | None] | None = None,
+    ) -> Written:
+        """Embed ``texts`` in the sidecar (:meth:`embed`) and write them as records (:meth:`upsert`):
+        each record's payload is its own (a dict, or None) with its text in the ``"text"`` field
+        (``Hit.text`` reads it back). ``timeout`` is one budget for both steps. Raises what
+        :meth:`embed` and :meth:`upsert` raise; InvalidRequest for a payload that is not a dict or
+        None, or whose ``"text"`` is another text."""
+        t0 = time.monotonic_ns()
+        records = text_payloads(texts, payloads)
+        budget = resolve_timeout(timeout, self._timeout)
+        vectors = self.embed(texts, timeout=budget)
+        left = remaining(budget, t0, time.monotonic_ns())
+        return self.upsert(ids, vectors, records, namespace=namespace, timeout=left, ttl=ttl)
+
+    def recall_text(
+        self,
+        text: str,
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+        recency: Recency | None = None,
+        refresh_ttl: bool = False,
+    ) -> Hits:
+        """Exact top-``k`` of ``text``, embedded in the sidecar (:meth:`embed`), in ``namespace``:
+        :meth:`recall` of its vector with payloads (each hit's ``text``: what :meth:`upsert_text`
+        stored). ``where``, ``after``, ``recency``, ``refresh_ttl`` as for :meth:`recall`;
+        ``timeout``: one budget for both steps."""
+        t0 = time.monotonic_ns()
+        budget = resolve_timeout(timeout, self._timeout)
+        vector = self.embed([text], timeout=budget)
+        return self.recall(
+            vector[0],
+            k,
+            namespace=namespace,
+            timeout=remaining(budget, t0, time.monotonic_ns()),
+            with_payload=True,
+            where=where,
+            after=after,
+            recency=recency,
+            refresh_ttl=refresh_ttl,
+        )
+
+    def recall_text_many(
+        self,
+        texts: Sequence[str],
+        k: int = 10,
+        *,
+        namespace: str = "default",
+        timeout: Timeout = DEFAULT,
+        where: dict[str, Any] | None = None,
+        after: Position | str | None = None,
+        recency: Recency | None = None,
+        refresh_ttl: bool = False,
+    ) -> list[Hits]:
+        """:meth:`recall_text` for each of ``texts`` (embedded together; recalled max_queries
+        rows per request), one budget for the call."""
+        t0 = time.monotonic_ns()
+        budget = resolve_timeout(timeout, self._timeout)
+        vectors = self.embed(texts, timeout=budget)
+        out: list[Hits] = []
+        step = self.layout.max_queries
+        for start in range(0, len(vectors), step):
+            out += self.recall_many(
+                vectors[start : start + step],
+                k,
+                namespace=namespace,
+                timeout=remaining(budget, t0, time.monotonic_ns()),
+                with_payload=True,
+                where=where,
+                after=after,
+                recency=recency,
+                refresh_ttl=refresh_ttl,
+            )
+        return out
 
 
 __all__ = ["SyncOps"]

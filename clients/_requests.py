@@ -17,10 +17,11 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import numpy as np
 
 from ..broker.clock import Recency, expiry_seconds, seconds, ttl_groups, ttl_ns
-from ..broker.errors import InvalidRequest, ProtocolError
+from ..broker.errors import ConfigError, InvalidRequest, ProtocolError
 from ..broker.layout import HIT_META_BYTES, Flag, Layout, Op, SlotView, Status, error_for_status, hit_meta_dtype
 from ..broker.names import validate_namespace
 from ..broker.positions import ORIGIN, Position, as_position
+from ..broker.texts import text_problem
 from ..broker.validation import (
     VectorsFor,
     as_ids,
@@ -452,6 +453,74 @@ def count(layout: Layout, namespace: str, where: Any = None) -> Prepared[int]:
 
 def list_namespaces() -> Prepared[dict[str, int]]:
     return Prepared(Op.LIST_NAMESPACES, b"", decode=_decode_listing)
+
+
+#: The payload field ``upsert_text`` keeps a record's text in (``Hit.text`` reads it back).
+TEXT_FIELD: Final = "text"
+
+
+def embed(layout: Layout, texts: Any, embed_dim: int, name: str) -> list[Prepared[np.ndarray]]:
+    """Op.EMBED requests for ``texts`` (a sequence of str), in chunks of at most max_queries
+    texts and a slot's blob area each (``broker.texts``). ConfigError when the sidecar ``name``
+    serves no model (``embed_dim`` 0); InvalidRequest for a bad text, before anything is sent."""
+    if not embed_dim:
+        raise ConfigError(f"broker {name!r}: the sidecar serves no embedding model (start it with --embed DIR)")
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence) or not texts:
+        raise InvalidRequest("texts must be a non-empty sequence of str (one text: [text])")
+    blobs = []
+    for i, t in enumerate(texts):
+        problem = text_problem(t)
+        if problem is not None:
+            raise InvalidRequest(f"text {i} {problem}")
+        b = t.encode("utf-8") + b"\x00"
+        if len(b) > layout.blob_bytes:
+            raise InvalidRequest(f"text {i} takes {len(b)} bytes, a slot's blob area holds {layout.blob_bytes}")
+        blobs.append(b)
+    out: list[Prepared[np.ndarray]] = []
+    start = 0
+    while start < len(blobs):
+        end, size = start, 0
+        while end < len(blobs) and end - start < layout.max_queries and size + len(blobs[end]) <= layout.blob_bytes:
+            size += len(blobs[end])
+            end += 1
+        out.append(Prepared(Op.EMBED, b"", nq=end - start, blob=b"".join(blobs[start:end]), decode=_decode_vectors))
+        start = end
+    return out
+
+
+def _decode_vectors(v: SlotView, n: int, blob_len: int, p: Prepared[np.ndarray]) -> np.ndarray:
+    if n != p.nq:
+        raise ProtocolError(f"slot {v.index}: {n} vectors for {p.nq} texts")
+    out: np.ndarray = v.queries[:n].copy()
+    return out
+
+
+def text_payloads(texts: Any, payloads: list[Any] | None) -> list[dict[str, Any]]:
+    """The payloads ``upsert_text`` writes: each record's own (a dict, or None for none) with
+    its text in :data:`TEXT_FIELD`. InvalidRequest for anything else, before anything is sent."""
+    if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
+        raise InvalidRequest("texts must be a sequence of str")
+    if payloads is not None and len(payloads) != len(texts):
+        raise InvalidRequest(f"{len(payloads)} payloads for {len(texts)} texts")
+    out = []
+    for i, t in enumerate(texts):
+        p = None if payloads is None else payloads[i]
+        if p is None:
+            out.append({TEXT_FIELD: t})
+        elif isinstance(p, dict):
+            if TEXT_FIELD in p and p[TEXT_FIELD] != t:
+                raise InvalidRequest(
+                    f"payload {i} has a {TEXT_FIELD!r} field other than its text: upsert_text keeps the text there"
+                )
+            out.append({**p, TEXT_FIELD: t})
+        else:
+            raise InvalidRequest(f"payload {i} is a {type(p).__name__}: upsert_text takes dict payloads (or None)")
+    return out
+
+
+def remaining(budget: float | None, t0_ns: int, now_ns: int) -> float | None:
+    """What is left of a call's ``budget`` (seconds from ``t0_ns``; None: no limit) at ``now_ns``."""
+    return None if budget is None else max(0.0, budget - (now_ns - t0_ns) / 1e9)
 
 
 def rows_only(p: Prepared[Any]) -> bool:

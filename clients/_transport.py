@@ -219,6 +219,7 @@ class Connection:
             self.layout = Layout.from_header(hdr)
             self.metric = metric_name(int(hdr["metric"]))  # the sidecar's --metric
             self.payload_limit = int(hdr["payload_limit"])  # the sidecar's --payload-limit
+            self.embed_dim = int(hdr["embed_dim"])  # its --embed model's dimension (0: none)
             del hdr
             if self.layout.total_bytes != self.shm.size:
                 raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")

@@ -103,6 +103,7 @@ class RecallClient(SyncOps):
         self._slot_path = att.conn.slot_path.path
         self._metric = att.conn.metric
         self._payload_limit = att.conn.payload_limit
+        self._embed_dim = att.conn.embed_dim
         self._pending = None
 
     @property

@@ -218,6 +218,7 @@ class RecallPool(AsyncOps):
         self._conn: Connection | None = None
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
+        self._embed_dim = 0  # the dimension of the sidecar's embedding model (0: none)
         self._queue: CoalescingQueue | None = None
         self._poller: Poller | None = None  # finds the answers in (set by open())
         self._reattacher: asyncio.Task[None] | None = None
@@ -282,6 +283,7 @@ class RecallPool(AsyncOps):
         self._conn = conn
         self._leases.attach(conn, slots, self._loop, self._free)
         self._payload_limit = conn.payload_limit
+        self._embed_dim = conn.embed_dim
         waiter = self._leases.waiter = conn.waiter(self._loop, self._poller.wake.set, self._unavailable)
         self._poller.attach(conn, waiter)
 

@@ -56,6 +56,14 @@ class Hit(tuple[int, float, Any]):
     def payload(self) -> Any:
         return self[2]
 
+    @property
+    def text(self) -> str | None:
+        """The record's text (``upsert_text`` keeps it in the payload's ``"text"`` field): None
+        when the recall carried no payload or the payload has no text."""
+        p = self[2]
+        t = p.get("text") if isinstance(p, dict) else None
+        return t if isinstance(t, str) else None
+
     def __repr__(self) -> str:
         extra = "".join(
             f", {name}={v!r}"

@@ -72,6 +72,7 @@ class ServeConfig:
     # the repr: it may hold a password.
     store: str | None = field(default=None, repr=False)
     store_retention_s: float = 600.0  # a follower silent this long is dropped; the log it pinned goes
+    embed: str | None = None  # --embed DIR: the embedding model served (Op.EMBED); None: none
 
     def __post_init__(self) -> None:
         # The one check of these options: the command line and direct construction (tests, the
@@ -362,6 +363,13 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     )
     opt("--payload-limit", kind=int, default=16 * 1024, help="max bytes of one payload")
     opt(
+        "--embed",
+        shown="none",
+        help="an embedding model directory (sentence-transformers or transformers format, a "
+        "BERT-family encoder; docs/text.md) loaded once in the sidecar: clients send text "
+        "(embed, upsert_text, recall_text); its dimension must equal --dim",
+    )
+    opt(
         "--spin-us",
         kind=float,
         default=250.0,
@@ -492,4 +500,5 @@ def config_from_args(a: argparse.Namespace) -> ServeConfig:
         shm_mode=int(a.shm_mode, 8),
         store=None if a.store is None else str(a.store),
         store_retention_s=a.store_retention,
+        embed=a.embed,
     )

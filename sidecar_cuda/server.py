@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -37,8 +38,10 @@ from ..broker.waiting import SpinThenBlock
 from .backends.base import Backend
 from .backends.select import choose_backend
 from .config import Pipelining, ServeConfig  # (ServeConfig is still importable from here)
+from .embedding import ModelError, TextEncoder
 from .serving.answers import AnswerWriter
 from .serving.batching import PIPELINE_MIN_WORK, Limits
+from .serving.embeds import EmbedRoute
 from .serving.expiry import SWEEP_S, Sweeper
 from .serving.general import GeneralRoute
 from .serving.launch import Regime, launch_policy
@@ -62,6 +65,31 @@ if TYPE_CHECKING:
 log = logging.getLogger("kalos.sidecar")
 _POLL_SLEEP_AFTER_NS = 2_000_000  # a batch in flight this long: poll every 50 us, not flat out
 _REAP_WAIT_WARN_PASSES = 40  # reaper passes held off by the claim lock (10 s) between two warnings
+
+
+def load_encoder(directory: str | None, dim: int, backend: Backend) -> TextEncoder | None:
+    """``--embed DIR``: the model, resident where the backend computes (CuPy float16 on a CUDA
+    backend, numpy float32 otherwise); ConfigError if it cannot be served or its dimension is not
+    ``--dim``."""
+    if directory is None:
+        return None
+    if backend.code == 2:  # (the header's backend field: 2 cuda)
+        import cupy  # (the CUDA backend runs: CuPy is there)
+
+        xp, dtype = cupy, cupy.float16
+    else:
+        xp, dtype = np, np.float32
+    try:
+        encoder = TextEncoder(Path(directory), xp, dtype)
+    except ModelError as e:
+        raise ConfigError(f"--embed: {e}") from None
+    if encoder.dim != dim:
+        raise ConfigError(
+            f"--embed: the model's vectors have {encoder.dim} dimensions, --dim is {dim}: start the sidecar "
+            f"with --dim {encoder.dim} (a sidecar serves one dimension)"
+        )
+    log.info("embedding model: %s", encoder.describe())
+    return encoder
 
 
 class Sidecar:
@@ -94,6 +122,7 @@ class Sidecar:
                 f"--max-k {cfg.max_k} exceeds the {self.backend.name} backend's limit of {self.backend.max_k}"
             )
         self.store = MemoryStore(self.backend, cfg.dim, self.metric)
+        self.encoder = load_encoder(cfg.embed, cfg.dim, self.backend)  # --embed: the text model, or None
         self.persist: Durable | None = None
         self.fleet: FleetStore | None = None  # --store postgresql://: this sidecar is a replica
         self._dir_lock: DataDirLock | None = None  # --data-dir: held from start() to close()
@@ -152,6 +181,7 @@ class Sidecar:
             pid=os.getpid(),
             start_epoch_ns=time.time_ns(),
             payload_limit=cfg.payload_limit,
+            embed_dim=0 if self.encoder is None else self.encoder.dim,
         )
         self._beat()
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="kalos-heartbeat", daemon=True)
@@ -298,6 +328,7 @@ class Sidecar:
             batches_word=header_field_offset("batches") // 8,
             on_unexpected=self._log_unexpected,
             hold=HeldReads(self._words, writer, self.applied_position),
+            embeds=EmbedRoute(seg, writer, self.encoder, cfg.dim),
         )
 
     def _log_launch(self, regime: Regime, why: str) -> None:

@@ -4,6 +4,7 @@ registry the caller passes. See the package docstring for the sources of every m
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import threading
@@ -38,6 +39,7 @@ from ...broker.layout import (
 )
 from ...broker.slotpath import Choice
 from ..backends.base import BackendStatistics
+from ..embedding import EncodeStats, TextEncoder
 from ..serving.stats import ROUTES, BatchRecord, SidecarStats
 from .aggregate import (
     BATCH_SIZE_BOUNDS,
@@ -113,6 +115,9 @@ class SidecarView(Protocol):
 
     @property
     def backend(self) -> BackendIdentity: ...
+
+    @property
+    def encoder(self) -> TextEncoder | None: ...  # --embed's model
 
     @property
     def cfg(self) -> ConfigIdentity: ...
@@ -318,6 +323,8 @@ class SidecarCollector(Collector):
         except RuntimeError:  # the serving thread added a namespace mid-copy: next scrape
             s["counts"] = None
         s["backend"] = self._backend_statistics()
+        enc = sc.encoder
+        s["embed"] = None if enc is None else dataclasses.replace(enc.stats)
         return s
 
     def _backend_statistics(self) -> BackendStatistics | None:
@@ -520,6 +527,31 @@ class SidecarCollector(Collector):
                 up.add_metric([], max(0.0, time.time() - s["start_epoch_ns"] / 1e9))
         yield from (ready, start, up)
         yield from _backend_families(s.get("backend"))
+        yield from _embed_families(s.get("embed"))
+
+
+def _embed_families(st: EncodeStats | None) -> Iterator[Metric]:
+    """The embedding model's work (``--embed``): nothing without one."""
+    if st is None:
+        return
+    for name, doc, value in (
+        (
+            "kalos_embed_batches",
+            "Batches of text requests embedded (every EMBED request of a pass, together).",
+            st.calls,
+        ),
+        (
+            "kalos_embed_passes",
+            "Forward passes of the embedding model (one per batch unless over its token budget).",
+            st.passes,
+        ),
+        ("kalos_embed_texts", "Texts embedded.", st.texts),
+        ("kalos_embed_tokens", "Tokens embedded (padding excluded).", st.tokens),
+        ("kalos_embed_seconds", "Time spent embedding (tokenizing and forward passes), seconds.", st.seconds),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(value))
+        yield c
 
 
 def _backend_families(st: BackendStatistics | None) -> Iterator[Metric]:

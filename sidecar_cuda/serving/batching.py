@@ -68,6 +68,7 @@ class Route(enum.Enum):
     UNIFORM = "uniform"
     MIXED = "mixed"
     GENERAL = "general"
+    EMBED = "embed"  # the text requests of a pass (Op.EMBED), embedded together (serving.embeds)
 
 
 class HasRows(Protocol):

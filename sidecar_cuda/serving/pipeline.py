@@ -47,6 +47,7 @@ from .batching import (
     pipelined,
     query_rows,
 )
+from .embeds import EmbedRoute
 from .general import GeneralRoute
 from .launch import LaunchPolicy, Returning
 from .slotio import SlotIO
@@ -55,6 +56,7 @@ from .waits import HeldReads
 
 log = logging.getLogger("kalos.sidecar")
 _RECALL = int(Op.RECALL)
+_EMBED = int(Op.EMBED)
 _WHERE = int(Flag.WHERE)
 
 PIPELINE_DEPTH = 2  # uniform recall batches in flight at most (a backend holds two searches)
@@ -106,8 +108,10 @@ class Pipeline:
         batches_word: int,
         on_unexpected: Callable[[str, BaseException], None],
         hold: HeldReads,
+        embeds: EmbedRoute,
     ) -> None:
         self.seg = seg
+        self.embeds = embeds  # text requests (Op.EMBED), taken out of a batch before it is classified
         self._words = words
         self._io = io
         self.writer = writer
@@ -176,6 +180,16 @@ class Pipeline:
         self._io.snapshot(sel, t_pick, rec)
         self.launch.turnarounds(rec["t_post_ns"], rec["t_done_ns"])
         t0 = time.perf_counter_ns()
+        texts = rec["op"] == _EMBED
+        if texts.any():  # every text request of the pass: one forward pass, answered at once
+            served += self._serve_embeds(sel[texts], rec[texts], t_pick, t0)
+            if texts.all():
+                return served
+            keep = ~texts
+            sel, rec = sel[keep], rec[keep]
+            taken = sel.tolist()
+            plan = None
+            t0 = time.perf_counter_ns()
         if plan is None:
             # Gather the first query of each request into a staging buffer no batch in flight uses
             # (pinned: the CUDA backend copies it to the device from there). Requests of several
@@ -393,6 +407,12 @@ class Pipeline:
         else:
             self.writer.answer_recalls(b.sel, b.rec, ids, scores, b.rows)
         return self._complete(b.sel, b.taken, b.rec, b.t_pick, b.t0, b.route.value)
+
+    # ------------------------------------------------------------------ EMBED
+    def _serve_embeds(self, sel: np.ndarray, rec: np.ndarray, t_pick: int, t0: int) -> int:
+        taken = sel.tolist()
+        self.embeds.serve(taken, rec)
+        return self._complete(sel, taken, rec, t_pick, t0, route=Route.EMBED.value)
 
     # ------------------------------------------------------------------ GENERAL
     def _serve_general(

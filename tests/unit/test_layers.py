@@ -154,9 +154,10 @@ def import_circles(graph: Graph) -> list[list[str]]:
 #: (``backends/options.py``), and storage never reaches into serving.
 WINGS: dict[str, frozenset[str]] = {
     "backends": frozenset(),
+    "embedding": frozenset(),  # the text model: imports no other wing
     "storage": frozenset({"backends"}),
-    "serving": frozenset({"backends", "storage"}),
-    "metrics": frozenset({"backends", "serving"}),
+    "serving": frozenset({"backends", "storage", "embedding"}),
+    "metrics": frozenset({"backends", "serving", "embedding"}),
 }
 #: The only modules at the top of ``sidecar_cuda/``.
 SIDECAR_TOP = frozenset({"sidecar_cuda", "sidecar_cuda.__main__", "sidecar_cuda.config", "sidecar_cuda.server"})

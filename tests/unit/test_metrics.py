@@ -403,6 +403,7 @@ def fake_sidecar(n_slots: int = 4, counts: dict[str, int] | None = None) -> Simp
         _buf=buf,
         store=FakeStore(counts if counts is not None else {"default": 1000}),
         backend=FakeBackend(),
+        encoder=None,
         cfg=SimpleNamespace(name="unit", storage_dtype="float32", metric="dot", dim=8),
         slot_path=Choice(SlotPath.COMPILED, None, "the extension is built"),
     )

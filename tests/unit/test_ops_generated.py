@@ -36,7 +36,8 @@ def test_a_stale_rule_is_an_error_not_a_silent_copy() -> None:
 def test_both_drivers_offer_the_same_operations_with_the_same_signatures() -> None:
     public = [n for n, f in vars(AsyncOps).items() if callable(f) and not n.startswith("_")]
     assert {"recall", "recall_many", "upsert", "touch", "set_default_ttl", "delete", "get", "drop_namespace",
-            "namespaces", "export_page", "count"} == set(public)  # fmt: skip
+            "namespaces", "export_page", "count", "embed", "upsert_text", "recall_text",
+            "recall_text_many"} == set(public)  # fmt: skip
     for name in public:
         a, s = getattr(RecallPool, name), getattr(RecallClient, name)
         assert a is getattr(AsyncOps, name) and s is getattr(SyncOps, name)  # inherited, not redefined

@@ -73,4 +73,4 @@ def test_the_backend_is_chosen_with_the_typed_option():
 
 
 def test_route_labels_are_the_routes():
-    assert ROUTES == tuple(r.value for r in Route) == ("single", "uniform", "mixed", "general")
+    assert ROUTES == tuple(r.value for r in Route) == ("single", "uniform", "mixed", "general", "embed")
