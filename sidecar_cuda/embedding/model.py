@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from .safetensors import read as read_weights
 from .bert import Activation, Pooling, Shape, Weights, forward, weights_from
+from .safetensors import read as read_weights
 
 #: Tokens (texts x padded length) per forward pass: bounds the activations' memory.
 TOKEN_BUDGET = 32768
