@@ -255,6 +255,25 @@ agent() {  # the agent workload (bench/bench_agent.py): old and new checkout alt
   rm -rf "$STAGE"
 }
 
+# Issue 36: the embedding model on the GPU: its tests (tests/gpu/test_gpu_embed.py, the text suite on
+# a CUDA sidecar), then bench/bench_text.py (TEXT_MODEL: a model directory carried in, default
+# .model/minilm) at 1M rows: in-process copies per worker against the sidecar's one model.
+text() {
+  STAGE=$(mktemp -d)
+  timeout 240 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/gpu/test_gpu_embed.py 2>&1 | tail -30 \
+    > "$STAGE/gpu-embed-tests.log"
+  tail -3 "$STAGE/gpu-embed-tests.log"
+  KALOS_TEST_BACKEND=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/ipc/test_text.py 2>&1 \
+    | tail -20 > "$STAGE/cuda-text.log"
+  tail -2 "$STAGE/cuda-text.log"; pack text
+  (timeout "${TEXT_TIMEOUT:-400}" python3 bench/bench_text.py --model "${TEXT_MODEL:-.model/minilm}" \
+    --backend cuda --dtype float16 --rows "${TEXT_ROWS:-1000000}" --procs "${TEXT_PROCS:-1,8}" \
+    --tasks "${TEXT_TASKS:-1,32}" --seconds "${TEXT_SECONDS:-3}" --probe "${TEXT_PROBE:-1,8,32,128,256}" \
+    --out "$STAGE/text-bench.json") > "$STAGE/text-bench.log" 2>&1
+  grep -v INFO "$STAGE/text-bench.log" | tail -16; pack text
+  rm -rf "$STAGE"
+}
+
 for mode in "${@:-check}"; do
   case "$mode" in
     check) check ;;
@@ -269,6 +288,7 @@ for mode in "${@:-check}"; do
     abtasks) abtasks ;;
     mixed) mixed ;;
     agent) agent ;;
-    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27, abtasks, mixed, agent)"; exit 2 ;;
+    text) text ;;
+    *) echo "unknown mode $mode (check, table, wgmma, bench, ab, ttl, ab256, close27, finish27, abtasks, mixed, agent, text)"; exit 2 ;;
   esac
 done

@@ -19,6 +19,8 @@ _DTYPES: dict[str, np.dtype[Any]] = {
     "BF16": np.dtype("<u2"),
 }
 _NAMES: dict[np.dtype[Any], str] = {np.dtype("<f4"): "F32", np.dtype("<f2"): "F16", np.dtype("<f8"): "F64"}
+#: Integer tensors (buffers such as BERT's ``position_ids``): checked, not loaded.
+_SKIPPED = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _MAX_HEADER = 100 << 20
 
 
@@ -27,7 +29,8 @@ class WeightsError(ValueError):
 
 
 def read(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of ``path`` as float32 (BF16 widened exactly, F16 and F64 converted)."""
+    """Every floating-point tensor of ``path`` as float32 (BF16 widened exactly, F16 and F64
+    converted); integer ones (buffers) are checked and left out."""
     data = np.memmap(path, np.uint8, mode="r")
     if len(data) < 8:
         raise WeightsError(f"{path}: too short for a safetensors file")
@@ -46,14 +49,18 @@ def read(path: Path) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         try:
-            dtype = _DTYPES[spec["dtype"]]
+            kind = spec["dtype"]
+            size = _SKIPPED[kind] if kind in _SKIPPED else _DTYPES[kind].itemsize
             shape = tuple(int(d) for d in spec["shape"])
             start, end = (int(o) for o in spec["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise WeightsError(f"{path}: tensor {name!r}: unsupported dtype or malformed entry {spec!r}") from None
         count = int(np.prod(shape)) if shape else 1
-        if min(shape, default=0) < 0 or not 0 <= start <= end <= len(body) or end - start != count * dtype.itemsize:
+        if min(shape, default=0) < 0 or not 0 <= start <= end <= len(body) or end - start != count * size:
             raise WeightsError(f"{path}: tensor {name!r}: offsets {start}..{end} do not match shape {shape}")
+        if kind in _SKIPPED:
+            continue
+        dtype = _DTYPES[kind]
         raw = np.frombuffer(body[start:end], dtype).reshape(shape)
         if spec["dtype"] == "BF16":  # the top half of a float32
             out[name] = (raw.astype(np.uint32) << 16).view(np.float32)

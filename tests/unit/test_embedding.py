@@ -5,11 +5,11 @@ directory's errors, the safetensors reader, and the texts' wire rules on both si
 from __future__ import annotations
 
 import json
-import math
 import struct
 
 import numpy as np
 import pytest
+from text_reference import reference
 
 from kalos.broker.errors import ConfigError, InvalidRequest
 from kalos.broker.layout import Layout, Op
@@ -29,60 +29,6 @@ TEXTS = [
     "Café, naïve: déjà vu! 東京 gpu-model search; the user's friend works on rust code " * 3,  # truncated
     "meeting\nfriday\tevening",
 ]
-
-
-def reference(directory, texts: list[str]) -> np.ndarray:
-    """A BERT sentence encoder in float64, written from the architecture, not from bert.py: each
-    text alone, its own length, no mask."""
-    from tokenizers import Tokenizer
-
-    cfg = json.loads((directory / "config.json").read_text())
-    pool = json.loads((directory / "1_Pooling" / "config.json").read_text())
-    modules = json.loads((directory / "modules.json").read_text())
-    max_len = json.loads((directory / "sentence_bert_config.json").read_text())["max_seq_length"]
-    w = {k: v.astype(np.float64) for k, v in read(directory / "model.safetensors").items()}
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.enable_truncation(max_len)
-    h, heads, eps = cfg["hidden_size"], cfg["num_attention_heads"], cfg["layer_norm_eps"]
-    erf = np.vectorize(math.erf)
-
-    def norm(x, name):
-        mu = x.mean(-1, keepdims=True)
-        var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) / np.sqrt(var + eps) * w[name + ".weight"] + w[name + ".bias"]
-
-    def linear(x, name):
-        return x @ w[name + ".weight"].T + w[name + ".bias"]
-
-    out = []
-    for text in texts:
-        ids = tok.encode(text).ids
-        n = len(ids)
-        x = (
-            w["embeddings.word_embeddings.weight"][ids]
-            + w["embeddings.position_embeddings.weight"][:n]
-            + w["embeddings.token_type_embeddings.weight"][0]
-        )
-        x = norm(x, "embeddings.LayerNorm")
-        dh = h // heads
-        for i in range(cfg["num_hidden_layers"]):
-            p = f"encoder.layer.{i}."
-            q, k, v = (linear(x, f"{p}attention.self.{m}") for m in ("query", "key", "value"))
-            ctx = np.zeros((n, h))
-            for j in range(heads):
-                s = slice(j * dh, (j + 1) * dh)
-                a = q[:, s] @ k[:, s].T / math.sqrt(dh)
-                a = np.exp(a - a.max(1, keepdims=True))
-                ctx[:, s] = (a / a.sum(1, keepdims=True)) @ v[:, s]
-            x = norm(linear(ctx, f"{p}attention.output.dense") + x, f"{p}attention.output.LayerNorm")
-            u = linear(x, f"{p}intermediate.dense")
-            u = 0.5 * u * (1 + erf(u / math.sqrt(2)))
-            x = norm(linear(u, f"{p}output.dense") + x, f"{p}output.LayerNorm")
-        e = x[0] if pool["pooling_mode_cls_token"] else x.mean(0)
-        if any(m["type"].endswith("Normalize") for m in modules):
-            e = e / np.linalg.norm(e)
-        out.append(e)
-    return np.array(out)
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +134,22 @@ def test_safetensors_round_trip_bf16_and_corrupt_files(tmp_path, rng):
     (tmp_path / "bad").write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 8)
     with pytest.raises(WeightsError, match="do not match shape"):
         read(tmp_path / "bad")
-    head = json.dumps({"x": {"dtype": "I64", "shape": [1], "data_offsets": [0, 8]}}).encode()
+    head = json.dumps({"x": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}).encode()
     (tmp_path / "bad").write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 8)
     with pytest.raises(WeightsError, match="unsupported dtype"):
+        read(tmp_path / "bad")
+    # An integer buffer (BERT's position_ids) is checked and left out; the floats beside it load.
+    head = json.dumps(
+        {
+            "ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 16]},
+            "f": {"dtype": "F32", "shape": [1], "data_offsets": [16, 20]},
+        }
+    ).encode()
+    (tmp_path / "ok").write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 16 + np.float32(2.5).tobytes())
+    assert {k: v.tolist() for k, v in read(tmp_path / "ok").items()} == {"f": [2.5]}
+    head = json.dumps({"ids": {"dtype": "I64", "shape": [2], "data_offsets": [0, 12]}}).encode()
+    (tmp_path / "bad").write_bytes(struct.pack("<Q", len(head)) + head + b"\0" * 12)
+    with pytest.raises(WeightsError, match="do not match shape"):
         read(tmp_path / "bad")
 
 
