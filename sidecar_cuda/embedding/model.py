@@ -131,7 +131,7 @@ class TextEncoder:
             from tokenizers import Tokenizer  # the `text` extra: pip install 'kalos-recall[text]'
         except ImportError:
             raise ModelError(
-                "the embedding model needs the tokenizers package: pip install 'kalos-recall[text]'"
+                "the embedding model needs the tokenizers package: install Kalos with its text extra ('.[text]' in the checkout)"
             ) from None
         try:
             tok = Tokenizer.from_file(str(path))
