@@ -128,7 +128,7 @@ class TextEncoder:
 
     def _load_tokenizer(self, path: Path) -> Any:
         try:
-            from tokenizers import Tokenizer  # the `text` extra: pip install 'kalos-recall[text]'
+            from tokenizers import Tokenizer  # the `text` extra
         except ImportError:
             raise ModelError(
                 "the embedding model needs the tokenizers package: install Kalos with its text extra ('.[text]' in the checkout)"
