@@ -123,6 +123,7 @@ from ._plans import (
     read_probes,
     upsert_rows,
 )
+from .embeddings import KalosEmbeddings
 
 __all__ = [
     "KalosVectorStore",
@@ -344,7 +345,9 @@ class KalosVectorStore(ConnectedStore, VectorStore):
     ``pool`` / ``client``: an open RecallPool / RecallClient to use instead of opening one (the
     caller closes it); ``pool_size``: slots of each pool the store opens (one per event loop);
     ``id_map``: string id -> Kalos id (default :func:`kalos_id`); ``relevance_score_fn``: score
-    -> [0, 1].
+    -> [0, 1]. ``embedding``: LangChain ``Embeddings``; None: the sidecar's own model
+    (``kalos serve --embed``, :class:`~kalos.integrations.embeddings.KalosEmbeddings`), so the
+    worker loads none.
 
     Errors are Kalos's (``InvalidRequest``, ``PayloadTooLarge``, ``BrokerUnavailable``, timeouts,
     ...) and :class:`IdCollisionError`; a namespace that does not exist yet reads as empty.
@@ -352,7 +355,7 @@ class KalosVectorStore(ConnectedStore, VectorStore):
 
     def __init__(
         self,
-        embedding: Embeddings,
+        embedding: Embeddings | None = None,
         *,
         name: str = "default",
         namespace: str = "langchain",
@@ -365,12 +368,13 @@ class KalosVectorStore(ConnectedStore, VectorStore):
         id_map: Callable[[str], int] = kalos_id,
         relevance_score_fn: Callable[[float], float] | None = None,
     ) -> None:
-        self._embedding = embedding
         self.name = name
         self.namespace = namespace
         self._conns = Connections(
             name, timeout=timeout, connect_timeout=connect_timeout, pool_size=pool_size, client=client, pool=pool
         )
+        # None: the sidecar's own model (--embed), over the store's connections.
+        self._embedding = embedding if embedding is not None else KalosEmbeddings(name, connections=self._conns)
         self._id_map = id_map
         self._relevance = relevance_score_fn or (relevance_fn(metric) if metric is not None else None)
 

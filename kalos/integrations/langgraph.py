@@ -106,6 +106,7 @@ from ._plans import (
     unit_rows,
     upsert_rows,
 )
+from .embeddings import EMBED_NAME, KalosEmbeddings
 
 try:
     from langchain_core.embeddings import Embeddings
@@ -503,7 +504,11 @@ class KalosStore(ConnectedStore, BaseStore):
         self._fields: list[tuple[str, str | list[str]]] = []
         if index:
             self.index_config = index.copy()
-            self.embeddings = ensure_embeddings(index.get("embed"))
+            embed = index.get("embed")
+            # "kalos": the sidecar's own model (--embed), over the store's connections.
+            self.embeddings = (
+                KalosEmbeddings(name, connections=self._conns) if embed == EMBED_NAME else ensure_embeddings(embed)
+            )
             self._fields = [(p, p if p == "$" else tokenize_path(p)) for p in (index.get("fields") or ["$"])]
 
     # ------------------------------------------------------------------ drivers

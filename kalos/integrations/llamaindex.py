@@ -69,6 +69,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from llama_index.core.base.embeddings.base import BaseEmbedding
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (
@@ -111,6 +112,7 @@ from ._plans import (
 )
 
 __all__ = [
+    "KalosEmbedding",
     "KalosLlamaVectorStore",
     "UnsupportedQuery",
     "IdCollision",
@@ -307,6 +309,74 @@ def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
 
 
 # --------------------------------------------------------------------------- the store
+
+
+class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
+    """LlamaIndex's embedding model computed by the sidecar ``name``'s model (``kalos serve
+    --embed``): set it as ``Settings.embed_model`` (or pass ``embed_model=``) and no worker loads a
+    model; the sidecar embeds every worker's pending texts together (docs/text.md). ``timeout``,
+    ``connect_timeout``, ``pool_size``, ``client`` / ``pool``: as for the vector store. Raises
+    ConfigError when the sidecar serves no model, InvalidRequest for a bad text."""
+
+    name: str = "default"
+    timeout: float | None = 10.0
+    connect_timeout: float = 10.0
+    pool_size: int = Field(default=4, ge=1)
+
+    _conns: Connections = PrivateAttr()
+
+    def __init__(
+        self,
+        name: str = "default",
+        *,
+        client: RecallClient | None = None,
+        pool: RecallPool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(name=name, model_name=f"kalos:{name}", **kwargs)  # type: ignore[call-arg,unused-ignore]
+        self._conns = Connections(
+            self.name,
+            timeout=self.timeout,
+            connect_timeout=self.connect_timeout,
+            pool_size=self.pool_size,
+            client=client,
+            pool=pool,
+        )
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "KalosEmbedding"
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        vectors: list[list[float]] = self._conns.client().embed(list(texts)).tolist()
+        return vectors
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        if not texts:
+            return []
+        pool = await self._conns.pool()
+        vectors: list[list[float]] = (await pool.embed(list(texts))).tolist()
+        return vectors
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._get_text_embeddings([text])[0]
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._get_text_embeddings([query])[0]
+
+    async def _aget_text_embedding(self, text: str) -> list[float]:
+        return (await self._aget_text_embeddings([text]))[0]
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return (await self._aget_text_embeddings([query]))[0]
+
+    def close(self) -> None:
+        self._conns.close()
+
+    async def aclose(self) -> None:
+        await self._conns.aclose()
 
 
 class KalosLlamaVectorStore(
