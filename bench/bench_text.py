@@ -190,6 +190,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--slots", type=int, default=0, help="0: procs x tasks, at least 64")
     ap.add_argument("--probe", default="", help="batch sizes to time the model alone at first (e.g. 1,32,256)")
+    ap.add_argument(
+        "--worker-blas-threads",
+        type=int,
+        default=0,
+        help="BLAS threads of each worker process (OPENBLAS/OMP/MKL_NUM_THREADS; 0: numpy's default, "
+        "as an app that sets nothing gets); the sidecar is started before and keeps its own",
+    )
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     probed = probe(a.model, a.backend, [int(x) for x in a.probe.split(",")], a.seed) if a.probe else []
@@ -208,6 +215,9 @@ def main() -> None:
     matrix = np.random.default_rng(a.seed).standard_normal((a.rows, dim), dtype=np.float32).astype(np.float64)
     matrix /= np.linalg.norm(matrix, axis=1, keepdims=True)
     proc = start_sidecar_process(args, name, timeout=600)
+    if a.worker_blas_threads:  # (read by numpy as the spawned workers import it)
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ[var] = str(a.worker_blas_threads)
     runs: list[dict[str, Any]] = []
     tol = 2e-2 if a.backend == "cuda" else 2e-4
     try:
@@ -263,6 +273,7 @@ def main() -> None:
         "environment": environment(),
         "model": {"dir": Path(a.model).name, "describe": here.describe()},
         "rows": a.rows,
+        "worker_blas_threads": a.worker_blas_threads or "default",
         "sidecar_rss_mb_idle": round(side_rss0, 1),
         "probe": probed,
         "runs": runs,

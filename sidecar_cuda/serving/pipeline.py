@@ -412,7 +412,8 @@ class Pipeline:
     def _serve_embeds(self, sel: np.ndarray, rec: np.ndarray, t_pick: int, t0: int) -> int:
         taken = sel.tolist()
         self.embeds.serve(taken, rec)
-        return self._complete(sel, taken, rec, t_pick, t0, route=Route.EMBED.value)
+        # (not told to the launch policy: its model is of recall batches' device time)
+        return self._complete(sel, taken, rec, t_pick, t0, route=Route.EMBED.value, launch=False)
 
     # ------------------------------------------------------------------ GENERAL
     def _serve_general(
@@ -424,13 +425,22 @@ class Pipeline:
         return self._complete(sel, taken, rec, t_pick, t0)
 
     def _complete(
-        self, sel: np.ndarray, taken: list[int], rec: np.ndarray, t_pick: int, t0: int, route: str = "general"
+        self,
+        sel: np.ndarray,
+        taken: list[int],
+        rec: np.ndarray,
+        t_pick: int,
+        t0: int,
+        route: str = "general",
+        launch: bool = True,
     ) -> int:
-        """Answers are written: publish them and record the batch."""
+        """Answers are written: publish them and record the batch (``launch``: in the launch
+        policy's model of recall batches too)."""
         t1 = time.perf_counter_ns()
         n = len(taken)
         t_done = self.writer.deliver(sel)
-        self.launch.answered(n, t1 - t0, t_done)
+        if launch:
+            self.launch.answered(n, t1 - t0, t_done)
         self.returning.answered(sel, t_done)
         self.stats.record_batch(BatchRecord(n, t1 - t0, t_pick, rec["t_post_ns"], t_done), route)
         self._words.u64[self._batches_word] = self.stats.batches
