@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from .bert import Activation, Pooling, Shape, Weights, forward, weights_from
+from .fused import FusedKernels
+from .fused import forward as fused_forward
 from .safetensors import read as read_weights
 
 #: Tokens (texts x padded length) per forward pass: bounds the activations' memory.
@@ -55,9 +57,11 @@ def _json(path: Path) -> Any:
 
 
 class TextEncoder:
-    """One embedding model, resident (``xp``: numpy, or cupy for the GPU; weights in ``dtype``)."""
+    """One embedding model, resident (``xp``: numpy, or cupy for the GPU; weights in ``dtype``).
+    ``fused``: on CuPy with float16 weights, the pass with fused kernels (``fused.py``: ~80
+    launches a pass instead of ~300); False: ``bert.forward`` there too (the tests compare both)."""
 
-    def __init__(self, directory: Path, xp: Any = np, dtype: Any = np.float32) -> None:
+    def __init__(self, directory: Path, xp: Any = np, dtype: Any = np.float32, fused: bool = True) -> None:
         self.directory = directory = Path(directory)
         if not directory.is_dir():
             raise ModelError(f"{directory}: not a directory (a model saved by sentence-transformers or transformers)")
@@ -104,7 +108,15 @@ class TextEncoder:
             raise ModelError(f"{path}: no tensor {e} (not a BERT encoder's weights?)") from None
         except ValueError as e:
             raise ModelError(f"{path}: {e}") from None
+        vocab = int(self._weights.word.shape[0])
+        if self._tokenizer.get_vocab_size() > vocab:  # (a token id past the table would read past it)
+            raise ModelError(
+                f"{directory / 'tokenizer.json'}: {self._tokenizer.get_vocab_size()} tokens, the weights embed {vocab}"
+            )
         self.dtype = np.dtype(dtype).name
+        self._fused: FusedKernels | None = None
+        if fused and xp is not np and self.dtype == "float16":
+            self._fused = FusedKernels()
         self.stats = EncodeStats()
 
     @staticmethod
@@ -144,7 +156,8 @@ class TextEncoder:
     def describe(self) -> str:
         return (
             f"{self.directory.name} ({self.shape.layers} layers, dim {self.dim}, {self.pooling.value} pooling"
-            f"{', normalized' if self.normalize else ''}, {self.max_tokens} tokens, {self.dtype})"
+            f"{', normalized' if self.normalize else ''}, {self.max_tokens} tokens, {self.dtype}"
+            f"{', fused kernels' if self._fused is not None else ''})"
         )
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
@@ -171,9 +184,20 @@ class TextEncoder:
             for row, i in enumerate(chunk):
                 tok[row, : len(ids[i])] = ids[i]
                 mask[row, : len(ids[i])] = 1
-            vecs = forward(
-                self._weights, self.shape, xp.asarray(tok), xp.asarray(mask), self.pooling, self.normalize, xp
-            )
+            if self._fused is not None:
+                vecs = fused_forward(
+                    self._fused,
+                    self._weights,
+                    self.shape,
+                    xp.asarray(tok),
+                    xp.asarray(mask),
+                    self.pooling,
+                    self.normalize,
+                )
+            else:
+                vecs = forward(
+                    self._weights, self.shape, xp.asarray(tok), xp.asarray(mask), self.pooling, self.normalize, xp
+                )
             out[chunk] = vecs if xp is np else xp.asnumpy(vecs)
             self.stats.passes += 1
             self.stats.tokens += int(mask.sum())

@@ -39,15 +39,17 @@ SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("shape,least", SHAPES)
-def test_the_gpu_encoder_matches_float64_and_the_cpu_encoder(tmp_path, rng, shape, least):
+def test_the_gpu_encoder_matches_float64_and_the_cpu_encoder(tmp_path, rng, shape, least, fused):
     import cupy
 
     d = build_tiny_model(tmp_path, seed=int(rng.integers(1 << 30)), **shape)
     batch = texts(rng, 300)
-    gpu = TextEncoder(d, cupy, cupy.float16)
+    gpu = TextEncoder(d, cupy, cupy.float16, fused=fused)
     cpu = TextEncoder(d)
     assert gpu.xp is cupy and gpu.dtype == "float16"
+    assert ("fused kernels" in gpu.describe()) is fused  # the path that runs
     got = gpu.encode(batch)
     want = reference(d, batch[:40])
     # float16 weights and products (float32 accumulation, norms and softmax): unit vectors agree
@@ -57,6 +59,20 @@ def test_the_gpu_encoder_matches_float64_and_the_cpu_encoder(tmp_path, rng, shap
     assert cos.min() > least, cos.min()
     assert np.median(cos) > 0.998
     assert gpu.stats.passes >= 1 and gpu.stats.texts == 300
+    alone = np.array([gpu.encode([x])[0] for x in batch[:20]])  # padding masked on this path too
+    assert ((alone * got[:20]).sum(1)).min() > least
+
+
+def test_the_fused_and_plain_gpu_passes_agree_on_every_pooling(tmp_path, rng):
+    import cupy
+
+    for pooling, normalize in (("mean", True), ("cls", False), ("mean", False)):
+        d = build_tiny_model(tmp_path / pooling / str(normalize), pooling=pooling, normalize=normalize, seed=4)
+        batch = texts(rng, 64)
+        a = TextEncoder(d, cupy, cupy.float16, fused=True).encode(batch)
+        b = TextEncoder(d, cupy, cupy.float16, fused=False).encode(batch)
+        scale = np.abs(b).max()
+        assert np.abs(a - b).max() < 2e-2 * scale, (pooling, normalize)
 
 
 def test_a_cuda_sidecar_embeds_and_recalls_text(sidecar_factory, tmp_path, rng):

@@ -89,6 +89,13 @@ def test_model_directory_problems_are_clear_errors(tmp_path):
     with pytest.raises(ModelError, match="shape"):
         TextEncoder(d)
     (d / "config.json").write_text(json.dumps(cfg))
+    weights = read(d / "model.safetensors")
+    write(
+        d / "model.safetensors",
+        {**weights, "embeddings.word_embeddings.weight": weights["embeddings.word_embeddings.weight"][:50]},
+    )
+    with pytest.raises(ModelError, match="tokens, the weights embed 50"):  # ids past the table: refused at load
+        TextEncoder(d)
     (d / "model.safetensors").unlink()
     with pytest.raises(ModelError, match="model.safetensors: missing"):
         TextEncoder(d)
