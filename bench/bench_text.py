@@ -54,13 +54,13 @@ def sentences(seed: int, n: int) -> list[str]:
     return [" ".join(rng.choice(WORDS, int(rng.integers(6, 20)))) for _ in range(n)]
 
 
-def encoder(model: str, backend: str) -> Any:
+def encoder(model: str, backend: str, fused: bool = True) -> Any:
     from kalos.sidecar_cuda.embedding import TextEncoder
 
     if backend == "cuda":
         import cupy
 
-        return TextEncoder(Path(model), cupy, cupy.float16)
+        return TextEncoder(Path(model), cupy, cupy.float16, fused=fused)
     return TextEncoder(Path(model))
 
 
@@ -158,19 +158,25 @@ def check(samples: list[tuple[str, np.ndarray, np.ndarray]], matrix: np.ndarray,
 
 def probe(model: str, backend: str, sizes: list[int], seed: int) -> list[dict[str, Any]]:
     """The model alone, in this process: texts/s and ms per encode() at each batch size (what a
-    sidecar's pass costs; no broker)."""
-    enc = encoder(model, backend)
+    sidecar's pass costs; no broker). On CUDA the fused pass and the plain one (bert.forward on
+    CuPy) alternate, an A/B in one process."""
+    passes = {"fused": encoder(model, backend, True), "plain": encoder(model, backend, False)}
+    if backend != "cuda":
+        passes = {"numpy": passes["fused"]}
     out = []
     for n in sizes:
         batch = sentences(seed + n, n)
-        enc.encode(batch)  # warm (CuPy compiles its kernels for new shapes)
-        reps = max(3, min(50, 2000 // n))
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            enc.encode(batch)
-        ms = (time.perf_counter() - t0) / reps * 1e3
-        out.append({"batch": n, "ms_per_encode": round(ms, 3), "texts_per_s": round(n / ms * 1e3, 1)})
-        print(f"   probe {backend} batch {n:>4}: {ms:8.2f} ms per encode, {n / ms * 1e3:9.1f} texts/s", flush=True)
+        for label, enc in passes.items():
+            enc.encode(batch)  # warm (CuPy compiles its kernels for new shapes)
+            reps = max(3, min(50, 2000 // n))
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                enc.encode(batch)
+            ms = (time.perf_counter() - t0) / reps * 1e3
+            out.append(
+                {"pass": label, "batch": n, "ms_per_encode": round(ms, 3), "texts_per_s": round(n / ms * 1e3, 1)}
+            )
+            print(f"   probe {label:>5} batch {n:>4}: {ms:8.2f} ms per encode, {n / ms * 1e3:9.1f} texts/s", flush=True)
     return out
 
 
