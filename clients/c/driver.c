@@ -8,6 +8,7 @@
  *   upsert NS TIMEOUT_MS N DIM ID... V... [PAYLOAD...]   PAYLOAD: hex of the JSON, or - for none;
  *                                            "ok WRITTEN"
  *   delete NS TIMEOUT_MS N ID...             "ok DELETED"
+ *   embed TIMEOUT_MS N TEXT...               TEXT: hex of the UTF-8, - for ""; "ok N DIM V..." (N x DIM, %a)
  *   parallel NS K TIMEOUT_MS THREADS NQ DIM V...   NQ recalls from THREADS threads on the one client
  *                                            (query j on thread j % THREADS): "ok NQ", then per query
  *                                            "N ID SCORE ..." or "err NAME"
@@ -267,6 +268,35 @@ int main(void) {
                     printf("ok %llu\n", (unsigned long long)deleted);
             }
             free(ids);
+        } else if (!strcmp(cmd, "embed")) {
+            long long timeout, n;
+            if (!next_long(&timeout) || !next_long(&n) || n < 0 || n > 1 << 16) {
+                printf("bad command\n");
+                continue;
+            }
+            char **texts = calloc((size_t)n + 1, sizeof *texts);
+            int ok = 1;
+            for (long long i = 0; i < n && ok; i++) {
+                char *w = next_word();
+                ok = w != NULL && (texts[i] = strcmp(w, "-") ? unhex(w) : calloc(1, 1)) != NULL; /* -: "" */
+            }
+            size_t dim = kalos_embed_dim(c);
+            float *v = malloc(((size_t)n * (dim ? dim : 1) + 1) * sizeof *v);
+            if (!ok) {
+                printf("bad command\n");
+            } else {
+                int err = kalos_embed(c, (const char *const *)texts, (size_t)n, (int)timeout, v);
+                if (err) {
+                    fail_line(err, 0);
+                } else {
+                    printf("ok %lld %zu", n, dim);
+                    for (size_t i = 0; i < (size_t)n * dim; i++) printf(" %a", (double)v[i]);
+                    printf("\n");
+                }
+            }
+            for (long long i = 0; i < n; i++) free(texts[i]);
+            free(texts);
+            free(v);
         } else if (!strcmp(cmd, "parallel")) {
             parallel(c);
         } else if (!strcmp(cmd, "forked")) {

@@ -810,6 +810,8 @@ typedef struct request {
     const float *vectors; /* nq x dim, or NULL */
     const int64_t *ids;   /* nq, or NULL */
     const char *const *payloads; /* nq JSON texts (NULL entries: none), or NULL */
+    const char *const *texts;    /* nq texts of an EMBED (each with its NUL), or NULL */
+    float *vectors_out;          /* an EMBED's answer: nq x dim */
     /* recall answers */
     int64_t *ids_out;
     float *scores_out;
@@ -821,6 +823,14 @@ static uint32_t fill(kalos_client *c, kalos_slot *s, const request *r) {
     if (r->vectors) memcpy(s->data + kalos_query_offset(&c->g), r->vectors, (size_t)r->nq * c->g.dim * sizeof(float));
     if (r->ids) memcpy(s->data + c->ids_off, r->ids, (size_t)r->nq * sizeof(int64_t));
     uint32_t len = 0;
+    if (r->texts) {
+        uint8_t *blob = s->data + c->blob_off;
+        for (uint32_t i = 0; i < r->nq; i++) {
+            size_t n = strlen(r->texts[i]) + 1; /* with its NUL: texts end to end (docs/protocol.md) */
+            memcpy(blob + len, r->texts[i], n);
+            len += (uint32_t)n;
+        }
+    }
     if (r->payloads) {
         uint8_t *blob = s->data + c->blob_off;
         for (uint32_t i = 0; i < r->nq; i++) {
@@ -881,6 +891,10 @@ static int roundtrip(kalos_client *c, request *r, uint64_t deadline) {
     if (rc == KALOS_OK && n > (r->op == KALOS_OP_RECALL ? r->k : r->nq))
         rc = fail(KALOS_E_PROTOCOL, "broker '%s': slot %u: n_results %u for %u asked", c->name, s->index, n,
                   r->op == KALOS_OP_RECALL ? r->k : r->nq);
+    if (rc == KALOS_OK && r->op == KALOS_OP_EMBED && n != r->nq)
+        rc = fail(KALOS_E_PROTOCOL, "broker '%s': slot %u: %u vectors for %u texts", c->name, s->index, n, r->nq);
+    if (rc == KALOS_OK && r->op == KALOS_OP_EMBED)
+        memcpy(r->vectors_out, s->data + kalos_query_offset(&c->g), (size_t)n * c->g.dim * sizeof(float));
     if (rc == KALOS_OK && r->op == KALOS_OP_RECALL) {
         const uint8_t *ids = s->data + c->rids_off, *scores = s->data + c->rscores_off;
         for (uint32_t j = 0; j < r->nq; j++) {
@@ -1036,4 +1050,39 @@ int kalos_delete(kalos_client *c, const char *ns, const int64_t *ids, size_t n, 
     if (n < 1) return fail(KALOS_E_INVALID, "delete: no ids");
     if ((rc = check_ids(ids, n, "delete"))) return rc;
     return write_chunks(c, KALOS_OP_DELETE, ns, ns_len, ids, NULL, NULL, n, timeout_ms, deleted_out);
+}
+
+size_t kalos_embed_dim(const kalos_client *c) { return c ? ld32(hdr(c, KALOS_HDR_EMBED_DIM)) : 0; }
+
+int kalos_embed(kalos_client *c, const char *const *texts, size_t n, int timeout_ms, float *vectors_out) {
+    uint64_t t0 = now_ns();
+    if (!c) return fail(KALOS_E_INVALID, "no client (NULL)");
+    if (!kalos_embed_dim(c))
+        return fail(KALOS_E_INVALID, "broker '%s': the sidecar serves no embedding model (start it with --embed DIR)",
+                    c->name);
+    if (n < 1 || !texts || !vectors_out) return fail(KALOS_E_INVALID, "embed: no texts, or NULL output");
+    for (size_t i = 0; i < n; i++) {
+        if (!texts[i]) return fail(KALOS_E_INVALID, "embed: text %zu is NULL", i);
+        size_t len = strlen(texts[i]), blank = 0;
+        while (blank < len && strchr(" \t\n\r\v\f", texts[i][blank])) blank++;
+        if (blank == len) return fail(KALOS_E_INVALID, "embed: text %zu is empty (or only whitespace)", i);
+        if (len > KALOS_MAX_TEXT_BYTES || len + 1 > c->g.blob_bytes)
+            return fail(KALOS_E_INVALID, "embed: text %zu is %zu bytes; the most is %d (and a slot's blob area)", i,
+                        len, KALOS_MAX_TEXT_BYTES);
+    }
+    uint64_t deadline = deadline_of(timeout_ms, t0);
+    for (size_t lo = 0; lo < n;) {
+        size_t hi = lo;
+        uint64_t bytes = 0;
+        while (hi < n && hi - lo < c->g.max_queries && bytes + strlen(texts[hi]) + 1 <= c->g.blob_bytes)
+            bytes += strlen(texts[hi++]) + 1;
+        if (deadline && now_ns() >= deadline)
+            return fail(KALOS_E_TIMEOUT, "broker '%s': the time budget ran out after %zu of %zu texts", c->name, lo, n);
+        request r = {.op = KALOS_OP_EMBED, .nq = (uint32_t)(hi - lo), .latency_op = KALOS_LATENCYOP_OTHER, .ns = "",
+                     .ns_len = 0, .t0 = now_ns(), .texts = texts + lo, .vectors_out = vectors_out + lo * c->g.dim};
+        int rc = roundtrip(c, &r, deadline);
+        if (rc) return rc;
+        lo = hi;
+    }
+    return KALOS_OK;
 }

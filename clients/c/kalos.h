@@ -162,6 +162,18 @@ KALOS_API int kalos_upsert(kalos_client *c, const char *ns, const int64_t *ids, 
 KALOS_API int kalos_delete(kalos_client *c, const char *ns, const int64_t *ids, size_t n, int timeout_ms,
                            uint64_t *deleted_out);
 
+/* The vectors of `n` texts under the sidecar's embedding model (kalos serve --embed): each text
+ * 1 to KALOS_MAX_TEXT_BYTES bytes of UTF-8 (a C string: no NUL inside), not only whitespace;
+ * vectors_out gets n x kalos_embed_dim floats, in order. The texts go in chunks (max_queries texts
+ * and a blob area each), one after the other within the one budget; the sidecar embeds every
+ * client's pending texts together. Errors: KALOS_E_INVALID (no model: kalos_embed_dim is 0; a text
+ * NULL, empty, too long), KALOS_E_PROTOCOL (the sidecar refused a text, e.g. invalid UTF-8: the
+ * detail names it), and those of kalos_recall. */
+KALOS_API int kalos_embed(kalos_client *c, const char *const *texts, size_t n, int timeout_ms, float *vectors_out);
+
+/* The dimension of the sidecar's embedding model (its header's embed_dim), 0: it serves none. */
+KALOS_API size_t kalos_embed_dim(const kalos_client *c);
+
 /* A short English description of a kalos_error. */
 KALOS_API const char *kalos_strerror(int err);
 

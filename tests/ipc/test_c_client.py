@@ -180,6 +180,11 @@ class Driver:
             text += " " + " ".join("-" if p is None else p.hex() for p in payloads)
         return int(self.cmd(text)[1])
 
+    def embed(self, texts: list[bytes], *, timeout_ms: int = 10_000) -> np.ndarray:
+        words = self.cmd(f"embed {timeout_ms} {len(texts)} " + " ".join(t.hex() or "-" for t in texts))
+        n, dim = int(words[1]), int(words[2])
+        return np.array([float.fromhex(x) for x in words[3:]], np.float32).reshape(n, dim)
+
     def delete(self, ids, *, ns: str = NS, timeout_ms: int = 10_000) -> int:
         return int(self.cmd(f"delete {ns} {timeout_ms} {len(ids)} {' '.join(str(i) for i in ids)}")[1])
 
@@ -709,3 +714,34 @@ def test_a_killed_c_client_gives_its_slots_back(sidecar_factory, rng, build, dri
 
     assert asyncio.run(python_pool()) == 8
     assert other.open(h.name, connect_ms=2000)[0] == "ok"
+
+
+def test_texts_from_c_are_embedded_by_the_sidecars_model(sidecar_factory, rng, build, drivers, tmp_path):
+    """kalos_embed: the vectors Python's client gets, in chunks (more texts than a slot holds);
+    a bad text refused before sending or by the sidecar (invalid UTF-8), a sidecar with no model."""
+    pytest.importorskip("tokenizers")
+    from kalos.testing.tinymodel import WORDS, build_tiny_model
+
+    model = build_tiny_model(tmp_path / "m", dim=16, heads=2, seed=9)
+    h = sidecar_factory("cembed", "--dim", "16", "--metric", "cosine", "--max-queries", "8", "--embed", str(model))
+    d = new_driver(drivers, build)
+    d.open(h.name)
+    texts = [" ".join(rng.choice(WORDS, int(rng.integers(1, 12)))).encode() for _ in range(19)] + ["東京 café".encode()]
+    got = d.embed(texts)  # 20 texts: 3 requests
+    with RecallClient(h.name) as c:
+        want = c.embed([t.decode() for t in texts])
+    np.testing.assert_array_equal(got, want)  # the same model, the same float32 answers
+    for bad, code, match in (
+        ([b"ok", b"   "], "KALOS_E_INVALID", "text 1 is empty"),
+        ([b"x" * 16385], "KALOS_E_INVALID", "text 0 is 16385 bytes"),
+        ([b"fine", b"\xff\xfe"], "KALOS_E_PROTOCOL", "text 1 is not valid UTF-8"),
+    ):
+        with pytest.raises(CError, match=match) as e:
+            d.embed(bad)
+        assert e.value.code == code
+    plain = sidecar_factory("cplain", "--dim", "16")
+    p = new_driver(drivers, build)
+    p.open(plain.name)
+    with pytest.raises(CError, match="serves no embedding model") as e:
+        p.embed([b"hello"])
+    assert e.value.code == "KALOS_E_INVALID"
