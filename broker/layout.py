@@ -304,6 +304,10 @@ class Flag(IntEnum):
     RECENCY = 32
     # RECALL, GET: the records answered are touched (their expiry restarts) before the answer.
     REFRESH = 64
+    # RECALL (nq 1): hybrid lexical + dense recall (broker.lexical): the blob starts with the query
+    # text (NUL-terminated; then the filter with WHERE), hybrid_weight weighs the BM25 part. Only
+    # to a sidecar whose header's features carry FEATURE_HYBRID.
+    HYBRID = 128
 
 
 class Dtype(IntEnum):
@@ -356,7 +360,12 @@ HEADER_FIELDS: tuple[tuple[str, str, int], ...] = (
     # The dimension of the sidecar's embedding model (kalos serve --embed; Op.EMBED), 0: none. A
     # sidecar before it left the word 0: a client reads "no model" there too.
     ("embed_dim", "<u4", 120),
+    # What the sidecar serves beyond protocol 6 (FEATURE_* bits); older sidecars left 0 here.
+    ("features", "<u4", 124),
 )
+
+#: The header's ``features``: hybrid recall (Flag.HYBRID).
+FEATURE_HYBRID = 1
 
 # Slot header fields: (name, numpy type, offset within the slot).
 SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
@@ -388,7 +397,12 @@ SLOT_FIELDS: tuple[tuple[str, str, int], ...] = (
     ("ttl_ns", "<i8", 200),  # client: Flag.TTL (UPSERT, TOUCH), Op.SET_TTL; 0: never, < 0 refused
     ("half_life_s", "<f8", 208),  # client: Flag.RECENCY, finite and > 0
     ("recency_weight", "<f8", 216),  # client: Flag.RECENCY, finite
-    ("now_ns", "<u8", 224),  # sidecar: CLOCK_REALTIME the request was served at (writes, flags above)
+    ("now_ns", "<u8", 224),
+    (
+        "hybrid_weight",
+        "<f8",
+        232,
+    ),  # client, with HYBRID: the BM25 part's weight (finite, >= 0)  # sidecar: CLOCK_REALTIME the request was served at (writes, flags above)
 )
 assert SLOT_FIELDS[-1][2] + 8 <= CONTROL_BYTES
 
@@ -616,7 +630,15 @@ class SegmentView:
         )
 
     def init_header(
-        self, *, metric: int, backend: int, pid: int, start_epoch_ns: int, payload_limit: int, embed_dim: int = 0
+        self,
+        *,
+        metric: int,
+        backend: int,
+        pid: int,
+        start_epoch_ns: int,
+        payload_limit: int,
+        embed_dim: int = 0,
+        features: int = FEATURE_HYBRID,
     ) -> None:
         h = self.header
         L = self.layout
@@ -636,6 +658,7 @@ class SegmentView:
         h["backend"] = backend
         h["payload_limit"] = payload_limit
         h["embed_dim"] = embed_dim
+        h["features"] = features
         h["hist_buckets"] = HIST_BUCKETS
         h["ring_len"] = RING_LEN
         h["state"] = SidecarState.STARTING
@@ -669,6 +692,7 @@ def c_header() -> str:
         f"#define KALOS_LATENCY_OPS {LATENCY_OPS}",
         f"#define KALOS_HIT_META_BYTES {HIT_META_BYTES}",
         f"#define KALOS_MAX_TEXT_BYTES {MAX_TEXT_BYTES} /* Op.EMBED: the most UTF-8 bytes of one text */",
+        f"#define KALOS_FEATURE_HYBRID {FEATURE_HYBRID} /* the header's features: Flag.HYBRID served */",
     ]
     for prefix, fields in (
         ("KALOS_HDR", HEADER_FIELDS),

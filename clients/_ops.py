@@ -24,7 +24,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..broker.clock import Recency
+from ..broker.errors import InvalidRequest
 from ..broker.layout import Layout, Op
+from ..broker.lexical import Hybrid
 from ..broker.positions import Position
 from ._requests import (
     DEFAULT,
@@ -32,6 +34,7 @@ from ._requests import (
     NamespaceCache,
     Prepared,
     Timeout,
+    hybrid_recall,
     merge_records,
     recall_one,
     recall_rows,
@@ -64,6 +67,7 @@ class AsyncOps:
     _timeout: float | None
     _payload_limit: int
     _embed_dim: int
+    _features: int
 
     @property
     def layout(self) -> Layout:
@@ -342,14 +346,30 @@ class AsyncOps:
         after: Position | str | None = None,
         recency: Recency | None = None,
         refresh_ttl: bool = False,
+        hybrid: Hybrid | None = None,
     ) -> Hits:
         """Exact top-``k`` of ``text``, embedded in the sidecar (:meth:`embed`), in ``namespace``:
         :meth:`recall` of its vector with payloads (each hit's ``text``: what :meth:`upsert_text`
         stored). ``where``, ``after``, ``recency``, ``refresh_ttl`` as for :meth:`recall`;
-        ``timeout``: one budget for both steps."""
+        ``timeout``: one budget for both steps.
+
+        ``hybrid``: a :class:`~kalos.broker.lexical.Hybrid`: rank every record the filter admits by
+        ``similarity + weight * bm25 / max_bm25``, BM25 over the namespace's stored texts
+        (README, "Text"; exact over every matching row). Not with ``recency`` (InvalidRequest);
+        ConfigError from a sidecar that does not serve it."""
         t0 = time.monotonic_ns()
         budget = resolve_timeout(timeout, self._timeout)
+        if hybrid is not None and recency is not None:
+            raise InvalidRequest("a hybrid recall does not take recency")
         vector = await self.embed([text], timeout=budget)
+        if hybrid is not None:
+            p = hybrid_recall(
+                self.layout, vector[0], text, hybrid, k, self._ns.encode(namespace), self._features, where,
+                refresh_ttl=refresh_ttl,
+            )  # fmt: skip
+            if after is not None:
+                wait_after([p], after, t0, budget)
+            return await self._execute(p, remaining(budget, t0, time.monotonic_ns()), t0)
         return await self.recall(
             vector[0],
             k,
@@ -373,12 +393,24 @@ class AsyncOps:
         after: Position | str | None = None,
         recency: Recency | None = None,
         refresh_ttl: bool = False,
+        hybrid: Hybrid | None = None,
     ) -> list[Hits]:
         """:meth:`recall_text` for each of ``texts`` (embedded together; recalled max_queries
-        rows per request), one budget for the call."""
+        rows per request, or one request per text with ``hybrid``), one budget for the call."""
         t0 = time.monotonic_ns()
         budget = resolve_timeout(timeout, self._timeout)
+        if hybrid is not None and recency is not None:
+            raise InvalidRequest("a hybrid recall does not take recency")
         vectors = await self.embed(texts, timeout=budget)
+        if hybrid is not None:
+            ns = self._ns.encode(namespace)
+            preps = [
+                hybrid_recall(self.layout, v, t, hybrid, k, ns, self._features, where, refresh_ttl=refresh_ttl)
+                for v, t in zip(vectors, texts)
+            ]
+            if after is not None:
+                wait_after(preps, after, t0, budget)
+            return await self._execute_all(preps, remaining(budget, t0, time.monotonic_ns()), t0)
         out: list[Hits] = []
         step = self.layout.max_queries
         for start in range(0, len(vectors), step):

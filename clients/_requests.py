@@ -18,7 +18,18 @@ import numpy as np
 
 from ..broker.clock import Recency, expiry_seconds, seconds, ttl_groups, ttl_ns
 from ..broker.errors import ConfigError, InvalidRequest, ProtocolError
-from ..broker.layout import HIT_META_BYTES, Flag, Layout, Op, SlotView, Status, error_for_status, hit_meta_dtype
+from ..broker.layout import (
+    FEATURE_HYBRID,
+    HIT_META_BYTES,
+    Flag,
+    Layout,
+    Op,
+    SlotView,
+    Status,
+    error_for_status,
+    hit_meta_dtype,
+)
+from ..broker.lexical import Hybrid, encode_hybrid_blob
 from ..broker.names import validate_namespace
 from ..broker.positions import ORIGIN, Position, as_position
 from ..broker.texts import text_problem
@@ -97,6 +108,7 @@ class Prepared(Generic[R]):
     after_until_ns: int = 0  # ... or answered NOT_APPLIED at this CLOCK_MONOTONIC time (0: never)
     ttl_ns: int | None = None  # ttl_ns field: Flag.TTL (UPSERT, TOUCH) or Op.SET_TTL; None: not written
     recency: Recency | None = None  # Flag.RECENCY: half_life_s, recency_weight
+    hybrid: float | None = None  # Flag.HYBRID: hybrid_weight (the query text leads the blob)
     decode: Decoder[R] = field(default=_by_op, kw_only=True)
 
 
@@ -230,6 +242,36 @@ def recall_one(
         with_times=with_times,
         refresh_ttl=refresh_ttl,
     )
+
+
+def hybrid_recall(
+    layout: Layout,
+    x: Any,
+    text: str,
+    hybrid: Hybrid,
+    k: int,
+    namespace: bytes,
+    features: int,
+    where: Any = None,
+    *,
+    refresh_ttl: bool = False,
+) -> Prepared[Hits]:
+    """A hybrid recall (Flag.HYBRID, ``broker.lexical``) of one vector ``x`` (the embedding of
+    ``text``) with payloads: the query text leads the blob, then the filter. ConfigError when
+    the sidecar does not serve it (``features``: its header's)."""
+    if not isinstance(hybrid, Hybrid):
+        raise InvalidRequest(f"hybrid must be a kalos.Hybrid, got {type(hybrid).__name__}")
+    if not features & FEATURE_HYBRID:
+        raise ConfigError("this sidecar does not serve hybrid recall (an older version): upgrade it")
+    p = recall_one(layout, x, k, namespace, True, where, None, refresh_ttl=refresh_ttl)
+    p.blob = encode_hybrid_blob(text, p.blob)
+    if len(p.blob) > layout.blob_bytes:
+        raise InvalidRequest(
+            f"the query text and filter take {len(p.blob)} bytes, a slot's blob area holds {layout.blob_bytes}"
+        )
+    p.flags |= Flag.HYBRID
+    p.hybrid = float(hybrid.weight)
+    return p
 
 
 def recall_rows(
@@ -559,6 +601,8 @@ def write(v: SlotView, p: Prepared[Any]) -> int:
     if p.recency is not None:
         v.ctl["half_life_s"] = p.recency.half_life
         v.ctl["recency_weight"] = p.recency.weight
+    if p.hybrid is not None:
+        v.ctl["hybrid_weight"] = p.hybrid
     return len(p.blob)
 
 

@@ -220,6 +220,7 @@ class Connection:
             self.metric = metric_name(int(hdr["metric"]))  # the sidecar's --metric
             self.payload_limit = int(hdr["payload_limit"])  # the sidecar's --payload-limit
             self.embed_dim = int(hdr["embed_dim"])  # its --embed model's dimension (0: none)
+            self.features = int(hdr["features"])  # what it serves beyond protocol 6 (FEATURE_*)
             del hdr
             if self.layout.total_bytes != self.shm.size:
                 raise ProtocolError(f"broker {name!r}: header geometry does not match segment size")

@@ -104,6 +104,7 @@ class RecallClient(SyncOps):
         self._metric = att.conn.metric
         self._payload_limit = att.conn.payload_limit
         self._embed_dim = att.conn.embed_dim
+        self._features = att.conn.features
         self._pending = None
 
     @property

@@ -98,6 +98,7 @@ class FakeConnection(Connection):
         self.metric = "dot"
         self.payload_limit = payload_limit
         self.embed_dim = 0  # (no embedding model)
+        self.features = 0
         self.mm = bytearray(layout.total_bytes)  # type: ignore[assignment]
         self.seg = SegmentView(memoryview(self.mm), layout)
         self.seg.init_header(metric=1, backend=1, pid=0, start_epoch_ns=time.time_ns(), payload_limit=payload_limit)

@@ -219,6 +219,7 @@ class RecallPool(AsyncOps):
         self._free: FreeSlots | None = None
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
         self._embed_dim = 0  # the dimension of the sidecar's embedding model (0: none)
+        self._features = 0  # the sidecar's header's features (FEATURE_*)
         self._queue: CoalescingQueue | None = None
         self._poller: Poller | None = None  # finds the answers in (set by open())
         self._reattacher: asyncio.Task[None] | None = None
@@ -284,6 +285,7 @@ class RecallPool(AsyncOps):
         self._leases.attach(conn, slots, self._loop, self._free)
         self._payload_limit = conn.payload_limit
         self._embed_dim = conn.embed_dim
+        self._features = conn.features
         waiter = self._leases.waiter = conn.waiter(self._loop, self._poller.wake.set, self._unavailable)
         self._poller.attach(conn, waiter)
 
@@ -516,6 +518,7 @@ class RecallPool(AsyncOps):
                     and p.op is Op.RECALL
                     and p.after is None
                     and p.recency is None  # (its parameters are not part of a slot's key)
+                    and p.hybrid is None
                     and route(True, len(self._queue), self._free.qsize(), len(self._inflight)) is Path.QUEUE
                 ):
                     try:  # queued to be sent with others (the class docstring)

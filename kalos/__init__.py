@@ -34,6 +34,7 @@ from kalos.broker.errors import (
     UsageError,
 )
 from kalos.broker.layout import PROTOCOL_VERSION
+from kalos.broker.lexical import Hybrid
 from kalos.broker.positions import Position
 from kalos.clients import Hit, Hits, PoolStatistics, RecallClient, RecallPool, Records, Written
 
@@ -65,6 +66,7 @@ __all__ = [
     "Records",
     "Written",
     "Recency",
+    "Hybrid",
     "Position",
     "AcquireTimeout",
     "BrokerUnavailable",

@@ -36,6 +36,7 @@ import numpy as np
 
 from ...broker.clock import MAX_TTL_NS, check_recency
 from ...broker.layout import NAMESPACE_BYTES, S_POSTED, Flag, Layout, Op, SlotWords, Status
+from ...broker.lexical import weight_problem
 from ...broker.names import decode_namespace
 
 _RECALL = int(Op.RECALL)  # plain ints: cheaper than enum members in comparisons
@@ -317,6 +318,7 @@ class Request:
     generation: int
     ttl_ns: int | None = None  # Flag.TTL (UPSERT, TOUCH) or SET_TTL: checked, ns (0: never/none)
     recency: tuple[float, float] | None = None  # Flag.RECENCY: (half_life_s, weight), checked
+    hybrid: float | None = None  # Flag.HYBRID: the BM25 part's weight, checked
 
 
 @dataclass(slots=True)
@@ -343,6 +345,7 @@ class SlotFields:
     ttl_ns: int = 0
     half_life_s: float = 0.0
     recency_weight: float = 0.0
+    hybrid_weight: float = 0.0
 
 
 #: Writes that carry a TTL (with Flag.TTL) and SET_TTL, which always does.
@@ -381,7 +384,19 @@ def parse_request(slot: int, f: SlotFields, layout: Layout, backend_max_k: int) 
         if problem is not None:
             return Rejection(slot, Status.BAD_REQUEST, problem, gen)
         recency = (f.half_life_s, f.recency_weight)
-    return Request(slot, op, ns or "", k, nq, f.flags, f.t_post_ns, gen, ttl, recency)
+    hybrid: float | None = None
+    if op == Op.RECALL and f.flags & Flag.HYBRID:
+        problem = weight_problem(f.hybrid_weight)
+        if problem is None and nq != 1:
+            problem = f"a hybrid recall carries one query, nq={nq}"
+        if problem is None and recency is not None:
+            problem = "a hybrid recall does not take recency"
+        if problem is None and f.blob_len == 0:
+            problem = "a hybrid recall's blob holds its query text"
+        if problem is not None:
+            return Rejection(slot, Status.BAD_REQUEST, problem, gen)
+        hybrid = f.hybrid_weight
+    return Request(slot, op, ns or "", k, nq, f.flags, f.t_post_ns, gen, ttl, recency, hybrid)
 
 
 @dataclass
@@ -395,7 +410,7 @@ class BatchPlan:
 
 
 _WRITE_OPS = frozenset({Op.UPSERT, Op.DELETE, Op.DROP_NAMESPACE, Op.TOUCH, Op.SET_TTL})
-_SEARCH_ALONE = int(Flag.WHERE | Flag.RECENCY)  # recalls grouped by filter and recency instead
+_SEARCH_ALONE = int(Flag.WHERE | Flag.RECENCY | Flag.HYBRID)  # recalls grouped by filter and recency instead
 
 
 def plan_batch(requests: list[Request]) -> BatchPlan:

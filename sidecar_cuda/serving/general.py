@@ -27,10 +27,12 @@ from functools import partial
 import numpy as np
 
 from ...broker.errors import InvalidRequest
-from ...broker.layout import Flag, Op, SegmentView, Status
+from ...broker.layout import Flag, Metric, Op, SegmentView, Status
+from ...broker.lexical import decode_hybrid_blob
 from ...broker.positions import ORIGIN
+from ...broker.texts import TextError
 from ...broker.validation import WhereNode, decode_where, payload_problem
-from ..backends.base import Decay
+from ..backends.base import Decay, prepare_queries
 from ..storage.durable import Durable, StoreError, commit_and_apply
 from ..storage.store import MemoryStore, Namespace
 from ..storage.writes import Write, WriteOp
@@ -104,6 +106,7 @@ class GeneralRoute:
                 ttl_ns=int(r["ttl_ns"]),
                 half_life_s=float(r["half_life_s"]),
                 recency_weight=float(r["recency_weight"]),
+                hybrid_weight=float(r["hybrid_weight"]),
             )
             p = parse_request(i, f, self.layout, self._backend_max_k)
             if isinstance(p, Rejection):
@@ -122,7 +125,9 @@ class GeneralRoute:
             self._guarded(group, partial(self._serve_recalls, ns, group))
         searched: dict[tuple[str, bytes | None, tuple[float, float] | None], list[Request]] = {}
         for r in plan.others:
-            if r.op == Op.RECALL:  # filtered or recency-weighted: grouped by both
+            if r.op == Op.RECALL and r.hybrid is not None:
+                self._guarded([r], partial(self._serve_hybrid, r))
+            elif r.op == Op.RECALL:  # filtered or recency-weighted: grouped by both
                 blob = self._blob(r) if r.flags & Flag.WHERE else None
                 searched.setdefault((r.namespace, blob, r.recency), []).append(r)
             else:
@@ -306,6 +311,52 @@ class GeneralRoute:
             self._backend_failed(group, e)
             return
         self._answer_group(group, offs, ns, ids, scores, decay)
+
+    def _serve_hybrid(self, r: Request) -> None:
+        """A hybrid recall (Flag.HYBRID; broker/lexical.py): every row its filter and expiry admit,
+        ranked by ``similarity + weight * bm25 / max_bm25``, exactly: the rows sharing a term with
+        the query are scored one by one (their stored vectors, their BM25), the best k of the
+        others (lexical part 0) come from one filtered search."""
+        assert r.hybrid is not None
+        try:
+            text, where = decode_hybrid_blob(self._blob(r))
+            if where and not r.flags & Flag.WHERE:
+                raise InvalidRequest("bytes after the query text without a filter (Flag.WHERE)")
+            node = decode_where(where) if r.flags & Flag.WHERE else None
+        except (TextError, InvalidRequest) as e:
+            self._answer(r, Status.BAD_REQUEST, f"hybrid: {e}")
+            return
+        ns = self.store.get(r.namespace)
+        if ns is None:
+            self._answer_empty([r])
+            return
+        group, q, _offs = self._gather_queries([r])
+        if not group:
+            return
+        now = self._now
+        admit = np.ones(ns.n, bool) if node is None else ns.filtered(node, where).mask
+        live = ns.live(now)
+        if live is not None:
+            admit = admit & ~live.dead
+        lex = ns.lexical(now).scores(text)
+        shared = admit & (lex > 0)
+        rows = np.flatnonzero(shared).astype(np.int64)
+        try:
+            sim = dense_scores(ns.matrix.read_rows(rows) if len(rows) else np.empty((0, ns.dim)), q[0], ns.metric)
+            others = admit & ~shared
+            if others.any():
+                o_ids, o_scores = ns.search_where(q, r.k, others, now=now)
+            else:
+                o_ids, o_scores = np.empty((1, 0), np.int64), np.empty((1, 0), np.float32)
+        except Exception as e:
+            self._backend_failed([r], e)
+            return
+        top = float(lex[rows].max()) if len(rows) else 0.0
+        fused = sim + (r.hybrid * lex[rows] / top if top > 0 else 0.0)
+        ids = np.concatenate([ns.row_ids[rows], o_ids[0]])
+        scores = np.concatenate([fused, o_scores[0].astype(np.float64)])
+        best = np.lexsort((ids, -scores))[: r.k]  # (ties: the smaller id first)
+        self._answer_hits(r, ns, ids[best][None, :], scores[best].astype(np.float32)[None, :])
 
     # ------------------------------------------------------------------ writes
     def _decode_write(self, r: Request) -> Write | tuple[Status, str]:
@@ -493,3 +544,16 @@ class GeneralRoute:
             return
         self.writer.rows(r.slot, ids, vecs)
         self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
+
+
+def dense_scores(vectors: np.ndarray, query: np.ndarray, metric: Metric) -> np.ndarray:
+    """Scores of stored rows ``vectors`` for one query, in float64, as the backends score them:
+    dot product (dot; cosine: the rows are unit, the query is made unit), or minus the squared
+    L2 distance (l2)."""
+    q = prepare_queries(np.asarray(query, np.float32)[None, :], metric)[0].astype(np.float64)
+    v = np.asarray(vectors, np.float64)
+    if metric == Metric.L2:
+        out: np.ndarray = -((v - q) ** 2).sum(axis=1)
+    else:
+        out = v @ q
+    return out

@@ -40,6 +40,7 @@ from ..backends.base import (
     prepare_rows,
 )
 from .filters import PayloadIndex
+from .lexical import LexicalIndex, text_of
 
 #: ``_earliest`` of a namespace none of whose rows can expire.
 NO_EXPIRY = int(np.iinfo(np.int64).max)
@@ -156,6 +157,8 @@ class Namespace:
         # belongs to one version of the rows.
         self.version = 0
         self._filtered: OrderedDict[bytes, Filtered] = OrderedDict()
+        # Hybrid recall's BM25 index of the live rows' texts: (version, live until) -> index.
+        self._lexical: tuple[tuple[int, int | None], LexicalIndex] | None = None
 
     def ensure_capacity(self, need: int) -> None:
         """Room for ``need`` rows (capacity doubles until it fits). Raises what the backend
@@ -388,6 +391,22 @@ class Namespace:
         self.version += 1
         self._filtered.clear()
         self._live = None
+        self._lexical = None
+
+    def lexical(self, now: int) -> LexicalIndex:
+        """The BM25 index of the texts of the records not expired at ``now`` (hybrid recall),
+        built on first use after a write or an expiry and kept until the next."""
+        live = self.live(now)
+        key = (self.version, None if live is None else live.until)
+        if self._lexical is None or self._lexical[0] != key:
+            dead = None if live is None else live.dead
+            pls = self.payloads
+            texts = [
+                None if dead is not None and dead[r] else text_of(pls.get(i))
+                for r, i in enumerate(self.row_ids[: self.n].tolist())
+            ]
+            self._lexical = (key, LexicalIndex(texts))
+        return self._lexical[1]
 
     def where(self, node: WhereNode) -> np.ndarray:
         """The rows [0, n) that match a parsed filter, as a bool mask."""

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 from conftest import TEST_BACKEND, free_port, run_py, wait_until
 
-from kalos import RecallClient, RecallPool
+from kalos import Hybrid, RecallClient, RecallPool
 from kalos.broker.errors import ConfigError, InvalidRequest
-from kalos.broker.layout import Op, Status
+from kalos.broker.layout import Flag, Op, Status
+from kalos.broker.lexical import tokenize
 from kalos.clients._transport import Connection
 from kalos.sidecar_cuda.embedding import TextEncoder
 from kalos.testing.tinymodel import WORDS, build_tiny_model
@@ -124,13 +125,24 @@ async def test_upsert_text_and_recall_text_are_exact_and_keep_the_text(text_side
         assert await pool.count("u1") == 120  # nothing written by the refused call
 
 
-def raw_embed(c: Connection, blob: bytes, nq: int) -> tuple[int, str, int]:
-    """An EMBED request written by hand (no client-side checks) in a slot of its own, given back
-    after: (status, detail, n_results)."""
+def raw_embed(
+    c: Connection,
+    blob: bytes,
+    nq: int,
+    op: Op = Op.EMBED,
+    ns: bytes = b"",
+    k: int = 0,
+    flags: int = 0,
+    weight: float = 0.0,
+) -> tuple[int, str, int]:
+    """A request written by hand (no client-side checks; an EMBED unless told) in a slot of its
+    own, given back after: (status, detail, n_results)."""
     s = c.lease(1)[0]
     try:
         s.view.blob[: len(blob)] = np.frombuffer(blob, np.uint8)
-        s.post(int(Op.EMBED), b"", 0, nq, 0, len(blob), 0)
+        s.view.queries[:nq] = 1.0
+        s.view.ctl["hybrid_weight"] = weight
+        s.post(int(op), ns, k, nq, flags, len(blob), 0)
         assert wait_until(lambda: s.is_done() and s.try_consume(), 10)
         status, n, blen = s.outcome()
         detail = s.blob_text(blen).decode(errors="replace") if status else ""
@@ -265,3 +277,69 @@ def test_text_requests_do_not_send_recalls_to_the_general_route(text_sidecar, rn
     embeds = m["kalos_batches_by_route_total{embed}"] - before["kalos_batches_by_route_total{embed}"]
     assert embeds > 0 and general == 0, (embeds, general)
     assert TEST_BACKEND in ("numpy", "cuda")
+
+
+@async_test
+async def test_hybrid_recall_is_exact_against_bm25_and_float64(text_sidecar, tiny, rng):
+    """recall_text(hybrid=...) against rank_bm25 (over the live records' texts) plus the
+    similarity in float64, normalized as documented, with and without a filter, after deletes
+    and an expiry (the index follows the writes), at several weights."""
+    rank_bm25 = pytest.importorskip("rank_bm25")
+    import asyncio as aio
+
+    enc = TextEncoder(tiny)
+    tol = max(tolerance(text_sidecar.name), 1e-5)
+    texts = sentences(rng, 150)
+    payloads = [{"n": i, "tag": "odd" if i % 2 else "even"} for i in range(150)]
+    async with RecallPool(text_sidecar.name, size=4) as pool:
+        await pool.upsert_text(np.arange(150) + 1000, texts, payloads, namespace="hy")
+        await pool.delete([1003, 1007], namespace="hy")
+        await pool.upsert_text([9000], [" ".join(texts[:3])], namespace="hy", ttl=0.3)  # gone below
+        await aio.sleep(0.5)
+        alive = [i for i in range(150) if i not in (3, 7)]
+        rows = enc.encode([texts[i] for i in alive]).astype(np.float64)
+        bm25 = rank_bm25.BM25Okapi([tokenize(texts[i]) for i in alive])
+        checked = 0
+        for q in sentences(rng, 6) + [texts[10], "tea"]:
+            qv = enc.encode([q])[0].astype(np.float64)
+            dense, lex = rows @ (qv / np.linalg.norm(qv)), bm25.get_scores(tokenize(q))
+            for weight in (0.0, 0.7, 3.0):
+                for where in (None, {"tag": "odd"}):
+                    sel = np.array([where is None or payloads[i]["tag"] == "odd" for i in alive])
+                    top = lex[sel].max()
+                    fused = dense + (weight * lex / top if top > 0 else 0.0)
+                    fused[~sel] = -np.inf
+                    hits = await pool.recall_text(q, k=5, namespace="hy", hybrid=Hybrid(weight), where=where)
+                    pos = {1000 + i: j for j, i in enumerate(alive)}
+                    assert len(hits) == 5 and all(h.id in pos for h in hits)  # never 9000 (expired), 1003, 1007
+                    got = np.array([fused[pos[h.id]] for h in hits])
+                    np.testing.assert_allclose(hits.scores, got, atol=tol)  # each hit's score is its fused score
+                    assert got.min() >= np.sort(fused)[-5] - tol  # and they are the best five
+                    assert all(h.text == texts[h.id - 1000] for h in hits)
+                    checked += 1
+        assert checked == 48
+        many = await pool.recall_text_many(["tea", "paris"], k=3, namespace="hy", hybrid=Hybrid(1.0))
+        assert [len(h) for h in many] == [3, 3]
+        with pytest.raises(InvalidRequest, match="does not take recency"):
+            from kalos import Recency
+
+            await pool.recall_text("tea", namespace="hy", hybrid=Hybrid(), recency=Recency(60.0))
+        assert not (await pool.recall_text("tea", namespace="never", hybrid=Hybrid()))
+
+
+def test_a_hybrid_recall_a_client_broke_gets_a_clear_error(text_sidecar):
+    c = Connection(text_sidecar.name, sidecar_uid=os.geteuid())
+    flags = int(Flag.HYBRID | Flag.WITH_PAYLOAD)
+    try:
+        for blob, nq, weight, fl, match in (
+            (b"no terminator", 1, 0.5, flags, "NUL-terminated"),
+            (b"\xff\xfe\x00", 1, 0.5, flags, "not valid UTF-8"),
+            (b"tea\x00", 1, float("nan"), flags, "finite number >= 0"),
+            (b"tea\x00", 2, 0.5, flags, "one query"),
+            (b'tea\x00{"a":1}', 1, 0.5, flags, "without a filter"),
+            (b"tea\x00{bad", 1, 0.5, flags | int(Flag.WHERE), "hybrid: "),
+        ):
+            got, detail, _ = raw_embed(c, blob, nq, Op.RECALL, b"hy", 3, fl, weight)
+            assert (got, match in detail) == (Status.BAD_REQUEST, True), (blob, detail)
+    finally:
+        c.close()
