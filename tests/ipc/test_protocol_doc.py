@@ -3,7 +3,7 @@ a real sidecar does: requests written field by field into a slot, as another lan
 would, each answer checked against the document's words.
 
 Slot states and flags by number, ``ttl_ns``'s bound, which answers carry ``now_ns``, the recency
-fields' bounds, flags an op does not take and bits 7-31, a TOUCH or DELETE naming an id twice,
+fields' bounds, flags an op does not take and bits 8-31, a TOUCH or DELETE naming an id twice,
 JSON lines separated (not terminated), and the stats row of TOUCH, SET_TTL and unknown ops."""
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def test_slot_states_and_flags_are_numbered_as_the_layout_defines_them() -> None
     row = next(line for line in DOC.splitlines() if line.startswith("| 44 | flags |"))
     for f in Flag:
         assert f"{f.name} ({int(f)}" in row, f.name
-    assert max(Flag) < 1 << 7 and "bits 7-31: reserved, write 0" in row
+    assert max(Flag) < 1 << 8 and "bits 8-31: reserved, write 0" in row
     flags = DOC.split("### Flags", 1)[1].split("\n## ", 1)[0]
     for f in Flag:
         assert f"| {f.name} ({int(f)}) |" in flags, f.name
-    assert "| bits 7-31 |" in flags
+    assert "| bits 8-31 |" in flags
 
 
 def test_ttl_bound_in_the_document_is_the_sidecars() -> None:
@@ -144,11 +144,11 @@ def raw(sidecar_factory) -> Iterator[tuple[Raw, str]]:
 E0 = np.eye(DIM, dtype=np.float32)[:1]
 
 
-def test_bits_7_to_31_and_flags_an_op_does_not_take(raw) -> None:
+def test_bits_8_to_31_and_flags_an_op_does_not_take(raw) -> None:
     r, _name = raw
     plain = r.ask(Op.RECALL, k=3, q=E0)
     assert plain["status"] is Status.OK and plain["n"] == 3
-    for extra in (1 << 7, 1 << 31, 0xFFFFFF80):
+    for extra in (1 << 8, 1 << 31, 0xFFFFFF00):
         got = r.ask(Op.RECALL, flags=extra, k=3, q=E0)
         assert got["status"] is Status.OK and list(got["ids"]) == list(plain["ids"])
     # TTL on a RECALL: ttl_ns unread (even a negative one), the answer carries now_ns.
