@@ -79,8 +79,9 @@ async def run(a: argparse.Namespace, name: str, dim: int) -> dict[str, Any]:
         t = time.perf_counter()
         await pool.recall_text(queries[0], k=a.k, namespace="h", hybrid=Hybrid(0.5), timeout=600)
         out["first_hybrid_ms"] = round((time.perf_counter() - t) * 1e3, 2)  # builds the index
-        dense, hybrid = [], []
-        samples = []
+        dense: list[int] = []
+        hybrid: list[int] = []
+        samples: list[tuple[str, np.ndarray, np.ndarray]] = []
         for q in queries:
             t = time.perf_counter_ns()
             await pool.recall_text(q, k=a.k, namespace="h")
@@ -111,7 +112,7 @@ def check(
     unit = vectors.astype(np.float64) / np.linalg.norm(vectors, axis=1, keepdims=True)
     wrong = 0
     for (q, ids, scores), v in zip(samples, vq):
-        lex = bm.get_scores(tokenize(q))
+        lex = np.maximum(bm.get_scores(tokenize(q)), 0.0)
         top = lex.max()
         fused = unit @ (v / np.linalg.norm(v)) + (0.5 * lex / top if top > 0 else 0.0)
         kth = np.sort(fused)[::-1][k - 1]

@@ -7,10 +7,12 @@ times the mean idf of the namespace's terms), over the namespace's records that 
 (``upsert_text``: the payload's ``"text"``), tokenized by :func:`tokenize` (lower case, runs of
 Unicode word characters). A hybrid recall ranks every record its filter (and expiry) admits by
 
-    score = similarity + weight * bm25 / max_bm25
+    score = similarity + weight * max(bm25, 0) / max_bm25
 
 ``max_bm25`` the largest BM25 score of the query among those records (the lexical part is 0 when
-no record shares a term with it): exactly, over every matching row.
+no record shares a term with it): exactly, over every matching row. (A BM25 below 0 is possible
+under the epsilon rule only when the mean idf is negative, most terms in most texts: it counts as
+0, so no record scores below its similarity.)
 """
 
 from __future__ import annotations

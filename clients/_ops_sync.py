@@ -353,7 +353,7 @@ class SyncOps:
         ``timeout``: one budget for both steps.
 
         ``hybrid``: a :class:`~kalos.broker.lexical.Hybrid`: rank every record the filter admits by
-        ``similarity + weight * bm25 / max_bm25``, BM25 over the namespace's stored texts
+        ``similarity + weight * max(bm25, 0) / max_bm25``, BM25 over the namespace's stored texts
         (README, "Text"; exact over every matching row). Not with ``recency`` (InvalidRequest);
         ConfigError from a sidecar that does not serve it."""
         t0 = time.monotonic_ns()

@@ -314,9 +314,10 @@ class GeneralRoute:
 
     def _serve_hybrid(self, r: Request) -> None:
         """A hybrid recall (Flag.HYBRID; broker/lexical.py): every row its filter and expiry admit,
-        ranked by ``similarity + weight * bm25 / max_bm25``, exactly: the rows sharing a term with
-        the query are scored one by one (their stored vectors, their BM25), the best k of the
-        others (lexical part 0) come from one filtered search."""
+        ranked by ``similarity + weight * max(bm25, 0) / max_bm25``, exactly: the rows with a
+        positive BM25 are scored one by one (their stored vectors), and the dense top k of the
+        admitted rows comes from the search a dense recall makes. Every other row scores its
+        similarity alone, at most the k-th of that top k, whose fused scores are no lower."""
         assert r.hybrid is not None
         try:
             text, where = decode_hybrid_blob(self._blob(r))
@@ -334,28 +335,37 @@ class GeneralRoute:
         if not group:
             return
         now = self._now
-        admit = np.ones(ns.n, bool) if node is None else ns.filtered(node, where).mask
+        match = None if node is None else ns.filtered(node, where)
+        rows, lex = ns.lexical(now).scores(text)
+        keep = lex > 0
+        if match is not None:
+            keep &= match.mask[rows]
         live = ns.live(now)
         if live is not None:
-            admit = admit & ~live.dead
-        lex = ns.lexical(now).scores(text)
-        shared = admit & (lex > 0)
-        rows = np.flatnonzero(shared).astype(np.int64)
+            keep &= ~live.dead[rows]
+        rows, lex = rows[keep], lex[keep]
         try:
             sim = dense_scores(ns.matrix.read_rows(rows) if len(rows) else np.empty((0, ns.dim)), q[0], ns.metric)
-            others = admit & ~shared
-            if others.any():
-                o_ids, o_scores = ns.search_where(q, r.k, others, now=now)
+            if match is None:
+                d_ids, d_scores = ns.search(q, r.k, now=now)
             else:
-                o_ids, o_scores = np.empty((1, 0), np.int64), np.empty((1, 0), np.float32)
+                d_ids, d_scores = ns.search_where(q, r.k, match, now=now)
         except Exception as e:
             self._backend_failed([r], e)
             return
-        top = float(lex[rows].max()) if len(rows) else 0.0
-        fused = sim + (r.hybrid * lex[rows] / top if top > 0 else 0.0)
-        ids = np.concatenate([ns.row_ids[rows], o_ids[0]])
-        scores = np.concatenate([fused, o_scores[0].astype(np.float64)])
-        best = np.lexsort((ids, -scores))[: r.k]  # (ties: the smaller id first)
+        top = float(lex.max()) if len(lex) else 0.0
+        fused = sim + (r.hybrid * lex / top if top > 0 else 0.0)
+        s_ids = ns.row_ids[rows]
+        # The dense top k's rows that are not among ``rows`` (ascending): theirs are fused above.
+        d_rows = np.array([ns.id_row[i] for i in d_ids[0].tolist()], np.int64)
+        at = np.minimum(np.searchsorted(rows, d_rows), max(len(rows) - 1, 0))
+        dense_only = ~(rows[at] == d_rows) if len(rows) else np.ones(len(d_rows), bool)
+        ids = np.concatenate([s_ids, d_ids[0][dense_only]])
+        scores = np.concatenate([fused, d_scores[0][dense_only].astype(np.float64)])
+        near = np.arange(len(scores))
+        if len(scores) > r.k:  # the k best (and any tied with the k-th) in linear time, then sorted
+            near = np.flatnonzero(scores >= np.partition(scores, len(scores) - r.k)[len(scores) - r.k])
+        best = near[np.lexsort((ids[near], -scores[near]))][: r.k]  # (ties: the smaller id first)
         self._answer_hits(r, ns, ids[best][None, :], scores[best].astype(np.float32)[None, :])
 
     # ------------------------------------------------------------------ writes
@@ -547,13 +557,13 @@ class GeneralRoute:
 
 
 def dense_scores(vectors: np.ndarray, query: np.ndarray, metric: Metric) -> np.ndarray:
-    """Scores of stored rows ``vectors`` for one query, in float64, as the backends score them:
-    dot product (dot; cosine: the rows are unit, the query is made unit), or minus the squared
-    L2 distance (l2)."""
-    q = prepare_queries(np.asarray(query, np.float32)[None, :], metric)[0].astype(np.float64)
-    v = np.asarray(vectors, np.float64)
+    """Scores of stored rows ``vectors`` for one query, in float32 as the backends compute them,
+    returned as float64: dot product (dot; cosine: the rows are unit, the query is made unit), or
+    minus the squared L2 distance (l2)."""
+    q = prepare_queries(np.asarray(query, np.float32)[None, :], metric)[0]
+    v = np.asarray(vectors, np.float32)
     if metric == Metric.L2:
         out: np.ndarray = -((v - q) ** 2).sum(axis=1)
     else:
         out = v @ q
-    return out
+    return out.astype(np.float64)

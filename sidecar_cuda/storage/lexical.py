@@ -56,20 +56,26 @@ class LexicalIndex:
         }
         self.idf = _idf({t: len(rows) for t, (rows, _tf) in self.postings.items()}, docs)
 
-    def scores(self, query: str) -> np.ndarray:
-        """BM25 of ``query`` for every row [0, n) (float64; 0 for a row that shares no term, or
-        has no text). A query term counts as often as it occurs in the query."""
-        out = np.zeros(self.n, np.float64)
-        if not self.docs or self.avgdl == 0:
-            return out
-        for term in tokenize(query):
-            hit = self.postings.get(term)
-            if hit is None:
-                continue
-            rows, tf = hit
-            norm = K1 * (1 - B + B * self.doc_len[rows] / self.avgdl)
-            out[rows] += self.idf[term] * (tf * (K1 + 1) / (tf + norm))
-        return out
+    def scores(self, query: str) -> tuple[np.ndarray, np.ndarray]:
+        """BM25 of ``query`` for the rows that share a term with it: (rows ascending int64,
+        scores float64); every other row scores 0. A query term counts as often as it occurs in
+        the query, each row's terms summed in the query's order (as rank_bm25 sums). Costs the
+        query terms' postings, not the namespace's size."""
+        rows_parts: list[np.ndarray] = []
+        vals: list[np.ndarray] = []
+        if self.docs and self.avgdl > 0:
+            for term in tokenize(query):
+                hit = self.postings.get(term)
+                if hit is None:
+                    continue
+                rows, tf = hit
+                norm = K1 * (1 - B + B * self.doc_len[rows] / self.avgdl)
+                rows_parts.append(rows)
+                vals.append(self.idf[term] * (tf * (K1 + 1) / (tf + norm)))
+        if not rows_parts:
+            return np.empty(0, np.int64), np.empty(0, np.float64)
+        uniq, at = np.unique(np.concatenate(rows_parts), return_inverse=True)
+        return uniq, np.bincount(at, weights=np.concatenate(vals), minlength=len(uniq))
 
 
 def _idf(df: Mapping[str, int], docs: int) -> dict[str, float]:

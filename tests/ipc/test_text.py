@@ -302,7 +302,7 @@ async def test_hybrid_recall_is_exact_against_bm25_and_float64(text_sidecar, tin
         checked = 0
         for q in sentences(rng, 6) + [texts[10], "tea"]:
             qv = enc.encode([q])[0].astype(np.float64)
-            dense, lex = rows @ (qv / np.linalg.norm(qv)), bm25.get_scores(tokenize(q))
+            dense, lex = rows @ (qv / np.linalg.norm(qv)), np.maximum(bm25.get_scores(tokenize(q)), 0.0)
             for weight in (0.0, 0.7, 3.0):
                 for where in (None, {"tag": "odd"}):
                     sel = np.array([where is None or payloads[i]["tag"] == "odd" for i in alive])
