@@ -99,6 +99,22 @@ class Connections:
         """Whether the store opened a client or a pool."""
         return self._owns_client or self._pools.loops() > 0
 
+    def embed(self, texts: Sequence[str]) -> list[list[float]]:
+        """The sidecar model's vectors of ``texts`` as lists (the frameworks' embedding format),
+        over the blocking client; none for none."""
+        if not texts:
+            return []
+        vectors: list[list[float]] = self.client().embed(list(texts)).tolist()
+        return vectors
+
+    async def aembed(self, texts: Sequence[str]) -> list[list[float]]:
+        """:meth:`embed` over the running loop's pool."""
+        if not texts:
+            return []
+        pool = await self.pool()
+        vectors: list[list[float]] = (await pool.embed(list(texts))).tolist()
+        return vectors
+
     def _open_pool(self) -> Coroutine[Any, Any, RecallPool]:
         return RecallPool(
             self.name, size=self._pool_size, timeout=self._timeout, connect_timeout=self._connect_timeout

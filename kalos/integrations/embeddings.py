@@ -53,20 +53,13 @@ class KalosEmbeddings(Embeddings):
         )
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        if not texts:
-            return []
-        vectors: list[list[float]] = self._conns.client().embed(list(texts)).tolist()
-        return vectors
+        return self._conns.embed(texts)
 
     def embed_query(self, text: str) -> list[float]:
         return self.embed_documents([text])[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
-        if not texts:
-            return []
-        pool = await self._conns.pool()
-        vectors: list[list[float]] = (await pool.embed(list(texts))).tolist()
-        return vectors
+        return await self._conns.aembed(texts)
 
     async def aembed_query(self, text: str) -> list[float]:
         return (await self.aembed_documents([text]))[0]

@@ -348,17 +348,10 @@ class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
         return "KalosEmbedding"
 
     def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        if not texts:
-            return []
-        vectors: list[list[float]] = self._conns.client().embed(list(texts)).tolist()
-        return vectors
+        return self._conns.embed(texts)
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        if not texts:
-            return []
-        pool = await self._conns.pool()
-        vectors: list[list[float]] = (await pool.embed(list(texts))).tolist()
-        return vectors
+        return await self._conns.aembed(texts)
 
     def _get_text_embedding(self, text: str) -> list[float]:
         return self._get_text_embeddings([text])[0]
