@@ -295,6 +295,17 @@ def environment() -> dict[str, Any]:
     return info
 
 
+def start_spy(folder: str, pid: int, layout: str, tasks: int, seconds: float) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling the sidecar ``pid`` for ``seconds`` into ``folder`` (raw stacks), or None
+    when no folder is given."""
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    out = os.path.join(folder, f"{layout.replace(':', '_')}-{tasks}.raw")
+    cmd = ["py-spy", "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "1000", "-f", "raw"]
+    return subprocess.Popen([*cmd, "--nonblocking", "-o", out], stdout=subprocess.DEVNULL)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="numpy")
@@ -313,6 +324,11 @@ def main() -> None:
     ap.add_argument("--reload", action="store_true", help="also time a restart that reloads from a data dir")
     ap.add_argument("--label", default="", help="a name for this checkout in the JSON (old/new)")
     ap.add_argument("--out", default="")
+    ap.add_argument(
+        "--py-spy",
+        default="",
+        help="a folder: sample the sidecar with py-spy (on PATH) during each run, raw stacks per layout and tasks",
+    )
     a = ap.parse_args()
     tasks = [int(x) for x in a.tasks.split(",")]
     report: dict[str, Any] = {
@@ -376,8 +392,11 @@ def main() -> None:
             for t in tasks:
                 procs = min(a.procs, t)
                 before = scrape(port)
+                spy = start_spy(a.py_spy, proc.pid, text, t, a.seconds + a.warmup)
                 r = run_tasks(wargs, t, procs)
                 after = scrape(port)
+                if spy is not None:
+                    spy.wait()
                 checked, wrong = check(r["samples"], data, offs, a.k)
                 lat_us = r["lat"] / 1e3
                 p = np.percentile(lat_us, [50, 95, 99]) if len(lat_us) else [float("nan")] * 3
