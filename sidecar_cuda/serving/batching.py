@@ -109,9 +109,10 @@ class Plan(Generic[N]):
     """What to do with the requests taken in one pass. ``namespace`` and ``k`` (the largest k
     asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only; ``where``: the filter
     bytes of a filtered SINGLE recall, or that every request of a UNIFORM batch of filtered
-    recalls carries (not yet parsed)."""
+    recalls carries (not yet parsed). ``groups``: for MIXED, the batch's distinct namespaces
+    (:class:`Groups`)."""
 
-    __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where")
+    __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where", "groups")
 
     def __init__(
         self,
@@ -121,6 +122,7 @@ class Plan(Generic[N]):
         k: int = 0,
         pipelined: bool = False,
         where: bytes | None = None,
+        groups: Groups | None = None,
     ) -> None:
         self.route = route
         self.reason = reason
@@ -128,6 +130,7 @@ class Plan(Generic[N]):
         self.k = k
         self.pipelined = pipelined
         self.where = where
+        self.groups = groups
 
     def __repr__(self) -> str:
         return f"Plan({self.route.name}, {self.reason!r}, k={self.k}{', pipelined' if self.pipelined else ''})"
@@ -185,6 +188,22 @@ def namespace_field(rec: np.ndarray) -> np.ndarray:
     clean = np.where(past, 0, b).astype(np.uint8)
     out: np.ndarray = clean.view(raw.dtype).reshape(len(rec))
     return out
+
+
+class Groups(NamedTuple):
+    """The distinct namespaces of a MIXED batch: ``keys[j]`` the (namespace field, ns_len) of the
+    j-th to appear, and ``of_request[i]`` the index in ``keys`` of request i's."""
+
+    keys: list[tuple[bytes, int]]
+    of_request: np.ndarray
+
+
+def group_namespaces(nsraw: np.ndarray, ns_len: np.ndarray) -> Groups:
+    """Each request's namespace among the batch's distinct ones, in order of first appearance
+    (``nsraw``: :func:`namespace_field`). One dict probe a request. Pure."""
+    index: dict[tuple[bytes, int], int] = {}
+    of = [index.setdefault(key, len(index)) for key in zip(nsraw.tolist(), ns_len.tolist())]
+    return Groups(list(index), np.array(of, np.intp))
 
 
 def query_rows(sel: np.ndarray, nq: np.ndarray, max_queries: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -255,12 +274,13 @@ def _classify_many(rec: np.ndarray, q: np.ndarray, lookup: Lookup[N], limits: Li
         return Plan(Route.GENERAL, "query rows not gathered")
     nsraw = namespace_field(rec)
     if not ((nsraw == nsraw[0]) & (ns_len == ns_len[0])).all():
-        reason = f"{len(set(zip(nsraw.tolist(), ns_len.tolist())))} namespaces"
+        groups = group_namespaces(nsraw, ns_len)
+        reason = f"{len(groups.keys)} namespaces"
         if where is not None:
             return Plan(Route.GENERAL, f"filtered, {reason}")
         if not np.isfinite(q).all():
             return Plan(Route.GENERAL, "non-finite query")
-        return Plan(Route.MIXED, reason, None, int(k.max()))
+        return Plan(Route.MIXED, reason, None, int(k.max()), groups=groups)
     ns = lookup((bytes(nsraw[0]), int(ns_len[0])))
     if ns is None:
         return Plan(Route.GENERAL, "unknown namespace")

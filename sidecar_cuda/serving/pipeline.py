@@ -43,7 +43,6 @@ from .batching import (
     Route,
     SlotRef,
     classify,
-    namespace_field,
     pipelined,
     query_rows,
 )
@@ -345,20 +344,12 @@ class Pipeline:
         """Start a batch of plain recalls to several namespaces as one search
         (``MemoryStore.search_mixed``); None if a namespace field is not a valid name (the
         general route answers it) or the backend refused the search."""
-        # Per request: its namespace's index among the batch's distinct ones; per distinct
-        # namespace (not per request): the lookup. A plain loop: it runs for every request.
-        index: dict[tuple[bytes, int], int] = {}
-        of_req_list: list[int] = []
-        for key in zip(namespace_field(rec).tolist(), rec["ns_len"].tolist()):
-            j = index.get(key)
-            if j is None:
-                j = index[key] = len(index)
-            of_req_list.append(j)
-        of_req = np.array(of_req_list, np.intp)
+        assert plan.groups is not None  # (classify groups every MIXED batch)
+        keys, of_req = plan.groups
         spaces: list[Namespace | None] = []
         sizes_list: list[int] = []
         names, namespaces = self._ns_names, self.store.namespaces
-        for key in index:
+        for key in keys:  # (per distinct namespace, not per request)
             name = names.get(key)
             ns = namespaces.get(name) if name is not None else self._lookup(key)
             if ns is None and name is None and decode_namespace(*key) is None:

@@ -31,7 +31,6 @@ from ...broker.validation import WhereNode, decode_where
 from ..backends.base import (
     Backend,
     Decay,
-    Matrix,
     PendingSearch,
     PolledFuture,
     SearchResult,
@@ -605,8 +604,12 @@ class MixedSearch(PolledFuture[SearchResult]):
         ids, scores = self._ids, self._scores
         if self._pending is not None:
             rows, sc = self._pending.result()
+            rows = np.ascontiguousarray(rows, np.int64)
+            if len(self._sel) == len(ids):  # (every query searched together: no scatter)
+                self._map_ids(self._row_ids, rows, ids)
+                return ids, sc
             got = np.empty(rows.shape, np.int64)
-            self._map_ids(self._row_ids, np.ascontiguousarray(rows, np.int64), got)
+            self._map_ids(self._row_ids, rows, got)
             ids[self._sel] = got
             scores[self._sel] = sc
         return ids, scores
@@ -680,47 +683,47 @@ class MemoryStore:
         of the live rows; larger ones: the planner's paths, their queries batched) are searched
         first, one search each, and are done when this returns."""
         b = len(queries)
-        ids = np.full((b, k), -1, np.int64)
-        scores = np.full((b, k), -np.inf, np.float32)
         t = self.clock() if now is None else now
         limit = self.backend.mixed_rows
         # Per namespace (not per query): searched with the others (its index among them), on its
         # own (-2), or not at all (-1: it does not exist or is empty).
         slot_of = [-1] * len(spaces)
-        mats: list[Matrix] = []
-        sizes: list[int] = []
-        row_ids: list[np.ndarray] = []
+        together: list[Namespace] = []
         alone: list[int] = []
         for i, ns in enumerate(spaces):  # (a plain loop: it runs for every namespace of a batch)
-            if ns is None:
+            if ns is None or not ns.n:
                 continue
-            n = ns.n
-            if not n:
-                continue
-            if n <= limit and (ns._earliest == NO_EXPIRY or ns.live(t) is None):
-                slot_of[i] = len(mats)
-                mats.append(ns.matrix)
-                sizes.append(n)
-                row_ids.append(ns.row_ids)
+            if ns.n <= limit and (t < ns._earliest or ns.live(t) is None):
+                slot_of[i] = len(together)
+                together.append(ns)
             else:
                 slot_of[i] = -2
                 alone.append(i)
-        slot = np.array(slot_of, np.intp)
-        for i in alone:
-            idx = np.flatnonzero(of_query == i)
-            ns = spaces[i]
-            assert ns is not None
-            r_ids, r_scores = ns.search(queries[idx], k, now=t)
-            ids[idx, : r_ids.shape[1]] = r_ids
-            scores[idx, : r_ids.shape[1]] = r_scores
-        of = slot[of_query]
-        sel = np.flatnonzero(of >= 0)
-        if not len(sel):
-            return MixedSearch(ids, scores, None, sel, [])
-        of = of[sel]
-        q = queries if len(sel) == b else queries[sel]
-        pending = self.backend.search_mixed(mats, np.asarray(sizes, np.int64), of, prepare_queries(q, self.metric), k)
-        return MixedSearch(ids, scores, pending, sel, [row_ids[j] for j in of.tolist()], map_ids)
+        of = np.array(slot_of, np.intp)[of_query]
+        if not alone and len(together) == len(spaces):  # (the common batch: every query together)
+            sel = np.arange(b)
+            ids = np.empty((b, k), np.int64)
+            scores = np.empty((b, k), np.float32)
+        else:
+            ids = np.full((b, k), -1, np.int64)
+            scores = np.full((b, k), -np.inf, np.float32)
+            for i in alone:
+                idx = np.flatnonzero(of_query == i)
+                ns = spaces[i]
+                assert ns is not None
+                r_ids, r_scores = ns.search(queries[idx], k, now=t)
+                ids[idx, : r_ids.shape[1]] = r_ids
+                scores[idx, : r_ids.shape[1]] = r_scores
+            sel = np.flatnonzero(of >= 0)
+            if not len(sel):
+                return MixedSearch(ids, scores, None, sel, [])
+            of = of[sel]
+            queries = queries[sel]
+        mats = [ns.matrix for ns in together]
+        sizes = np.fromiter((ns.n for ns in together), np.int64, len(together))
+        pending = self.backend.search_mixed(mats, sizes, of, prepare_queries(queries, self.metric), k)
+        tables = [ns.row_ids for ns in together]
+        return MixedSearch(ids, scores, pending, sel, [tables[j] for j in of.tolist()], map_ids)
 
     def drop(self, name: str, now: int | None = None) -> int:
         """Remove a namespace; returns its rows (those not expired at ``now``, when given)."""

@@ -10,9 +10,10 @@ import pytest
 
 from kalos.broker.clock import NS
 from kalos.broker.layout import Flag, Metric, slot_dtype
+from kalos.sidecar_cuda.backends import numpy_backend
 from kalos.sidecar_cuda.backends.base import search_each
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
-from kalos.sidecar_cuda.serving.batching import Limits, Route, classify, namespace_field
+from kalos.sidecar_cuda.serving.batching import Limits, Route, classify, group_namespaces, namespace_field
 from kalos.sidecar_cuda.storage.durable import commit_and_apply
 from kalos.sidecar_cuda.storage.store import MemoryStore, Namespace, Stamps
 from kalos.sidecar_cuda.storage.writes import Write, WriteOp
@@ -63,7 +64,13 @@ def check(ids: np.ndarray, scores: np.ndarray, model: dict[int, np.ndarray], q: 
 
 @pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2])
 @pytest.mark.parametrize("mixed_rows", [1 << 62, 64])
-def test_search_mixed_is_exact_per_namespace(rng: np.random.Generator, metric: Metric, mixed_rows: int) -> None:
+@pytest.mark.parametrize("gather", [True, False])
+def test_search_mixed_is_exact_per_namespace(
+    rng: np.random.Generator, metric: Metric, mixed_rows: int, gather: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both numpy ways: the small namespaces' rows side by side in one batched product
+    (``gather``), or one product per namespace (wider ones)."""
+    monkeypatch.setattr(numpy_backend, "GATHER_FLOATS", 1 << 20 if gather else 0)
     clock = Clock()
     backend = NumpyBackend()
     backend.mixed_rows = mixed_rows  # 64: the larger namespaces are searched on their own
@@ -156,6 +163,28 @@ def test_plain_recalls_to_several_namespaces_take_the_mixed_route() -> None:
     assert classify(records(["a", "b", "a"]), bad, lookup, limits).reason == "non-finite query"
     # payloads (a flag) keep a batch on the general route
     assert classify(records(["a", "b", "a"], flags=int(Flag.WITH_PAYLOAD)), q, lookup, limits).route is Route.GENERAL
+
+
+def test_a_mixed_plan_groups_its_requests_by_namespace_once() -> None:
+    """classify hands the MIXED route each request's namespace among the batch's distinct ones
+    (the pipeline searches per distinct namespace): checked against a grouping by name, on
+    random names with stale tails past ns_len and names equal but for their length."""
+    rng = np.random.default_rng(5)
+    limits = Limits(k_limit=64, dim=4, min_work=-1, max_queries=256)
+    names = [f"user-{int(i)}" for i in rng.integers(0, 40, 200)]
+    rec = records(names)
+    for i in rng.choice(len(rec), 50, replace=False):  # stale bytes of a longer name
+        rec[i]["namespace"] = (names[i] + "9z").encode()
+    plan = classify(rec, np.ones((len(rec), 4), np.float32), Spaces(set(names)), limits)
+    assert plan.route is Route.MIXED and plan.groups is not None
+    keys, of = plan.groups
+    decoded = [key[0][: key[1]].decode() for key in keys]
+    assert decoded == list(dict.fromkeys(names))  # distinct, in order of first appearance
+    assert [decoded[j] for j in of.tolist()] == names
+    assert plan.reason == f"{len(set(names))} namespaces"
+    # the same bytes under another length is another namespace
+    g = group_namespaces(namespace_field(records(["ab", "ab"])), np.array([2, 1], np.uint32))
+    assert len(g.keys) == 2 and g.of_request.tolist() == [0, 1]
 
 
 def test_bytes_a_longer_name_left_in_the_slot_do_not_split_a_namespace() -> None:
