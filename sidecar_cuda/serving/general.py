@@ -233,13 +233,7 @@ class GeneralRoute:
             self._refresh.append((r, ns.name, flat.copy()))  # (an answer that fails below too)
         if r.flags & (Flag.WITH_PAYLOAD | _TIMES):
             blob = self._records_blob(r, ns, flat, decay)
-            if len(blob) > self.layout.blob_bytes:
-                self._answer(
-                    r,
-                    Status.PAYLOAD_TOO_LARGE,
-                    f"payloads and timestamps of the hits take {len(blob)} bytes, the slot holds "
-                    f"{self.layout.blob_bytes}; lower k or raise --blob-bytes",
-                )
+            if not self._fits(r, blob, "payloads and timestamps of the hits take", "lower k or raise --blob-bytes"):
                 return
             self.writer.answer_blob(r.slot, r.generation, kr, blob)
             return
@@ -487,8 +481,7 @@ class GeneralRoute:
             return
         if r.op == Op.LIST_NAMESPACES:
             blob = json.dumps(self.store.counts(self._now), separators=(",", ":")).encode()
-            if len(blob) > self.layout.blob_bytes:
-                self._answer(r, Status.PAYLOAD_TOO_LARGE, "namespace list exceeds the slot")
+            if not self._fits(r, blob, "the namespace list takes", "raise --blob-bytes"):
                 return
             self.writer.answer_blob(r.slot, r.generation, len(self.store.namespaces), blob)
         elif r.op == Op.EXPORT:
@@ -507,8 +500,7 @@ class GeneralRoute:
                 half = len(ids) // 2
                 ids, vecs, rows = ids[:half], vecs[:half], rows[:half]
                 blob = self._records_blob(r, ns, ids, rows=rows)
-            if len(blob) > self.layout.blob_bytes:
-                self._answer(r, Status.PAYLOAD_TOO_LARGE, "a payload exceeds the slot's blob area")
+            if not self._fits(r, blob, "a record's payload takes", "raise --blob-bytes"):
                 return
             self.writer.rows(r.slot, ids, vecs)
             self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
@@ -544,16 +536,22 @@ class GeneralRoute:
         blob = self._records_blob(r, ns, ids, rows=rows)
         if r.flags & Flag.REFRESH and len(ids):
             self._refresh.append((r, ns.name, ids))
-        if len(blob) > self.layout.blob_bytes:
-            self._answer(
-                r,
-                Status.PAYLOAD_TOO_LARGE,
-                f"payloads of the records take {len(blob)} bytes, the slot holds "
-                f"{self.layout.blob_bytes}; ask for fewer ids or raise --blob-bytes",
-            )
+        if not self._fits(r, blob, "payloads of the records take", "ask for fewer ids or raise --blob-bytes"):
             return
         self.writer.rows(r.slot, ids, vecs)
         self.writer.answer_blob(r.slot, r.generation, len(ids), blob)
+
+    def _fits(self, r: Request, blob: bytes, what: str, fix: str) -> bool:
+        """Whether an answer's ``blob`` fits the slot's blob area; if not, the request is answered
+        PAYLOAD_TOO_LARGE: ``what`` (ending in its verb) so many bytes against the area, and ``fix``."""
+        if len(blob) <= self.layout.blob_bytes:
+            return True
+        self._answer(
+            r,
+            Status.PAYLOAD_TOO_LARGE,
+            f"{what} {len(blob)} bytes, the slot holds {self.layout.blob_bytes}; {fix}",
+        )
+        return False
 
 
 def dense_scores(vectors: np.ndarray, query: np.ndarray, metric: Metric) -> np.ndarray:

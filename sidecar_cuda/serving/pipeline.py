@@ -81,6 +81,26 @@ class InFlight:
     route: Route = Route.UNIFORM  # MIXED: hits padded with id -1 past a namespace's rows
 
 
+@dataclass(slots=True)
+class Taken:
+    """A recall batch taken and gathered, about to be started (UNIFORM or MIXED)."""
+
+    sel: np.ndarray  # its slots
+    rec: np.ndarray  # their control blocks as read when taken
+    taken: list[int]
+    t_pick: int  # CLOCK_MONOTONIC when taken
+    t0: int  # perf_counter_ns when started
+    staging: int  # which staging buffer holds its queries
+    q: np.ndarray  # the queries, in that buffer
+    rows: tuple[np.ndarray, np.ndarray] | None  # (slot, row) per query; None: row 0 of each
+
+    def started(self, pending: PendingSearch, work: int, t_start: int, route: Route) -> InFlight:
+        """This batch, handed to the backend at ``t_start`` as ``pending``."""
+        return InFlight(
+            self.sel, self.rec, self.taken, self.t_pick, self.t0, self.staging, pending, work, self.rows, t_start, route
+        )
+
+
 class Pipeline:
     """Serves the posted slots of one segment (see the module docstring).
 
@@ -205,7 +225,7 @@ class Pipeline:
                 self._io.gather(rows[0], rows[1], q)
             plan = classify(rec, q, self._lookup, self.limits, Blobs(self.seg.all_blobs, sel))
             if plan.route is Route.MIXED:
-                batch = self._start_mixed(plan, sel, rec, taken, t_pick, t0, st, q, rows)
+                batch = self._start_mixed(plan, Taken(sel, rec, taken, t_pick, t0, st, q, rows))
                 if batch is not None:
                     inflight.append(batch)
                     if not batch.work or not pipelined(batch.work, self.limits.min_work):
@@ -215,7 +235,7 @@ class Pipeline:
             if plan.route is Route.UNIFORM:
                 if plan.where is not None:  # searched synchronously: answer the batch in flight first
                     served += self.finish_inflight()
-                batch = self._start_uniform(plan, sel, rec, taken, t_pick, t0, st, q, rows)
+                batch = self._start_uniform(plan, Taken(sel, rec, taken, t_pick, t0, st, q, rows))
                 if batch is not None:
                     inflight.append(batch)
                     if not plan.pipelined:  # answer it now
@@ -300,18 +320,7 @@ class Pipeline:
         return 1
 
     # ------------------------------------------------------------------ UNIFORM
-    def _start_uniform(
-        self,
-        plan: Plan[Namespace],
-        sel: np.ndarray,
-        rec: np.ndarray,
-        taken: list[int],
-        t_pick: int,
-        t0: int,
-        st: int,
-        q: np.ndarray,
-        rows: tuple[np.ndarray, np.ndarray] | None,
-    ) -> InFlight | None:
+    def _start_uniform(self, plan: Plan[Namespace], b: Taken) -> InFlight | None:
         """Start the batch's search; None if the backend refused it (the general route then
         searches again and reports per request)."""
         ns = plan.namespace
@@ -319,28 +328,17 @@ class Pipeline:
         t_start = time.monotonic_ns()  # (before: a filtered batch is searched right here)
         try:
             if plan.where is None:
-                pending = ns.search_start(q, plan.k)
+                pending = ns.search_start(b.q, plan.k)
             else:  # the same filter for all: evaluated once (cached until a write), searched now
                 match = ns.filtered_bytes(plan.where)
-                pending = completed(*ns.search_where(q, plan.k, match))
+                pending = completed(*ns.search_where(b.q, plan.k, match))
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
-        self.launch.launched(len(taken), t_pick, t_start, plan.pipelined)
-        return InFlight(sel, rec, taken, t_pick, t0, st, pending, ns.n * len(q) * self.limits.dim, rows, t_start)
+        self.launch.launched(len(b.taken), b.t_pick, t_start, plan.pipelined)
+        return b.started(pending, ns.n * len(b.q) * self.limits.dim, t_start, Route.UNIFORM)
 
     # ------------------------------------------------------------------ MIXED
-    def _start_mixed(
-        self,
-        plan: Plan[Namespace],
-        sel: np.ndarray,
-        rec: np.ndarray,
-        taken: list[int],
-        t_pick: int,
-        t0: int,
-        st: int,
-        q: np.ndarray,
-        rows: tuple[np.ndarray, np.ndarray] | None,
-    ) -> InFlight | None:
+    def _start_mixed(self, plan: Plan[Namespace], b: Taken) -> InFlight | None:
         """Start a batch of plain recalls to several namespaces as one search
         (``MemoryStore.search_mixed``); None if a namespace field is not a valid name (the
         general route answers it) or the backend refused the search."""
@@ -356,15 +354,15 @@ class Pipeline:
                 return None
             spaces.append(ns)
             sizes_list.append(0 if ns is None else ns.n)
-        of_query = of_req if rows is None else np.repeat(of_req, rec["nq"].astype(np.intp))
+        of_query = of_req if b.rows is None else np.repeat(of_req, b.rec["nq"].astype(np.intp))
         t_start = time.monotonic_ns()
         try:
-            pending = self.store.search_mixed(spaces, of_query, q, plan.k, map_ids=self._io.map_ids)
+            pending = self.store.search_mixed(spaces, of_query, b.q, plan.k, map_ids=self._io.map_ids)
         except Exception:
             return None
         work = int(np.asarray(sizes_list, np.int64)[of_query].sum()) * self.limits.dim
-        self.launch.launched(len(taken), t_pick, t_start, pipelined(work, self.limits.min_work))
-        return InFlight(sel, rec, taken, t_pick, t0, st, pending, work, rows, t_start, Route.MIXED)
+        self.launch.launched(len(b.taken), b.t_pick, t_start, pipelined(work, self.limits.min_work))
+        return b.started(pending, work, t_start, Route.MIXED)
 
     def finish_inflight(self) -> int:
         """Answer every batch in flight (waiting for the device)."""
