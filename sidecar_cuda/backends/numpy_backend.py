@@ -243,10 +243,7 @@ class NumpyBackend:
         self.threads_for(0)  # (small products: one BLAS thread)
         l2 = mats[0].metric == Metric.L2
         qn = np.einsum("ij,ij->i", queries, queries) if l2 else None
-        if width * mats[0].dim <= GATHER_FLOATS:
-            self._gathered(mats, n, of_query, queries, qn, scores)
-        else:
-            self._each(mats, n, of_query, queries, qn, scores)
+        self._mixed_scores(mats, n, of_query, queries, qn, scores)
         rows_, best = topk_rows(scores, k)
         pad = rows_ >= n[of_query][:, None]  # (a namespace of fewer than k rows)
         rows_[pad] = -1
@@ -258,7 +255,7 @@ class NumpyBackend:
         return rows_, best
 
     @staticmethod
-    def _gathered(
+    def _mixed_scores(
         mats: list[NumpyMatrix],
         n: np.ndarray,
         of_query: np.ndarray,
@@ -266,33 +263,24 @@ class NumpyBackend:
         qn: np.ndarray | None,
         scores: np.ndarray,
     ) -> None:
-        """``scores`` (B, width) of small namespaces: their rows side by side in one block
-        (namespace, width, d), zero past each one's rows, one batched product for every query,
-        then -inf past each query's namespace."""
+        """``scores`` (B, width), -inf past each query's namespace. Small namespaces (up to
+        GATHER_FLOATS): their rows side by side in one block (namespace, width, d), zero past
+        each one's rows, one batched product for every query. Wider ones: one product per
+        namespace (its rows with its queries)."""
         width = scores.shape[1]
-        block = np.zeros((len(mats), width, queries.shape[1]), np.float32)
-        for i, m in enumerate(mats):
-            block[i, : n[i]] = m.data[: n[i]]
-        s = np.matmul(block[of_query], queries[:, :, None])[:, :, 0]
-        if qn is not None:
-            sq = np.zeros((len(mats), width), np.float32)
+        if width * mats[0].dim <= GATHER_FLOATS:
+            block = np.zeros((len(mats), width, queries.shape[1]), np.float32)
             for i, m in enumerate(mats):
-                sq[i, : n[i]] = m.sqnorm[: n[i]]
-            s = 2.0 * s - sq[of_query] - qn[:, None]
-        s[np.arange(width)[None, :] >= n[of_query][:, None]] = -np.inf
-        scores[:] = s
-
-    @staticmethod
-    def _each(
-        mats: list[NumpyMatrix],
-        n: np.ndarray,
-        of_query: np.ndarray,
-        queries: np.ndarray,
-        qn: np.ndarray | None,
-        scores: np.ndarray,
-    ) -> None:
-        """``scores`` (B, width), -inf past each query's namespace: one product per namespace
-        (its rows with its queries)."""
+                block[i, : n[i]] = m.data[: n[i]]
+            s = np.matmul(block[of_query], queries[:, :, None])[:, :, 0]
+            if qn is not None:
+                sq = np.zeros((len(mats), width), np.float32)
+                for i, m in enumerate(mats):
+                    sq[i, : n[i]] = m.sqnorm[: n[i]]
+                s = 2.0 * s - sq[of_query] - qn[:, None]
+            s[np.arange(width)[None, :] >= n[of_query][:, None]] = -np.inf
+            scores[:] = s
+            return
         order = np.argsort(of_query, kind="stable")
         cuts = np.flatnonzero(np.diff(of_query[order])) + 1
         for idx in np.split(order, cuts):
