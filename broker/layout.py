@@ -608,7 +608,10 @@ class SegmentView:
             strides = [np.dtype(dtype).itemsize]
             for extent in reversed(shape[1:]):
                 strides.insert(0, strides[0] * extent)
-            return np.ndarray((L.n_slots, *shape), dtype, buf, L.data_offset + offset, (L.slot_bytes, *strides))
+            view: np.ndarray = np.ndarray(
+                (L.n_slots, *shape), dtype, buf, L.data_offset + offset, (L.slot_bytes, *strides)
+            )
+            return view
 
         #: Every slot's data areas as one strided array each (slot index first), so a batch is
         #: gathered or scattered with one fancy-indexing call.
