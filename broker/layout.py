@@ -602,32 +602,23 @@ class SegmentView:
         )
         self.slot = [SlotView(buf, layout, i) for i in range(layout.n_slots)]
         L = layout
+
+        def every_slot(offset: int, shape: tuple[int, ...], dtype: type[np.generic]) -> np.ndarray:
+            """The data area at ``offset`` in each slot's data (C order within a slot), slot first."""
+            strides = [np.dtype(dtype).itemsize]
+            for extent in reversed(shape[1:]):
+                strides.insert(0, strides[0] * extent)
+            view: np.ndarray = np.ndarray(
+                (L.n_slots, *shape), dtype, buf, L.data_offset + offset, (L.slot_bytes, *strides)
+            )
+            return view
+
         #: Every slot's data areas as one strided array each (slot index first), so a batch is
         #: gathered or scattered with one fancy-indexing call.
-        self.all_queries = np.ndarray(
-            (L.n_slots, L.max_queries, L.dim),
-            np.float32,
-            buf,
-            L.data_offset + L.query_offset,
-            (L.slot_bytes, 4 * L.dim, 4),
-        )
-        self.all_result_ids = np.ndarray(
-            (L.n_slots, L.max_queries, L.max_k),
-            np.int64,
-            buf,
-            L.data_offset + L.result_ids_offset,
-            (L.slot_bytes, 8 * L.max_k, 8),
-        )
-        self.all_result_scores = np.ndarray(
-            (L.n_slots, L.max_queries, L.max_k),
-            np.float32,
-            buf,
-            L.data_offset + L.result_scores_offset,
-            (L.slot_bytes, 4 * L.max_k, 4),
-        )
-        self.all_blobs = np.ndarray(
-            (L.n_slots, L.blob_bytes), np.uint8, buf, L.data_offset + L.blob_offset, (L.slot_bytes, 1)
-        )
+        self.all_queries = every_slot(L.query_offset, (L.max_queries, L.dim), np.float32)
+        self.all_result_ids = every_slot(L.result_ids_offset, (L.max_queries, L.max_k), np.int64)
+        self.all_result_scores = every_slot(L.result_scores_offset, (L.max_queries, L.max_k), np.float32)
+        self.all_blobs = every_slot(L.blob_offset, (L.blob_bytes,), np.uint8)
 
     def init_header(
         self,

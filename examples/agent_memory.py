@@ -33,40 +33,11 @@ from typing import Any
 import numpy as np
 
 from kalos import RecallPool
+from kalos.demo import MEMORIES
 
 DIM = 384  # all-MiniLM-L6-v2
 
-#: What each agent remembers (agent -> sentences) and asks (agent -> questions).
-MEMORIES: dict[str, list[str]] = {
-    "travel": [
-        "The user's flight to Lisbon leaves on the 14th at 7:40 from gate B22.",
-        "The user prefers aisle seats and always checks one bag.",
-        "The hotel in Lisbon is booked for four nights near Alfama.",
-        "The user's passport expires in March of next year.",
-        "A rental car was declined; the user will take trains in Portugal.",
-    ],
-    "billing": [
-        "Invoice 2291 for 480 euros was paid by card on the 3rd.",
-        "The user disputes a duplicate charge of 19.99 from the streaming service.",
-        "The company card ending in 4417 is used for work expenses only.",
-        "The user asked to move the monthly plan from premium to basic.",
-        "A refund of 120 euros for the cancelled workshop is still pending.",
-    ],
-    "health": [
-        "The user is allergic to penicillin.",
-        "The dentist appointment was moved to Thursday at 15:00.",
-        "The user runs 5 km three times a week and wants to train for a half marathon.",
-        "The user takes vitamin D in winter on the doctor's advice.",
-        "Blood test results from October were all in the normal range.",
-    ],
-    "code": [
-        "The service deploys with a rolling restart; the sidecar starts before the workers.",
-        "Unit tests must not use the network; integration tests start real processes.",
-        "The team agreed to type-check the whole package with mypy in strict mode.",
-        "The staging database is reset every Sunday night.",
-        "Feature flags live in a YAML file reviewed like code.",
-    ],
-}
+#: What each agent asks (agent -> questions); it remembers the demo's sentences (MEMORIES).
 QUESTIONS: dict[str, list[str]] = {
     "travel": ["When does my flight leave?", "Do I need a car in Portugal?"],
     "billing": ["Was I charged twice for something?", "Which card is for work?"],

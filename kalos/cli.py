@@ -11,13 +11,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from kalos.broker.errors import KalosError, UsageError
+from kalos.sidecar_cuda.backends.options import BackendKind
 from kalos.sidecar_cuda.config import (
     add_name_argument,
     add_serve_arguments,
     config_from_args,
+    configure_logging,
     shown_default,
 )
 
@@ -26,7 +29,11 @@ EXIT_ERROR = 2  # a Kalos or OS error: the message says what to change
 EXIT_BUG = 1  # anything else
 
 
+# A command's docstring is its --help description (plain text: argparse refills it).
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    """Run a sidecar that owns the memory and serves recalls through shared memory."""
     from kalos.sidecar_cuda.server import run
 
     return run(config_from_args(a))
@@ -76,12 +83,16 @@ def cmd_namespaces(a: argparse.Namespace) -> int:
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
+    """Start a sidecar (CUDA if available, else numpy), build a memory set, run concurrent async
+    agents, print latency percentiles and check answers."""
     from kalos.demo import run_demo
 
     return run_demo(a)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    """Measure recall latency/throughput through a fresh sidecar beside in-process numpy. The
+    full matrix is bench/bench_broker.py."""
     from kalos.demo import run_bench
 
     return run_bench(a)
@@ -95,6 +106,11 @@ def _namespace_and_dir(a: argparse.Namespace) -> tuple[str | None, str]:
 
 
 def cmd_export(a: argparse.Namespace) -> int:
+    """Stream a namespace (or --all of them) to DIR: manifest.json, then per namespace ids.npy,
+    vectors.npy, payloads.jsonl and stamps.npy (created_at, updated_at, expires_at, TTL), files
+    0600. Through the running sidecar by default; with --data-dir, from its store directly while
+    it is stopped (every timestamp and TTL exact). Refuses to overwrite an earlier export.
+    Progress goes to stderr."""
     from kalos.transfer import export_data_dir, export_namespaces
 
     namespace, out = _namespace_and_dir(a)
@@ -113,6 +129,12 @@ def cmd_export(a: argparse.Namespace) -> int:
 
 
 def cmd_import(a: argparse.Namespace) -> int:
+    """Upsert the records of an export: into NAMESPACE (an export of one namespace), or each
+    namespace into its own name. Through the running sidecar by default, a block at a time over a
+    pool of slots (records keep expires_at; the sidecar stamps created_at and updated_at); with
+    --data-dir, into its store directly while it is stopped (every timestamp and TTL as
+    exported). Exports of the first format (no manifest) need NAMESPACE. Progress goes to
+    stderr."""
     from kalos.transfer import DEFAULT_PAYLOAD_LIMIT, import_export, import_into_data_dir
 
     namespace, src = _namespace_and_dir(a)
@@ -138,6 +160,10 @@ def cmd_import(a: argparse.Namespace) -> int:
 
 
 def cmd_top(a: argparse.Namespace) -> int:
+    """A live view of one sidecar's /metrics: slots, throughput, batch sizes, latency quantiles,
+    errors, rows. q or Ctrl-C quits. Where output is not a terminal (a pipe, a file) it prints
+    one frame every --interval seconds instead, until Ctrl-C or the reader closes the pipe;
+    --once prints one and exits."""
     from kalos.top import find_metrics_url, run_top
 
     url = a.url or find_metrics_url(a.name)
@@ -178,6 +204,23 @@ def _add_timeout(p: argparse.ArgumentParser, default: float | None) -> None:
     )
 
 
+def _command(sub: Any, run: Callable[[argparse.Namespace], int], **kw: Any) -> argparse.ArgumentParser:
+    """The subcommand that ``run`` (``cmd_NAME``) runs, described by its docstring."""
+    p: argparse.ArgumentParser = sub.add_parser(run.__name__.removeprefix("cmd_"), description=run.__doc__, **kw)
+    p.set_defaults(func=run)
+    return p
+
+
+def _add_transfer_arguments(p: argparse.ArgumentParser, *, namespace: str, dir: str, data_dir: str) -> None:
+    """What ``export`` and ``import`` share: NAMESPACE and DIR (:func:`_namespace_and_dir`), and
+    where the records are: the store in ``--data-dir``, else the sidecar serving ``--name``."""
+    p.add_argument("namespace", metavar="NAMESPACE", help=namespace)
+    p.add_argument("dir", nargs="?", metavar="DIR", help=dir)
+    _opt(p, "--data-dir", metavar="DATA_DIR", shown="none: through the sidecar serving --name", help=data_dir)
+    add_name_argument(p)
+    _add_timeout(p, None)
+
+
 def _add_load_options(p: argparse.ArgumentParser, *, rows: int, seconds: float) -> None:
     """What ``demo`` and ``bench`` share: the throwaway sidecar they start (named after the
     process, never --name: they must not touch a sidecar that serves real memories)."""
@@ -188,8 +231,8 @@ def _add_load_options(p: argparse.ArgumentParser, *, rows: int, seconds: float) 
     _opt(
         p,
         "--backend",
-        choices=["auto", "numpy", "cuda"],
-        default="auto",
+        choices=[b.value for b in BackendKind],
+        default=BackendKind.AUTO.value,
         help="the sidecar's backend: auto is CUDA if CuPy and a GPU are usable, else numpy",
     )
 
@@ -202,23 +245,6 @@ def version_line() -> str:
     return f"kalos {__version__} (protocol {PROTOCOL_VERSION})"
 
 
-class _Version(argparse.Action):
-    """``--version``: print :func:`version_line` and exit, before a command is asked for."""
-
-    def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
-        super().__init__(option_strings, dest, nargs=0, default=False, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        print(version_line())
-        parser.exit()
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kalos", description="Kalos recall broker: GPU sidecar + shared-memory clients")
     _opt(
@@ -229,45 +255,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="debug logging, and the traceback of an unexpected error",
     )
-    p.add_argument(
+    p.add_argument(  # (acted on where it stands: before a command is asked for)
         "--version",
-        action=_Version,
+        action="version",
+        version=version_line(),
+        default=False,
         help=f"print the version ({version_line()}) and exit (default: off)",
     )
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    s = sub.add_parser(
-        "serve",
-        help="run a sidecar (until SIGTERM/SIGINT)",
-        description="Run a sidecar that owns the memory and serves recalls through shared memory.",
-    )
+    s = _command(sub, cmd_serve, help="run a sidecar (until SIGTERM/SIGINT)")
     add_serve_arguments(s)
-    s.set_defaults(func=cmd_serve)
 
-    d = sub.add_parser(
-        "demo",
-        help="the main job on the embedded default: sidecar + concurrent async agents",
-        description="Start a sidecar (CUDA if available, else numpy), build a memory set, run "
-        "concurrent async agents, print latency percentiles and check answers.",
-    )
+    d = _command(sub, cmd_demo, help="the main job on the embedded default: sidecar + concurrent async agents")
     _add_load_options(d, rows=50_000, seconds=4.0)
     _opt(d, "--agents", type=int, default=32, help="concurrent async agents (tasks)")
     _opt(d, "--procs", type=int, default=2, help="client processes the agents are spread over")
-    d.set_defaults(func=cmd_demo)
 
-    b = sub.add_parser(
-        "bench",
-        help="one benchmark point through the broker, beside in-process numpy",
-        description="Measure recall latency/throughput through a fresh sidecar beside in-process numpy. "
-        "The full matrix is bench/bench_broker.py.",
-    )
+    b = _command(sub, cmd_bench, help="one benchmark point through the broker, beside in-process numpy")
     _add_load_options(b, rows=256, seconds=3.0)
     _opt(b, "--tasks", type=int, default=1, help="concurrent recalling tasks")
     _opt(b, "--procs", type=int, default=1, help="client processes the tasks are spread over")
     _opt(b, "--loop", choices=["uvloop", "asyncio"], default="uvloop", help="the clients' event loop")
-    b.set_defaults(func=cmd_bench)
 
-    c = sub.add_parser("cleanup", help="remove shared objects left by a crashed sidecar")
+    c = _command(sub, cmd_cleanup, help="remove shared objects left by a crashed sidecar")
     c.add_argument("broker", nargs="?", metavar="NAME", help="broker name (default: --name)")
     add_name_argument(c)
     _opt(c, "--force", action="store_true", default=False, help="remove even if the recorded sidecar looks alive")
@@ -280,68 +291,38 @@ def build_parser() -> argparse.ArgumentParser:
         default=False,
         help="list every object removed, not only how many of each kind",
     )
-    c.set_defaults(func=cmd_cleanup)
 
-    n = sub.add_parser("namespaces", help="list namespaces and their row counts")
+    n = _command(sub, cmd_namespaces, help="list namespaces and their row counts")
     add_name_argument(n)
     _add_timeout(n, 5.0)
-    n.set_defaults(func=cmd_namespaces)
 
-    e = sub.add_parser(
-        "export",
+    e = _command(
+        sub,
+        cmd_export,
         usage="%(prog)s [options] (NAMESPACE | --all) DIR",
         help="export a namespace, or every one, with timestamps and TTLs to DIR",
-        description="Stream a namespace (or --all of them) to DIR: manifest.json, then per "
-        "namespace ids.npy, vectors.npy, payloads.jsonl and stamps.npy (created_at, updated_at, "
-        "expires_at, TTL), files 0600. Through the running sidecar by default; with --data-dir, "
-        "from its store directly while it is stopped (every timestamp and TTL exact). Refuses to "
-        "overwrite an earlier export. Progress goes to stderr.",
     )
-    e.add_argument("namespace", metavar="NAMESPACE", help="the namespace to export (left out with --all)")
-    e.add_argument(
-        "dir",
-        nargs="?",
-        metavar="DIR",
-        help="output directory (created 0700 if missing; must not hold an export; empty for --all)",
+    _add_transfer_arguments(
+        e,
+        namespace="the namespace to export (left out with --all)",
+        dir="output directory (created 0700 if missing; must not hold an export; empty for --all)",
+        data_dir="read the store in DATA_DIR directly (the sidecar stopped: its lock is taken)",
     )
     _opt(
         e, "--all", action="store_true", default=False, help="every namespace that holds records, one subdirectory each"
     )
-    _opt(
-        e,
-        "--data-dir",
-        metavar="DATA_DIR",
-        shown="none: through the sidecar serving --name",
-        help="read the store in DATA_DIR directly (the sidecar stopped: its lock is taken)",
-    )
-    add_name_argument(e)
-    _add_timeout(e, None)
-    e.set_defaults(func=cmd_export)
 
-    i = sub.add_parser(
-        "import",
+    i = _command(
+        sub,
+        cmd_import,
         usage="%(prog)s [options] [NAMESPACE] DIR",
         help="bulk-import an export (kalos export) from DIR",
-        description="Upsert the records of an export: into NAMESPACE (an export of one namespace), "
-        "or each namespace into its own name. Through the running sidecar by default, a block at "
-        "a time over a pool of slots (records keep expires_at; the sidecar stamps created_at and "
-        "updated_at); with --data-dir, into its store directly while it is stopped (every "
-        "timestamp and TTL as exported). Exports of the first format (no manifest) need "
-        "NAMESPACE. Progress goes to stderr.",
     )
-    i.add_argument("namespace", metavar="NAMESPACE", help="the namespace to write into (optional: see above)")
-    i.add_argument(
-        "dir",
-        nargs="?",
-        metavar="DIR",
-        help="an export's directory (manifest.json, or vectors.npy with optionally ids.npy and payloads.jsonl)",
-    )
-    _opt(
+    _add_transfer_arguments(
         i,
-        "--data-dir",
-        metavar="DATA_DIR",
-        shown="none: through the sidecar serving --name",
-        help="write into the store in DATA_DIR directly (the sidecar stopped: its lock is taken; made if missing)",
+        namespace="the namespace to write into (optional: see above)",
+        dir="an export's directory (manifest.json, or vectors.npy with optionally ids.npy and payloads.jsonl)",
+        data_dir="write into the store in DATA_DIR directly (the sidecar stopped: its lock is taken; made if missing)",
     )
     _opt(
         i,
@@ -357,18 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
         shown="16384, the sidecar's default",
         help="--data-dir: the largest payload (bytes) accepted, as the sidecar's --payload-limit",
     )
-    add_name_argument(i)
-    _add_timeout(i, None)
-    i.set_defaults(func=cmd_import)
 
-    t = sub.add_parser(
-        "top",
-        help="live terminal view of a sidecar's metrics (q quits)",
-        description="A live view of one sidecar's /metrics: slots, throughput, batch "
-        "sizes, latency quantiles, errors, rows. q or Ctrl-C quits. Where output is not a "
-        "terminal (a pipe, a file) it prints one frame every --interval seconds instead, until "
-        "Ctrl-C or the reader closes the pipe; --once prints one and exits.",
-    )
+    t = _command(sub, cmd_top, help="live terminal view of a sidecar's metrics (q quits)")
     add_name_argument(t)
     _opt(
         t,
@@ -378,17 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _opt(t, "--interval", type=float, default=1.0, help="seconds between scrapes")
     _opt(t, "--once", action="store_true", default=False, help="print one frame and exit")
-    t.set_defaults(func=cmd_top)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.verbose)
     if not args.verbose:  # a pool's INFO lines (its slot path) are for applications' logs, not a command's stderr
         logging.getLogger("kalos.clients").setLevel(logging.WARNING)
     where = f"kalos {args.cmd}"

@@ -6,11 +6,10 @@ The sidecar parses its own options (:mod:`kalos.sidecar_cuda.config`), so it nee
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from ..broker.errors import KalosError
-from .config import add_serve_arguments, config_from_args
+from .config import add_serve_arguments, config_from_args, configure_logging
 from .server import run
 
 PROG = "python -m kalos.sidecar_cuda"
@@ -27,11 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(args.verbose)
     try:
         return run(config_from_args(args))
     except KalosError as e:

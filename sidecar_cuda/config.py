@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import enum
+import logging
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -205,25 +207,21 @@ class _Store(argparse.Action):
         values: Any,
         option_string: str | None = None,
     ) -> None:
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self._value(values))
         _mark_given(namespace, self.dest)
 
+    def _value(self, values: Any) -> Any:
+        return values
 
-class _EnvFlag(argparse.Action):
+
+class _EnvFlag(_Store):
     """A ``store_true`` flag whose default may come from the environment (1/true/yes/on, 0/...)."""
 
     def __init__(self, option_strings: list[str], dest: str, **kw: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, **kw)
 
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        setattr(namespace, self.dest, True)
-        _mark_given(namespace, self.dest)
+    def _value(self, values: Any) -> bool:
+        return True
 
 
 def shown_default(default: object) -> str:
@@ -288,6 +286,15 @@ def add_name_argument(p: argparse.ArgumentParser, environ: Mapping[str, str] | N
     )
 
 
+def configure_logging(verbose: bool) -> None:
+    """The log of a sidecar or a ``kalos`` command: lines on stderr, DEBUG with ``-v``, else INFO."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+
+
 def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """Add the options of a sidecar to ``p`` (defaults are those of :class:`ServeConfig`).
 
@@ -299,6 +306,10 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
     def opt(flag: str, **kw: Any) -> None:
         add_env_option(p, flag, environ=environ, **kw)
 
+    def choice(flag: str, default: enum.Enum, **kw: Any) -> None:
+        """An option spelled as the values of ``default``'s enum (ServeConfig makes it a member)."""
+        opt(flag, choices=[str(m.value) for m in type(default)], default=default.value, **kw)
+
     add_name_argument(p, environ)
     opt("--dim", kind=int, default=128, help="vector dimension")
     opt("--slots", kind=int, default=64, help="shared-memory slots = max in-flight requests")
@@ -307,18 +318,8 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "--max-queries", kind=int, default=32, help="rows per slot: queries of recall_many, vectors of one upsert chunk"
     )
     opt("--blob-bytes", kind=int, default=256 * 1024, help="per-slot payload area in bytes")
-    opt(
-        "--backend",
-        choices=["auto", "numpy", "cuda"],
-        default="auto",
-        help="auto: CUDA if CuPy and a GPU are usable, else numpy",
-    )
-    opt(
-        "--dtype",
-        choices=["float32", "float16", "bfloat16"],
-        default="float32",
-        help="storage dtype of the matrix on the GPU (numpy: float32 only)",
-    )
+    choice("--backend", BackendKind.AUTO, help="auto: CUDA if CuPy and a GPU are usable, else numpy")
+    choice("--dtype", StorageDtype.FLOAT32, help="storage dtype of the matrix on the GPU (numpy: float32 only)")
     opt("--metric", choices=["dot", "cosine", "l2"], default="dot", help="similarity")
     opt(
         "--devices",
@@ -383,19 +384,17 @@ def add_serve_arguments(p: argparse.ArgumentParser, environ: Mapping[str, str] |
         "batch fills (0: never; --launch fill waits less where the device time a fuller batch "
         "saves is smaller, eager a quarter of the last batch's service time)",
     )
-    opt(
+    choice(
         "--launch",
-        choices=[m.value for m in Launch],
-        default="fill",
+        Launch.FILL,
         help="when the next batch leaves: fill (one batch of every caller where that costs the "
         "device less per request than two halves taking turns, measured; a lone caller at "
         "once), eager (once as many are posted as the last batch held: the earlier policy, "
         "kept to compare), or merge / split (fill held in one of its two ways, to measure them)",
     )
-    opt(
+    choice(
         "--pipeline",
-        choices=[p.value for p in Pipelining],
-        default="auto",
+        Pipelining.AUTO,
         help="start the next recall batch on the device while one runs: on, off, or auto "
         "(only for batches of at least 2^34 rows x queries x dim)",
     )

@@ -66,11 +66,11 @@ the store's next use or close).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from llama_index.core.base.embeddings.base import BaseEmbedding
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import BaseModel, Field, PrivateAttr
 from llama_index.core.schema import BaseNode
 from llama_index.core.vector_stores.types import (
     BasePydanticVectorStore,
@@ -311,19 +311,19 @@ def _check_query(query: VectorStoreQuery) -> tuple[np.ndarray, Where | None]:
 # --------------------------------------------------------------------------- the store
 
 
-class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
-    """LlamaIndex's embedding model computed by the sidecar ``name``'s model (``kalos serve
-    --embed``): set it as ``Settings.embed_model`` (or pass ``embed_model=``) and no worker loads a
-    model; the sidecar embeds every worker's pending texts together (docs/text.md). ``timeout``,
-    ``connect_timeout``, ``pool_size``, ``client`` / ``pool``: as for the vector store. Raises
-    ConfigError when the sidecar serves no model, InvalidRequest for a bad text."""
+class _OnSidecar(BaseModel):  # type: ignore[misc,unused-ignore]
+    """The fields that connect a LlamaIndex model (the embedding, the vector store) to the sidecar
+    ``name``, and its :class:`Connections` made from them, with the ``client`` / ``pool`` given to
+    the constructor. ``similarity_for``: as for :class:`Connections`. A subclass names this
+    ``__init__`` as its own, or mypy would give it the keyword-only one of its fields."""
 
     name: str = "default"
-    timeout: float | None = 10.0
+    timeout: float | None = None
     connect_timeout: float = 10.0
     pool_size: int = Field(default=4, ge=1)
 
     _conns: Connections = PrivateAttr()
+    similarity_for: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -333,7 +333,7 @@ class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
         pool: RecallPool | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(name=name, model_name=f"kalos:{name}", **kwargs)  # type: ignore[call-arg,unused-ignore]
+        super().__init__(name=name, **self._named(name), **kwargs)
         self._conns = Connections(
             self.name,
             timeout=self.timeout,
@@ -341,7 +341,29 @@ class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
             pool_size=self.pool_size,
             client=client,
             pool=pool,
+            similarity_for=self.similarity_for,
         )
+
+    @classmethod
+    def _named(cls, name: str) -> dict[str, Any]:
+        """More fields that follow from ``name``."""
+        return {}
+
+
+class KalosEmbedding(_OnSidecar, BaseEmbedding):  # type: ignore[misc,unused-ignore]
+    """LlamaIndex's embedding model computed by the sidecar ``name``'s model (``kalos serve
+    --embed``): set it as ``Settings.embed_model`` (or pass ``embed_model=``) and no worker loads a
+    model; the sidecar embeds every worker's pending texts together (docs/text.md). ``timeout``,
+    ``connect_timeout``, ``pool_size``, ``client`` / ``pool``: as for the vector store. Raises
+    ConfigError when the sidecar serves no model, InvalidRequest for a bad text."""
+
+    timeout: float | None = 10.0
+
+    __init__ = _OnSidecar.__init__
+
+    @classmethod
+    def _named(cls, name: str) -> dict[str, Any]:
+        return {"model_name": f"kalos:{name}"}
 
     @classmethod
     def class_name(cls) -> str:
@@ -374,6 +396,7 @@ class KalosEmbedding(BaseEmbedding):  # type: ignore[misc,unused-ignore]
 
 class KalosLlamaVectorStore(
     ConnectedStore,  # type: ignore[misc,unused-ignore]
+    _OnSidecar,
     BasePydanticVectorStore,
 ):
     """LlamaIndex vector store on a Kalos sidecar (exact top-k, cosine scores); see the module
@@ -390,32 +413,10 @@ class KalosLlamaVectorStore(
     stores_text: bool = True
     is_embedding_query: bool = True
     flat_metadata: bool = True
-    name: str = "default"
     namespace: str = "llamaindex"
-    timeout: float | None = None
-    connect_timeout: float = 10.0
-    pool_size: int = Field(default=4, ge=1)
+    similarity_for: ClassVar[str | None] = "KalosLlamaVectorStore"
 
-    _conns: Connections = PrivateAttr()
-
-    def __init__(
-        self,
-        name: str = "default",
-        *,
-        client: RecallClient | None = None,
-        pool: RecallPool | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(name=name, **kwargs)  # type: ignore[call-arg,unused-ignore]
-        self._conns = Connections(
-            self.name,
-            timeout=self.timeout,
-            connect_timeout=self.connect_timeout,
-            pool_size=self.pool_size,
-            client=client,
-            pool=pool,
-            similarity_for="KalosLlamaVectorStore",
-        )
+    __init__ = _OnSidecar.__init__
 
     @classmethod
     def class_name(cls) -> str:

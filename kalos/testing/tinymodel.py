@@ -59,28 +59,30 @@ def build_tiny_model(
     def w(*shape: int, scale: float = 0.2) -> np.ndarray:
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    t: dict[str, np.ndarray] = {
-        "embeddings.word_embeddings.weight": w(len(vocab), dim, scale=1.0),
-        "embeddings.position_embeddings.weight": w(max_positions, dim, scale=0.5),
-        "embeddings.token_type_embeddings.weight": w(2, dim, scale=0.5),
-        "embeddings.LayerNorm.weight": 1 + w(dim, scale=0.1),
-        "embeddings.LayerNorm.bias": w(dim, scale=0.1),
-    }
+    t: dict[str, np.ndarray] = {}
+
+    # (in the order the weights are drawn: a seed makes the same model)
+    def dense(name: str, n_out: int, n_in: int) -> None:
+        t[f"{name}.weight"] = w(n_out, n_in)
+        t[f"{name}.bias"] = w(n_out, scale=0.05)
+
+    def layer_norm(name: str) -> None:
+        t[f"{name}.weight"] = 1 + w(dim, scale=0.1)
+        t[f"{name}.bias"] = w(dim, scale=0.1)
+
+    t["embeddings.word_embeddings.weight"] = w(len(vocab), dim, scale=1.0)
+    t["embeddings.position_embeddings.weight"] = w(max_positions, dim, scale=0.5)
+    t["embeddings.token_type_embeddings.weight"] = w(2, dim, scale=0.5)
+    layer_norm("embeddings.LayerNorm")
     for n in range(layers):
         p = f"encoder.layer.{n}."
         for x in ("query", "key", "value"):
-            t[f"{p}attention.self.{x}.weight"] = w(dim, dim)
-            t[f"{p}attention.self.{x}.bias"] = w(dim, scale=0.05)
-        t[f"{p}attention.output.dense.weight"] = w(dim, dim)
-        t[f"{p}attention.output.dense.bias"] = w(dim, scale=0.05)
-        t[f"{p}attention.output.LayerNorm.weight"] = 1 + w(dim, scale=0.1)
-        t[f"{p}attention.output.LayerNorm.bias"] = w(dim, scale=0.1)
-        t[f"{p}intermediate.dense.weight"] = w(intermediate, dim)
-        t[f"{p}intermediate.dense.bias"] = w(intermediate, scale=0.05)
-        t[f"{p}output.dense.weight"] = w(dim, intermediate)
-        t[f"{p}output.dense.bias"] = w(dim, scale=0.05)
-        t[f"{p}output.LayerNorm.weight"] = 1 + w(dim, scale=0.1)
-        t[f"{p}output.LayerNorm.bias"] = w(dim, scale=0.1)
+            dense(f"{p}attention.self.{x}", dim, dim)
+        dense(f"{p}attention.output.dense", dim, dim)
+        layer_norm(f"{p}attention.output.LayerNorm")
+        dense(f"{p}intermediate.dense", intermediate, dim)
+        dense(f"{p}output.dense", dim, intermediate)
+        layer_norm(f"{p}output.LayerNorm")
     t["pooler.dense.weight"] = w(dim, dim)  # (as BertModel saves it; sentence models do not use it)
     write_weights(directory / "model.safetensors", t)
     config = {

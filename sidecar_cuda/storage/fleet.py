@@ -404,12 +404,7 @@ class FleetStore:
     def close(self) -> None:
         if self.follower is not None:
             self.follower.stop()
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except psycopg.Error:
-                pass
-            self._writer = None
+        self._drop_writer()
 
 
 def bootstrap(conn: Conn, member: str, store: MemoryStore, dim: int) -> tuple[int, Position]:

@@ -45,7 +45,7 @@ _CUBLAS_OP_N, _CUBLAS_OP_T = 0, 1
 _CUBLAS_COMPUTE_32F = 68
 _CUBLAS_COMPUTE_32I = 72
 _CUBLAS_GEMM_DEFAULT = -1
-_CUDA_R_8I, _CUDA_R_32I = 3, 10
+_CUDA_R_32F, _CUDA_R_8I, _CUDA_R_32I = 0, 3, 10
 # cuBLAS reads alpha and beta from host memory; int32 for an int32 computation.
 _ONE_I32 = np.ones(1, np.int32)
 INT8_THREADS = 1024  # kalos_i8_threshold and kalos_i8_final: a block of 32 warps per query
@@ -318,7 +318,6 @@ def search_gemm(
     )
     a_q = q32 if f32 else qs
     handle = cp.cuda.device.get_cublas_handle()
-    from cupy_backends.cuda.libs import cublas
 
     big_k = k > WARP_K
     C = next_pow2(k + BLOCK)
@@ -335,27 +334,7 @@ def search_gemm(
                     stream=s,
                 )
             else:
-                cublas.gemmEx(
-                    handle,
-                    _CUBLAS_OP_T,
-                    _CUBLAS_OP_N,
-                    nc,
-                    b,
-                    dpad,
-                    dev.alpha.ctypes.data,
-                    m.data.data.ptr + c0 * dpad * isz,
-                    dev.storage.cuda_type,
-                    dpad,
-                    a_q,
-                    dev.storage.cuda_type,
-                    dpad,
-                    dev.beta.ctypes.data,
-                    bufs.d_scores.ptr,
-                    0,
-                    nc,
-                    _CUBLAS_COMPUTE_32F,
-                    _CUBLAS_GEMM_DEFAULT,
-                )
+                _gemm_scores(dev, bufs, handle, m.data.data.ptr + c0 * dpad * isz, nc, a_q, b, dpad, _CUDA_R_32F, nc)
             if decay is not None:
                 add_recency(dev, bufs.d_scores.ptr, b, nc, c0, m.times, decay, bool(l2))
             args = (
@@ -367,12 +346,7 @@ def search_gemm(
                 np.int32(l2),
                 np.int32(k),
                 np.int32(kk),
-                np.int32(pc),
-                np.int32(p_off),
-                np.int32(total),
-                cand_s,
-                cand_r,
-                bufs.d_counters.ptr,
+                *_merge_args(pc, p_off, total, cand_s, cand_r, bufs.d_counters.ptr),
                 out_s,
                 out_r,
             )
@@ -381,6 +355,54 @@ def search_gemm(
             else:
                 dev.kernels.scores_w((pc, b), (BLOCK,), args, stream=s)
             p_off += pc
+
+
+def _gemm_scores(
+    dev: Device,
+    bufs: BufferSet,
+    handle: int,
+    rows: int,
+    nc: int,
+    queries: int,
+    b: int,
+    dpad: int,
+    out_type: int,
+    ld: int,
+) -> None:
+    """cuBLAS, on the current stream: the scores of ``nc`` stored rows from device address ``rows``
+    against ``b`` queries at ``queries`` (both in the storage type, ``dpad`` apart), accumulated in
+    float32, into ``bufs.d_scores`` as one row of ``ld`` scores of type ``out_type`` per query."""
+    from cupy_backends.cuda.libs import cublas
+
+    cublas.gemmEx(
+        handle,
+        _CUBLAS_OP_T,
+        _CUBLAS_OP_N,
+        nc,
+        b,
+        dpad,
+        dev.alpha.ctypes.data,
+        rows,
+        dev.storage.cuda_type,
+        dpad,
+        queries,
+        dev.storage.cuda_type,
+        dpad,
+        dev.beta.ctypes.data,
+        bufs.d_scores.ptr,
+        out_type,
+        ld,
+        _CUBLAS_COMPUTE_32F,
+        _CUBLAS_GEMM_DEFAULT,
+    )
+
+
+def _merge_args(pc: int, p_off: int, total: int, cand_s: int, cand_r: int, counters: int) -> tuple[Any, ...]:
+    """The arguments the top-k kernels of a chunk share (``Pc, p_off, P, cand_s, cand_r,
+    counters`` in ``kalos_topk.cu``): the chunk's ``pc`` blocks, the first of them ``p_off``
+    among ``total``, where each block leaves its candidates (scores, rows) and the per-query
+    counters that tell the last block to merge them."""
+    return (np.int32(pc), np.int32(p_off), np.int32(total), cand_s, cand_r, counters)
 
 
 def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray, n: int, kk: int) -> None:
@@ -420,34 +442,13 @@ def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray,
         (-(-b * 32 // BLOCK),), (BLOCK,), (q32, qs, qn, qscale, np.int32(b), np.int32(dpad), xmax), stream=s
     )
     handle = cp.cuda.device.get_cublas_handle()
-    from cupy_backends.cuda.libs import cublas
 
     p_off = 0
     with s:  # cuBLAS runs on the current stream
         for (c0, c1), pc in zip(chunks, parts):
             nc = c1 - c0
             ld = -(-nc // 8) * 8
-            cublas.gemmEx(
-                handle,
-                _CUBLAS_OP_T,
-                _CUBLAS_OP_N,
-                nc,
-                b,
-                dpad,
-                dev.alpha.ctypes.data,
-                m.data.data.ptr + c0 * dpad * 2,
-                dev.storage.cuda_type,
-                dpad,
-                qs,
-                dev.storage.cuda_type,
-                dpad,
-                dev.beta.ctypes.data,
-                bufs.d_scores.ptr,
-                dev.storage.cuda_type,
-                ld,
-                _CUBLAS_COMPUTE_32F,
-                _CUBLAS_GEMM_DEFAULT,
-            )
+            _gemm_scores(dev, bufs, handle, m.data.data.ptr + c0 * dpad * 2, nc, qs, b, dpad, dev.storage.cuda_type, ld)
             dev.kernels.hscores(
                 (pc, b),
                 (BLOCK,),
@@ -460,12 +461,7 @@ def search_half_gemm(dev: Device, bufs: BufferSet, m: DeviceRows, q: np.ndarray,
                     qn,
                     qscale,
                     np.int32(m.l2),
-                    np.int32(pc),
-                    np.int32(p_off),
-                    np.int32(total),
-                    cand_s,
-                    cand_r,
-                    bufs.d_counters.ptr,
+                    *_merge_args(pc, p_off, total, cand_s, cand_r, bufs.d_counters.ptr),
                     top_s,
                     top_r,
                 ),

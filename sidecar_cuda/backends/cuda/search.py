@@ -8,19 +8,24 @@ prove. Two searches may be pending (one per buffer set of the :class:`Device`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
 from ....broker.errors import KalosError, ServerError
 from ..base import Decay, PolledFuture, SearchResult
-from .buffers import BufferSet
+from .buffers import Buffer, BufferSet
 from .device import Device
 from .int8 import ensure as ensure_int8
 from .kernels import MAX_K
 from .paths import enqueue, search_host, search_mixed
 from .planner import BIASED_PATHS, REDO, Plan, SearchPath, forced, plan, plan_biased
 from .rows import DeviceRows
+
+#: Raised by a search as they are (bad input, Kalos's own); anything else the device raises is a
+#: ServerError.
+_PASSED = (KalosError, ValueError, IndexError, TypeError)
 
 
 class Launch:
@@ -67,18 +72,9 @@ class MixedSearch(PolledFuture[SearchResult]):
 
     def _collect(self) -> SearchResult:
         dev, bufs, b, k = self._dev, self._bufs, self._b, self._k
-        try:
+        with _collecting(dev, bufs):
             dev.wait(bufs.done)
-            out = bufs.h_out
-            rows = out.view(np.int32, b * k).reshape(b, k).astype(np.int64)
-            scores = out.view(np.float32, 2 * b * k)[b * k :].reshape(b, k).copy()
-        except (KalosError, ValueError, IndexError, TypeError):
-            raise
-        except Exception as e:
-            raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
-        finally:
-            bufs.busy = False
-            dev.graphs.prune(min((x.seq for x in dev.sets if x.busy), default=dev.seq + 1))
+            rows, scores = _read_answer(bufs.h_out, b, k)
         dev.stats.add(SearchPath.MIXED, b, time.perf_counter_ns() - self._t0)
         return rows, scores
 
@@ -108,15 +104,7 @@ def start_mixed(
     if bufs is None:
         raise RuntimeError("two searches are pending already: collect one first")
     t0 = time.perf_counter_ns()
-    bufs.busy = True
-    try:
-        with dev.cuda:
-            search_mixed(dev, bufs, mats, n, of_query, q, k)
-    except BaseException as e:
-        bufs.busy = False
-        if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
-            raise
-        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+    _enqueue_on(dev, bufs, lambda: search_mixed(dev, bufs, mats, n, of_query, q, k))
     return MixedSearch(dev, bufs, b, k, t0)
 
 
@@ -196,16 +184,47 @@ def _launch(
     if pl.path is SearchPath.HOST:  # answered now, from the host copy (read back first if stale)
         p.value = search_host(dev, m, q, n, k, decay)
         return p
+    _enqueue_on(dev, bufs, lambda: enqueue(dev, bufs, pl, m, q, n, k, kk, decay))
+    return p
+
+
+def _enqueue_on(dev: Device, bufs: BufferSet, work: Callable[[], None]) -> None:
+    """Run ``work`` (enqueueing a search that writes ``bufs``) on the device, ``bufs`` busy from
+    now until the search is collected; if enqueueing fails, free again, and raised as ServerError
+    unless it is bad input or a Kalos error."""
     bufs.busy = True
     try:
         with dev.cuda:
-            enqueue(dev, bufs, pl, m, q, n, k, kk, decay)
+            work()
     except BaseException as e:
         bufs.busy = False
-        if isinstance(e, (KalosError, ValueError, IndexError, TypeError)):
+        if isinstance(e, _PASSED):
             raise
         raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
-    return p
+
+
+@contextmanager
+def _collecting(dev: Device, bufs: BufferSet) -> Iterator[None]:
+    """Around waiting for and reading a search's answer: what the device raises becomes
+    ServerError (bad input and Kalos errors pass as they are), and however it ends ``bufs`` is
+    free again and the graphs no pending search uses are pruned."""
+    try:
+        yield
+    except _PASSED:
+        raise
+    except Exception as e:
+        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
+    finally:
+        bufs.busy = False
+        dev.graphs.prune(min((x.seq for x in dev.sets if x.busy), default=dev.seq + 1))
+
+
+def _read_answer(out: Buffer, b: int, k: int) -> SearchResult:
+    """The rows (int32 on the device, int64 here) and scores of b queries, k each, as the
+    kernels leave them at the start of ``out``: all the rows, then all the scores."""
+    rows = out.view(np.int32, b * k).reshape(b, k).astype(np.int64)
+    scores = out.view(np.float32, 2 * b * k)[b * k :].reshape(b, k).copy()
+    return rows, scores
 
 
 def collect(dev: Device, p: Launch) -> SearchResult:
@@ -217,11 +236,10 @@ def collect(dev: Device, p: Launch) -> SearchResult:
         return _answer(dev, p, *p.value)
     bufs, b, kk = p.bufs, len(p.q), p.kk
     assert p.path is not None
-    try:
+    with _collecting(dev, bufs):
         dev.wait(bufs.done)
         out = bufs.h_out
-        rows = out.view(np.int32, b * kk).reshape(b, kk).astype(np.int64)
-        scores = out.view(np.float32, 2 * b * kk)[b * kk :].reshape(b, kk).copy()
+        rows, scores = _read_answer(out, b, kk)
         redo_path = REDO.get(p.path)
         if redo_path is not None:
             # Flagged by the kernel, or with a row missing (scores beyond float16 even after
@@ -240,13 +258,6 @@ def collect(dev: Device, p: Launch) -> SearchResult:
                 dev.wait(bufs.done)
                 rows[redo] = out.view(np.int32, len(redo) * kk).reshape(-1, kk)
                 scores[redo] = out.view(np.float32, 2 * len(redo) * kk)[len(redo) * kk :].reshape(-1, kk)
-    except (KalosError, ValueError, IndexError, TypeError):
-        raise
-    except Exception as e:
-        raise ServerError(f"CUDA search failed: {type(e).__name__}: {e}") from e
-    finally:
-        bufs.busy = False
-        dev.graphs.prune(min((x.seq for x in dev.sets if x.busy), default=dev.seq + 1))
     return _answer(dev, p, rows, scores)
 
 
