@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ..broker.errors import ClosedError, KalosError
 from ._exchange import Exchange
@@ -74,6 +74,18 @@ class PoolStatistics:
     grown: int = 0  # slots leased after open, because callers waited for one
     returned: int = 0  # slots given back: idle, or ceded to a process waiting for its first
     refused: int = 0  # times callers waited and the broker had no slot to spare (they queued)
+
+
+class SlotCounts(NamedTuple):
+    """A pool's slots, for :meth:`ClientCore.statistics` (``_elastic.Leases.counts``)."""
+
+    size: int  # leased now
+    free: int
+    min_size: int
+    max_size: int
+    grown: int
+    returned: int
+    refused: int
 
 
 @dataclass
@@ -199,10 +211,38 @@ class ClientCore(Generic[W]):
         t.reattaches += 1
         return Step.INSTALL
 
+    def statistics(
+        self, now_ns: int, slots: SlotCounts, *, orphaned: int, attached: bool, queued: int, slot_path: str
+    ) -> PoolStatistics:
+        """A snapshot: the driver's slots and what it alone knows (its orphans, whether it is
+        attached, its queue, its slot path), with the core's table and tallies."""
+        t = self.tally
+        return PoolStatistics(
+            size=slots.size,
+            free=slots.free,
+            in_flight=len(self.inflight),
+            orphaned=orphaned,
+            requests=t.requests,
+            errors=t.errors,
+            outages=t.outages,
+            reattaches=t.reattaches,
+            unavailable_s=t.unavailable_s(now_ns),
+            attached=attached,
+            queued=queued,
+            posted=t.posted,
+            coalesced=t.coalesced,
+            slot_path=slot_path,
+            min_size=slots.min_size,
+            max_size=slots.max_size,
+            grown=slots.grown,
+            returned=slots.returned,
+            refused=slots.refused,
+        )
+
     def forget(self) -> None:
         """In a forked child: the parent's exchanges are not ours."""
         self.life.fork()
         self.inflight.clear()
 
 
-__all__ = ["SERVING", "ClientCore", "Life", "PoolStatistics", "Step", "Tally"]
+__all__ = ["SERVING", "ClientCore", "Life", "PoolStatistics", "SlotCounts", "Step", "Tally"]

@@ -23,38 +23,32 @@ queue), ``clients._writes`` (a write of several chunks), ``broker.waiting`` (spi
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import random
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..broker.errors import (
-    AcquireTimeout,
-    BrokerUnavailable,
-    ClosedError,
-    ConfigError,
-    KalosError,
-    ResponseTimeout,
-)
+from ..broker.errors import BrokerUnavailable, ClosedError, ConfigError, KalosError
 from ..broker.layout import Layout, Op
 from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
+from ._backlog import coalescible
 from ._coalesce import Path, route
 from ._core import ClientCore, Life, PoolStatistics, Step
 from ._elastic import Leases
 from ._exchange import Completion, Exchange, resend_after_outage, settled_within
 from ._fanout import Halted, write_chunks
+from ._forks import track, untrack
 from ._free import FreeSlots
 from ._leaseplan import IDLE_S, LeasePlan
 from ._life import PoolState
 from ._ops import AsyncOps
 from ._poller import LIVENESS_S, Poller
-from ._queue import CoalescingQueue, NotSent, Waiting
+from ._queue import CoalescingQueue, NotSent, Waiting, callers, complete, deliver, fail_callers, orphaned
+from ._refusals import down, no_slot, not_sent, unanswered
 from ._requests import (
     DEFAULT,
     FastRows,
@@ -77,32 +71,7 @@ log = logging.getLogger("kalos.clients.pool")
 
 # Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
 # CPython 3.11.
-_OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
-
-
-_POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """Pools opened before a fork belong to the parent: the child's copies must never touch the
-    parent's slots, so they are marked forked (every use raises ForkedPoolError at once) and
-    dropped without giving anything back."""
-    for pool in list(_POOLS):
-        pool._forked()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _futures(w: Waiting) -> list[asyncio.Future[Any]]:
-    """The futures of the callers waiting for one posted exchange."""
-    return [m.future for m in w] if isinstance(w, list) else [w]
-
-
-def _orphaned(w: Waiting) -> bool:
-    """Every caller of a posted exchange went away (cancelled or timed out)."""
-    return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
+_OPEN = PoolState.OPEN
 
 
 class RecallPool(AsyncOps):
@@ -262,11 +231,11 @@ class RecallPool(AsyncOps):
             loop,
             max_rows=self._layout.max_queries,
             max_k=self._layout.max_k,
-            take_slot=self._take_slot,
+            take_slot=self._leases.take,
             release=free.put_nowait,
             wait_for_slot=free.add_waiter,
             withdraw=free.remove_waiter,
-            usable=self._usable,
+            usable=self._leases.usable,
             post=self._post,
             refusal=self._queue_refusal,
             on_bug=self._dispatcher_failed,
@@ -274,7 +243,7 @@ class RecallPool(AsyncOps):
         self._install(att)
         self._life.open()
         self._leases.open = True
-        _POOLS.add(self)
+        track(self)  # (a fork's child gets ForkedPoolError from its copy)
         return self
 
     def _install(self, att: Attachment) -> None:
@@ -327,7 +296,7 @@ class RecallPool(AsyncOps):
         deadline = None if budget is None else loop.time() + budget
         try:
             while self._life.state is PoolState.CLOSING and self._conn is not None:
-                futs = [f for e in self._inflight.values() for f in _futures(e.waiter) if not f.done()]
+                futs = [f for e in self._inflight.values() for f in callers(e.waiter) if not f.done()]
                 futs += queue.futures()
                 left = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - loop.time())
                 if not futs or left <= 0:
@@ -345,7 +314,7 @@ class RecallPool(AsyncOps):
         sidecar's reaper (freed once it has answered them)."""
         if self._life.terminate() is Step.NOTHING:
             return
-        _POOLS.discard(self)
+        untrack(self)
         if self._poller is not None:
             self._poller.cancel()
         if self._reattacher is not None and not self._reattacher.done():
@@ -365,9 +334,7 @@ class RecallPool(AsyncOps):
         busy = []
         for e in self._core.lost():
             busy.append(e.slot)
-            for f in _futures(e.waiter):
-                if not f.done():
-                    f.set_exception(copy.copy(exc))
+            fail_callers(e.waiter, exc)
         if self._free is not None:
             self._free.drain()
         conn, slots = self._leases.detach()
@@ -388,26 +355,14 @@ class RecallPool(AsyncOps):
         self._reattacher = None
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(
-            size=len(self._leases.slots),
-            free=self._free_count(),
-            in_flight=len(self._inflight),
-            orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
-            requests=self._tally.requests,
-            errors=self._tally.errors,
-            outages=self._tally.outages,
-            reattaches=self._tally.reattaches,
-            unavailable_s=self._tally.unavailable_s(time.monotonic_ns()),
+        """A snapshot of the pool's slots, requests, outages and queue (``PoolStatistics``)."""
+        return self._core.statistics(
+            time.monotonic_ns(),
+            self._leases.counts(),
+            orphaned=sum(1 for e in self._inflight.values() if orphaned(e.waiter)),
             attached=self._conn is not None,
             queued=self._queue.live() if self._queue is not None else 0,
-            posted=self._tally.posted,
-            coalesced=self._tally.coalesced,
             slot_path=self._slot_path.value,
-            min_size=self._min_size,
-            max_size=self._size,
-            grown=self._leases.grown,
-            returned=self._leases.returned,
-            refused=self._leases.refused,
         )
 
     def spin_window_ns(self) -> int:
@@ -426,32 +381,7 @@ class RecallPool(AsyncOps):
 
     def _down_error(self) -> BrokerUnavailable:
         """What a caller whose budget ran out during an outage gets."""
-        return BrokerUnavailable(
-            f"broker {self.name!r}: no sidecar within the time budget (down for "
-            f"{(time.monotonic_ns() - self._tally.down_since) / 1e9:.2f} s; the pool "
-            "re-attaches as soon as one serves the name)"
-        )
-
-    def _usable(self, slot: ClientSlot) -> bool:
-        """A slot of the live attachment (not one of an attachment lost to an outage)."""
-        return slot in self._leases.current
-
-    def _free_count(self) -> int:
-        return self._free.qsize() if self._free is not None else 0
-
-    def _take_slot(self) -> ClientSlot | None:
-        """A free slot of the live attachment now (one more leased if none is free and the
-        pool may grow), or None."""
-        free = self._free
-        assert free is not None
-        while (slot := free.get_nowait()) is not None:
-            if slot in self._leases.current:
-                return slot
-        if self._leases.grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
-            while (slot := free.get_nowait()) is not None:
-                if slot in self._leases.current:
-                    return slot
-        return None
+        return down(self.name, time.monotonic_ns() - self._tally.down_since)
 
     def _queue_refusal(self) -> KalosError | None:
         """None while queued recalls may still be sent (OPEN or CLOSING), else their error."""
@@ -485,23 +415,18 @@ class RecallPool(AsyncOps):
         answered or for a sidecar to re-attach to."""
         assert self._free is not None and self._loop is not None
         while True:
-            slot = self._free.get_nowait()
-            if slot is None and self._leases.grow(1):
-                slot = self._free.get_nowait()
+            slot = self._leases.take()
             if slot is None:
                 slot = await self._free.get_within(None if deadline is None else max(0.0, deadline - self._loop.time()))
                 if slot is None:
                     self._check_usable()
                     if self._conn is None:
                         raise self._down_error()
-                    raise AcquireTimeout(
-                        f"no free slot within the time budget ({len(self._leases.slots)} slots leased, all in "
-                        f"flight; the pool grows to size={self._size} while the broker has slots free)"
-                    )
+                    raise no_slot(len(self._leases.slots), self._size)
             if self._life.state is not _OPEN:
                 self._free.put_nowait(slot)
                 self._check_usable()
-            if slot in self._leases.current:  # not a slot of a dead attachment
+            if self._leases.usable(slot):  # not a slot of a dead attachment
                 return slot
 
     async def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
@@ -515,10 +440,7 @@ class RecallPool(AsyncOps):
             try:
                 if (
                     self._coalesce
-                    and p.op is Op.RECALL
-                    and p.after is None
-                    and p.recency is None  # (its parameters are not part of a slot's key)
-                    and p.hybrid is None
+                    and coalescible(p)
                     and route(True, len(self._queue), self._free.qsize(), len(self._inflight)) is Path.QUEUE
                 ):
                     try:  # queued to be sent with others (the class docstring)
@@ -547,25 +469,14 @@ class RecallPool(AsyncOps):
             return await fut
         if await settled_within(fut, max(0.0, deadline - loop.time())):
             return fut.result()  # the answer, or its own error (a sidecar's timeout status too)
-        raise ResponseTimeout(
-            f"no answer within {timeout} s (request stays in flight until the "
-            "sidecar finishes it; the slot is then reused)"
-        )
+        raise unanswered(timeout)
 
     def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
         """The error of a recall whose budget ran out in the coalescing queue."""
         self._check_usable()
         if self._conn is None:
             return self._down_error()
-        if e.resent:
-            return ResponseTimeout(
-                f"no answer within {timeout} s (sent in a shared slot whose "
-                "payloads overflowed it, then queued again alone)"
-            )
-        return AcquireTimeout(
-            f"not sent within the time budget (queued to be coalesced; "
-            f"{len(self._leases.slots)} slots, {self._free_count()} free)"
-        )
+        return not_sent(e.resent, timeout, len(self._leases.slots), self._leases.counts().free)
 
     def _post(self, ex: Exchange[Any, Waiting]) -> None:
         """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
@@ -592,39 +503,16 @@ class RecallPool(AsyncOps):
     def _complete(self, ex: Exchange[Any, Waiting]) -> None:
         """An answer is in: the exchange's outcome goes to its callers (those still waiting);
         the slot is free again, and only now (the sidecar is done with it)."""
-        assert self._free is not None
-        waiting = ex.waiter
-        if not isinstance(waiting, list):  # one caller
-            completion, value, error, round_trip = ex.answer(waiting.done())
-            self._policy.observe(round_trip)
-            if self._leases.ceding:
-                self._leases.cede(ex.slot)
-            else:
-                self._free.put_nowait(ex.slot)
-            self._tally.answered(1, error is None, False)
-            if not waiting.done():
-                if error is None:
-                    waiting.set_result(value)
-                else:
-                    waiting.set_exception(error)
-            return
-        completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
+        completion, value, error, round_trip = complete(ex)
         self._policy.observe(round_trip)
-        if self._leases.ceding:
-            self._leases.cede(ex.slot)
-        else:
-            self._free.put_nowait(ex.slot)
+        self._leases.release(ex.slot)
+        waiting = ex.waiter
         if completion is Completion.RESEND_ALONE:
-            assert self._queue is not None
+            assert self._queue is not None and isinstance(waiting, list)
             self._queue.again(waiting)
             return
-        self._tally.answered(len(waiting), error is None, True)
-        for i, m in enumerate(waiting):
-            if not m.future.done():
-                if error is None:
-                    m.future.set_result(value[i])
-                else:
-                    m.future.set_exception(copy.copy(error))
+        self._tally.answered(len(callers(waiting)), error is None, isinstance(waiting, list))
+        deliver(waiting, value, error)
 
     # ------------------------------------------------------------------ outages
     def _unavailable(self, exc: BrokerUnavailable) -> None:

@@ -279,7 +279,7 @@ async def test_cancelled_while_queued_restores_the_free_count():
     await asyncio.gather(*tasks, return_exceptions=True)
     pool._free.put_nowait(held)
     st = pool.statistics()
-    assert st.free == 1 and st.queued == 0 and not pool._free._waiters
+    assert st.free == 1 and st.queued == 0 and not pool._free.stack.line
     pool.terminate()
 
 

@@ -128,7 +128,7 @@ async def test_cancel_mid_acquire_restores_the_free_count():
     with pytest.raises(asyncio.CancelledError):
         await task
     pool._free.put_nowait(held)
-    assert pool.statistics().free == 1 and not pool._free._waiters
+    assert pool.statistics().free == 1 and not pool._free.stack.line
     pool.terminate()
 
 
