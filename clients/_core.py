@@ -105,6 +105,10 @@ class Life:
     def serving(self) -> bool:
         return self.state in SERVING
 
+    def queue_refusal(self, pid: int) -> KalosError | None:
+        """What queued calls get now: None while they may still be sent (OPEN or CLOSING)."""
+        return None if self.state in SERVING else self.refusal(pid)
+
     def open(self) -> None:
         if self.state is not PoolState.NEW:
             raise ClosedError(f"{self.driver.value} is {self.state.value}: a {self.driver.value} is opened once")

@@ -17,6 +17,7 @@ from kalos.clients._backlog import Backlog, coalescible
 from kalos.clients._coalesce import Key
 from kalos.clients._core import ClientCore, Life, SlotCounts
 from kalos.clients._freestack import FreeStack
+from kalos.clients._life import PoolState
 
 LAY = Layout(n_slots=4, dim=8, max_k=16, max_queries=4, blob_bytes=1024)
 
@@ -179,3 +180,12 @@ def test_statistics_combine_the_slots_with_the_cores_tallies():
     assert (st.size, st.free, st.max_size, st.grown, st.refused) == (3, 2, 8, 2, 1)
     assert (st.requests, st.errors, st.coalesced, st.outages) == (4, 1, 3, 1)
     assert st.unavailable_s == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("state", list(PoolState))
+def test_queued_calls_go_on_while_the_pool_serves(state):
+    life = Life(1, state=state)
+    if state in (PoolState.OPEN, PoolState.CLOSING):
+        assert life.queue_refusal(1) is None  # closing: what is queued is still sent
+    else:
+        assert life.queue_refusal(1) is not None

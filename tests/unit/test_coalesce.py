@@ -270,7 +270,7 @@ async def test_cancelled_and_timed_out_members_of_a_sent_slot_leave_the_others_a
 async def test_cancelled_while_queued_restores_the_free_count():
     conn = FakeConnection(LAY)
     pool = await open_pool(conn, 1)
-    held = await pool._acquire(None)
+    held = await pool._sender.acquire(None)
     tasks = [asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2)) for _ in range(3)]
     await asyncio.sleep(0.01)
     assert pool.statistics().queued == 3
