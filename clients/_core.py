@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from ..broker.errors import ClosedError, KalosError
 from ._exchange import Exchange
@@ -76,6 +76,18 @@ class PoolStatistics:
     refused: int = 0  # times callers waited and the broker had no slot to spare (they queued)
 
 
+class SlotCounts(NamedTuple):
+    """A pool's slots, for :meth:`ClientCore.statistics` (``_elastic.Leases.counts``)."""
+
+    size: int  # leased now
+    free: int
+    min_size: int
+    max_size: int
+    grown: int
+    returned: int
+    refused: int
+
+
 @dataclass
 class Life:
     """A client's life phase (``_life.PoolState``) and the cause of a BROKEN one."""
@@ -92,6 +104,10 @@ class Life:
     @property
     def serving(self) -> bool:
         return self.state in SERVING
+
+    def queue_refusal(self, pid: int) -> KalosError | None:
+        """What queued calls get now: None while they may still be sent (OPEN or CLOSING)."""
+        return None if self.state in SERVING else self.refusal(pid)
 
     def open(self) -> None:
         if self.state is not PoolState.NEW:
@@ -199,10 +215,38 @@ class ClientCore(Generic[W]):
         t.reattaches += 1
         return Step.INSTALL
 
+    def statistics(
+        self, now_ns: int, slots: SlotCounts, *, orphaned: int, attached: bool, queued: int, slot_path: str
+    ) -> PoolStatistics:
+        """A snapshot: the driver's slots and what it alone knows (its orphans, whether it is
+        attached, its queue, its slot path), with the core's table and tallies."""
+        t = self.tally
+        return PoolStatistics(
+            size=slots.size,
+            free=slots.free,
+            in_flight=len(self.inflight),
+            requests=t.requests,
+            errors=t.errors,
+            orphaned=orphaned,
+            outages=t.outages,
+            reattaches=t.reattaches,
+            unavailable_s=t.unavailable_s(now_ns),
+            posted=t.posted,
+            coalesced=t.coalesced,
+            attached=attached,
+            min_size=slots.min_size,
+            max_size=slots.max_size,
+            queued=queued,
+            grown=slots.grown,
+            returned=slots.returned,
+            slot_path=slot_path,
+            refused=slots.refused,
+        )
+
     def forget(self) -> None:
         """In a forked child: the parent's exchanges are not ours."""
         self.life.fork()
         self.inflight.clear()
 
 
-__all__ = ["SERVING", "ClientCore", "Life", "PoolStatistics", "Step", "Tally"]
+__all__ = ["SERVING", "ClientCore", "Life", "PoolStatistics", "SlotCounts", "Step", "Tally"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from ..broker.errors import BrokerUnavailable
+from ._core import SlotCounts
 from ._free import FreeSlots
 from ._leaseplan import GROW_RETRY_S, LOCK_RETRY_S, TICK_S, LeasePlan
 from ._slots import ClientSlot
@@ -73,6 +74,36 @@ class Leases:
         self._ticker = self._regrower = None
         self._want = None
         self.waiter = None
+
+    # ------------------------------------------------------------------ the pool's use
+    def take(self) -> ClientSlot | None:
+        """A free slot of the live attachment now (one more leased if none is free and the pool
+        may grow), or None. Free slots of an attachment lost to an outage are dropped."""
+        free = self._free
+        if free is None:
+            return None
+        slot = free.stack.take_live(self.current)
+        if slot is None and self.grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
+            slot = free.stack.take_live(self.current)
+        return slot
+
+    def usable(self, slot: ClientSlot) -> bool:
+        """A slot of the live attachment (not one of an attachment lost to an outage)."""
+        return slot in self.current
+
+    def release(self, slot: ClientSlot) -> None:
+        """The slot of an answered request: back to the broker while the plan cedes slots and the
+        pool holds more than it may (:meth:`cede`), else on the free stack."""
+        if self.ceding:
+            self.cede(slot)
+        else:
+            assert self._free is not None
+            self._free.put_nowait(slot)
+
+    def counts(self) -> SlotCounts:
+        """The slot side of the pool's statistics."""
+        free = self._free.qsize() if self._free is not None else 0
+        return SlotCounts(len(self.slots), free, self.min_size, self.size, self.grown, self.returned, self.refused)
 
     # ------------------------------------------------------------------ growing
     def grow(self, extra: int) -> int:

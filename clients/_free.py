@@ -1,11 +1,13 @@
-"""A pool's free slots: a LIFO stack, its callers waiting in arrival order (:class:`FreeSlots`)."""
+"""A pool's free slots on the event loop (:class:`FreeSlots`): the pure :class:`~._freestack.FreeStack`
+keeps the slots and the line of callers and says who gets a freed slot; this module hands it over
+and waits."""
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 
 from ._exchange import settled_within
+from ._freestack import FreeStack
 from ._slots import ClientSlot
 
 
@@ -17,64 +19,48 @@ class FreeSlots:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._slots: list[ClientSlot] = []
-        self._waiters: deque[asyncio.Future[ClientSlot]] = deque()
-        #: The fewest slots on the stack since it was last reset (:meth:`reset_low`): so many at
-        #: its bottom were not taken since (the stack is LIFO), idle for that whole time.
-        self.low = 0
+        self.stack: FreeStack[ClientSlot, asyncio.Future[ClientSlot]] = FreeStack()
+
+    @property
+    def low(self) -> int:
+        """The fewest slots on the stack since :meth:`reset_low` (``FreeStack.low``)."""
+        return self.stack.low
 
     def qsize(self) -> int:
-        return len(self._slots)
+        return len(self.stack)
 
     def put_nowait(self, slot: ClientSlot) -> None:
-        waiters = self._waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done():
-                w.set_result(slot)
-                return
-        self._slots.append(slot)
+        w = self.stack.release(slot)
+        if w is not None:
+            w.set_result(slot)
 
     def drain(self) -> None:
         """Forget the free slots (their attachment is gone); waiters keep waiting."""
-        self._slots.clear()
-        self.low = 0
+        self.stack.drain()
 
     def reset_low(self) -> None:
-        self.low = len(self._slots)
+        self.stack.reset_low()
 
     def take_oldest(self, n: int) -> list[ClientSlot]:
         """Remove and return the ``n`` slots at the bottom of the stack (released longest ago)."""
-        taken = self._slots[:n]
-        del self._slots[:n]
-        self.low = min(self.low, len(self._slots))
-        return taken
+        return self.stack.take_oldest(n)
 
     def waiting(self) -> int:
         """Callers waiting in line for a slot (the coalescing queue counts as one)."""
-        return sum(1 for w in self._waiters if not w.done())
+        return self.stack.waiting()
 
     def wake_all(self, exc: BaseException) -> None:
         """Fail every waiter with ``exc`` (the pool broke)."""
-        while self._waiters:
-            w = self._waiters.popleft()
-            if not w.done():
-                w.set_exception(exc)
+        for w in self.stack.fail_all():
+            w.set_exception(exc)
 
     def get_nowait(self) -> ClientSlot | None:
-        slots = self._slots
-        if slots:
-            slot = slots.pop()
-            if len(slots) < self.low:
-                self.low = len(slots)
-            return slot
-        self.low = 0
-        return None
+        return self.stack.take()
 
     def add_waiter(self, fut: asyncio.Future[ClientSlot]) -> None:
         """Queue ``fut`` for the next released slot, in line with the callers of :meth:`get` (the
         pool's coalescing queue waits as one of them)."""
-        self._waiters.append(fut)
+        self.stack.join(fut)
 
     def remove_waiter(self, fut: asyncio.Future[ClientSlot]) -> None:
         """Take ``fut`` out of line (cancelled); a slot it already holds goes to the next one."""
@@ -82,11 +68,7 @@ class FreeSlots:
             if not fut.cancelled() and fut.exception() is None:
                 self.put_nowait(fut.result())
             return
-        fut.cancel()
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
+        self._forget(fut)
 
     async def get(self, timeout: float | None) -> ClientSlot:
         """Wait for a slot; raises ``asyncio.TimeoutError`` after ``timeout`` seconds (None: no
@@ -100,7 +82,7 @@ class FreeSlots:
         """Wait for a slot up to ``timeout`` seconds (None: no limit); None when none came. An
         error a waiter was failed with (:meth:`wake_all`) is raised as itself."""
         fut: asyncio.Future[ClientSlot] = self._loop.create_future()
-        self._waiters.append(fut)
+        self.stack.join(fut)
         try:
             if timeout is None:
                 return await fut
@@ -117,10 +99,7 @@ class FreeSlots:
 
     def _forget(self, fut: asyncio.Future[ClientSlot]) -> None:
         fut.cancel()
-        try:
-            self._waiters.remove(fut)
-        except ValueError:
-            pass
+        self.stack.leave(fut)
 
 
 __all__ = ["FreeSlots"]

@@ -83,6 +83,11 @@ class Poller:
     def idle(self) -> bool:
         return self._task is None or self._task.done()
 
+    def resume(self) -> None:
+        """Start the task again if it ended while requests are still in flight."""
+        if self._core.inflight and self.idle():
+            self.kick()
+
     def cancel(self) -> None:
         if self._task is not None and not self._task.done():
             self._task.cancel()

@@ -2,8 +2,9 @@
 waits here instead of for a slot of its own, and the queue goes out as few shared slots as the
 recalls' coalescing keys allow, at the end of the event-loop turn or when a slot frees up.
 
-The decisions are the pure functions of ``clients._coalesce`` (what may share a slot, the next
-group); sending a group is an ``clients._exchange.Exchange``. What the queue needs of its pool
+The queue's state and decisions are the pure :class:`~._backlog.Backlog`'s (the recalls waiting,
+their keys, the next group: ``clients._coalesce``); sending a group is an
+``clients._exchange.Exchange``. What the queue needs of its pool
 (its free slots, posting, whether it still serves) comes as callables given to the constructor:
 the queue holds no reference to the pool, and a test can drive it with plain functions.
 """
@@ -16,9 +17,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, Union
 
-from ..broker.errors import KalosError, ResponseTimeout
-from ._coalesce import Key, Share, coalesce_key, pick_group
-from ._exchange import Exchange, settled_within
+from ..broker.errors import KalosError
+from ._backlog import Backlog
+from ._coalesce import Key, Share
+from ._exchange import Exchange, Outcome, settled_within
+from ._refusals import unanswered
 from ._requests import Prepared, recall_group
 from ._slots import ClientSlot
 
@@ -30,7 +33,6 @@ Waiting = Union["asyncio.Future[Any]", "list[Member]"]
 Post = Callable[["Exchange[Any, Waiting]"], None]
 
 R = TypeVar("R")
-_KEY_CACHE = 4096  # unfiltered coalescing keys kept (one per namespace, flags and k seen)
 
 
 @dataclass(slots=True, eq=False)
@@ -45,6 +47,9 @@ class Member:
     rows: int  # prep.nq (what clients._coalesce.pick_group reads)
     sent: bool = False
     resent: bool = False  # sent once in a shared slot that overflowed; queued again alone
+
+    def gone(self) -> bool:
+        return self.future.done()
 
 
 class NotSent(Exception):
@@ -83,8 +88,6 @@ class CoalescingQueue:
         on_bug: Callable[[Exception], None],
     ) -> None:
         self._loop = loop
-        self._max_rows = max_rows
-        self._max_k = max_k
         self._take_slot = take_slot
         self._release = release
         self._wait_for_slot = wait_for_slot
@@ -93,22 +96,21 @@ class CoalescingQueue:
         self._post = post
         self._refusal = refusal
         self._on_bug = on_bug
-        self._queue: list[Member] = []
-        self._keys: dict[tuple[bytes, int, int], Key] = {}
+        self._backlog: Backlog[Member] = Backlog(max_rows, max_k)
         self._dispatch_soon = False  # a dispatch is scheduled for the end of this turn
         self._slot_waiter: asyncio.Future[ClientSlot] | None = None  # the queue's place in line
 
     def __len__(self) -> int:
         """Entries, those of callers that went away included (what ``_coalesce.route`` reads)."""
-        return len(self._queue)
+        return len(self._backlog)
 
     def live(self) -> int:
         """Callers still waiting in the queue."""
-        return sum(1 for m in self._queue if not m.future.done())
+        return len(self._backlog.live())
 
     def futures(self) -> list[asyncio.Future[Any]]:
         """The futures of the callers still waiting in the queue."""
-        return [m.future for m in self._queue if not m.future.done()]
+        return [m.future for m in self._backlog.live()]
 
     async def submit(self, p: Prepared[R], t0: int, timeout: float | None, deadline: float | None) -> R:
         """Queue the recall ``p`` (its call began at ``t0``, monotonic ns) and await its share of
@@ -117,8 +119,8 @@ class CoalescingQueue:
         time), NotSent (still queued when the budget ran out)."""
         loop = self._loop
         fut: asyncio.Future[R] = loop.create_future()
-        m = Member(p, fut, t0, self._key_of(p), p.nq)
-        self._queue.append(m)
+        m = Member(p, fut, t0, self._backlog.key_of(p), p.nq)
+        self._backlog.join(m)
         self._schedule()
         try:
             if deadline is None:
@@ -131,28 +133,19 @@ class CoalescingQueue:
         if answered:
             return fut.result()  # its value, or its own error (a sidecar's timeout status too)
         if m.sent:
-            raise ResponseTimeout(
-                f"no answer within {timeout} s (request stays in flight "
-                "until the sidecar finishes it; the slot is then reused)"
-            )
+            raise unanswered(timeout)
         self._unqueue(m)
         raise NotSent(m.resent)
 
     def again(self, members: Sequence[Member]) -> None:
         """A shared slot overflowed (Completion.RESEND_ALONE): its callers still waiting go to the
         front of the queue, each to be sent alone."""
-        again = [m for m in members if not m.future.done()]
-        for m in again:
-            m.key = None
-            m.sent = False
-            m.resent = True
-        self._queue[:0] = again
-        if again:
+        if self._backlog.again(members):
             self._schedule()
 
     def fail(self, exc: BaseException) -> None:
         """Fail every queued caller with (a copy of) ``exc``, and leave the line for a slot."""
-        queue, self._queue = self._queue, []
+        queue = self._backlog.clear()
         w, self._slot_waiter = self._slot_waiter, None
         if w is not None:
             self._withdraw(w)
@@ -160,35 +153,16 @@ class CoalescingQueue:
 
     def forget(self) -> None:
         """In a forked child: drop everything without touching a slot or a future."""
-        self._queue = []
+        self._backlog.clear()
         self._slot_waiter = None
 
     # ------------------------------------------------------------------ dispatch
-    def _key_of(self, p: Prepared[Any]) -> Key | None:
-        """The coalescing key of a recall; one object per (namespace, flags, k) for unfiltered
-        ones (cached: most recalls of a pool share a few), computed for filtered ones. A recall
-        that waits for a fleet position (``after=``) goes alone: a shared slot has one position."""
-        if p.after is not None:
-            return None
-        if p.blob:
-            return coalesce_key(p.ns, p.flags, p.blob, p.k, self._max_k)
-        ck = (p.ns, p.flags, p.k)
-        key = self._keys.get(ck)
-        if key is None:
-            key = coalesce_key(p.ns, p.flags, b"", p.k, self._max_k)
-            if len(self._keys) < _KEY_CACHE:
-                self._keys[ck] = key
-        return key
-
     def _unqueue(self, m: Member) -> None:
         """Take a caller that went away out of the queue; with no caller left, the queue leaves
         the line for a slot (so the pool's free count is restored at once)."""
-        try:
-            self._queue.remove(m)
-        except ValueError:
-            pass
+        none_left = self._backlog.leave(m)
         w = self._slot_waiter
-        if w is not None and not self.live():
+        if w is not None and none_left:
             self._slot_waiter = None
             self._withdraw(w)
 
@@ -225,11 +199,7 @@ class CoalescingQueue:
     def _dispatch(self, slot: ClientSlot | None) -> None:
         """Send the queue, one group per slot, while there are slots (``slot``: one handed to the
         queue); then wait in line for the next one. Callers that went away are dropped first."""
-        while True:
-            if self._queue and any(m.future.done() for m in self._queue):
-                self._queue = [m for m in self._queue if not m.future.done()]
-            if not self._queue:
-                break
+        while self._backlog.pending():
             refusal = self._refusal()
             if refusal is not None:
                 self.fail(refusal)
@@ -246,24 +216,10 @@ class CoalescingQueue:
             elif not self._usable(slot):
                 slot = None  # a slot of an attachment that is gone
                 continue
-            self._send(slot, self._take_group())
+            self._send(slot, self._backlog.next_group())
             slot = None
         if slot is not None:
             self._release(slot)  # handed to the queue with nothing left to send
-
-    def _take_group(self) -> list[Member]:
-        """Remove and return the next group of the queue (``clients._coalesce.pick_group``)."""
-        queue = self._queue
-        if len(queue) == 1:
-            self._queue = []
-            return queue
-        picked = pick_group(queue, self._max_rows)
-        if len(picked) == len(queue):
-            self._queue = []
-            return queue
-        chosen = set(picked)
-        self._queue = [m for i, m in enumerate(queue) if i not in chosen]
-        return [queue[i] for i in picked]
 
     def _send(self, slot: ClientSlot, group: list[Member]) -> None:
         """Write a group (one recall, or several sharing the slot) and post it."""
@@ -296,4 +252,60 @@ def _fail(members: Sequence[Member], exc: BaseException) -> None:
             m.future.set_exception(copy.copy(exc))
 
 
-__all__ = ["CoalescingQueue", "Member", "NotSent", "Post", "Waiting"]
+# ---------------------------------------------------------------------- who waits for an exchange
+def callers(w: Waiting) -> list[asyncio.Future[Any]]:
+    """The futures of the callers waiting for one posted exchange."""
+    return [m.future for m in w] if isinstance(w, list) else [w]
+
+
+def orphaned(w: Waiting) -> bool:
+    """Every caller of a posted exchange went away (cancelled or timed out)."""
+    return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
+
+
+def complete(ex: Exchange[Any, Waiting]) -> Outcome:
+    """Read the answer of ``ex`` (``Exchange.complete``; a caller that went away is recorded as a
+    timeout) and free its slot."""
+    w = ex.waiter
+    if isinstance(w, list):
+        return ex.complete([m.future.done() for m in w])
+    return ex.answer(w.done())
+
+
+def deliver(w: Waiting, value: Any, error: KalosError | None) -> None:
+    """An answer to the callers still waiting: ``value`` (a shared slot: each caller its share,
+    in order), or ``error`` (a copy each when shared)."""
+    if not isinstance(w, list):
+        if not w.done():
+            if error is None:
+                w.set_result(value)
+            else:
+                w.set_exception(error)
+        return
+    for i, m in enumerate(w):
+        if not m.future.done():
+            if error is None:
+                m.future.set_result(value[i])
+            else:
+                m.future.set_exception(copy.copy(error))
+
+
+def fail_callers(w: Waiting, exc: KalosError) -> None:
+    """Fail the callers still waiting with a copy of ``exc`` each (their answer cannot come)."""
+    for f in callers(w):
+        if not f.done():
+            f.set_exception(copy.copy(exc))
+
+
+__all__ = [
+    "CoalescingQueue",
+    "Member",
+    "NotSent",
+    "Post",
+    "Waiting",
+    "callers",
+    "complete",
+    "deliver",
+    "fail_callers",
+    "orphaned",
+]

@@ -16,45 +16,38 @@ the sidecar answers; the poller then drops the answer and only then frees the sl
 waits for such a slot: it is abandoned to the sidecar's reaper, which frees it once answered.
 
 What the pool drives, each written once: ``clients._attach`` (attach, re-attach after an outage,
-detach), ``clients._exchange`` (one request in one slot), ``clients._queue`` (the coalescing
-queue), ``clients._writes`` (a write of several chunks), ``broker.waiting`` (spin, then block).
+detach), ``clients._send`` (a request from a slot to its answer; ``clients._exchange``: one request
+in one slot), ``clients._queue`` (the coalescing queue), ``clients._writes`` (a write of several
+chunks), ``broker.waiting`` (spin, then block). Its state and decisions are pure modules':
+``clients._core`` (life, requests in flight, tallies, outages), ``clients._freestack`` (free
+slots and the callers waiting for one), ``clients._backlog`` (the queue), ``clients._leaseplan``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
 import random
 import time
-import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from ..broker.errors import (
-    AcquireTimeout,
-    BrokerUnavailable,
-    ClosedError,
-    ConfigError,
-    KalosError,
-    ResponseTimeout,
-)
+from ..broker.errors import BrokerUnavailable, ClosedError, ConfigError, KalosError
 from ..broker.layout import Layout, Op
 from ..broker.slotpath import SlotPath
 from ..broker.waiting import DEFAULT_SPIN_US, MAX_SPIN_US, SpinThenBlock
 from ._attach import Attacher, Attachment, drive_async
-from ._coalesce import Path, route
 from ._core import ClientCore, Life, PoolStatistics, Step
 from ._elastic import Leases
-from ._exchange import Completion, Exchange, resend_after_outage, settled_within
-from ._fanout import Halted, write_chunks
+from ._fanout import write_chunks
+from ._forks import track, untrack
 from ._free import FreeSlots
 from ._leaseplan import IDLE_S, LeasePlan
 from ._life import PoolState
 from ._ops import AsyncOps
 from ._poller import LIVENESS_S, Poller
-from ._queue import CoalescingQueue, NotSent, Waiting
+from ._queue import CoalescingQueue, Waiting
 from ._requests import (
     DEFAULT,
     FastRows,
@@ -64,7 +57,7 @@ from ._requests import (
     fast_rows,
     resolve_timeout,
 )
-from ._slots import ClientSlot
+from ._send import Sender
 from ._transport import Connection
 from ._writes import settle
 from .results import Written
@@ -77,32 +70,7 @@ log = logging.getLogger("kalos.clients.pool")
 
 # Bound once for the per-call checks: reading an enum member off its class costs ~50 ns on
 # CPython 3.11.
-_OPEN, _CLOSED = PoolState.OPEN, PoolState.CLOSED
-
-
-_POOLS: weakref.WeakSet[RecallPool] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """Pools opened before a fork belong to the parent: the child's copies must never touch the
-    parent's slots, so they are marked forked (every use raises ForkedPoolError at once) and
-    dropped without giving anything back."""
-    for pool in list(_POOLS):
-        pool._forked()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _futures(w: Waiting) -> list[asyncio.Future[Any]]:
-    """The futures of the callers waiting for one posted exchange."""
-    return [m.future for m in w] if isinstance(w, list) else [w]
-
-
-def _orphaned(w: Waiting) -> bool:
-    """Every caller of a posted exchange went away (cancelled or timed out)."""
-    return all(m.future.done() for m in w) if isinstance(w, list) else w.done()
+_OPEN = PoolState.OPEN
 
 
 class RecallPool(AsyncOps):
@@ -192,9 +160,6 @@ class RecallPool(AsyncOps):
         self._connect_timeout = connect_timeout
         self._close_timeout = close_timeout
         self._reconnect = reconnect
-        self._coalesce = coalesce
-        self._size = size
-        self._min_size = min_size
         self._leases = Leases(size, min_size, idle_s)  # the attachment's slots, elastic
         self._attacher = Attacher(
             connect or _connect,
@@ -211,19 +176,18 @@ class RecallPool(AsyncOps):
         # Its life, its exchanges in flight and its tallies: the client core (no I/O).
         self._core: ClientCore[Waiting] = ClientCore(Life(os.getpid()))
         self._life = self._core.life
-        self._inflight = self._core.inflight  # posted, by slot index (the core's table, bound once)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # The live attachment (none during an outage): its connection and the free slots (its
-        # slots: self._leases).
-        self._conn: Connection | None = None
-        self._free: FreeSlots | None = None
+        # The send path; its connection is the live attachment's (None during an outage).
+        self._sender = Sender(
+            name, size, coalesce, reconnect, self._core, self._leases, self._policy, self._unavailable
+        )
+        self._free: FreeSlots | None = None  # the free slots (the leases': self._leases)
         self._payload_limit = 0  # the sidecar's --payload-limit (bytes)
         self._embed_dim = 0  # the dimension of the sidecar's embedding model (0: none)
         self._features = 0  # the sidecar's header's features (FEATURE_*)
         self._queue: CoalescingQueue | None = None
         self._poller: Poller | None = None  # finds the answers in (set by open())
         self._reattacher: asyncio.Task[None] | None = None
-        self._tally = self._core.tally
         self._ns = NamespaceCache()
         self._layout: Layout = None  # type: ignore[assignment]  # set by open()
         self._metric = "unknown"  # set by open()
@@ -247,7 +211,9 @@ class RecallPool(AsyncOps):
             self._life.open()  # (raises: a pool is opened once)
         loop = self._loop = asyncio.get_running_loop()
         free = self._free = FreeSlots(loop)
-        self._poller = Poller(loop, self._core, self._policy, self._complete, self._unavailable, self._break)
+        poller = self._poller = Poller(
+            loop, self._core, self._policy, self._sender.complete, self._unavailable, self._break
+        )
         att = await drive_async(
             self._attacher.attach(
                 time.monotonic() + self._connect_timeout, self._reconnect, f"within {self._connect_timeout} s"
@@ -258,36 +224,19 @@ class RecallPool(AsyncOps):
         self._slot_path = att.conn.slot_path.path
         self._fast = fast_rows(att.conn.cslot)
         log.info("kalos pool %r: %s slot path (%s)", self.name, self._slot_path.value, att.conn.slot_path.reason)
-        self._queue = CoalescingQueue(
-            loop,
-            max_rows=self._layout.max_queries,
-            max_k=self._layout.max_k,
-            take_slot=self._take_slot,
-            release=free.put_nowait,
-            wait_for_slot=free.add_waiter,
-            withdraw=free.remove_waiter,
-            usable=self._usable,
-            post=self._post,
-            refusal=self._queue_refusal,
-            on_bug=self._dispatcher_failed,
-        )
+        self._queue = self._sender.start(loop, free, poller, self._layout, self._dispatcher_failed)
         self._install(att)
         self._life.open()
         self._leases.open = True
-        _POOLS.add(self)
+        track(self)  # (a fork's child gets ForkedPoolError from its copy)
         return self
 
     def _install(self, att: Attachment) -> None:
-        """Make an attachment current: its slots free, its waiter thread started."""
-        assert self._loop is not None and self._free is not None and self._poller is not None
-        conn, slots = att
-        self._conn = conn
-        self._leases.attach(conn, slots, self._loop, self._free)
-        self._payload_limit = conn.payload_limit
-        self._embed_dim = conn.embed_dim
-        self._features = conn.features
-        waiter = self._leases.waiter = conn.waiter(self._loop, self._poller.wake.set, self._unavailable)
-        self._poller.attach(conn, waiter)
+        """Make an attachment current (``Sender.attach``), with what its sidecar serves."""
+        self._sender.attach(att)
+        self._payload_limit = att.conn.payload_limit
+        self._embed_dim = att.conn.embed_dim
+        self._features = att.conn.features
 
     async def __aenter__(self) -> RecallPool:
         return await self.open()
@@ -321,20 +270,19 @@ class RecallPool(AsyncOps):
             self.terminate()
             return
         self._leases.open = False
-        queue, loop = self._queue, self._loop
-        assert queue is not None and loop is not None
+        loop = self._loop
+        assert loop is not None
         budget = resolve_timeout(timeout, self._close_timeout)
         deadline = None if budget is None else loop.time() + budget
         try:
-            while self._life.state is PoolState.CLOSING and self._conn is not None:
-                futs = [f for e in self._inflight.values() for f in _futures(e.waiter) if not f.done()]
-                futs += queue.futures()
+            while self._life.state is PoolState.CLOSING and self._sender.conn is not None:
+                futs = self._sender.callers_waiting()
                 left = LIVENESS_S if deadline is None else min(LIVENESS_S, deadline - loop.time())
                 if not futs or left <= 0:
                     break  # no caller waits (orphans are the reaper's), or the budget ran out
                 await asyncio.wait(futs, timeout=left)
-                if self._inflight and self._poller is not None and self._poller.idle():
-                    self._poller.kick()
+                if self._poller is not None:
+                    self._poller.resume()  # (answers in flight are still found)
         except BaseException:
             self.terminate()
             raise
@@ -345,70 +293,26 @@ class RecallPool(AsyncOps):
         sidecar's reaper (freed once it has answered them)."""
         if self._life.terminate() is Step.NOTHING:
             return
-        _POOLS.discard(self)
+        untrack(self)
         if self._poller is not None:
             self._poller.cancel()
         if self._reattacher is not None and not self._reattacher.done():
             self._reattacher.cancel()
-        self._detach(ClosedError("pool terminated"), give_back=True)
+        self._sender.detach(ClosedError("pool terminated"), give_back=True)
         if self._queue is not None:
             self._queue.fail(ClosedError("pool terminated"))
         if self._free is not None:  # callers waiting for a slot: none will come
             self._free.wake_all(ClosedError("pool terminated"))
 
-    def _detach(self, exc: KalosError, *, give_back: bool) -> None:
-        """Drop the current attachment: callers in flight get ``exc``; the leases go back (idle
-        slots freed, busy ones abandoned to the reaper) when ``give_back``."""
-        if self._poller is not None:
-            self._poller.detach()
-        self._leases.waiter = None
-        busy = []
-        for e in self._core.lost():
-            busy.append(e.slot)
-            for f in _futures(e.waiter):
-                if not f.done():
-                    f.set_exception(copy.copy(exc))
-        if self._free is not None:
-            self._free.drain()
-        conn, slots = self._leases.detach()
-        self._conn = None
-        if conn is not None:
-            Attachment(conn, slots).end(busy, give_back=give_back)
-
     def _forked(self) -> None:
         """In a child after fork: the parent's slots, threads and loop are not ours. Forget them
         without touching shared memory (the parent still uses them)."""
-        self._core.forget()
-        self._conn = None
-        self._leases.forget()
-        if self._queue is not None:
-            self._queue.forget()
-        if self._poller is not None:
-            self._poller.forget()
+        self._sender.forget()
         self._reattacher = None
 
     def statistics(self) -> PoolStatistics:
-        return PoolStatistics(
-            size=len(self._leases.slots),
-            free=self._free_count(),
-            in_flight=len(self._inflight),
-            orphaned=sum(1 for e in self._inflight.values() if _orphaned(e.waiter)),
-            requests=self._tally.requests,
-            errors=self._tally.errors,
-            outages=self._tally.outages,
-            reattaches=self._tally.reattaches,
-            unavailable_s=self._tally.unavailable_s(time.monotonic_ns()),
-            attached=self._conn is not None,
-            queued=self._queue.live() if self._queue is not None else 0,
-            posted=self._tally.posted,
-            coalesced=self._tally.coalesced,
-            slot_path=self._slot_path.value,
-            min_size=self._min_size,
-            max_size=self._size,
-            grown=self._leases.grown,
-            returned=self._leases.returned,
-            refused=self._leases.refused,
-        )
+        """A snapshot of the pool's slots, requests, outages and queue (``PoolStatistics``)."""
+        return self._sender.statistics(self._slot_path)
 
     def spin_window_ns(self) -> int:
         """How long the poller polls after the last completion (``broker.waiting``)."""
@@ -420,44 +324,7 @@ class RecallPool(AsyncOps):
             self._check_usable()
 
     def _check_usable(self) -> None:
-        err = self._life.refusal(os.getpid())
-        if err is not None:
-            raise err
-
-    def _down_error(self) -> BrokerUnavailable:
-        """What a caller whose budget ran out during an outage gets."""
-        return BrokerUnavailable(
-            f"broker {self.name!r}: no sidecar within the time budget (down for "
-            f"{(time.monotonic_ns() - self._tally.down_since) / 1e9:.2f} s; the pool "
-            "re-attaches as soon as one serves the name)"
-        )
-
-    def _usable(self, slot: ClientSlot) -> bool:
-        """A slot of the live attachment (not one of an attachment lost to an outage)."""
-        return slot in self._leases.current
-
-    def _free_count(self) -> int:
-        return self._free.qsize() if self._free is not None else 0
-
-    def _take_slot(self) -> ClientSlot | None:
-        """A free slot of the live attachment now (one more leased if none is free and the
-        pool may grow), or None."""
-        free = self._free
-        assert free is not None
-        while (slot := free.get_nowait()) is not None:
-            if slot in self._leases.current:
-                return slot
-        if self._leases.grow(1):  # (a slot leased goes to the oldest caller waiting, maybe not us)
-            while (slot := free.get_nowait()) is not None:
-                if slot in self._leases.current:
-                    return slot
-        return None
-
-    def _queue_refusal(self) -> KalosError | None:
-        """None while queued recalls may still be sent (OPEN or CLOSING), else their error."""
-        if self._life.serving:
-            return None
-        return self._life.refusal(os.getpid())
+        self._sender.check_usable()
 
     def _dispatcher_failed(self, e: Exception) -> None:
         """A bug: fail the callers rather than hang them (as the poller does)."""
@@ -480,164 +347,25 @@ class RecallPool(AsyncOps):
         # waits for a slot behind the call's other chunks is no latency of the broker's.
         return list(await asyncio.gather(*(self._execute(p, timeout, 0) for p in preps)))
 
-    async def _acquire(self, deadline: float | None) -> ClientSlot:
-        """A free slot of the current attachment, waiting (within ``deadline``) for one to be
-        answered or for a sidecar to re-attach to."""
-        assert self._free is not None and self._loop is not None
-        while True:
-            slot = self._free.get_nowait()
-            if slot is None and self._leases.grow(1):
-                slot = self._free.get_nowait()
-            if slot is None:
-                slot = await self._free.get_within(None if deadline is None else max(0.0, deadline - self._loop.time()))
-                if slot is None:
-                    self._check_usable()
-                    if self._conn is None:
-                        raise self._down_error()
-                    raise AcquireTimeout(
-                        f"no free slot within the time budget ({len(self._leases.slots)} slots leased, all in "
-                        f"flight; the pool grows to size={self._size} while the broker has slots free)"
-                    )
-            if self._life.state is not _OPEN:
-                self._free.put_nowait(slot)
-                self._check_usable()
-            if slot in self._leases.current:  # not a slot of a dead attachment
-                return slot
-
     async def _execute(self, p: Prepared[R], budget: Timeout, t0: int) -> R:
         if self._life.state is not _OPEN:
             self._check_usable()
-        loop = self._loop
-        assert loop is not None and self._free is not None and self._queue is not None
-        timeout = resolve_timeout(budget, self._timeout)
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            try:
-                if (
-                    self._coalesce
-                    and p.op is Op.RECALL
-                    and p.after is None
-                    and p.recency is None  # (its parameters are not part of a slot's key)
-                    and p.hybrid is None
-                    and route(True, len(self._queue), self._free.qsize(), len(self._inflight)) is Path.QUEUE
-                ):
-                    try:  # queued to be sent with others (the class docstring)
-                        return await self._queue.submit(p, t0, timeout, deadline)
-                    except NotSent as e:
-                        raise self._not_sent(e, timeout) from None
-                return await self._execute_once(p, timeout, deadline, t0)
-            except BrokerUnavailable:
-                # Lost to a sidecar that went away (in flight, or posted just before the pool
-                # noticed): a read is sent again once the pool has re-attached.
-                if not (
-                    self._reconnect and self._life.state is _OPEN and resend_after_outage(p, deadline, loop.time())
-                ):
-                    raise
-
-    async def _execute_once(self, p: Prepared[R], timeout: float | None, deadline: float | None, t0: int) -> R:
-        loop = self._loop
-        assert loop is not None and self._free is not None
-        slot = await self._acquire(deadline)
-        if p.call is not None and p.call.failed:
-            self._free.put_nowait(slot)
-            raise Halted  # another chunk of this write failed: this one is not sent
-        fut: asyncio.Future[R] = loop.create_future()
-        self._post(Exchange(slot, p, fut, t0))
-        if deadline is None:
-            return await fut
-        if await settled_within(fut, max(0.0, deadline - loop.time())):
-            return fut.result()  # the answer, or its own error (a sidecar's timeout status too)
-        raise ResponseTimeout(
-            f"no answer within {timeout} s (request stays in flight until the "
-            "sidecar finishes it; the slot is then reused)"
-        )
-
-    def _not_sent(self, e: NotSent, timeout: float | None) -> KalosError:
-        """The error of a recall whose budget ran out in the coalescing queue."""
-        self._check_usable()
-        if self._conn is None:
-            return self._down_error()
-        if e.resent:
-            return ResponseTimeout(
-                f"no answer within {timeout} s (sent in a shared slot whose "
-                "payloads overflowed it, then queued again alone)"
-            )
-        return AcquireTimeout(
-            f"not sent within the time budget (queued to be coalesced; "
-            f"{len(self._leases.slots)} slots, {self._free_count()} free)"
-        )
-
-    def _post(self, ex: Exchange[Any, Waiting]) -> None:
-        """Send ``ex`` in its slot and count it in flight. On failure the slot goes back on the
-        free stack and the error is raised (a sidecar found dead is an outage as well)."""
-        slot = ex.slot
-        conn = self._conn
-        assert conn is not None and self._free is not None
-        if conn.quiet():  # the heartbeat is late: is the sidecar still there before we post?
-            try:
-                conn.check_alive()
-            except BrokerUnavailable as e:
-                self._free.put_nowait(slot)
-                self._unavailable(e)
-                raise
-        try:
-            ex.send()
-        except BaseException:
-            self._free.put_nowait(slot)
-            raise
-        self._core.posted(ex)
-        assert self._poller is not None
-        self._poller.posted()
-
-    def _complete(self, ex: Exchange[Any, Waiting]) -> None:
-        """An answer is in: the exchange's outcome goes to its callers (those still waiting);
-        the slot is free again, and only now (the sidecar is done with it)."""
-        assert self._free is not None
-        waiting = ex.waiter
-        if not isinstance(waiting, list):  # one caller
-            completion, value, error, round_trip = ex.answer(waiting.done())
-            self._policy.observe(round_trip)
-            if self._leases.ceding:
-                self._leases.cede(ex.slot)
-            else:
-                self._free.put_nowait(ex.slot)
-            self._tally.answered(1, error is None, False)
-            if not waiting.done():
-                if error is None:
-                    waiting.set_result(value)
-                else:
-                    waiting.set_exception(error)
-            return
-        completion, value, error, round_trip = ex.complete([m.future.done() for m in waiting])
-        self._policy.observe(round_trip)
-        if self._leases.ceding:
-            self._leases.cede(ex.slot)
-        else:
-            self._free.put_nowait(ex.slot)
-        if completion is Completion.RESEND_ALONE:
-            assert self._queue is not None
-            self._queue.again(waiting)
-            return
-        self._tally.answered(len(waiting), error is None, True)
-        for i, m in enumerate(waiting):
-            if not m.future.done():
-                if error is None:
-                    m.future.set_result(value[i])
-                else:
-                    m.future.set_exception(copy.copy(error))
+        return await self._sender.execute(p, resolve_timeout(budget, self._timeout), t0)
 
     # ------------------------------------------------------------------ outages
     def _unavailable(self, exc: BrokerUnavailable) -> None:
         """The sidecar is dead or stopped (or its objects broke). Fail what was in flight, and
         re-attach in the background (or break for good without ``reconnect``)."""
-        step = self._core.outage(self._conn is not None, self._reconnect, time.monotonic_ns())
+        step = self._core.outage(self._sender.conn is not None, self._reconnect, time.monotonic_ns())
         if step is Step.BREAK:
             self._break(exc)
         if step is not Step.REATTACH:
             return
         # The dead sidecar's segment is gone with it; leases in it need no giving back, but the
         # locks are released by closing the attachment.
-        self._detach(BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"), give_back=False)
+        self._sender.detach(
+            BrokerUnavailable(f"{exc} (the request was in flight; the pool re-attaches)"), give_back=False
+        )
         assert self._loop is not None
         self._reattacher = self._loop.create_task(self._reattach())
 
@@ -655,7 +383,7 @@ class RecallPool(AsyncOps):
     def _break(self, exc: KalosError) -> None:
         """No more service from this pool: fail every caller now; later calls raise ``exc``."""
         self._life.break_(exc)
-        self._detach(exc, give_back=True)
+        self._sender.detach(exc, give_back=True)
         if self._free is not None:
             self._free.wake_all(exc)
         if self._queue is not None:

@@ -270,7 +270,7 @@ async def test_cancelled_and_timed_out_members_of_a_sent_slot_leave_the_others_a
 async def test_cancelled_while_queued_restores_the_free_count():
     conn = FakeConnection(LAY)
     pool = await open_pool(conn, 1)
-    held = await pool._acquire(None)
+    held = await pool._sender.acquire(None)
     tasks = [asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2)) for _ in range(3)]
     await asyncio.sleep(0.01)
     assert pool.statistics().queued == 3
@@ -279,7 +279,7 @@ async def test_cancelled_while_queued_restores_the_free_count():
     await asyncio.gather(*tasks, return_exceptions=True)
     pool._free.put_nowait(held)
     st = pool.statistics()
-    assert st.free == 1 and st.queued == 0 and not pool._free._waiters
+    assert st.free == 1 and st.queued == 0 and not pool._free.stack.line
     pool.terminate()
 
 

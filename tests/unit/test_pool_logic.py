@@ -71,17 +71,17 @@ async def test_free_slots_are_lifo_and_waiters_fifo():
     conn = FakeConnection(LAY)
     pool = await open_pool(conn)
     order = []
-    a = await pool._acquire(None)
-    b = await pool._acquire(None)
+    a = await pool._sender.acquire(None)
+    b = await pool._sender.acquire(None)
     pool._free.put_nowait(b)
     pool._free.put_nowait(a)
-    assert (await pool._acquire(None)) is a  # last released, first reused
-    c = await pool._acquire(None)
-    d = await pool._acquire(None)  # the third slot
+    assert (await pool._sender.acquire(None)) is a  # last released, first reused
+    c = await pool._sender.acquire(None)
+    d = await pool._sender.acquire(None)  # the third slot
     assert {c.index, d.index, a.index} == {0, 1, 2}
 
     async def want(tag):
-        s = await pool._acquire(None)
+        s = await pool._sender.acquire(None)
         order.append((tag, s.index))
 
     w1 = asyncio.ensure_future(want("first"))
@@ -121,14 +121,14 @@ async def test_timeouts_then_the_orphan_is_drained_and_the_slot_reused(rng):
 async def test_cancel_mid_acquire_restores_the_free_count():
     conn = FakeConnection(LAY)
     pool = await open_pool(conn, size=1)
-    held = await pool._acquire(None)
+    held = await pool._sender.acquire(None)
     task = asyncio.ensure_future(pool.recall(np.ones(8, np.float32), k=2))
     await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     pool._free.put_nowait(held)
-    assert pool.statistics().free == 1 and not pool._free._waiters
+    assert pool.statistics().free == 1 and not pool._free.stack.line
     pool.terminate()
 
 
