@@ -76,12 +76,6 @@ class NumpyPath(str, enum.Enum):
 #: width is the largest of them); larger ones are searched on their own.
 MIXED_ROWS = 2048
 
-#: A mixed batch whose widest namespace holds at most this many floats (rows x dim) is scored in
-#: one batched product over its namespaces' rows copied side by side (one small copy a
-#: namespace, no product of its own); wider ones get one product each (their copy would cost
-#: what the product saves).
-GATHER_FLOATS = 1 << 14
-
 
 #: A filtered search scores every row and hides the non-candidates when at least 1/DENSE_FRACTION
 #: of the rows are candidates; below that it gathers the candidates' rows and scores only those.
@@ -243,44 +237,6 @@ class NumpyBackend:
         self.threads_for(0)  # (small products: one BLAS thread)
         l2 = mats[0].metric == Metric.L2
         qn = np.einsum("ij,ij->i", queries, queries) if l2 else None
-        self._mixed_scores(mats, n, of_query, queries, qn, scores)
-        rows_, best = topk_rows(scores, k)
-        pad = rows_ >= n[of_query][:, None]  # (a namespace of fewer than k rows)
-        rows_[pad] = -1
-        best[pad] = -np.inf
-        if rows_.shape[1] < k:
-            rows_ = np.pad(rows_, ((0, 0), (0, k - rows_.shape[1])), constant_values=-1)
-            best = np.pad(best, ((0, 0), (0, k - best.shape[1])), constant_values=-np.inf)
-        self.counts.add(NumpyPath.MIXED, b, time.perf_counter_ns() - t0)
-        return rows_, best
-
-    @staticmethod
-    def _mixed_scores(
-        mats: list[NumpyMatrix],
-        n: np.ndarray,
-        of_query: np.ndarray,
-        queries: np.ndarray,
-        qn: np.ndarray | None,
-        scores: np.ndarray,
-    ) -> None:
-        """``scores`` (B, width), -inf past each query's namespace. Small namespaces (up to
-        GATHER_FLOATS): their rows side by side in one block (namespace, width, d), zero past
-        each one's rows, one batched product for every query. Wider ones: one product per
-        namespace (its rows with its queries)."""
-        width = scores.shape[1]
-        if width * mats[0].dim <= GATHER_FLOATS:
-            block = np.zeros((len(mats), width, queries.shape[1]), np.float32)
-            for i, m in enumerate(mats):
-                block[i, : n[i]] = m.data[: n[i]]
-            s = np.matmul(block[of_query], queries[:, :, None])[:, :, 0]
-            if qn is not None:
-                sq = np.zeros((len(mats), width), np.float32)
-                for i, m in enumerate(mats):
-                    sq[i, : n[i]] = m.sqnorm[: n[i]]
-                s = 2.0 * s - sq[of_query] - qn[:, None]
-            s[np.arange(width)[None, :] >= n[of_query][:, None]] = -np.inf
-            scores[:] = s
-            return
         order = np.argsort(of_query, kind="stable")
         cuts = np.flatnonzero(np.diff(of_query[order])) + 1
         for idx in np.split(order, cuts):
@@ -298,6 +254,15 @@ class NumpyBackend:
                 if qn is not None:
                     s = 2.0 * s - m.sqnorm[None, :ni] - qn[idx, None]
                 scores[idx, :ni] = s
+        rows_, best = topk_rows(scores, k)
+        pad = rows_ >= n[of_query][:, None]  # (a namespace of fewer than k rows)
+        rows_[pad] = -1
+        best[pad] = -np.inf
+        if rows_.shape[1] < k:
+            rows_ = np.pad(rows_, ((0, 0), (0, k - rows_.shape[1])), constant_values=-1)
+            best = np.pad(best, ((0, 0), (0, k - best.shape[1])), constant_values=-np.inf)
+        self.counts.add(NumpyPath.MIXED, b, time.perf_counter_ns() - t0)
+        return rows_, best
 
     def statistics(self) -> BackendStatistics:
         """Searches by where they ran and batch size; the matrices' bytes (part ``rows``)."""

@@ -10,7 +10,6 @@ import pytest
 
 from kalos.broker.clock import NS
 from kalos.broker.layout import Flag, Metric, slot_dtype
-from kalos.sidecar_cuda.backends import numpy_backend
 from kalos.sidecar_cuda.backends.base import search_each
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.serving.batching import Limits, Route, classify, group_namespaces, namespace_field
@@ -64,13 +63,7 @@ def check(ids: np.ndarray, scores: np.ndarray, model: dict[int, np.ndarray], q: 
 
 @pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2])
 @pytest.mark.parametrize("mixed_rows", [1 << 62, 64])
-@pytest.mark.parametrize("gather", [True, False])
-def test_search_mixed_is_exact_per_namespace(
-    rng: np.random.Generator, metric: Metric, mixed_rows: int, gather: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Both numpy ways: the small namespaces' rows side by side in one batched product
-    (``gather``), or one product per namespace (wider ones)."""
-    monkeypatch.setattr(numpy_backend, "GATHER_FLOATS", 1 << 20 if gather else 0)
+def test_search_mixed_is_exact_per_namespace(rng: np.random.Generator, metric: Metric, mixed_rows: int) -> None:
     clock = Clock()
     backend = NumpyBackend()
     backend.mixed_rows = mixed_rows  # 64: the larger namespaces are searched on their own
