@@ -84,9 +84,22 @@ def _paths(ref: InMemoryStore, op: PutOp) -> set[str]:
     return out
 
 
-def reference_fixups(ref: InMemoryStore, puts: Sequence[PutOp]) -> None:
+def reference_fixups(
+    ref: InMemoryStore, puts: Sequence[PutOp], before: Sequence[tuple[str, ...]] | None = None
+) -> None:
     """After each call: a put replaces an item's vectors (InMemoryStore keeps stale ones), and a
-    namespace without items is gone (InMemoryStore's defaultdict keeps it, even after a get)."""
+    namespace without items is gone (InMemoryStore's defaultdict keeps it, even after a get).
+    ``before``: the namespaces the reference held before the call; those the call added are
+    ordered by their first put, as if a get in the same batch had not added its namespace first
+    (seed 3081327602: a get of an unknown namespace put it ahead of one written before it)."""
+    if before is not None:
+        known = set(before)
+        first: dict[tuple[str, ...], int] = {}
+        for i, o in enumerate(puts):
+            if o.value is not None:
+                first.setdefault(o.namespace, i)
+        for ns in sorted((ns for ns in ref._data if ns not in known), key=lambda ns: first.get(ns, len(puts))):
+            ref._data[ns] = ref._data.pop(ns)  # (to the end, in that order)
     for op in {(o.namespace, o.key): o for o in puts}.values():  # the last put of a key wins
         vecs = ref._vectors.get(op.namespace, {}).get(op.key)
         if vecs is not None:
@@ -231,8 +244,9 @@ def run_differential(seed: int, steps: int, ref: InMemoryStore, store: KalosStor
         op = gen.op()
         ops = op if isinstance(op, list) else [op]
         scores = [reference_scores(ref, o) for o in ops]
+        before = list(ref._data)
         want = ref.batch(ops)
-        reference_fixups(ref, _puts(ops))
+        reference_fixups(ref, _puts(ops), before)
         got = store.batch(ops)
         for o, w, g, s in zip(ops, want, got, scores):
             assert_same(o, w, g, s)

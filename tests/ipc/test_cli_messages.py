@@ -125,7 +125,8 @@ def test_top_into_a_pipe_prints_frames(sidecar_factory) -> None:
         assert seen.count(b"kalos top  http://") >= 2, (seen, proc.poll())
         assert f":{port}/metrics".encode() in seen and b"\x1b[" not in seen  # plain text, no cursor moves
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+        proc.communicate(timeout=30)  # (read on: a full pipe would block its last write and flush)
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -118,7 +118,7 @@ async def pooled():
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd = json.loads(line)
             if cmd["op"] == "whoami":
-                reply(whoami(pool._conn))
+                reply(whoami(pool._sender.conn))
             elif cmd["op"] == "upsert":
                 reply({"n": await pool.upsert(np.array(cmd["ids"]),
                                               np.array(cmd["vectors"], np.float32))})
