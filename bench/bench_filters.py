@@ -107,9 +107,9 @@ def in_store(a: argparse.Namespace, n: int, x: np.ndarray, buckets: np.ndarray) 
                 f = ns.filtered(node, blob)
                 ev = timed(lambda: ns.where(node), reps)
                 cand = timed(lambda: ns.where(node).nonzero(), reps)
-                cached = timed(lambda: ns.search_where(q, a.k, ns.filtered(node, blob)), reps)
-                cold = timed(lambda: ns.search_where(q, a.k, evaluated(ns, node, blob)), max(5, reps // 4))
-                ids, _ = ns.search_where(q, a.k, f)
+                cached = timed(lambda: ns.search(q, a.k, match=ns.filtered(node, blob)), reps)
+                cold = timed(lambda: ns.search(q, a.k, match=evaluated(ns, node, blob)), max(5, reps // 4))
+                ids, _ = ns.search(q, a.k, match=f)
                 assert (buckets[ids] < s * 1000).all(), "a row outside the filter"
                 fr = {
                     "selectivity": s,

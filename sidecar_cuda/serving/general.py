@@ -291,16 +291,15 @@ class GeneralRoute:
         decay = None if recency is None else Decay(self._now, recency[0], recency[1])
         k = max(r.k for r in group)
         try:
-            if node is None:
-                ids, scores = ns.search(q, k, decay=decay, now=self._now)
-            else:
-                assert blob is not None
+            match = None
+            if node is not None:
+                assert blob is not None  # (a parsed filter comes with its bytes)
                 match = ns.filtered(node, blob)
-                if len(match.rows) == 0:  # nothing matches: no search
-                    for r in group:
-                        self._answer(r, Status.OK, n_results=0)
-                    return
-                ids, scores = ns.search_where(q, k, match, decay=decay, now=self._now)
+            if match is not None and len(match.rows) == 0:  # nothing matches: no search
+                for r in group:
+                    self._answer(r, Status.OK, n_results=0)
+                return
+            ids, scores = ns.search(q, k, match=match, decay=decay, now=self._now)
         except Exception as e:
             self._backend_failed(group, e)
             return
@@ -340,10 +339,7 @@ class GeneralRoute:
         rows, lex = rows[keep], lex[keep]
         try:
             sim = dense_scores(ns.matrix.read_rows(rows) if len(rows) else np.empty((0, ns.dim)), q[0], ns.metric)
-            if match is None:
-                d_ids, d_scores = ns.search(q, r.k, now=now)
-            else:
-                d_ids, d_scores = ns.search_where(q, r.k, match, now=now)
+            d_ids, d_scores = ns.search(q, r.k, match=match, now=now)
         except Exception as e:
             self._backend_failed([r], e)
             return

@@ -33,7 +33,7 @@ import numpy as np
 
 from ...broker.layout import S_BUSY, Flag, Op, SegmentView, SlotWords, Status, slot_dtype, slot_field_offset
 from ...broker.names import decode_namespace
-from ..backends.base import PendingSearch, completed
+from ..backends.base import PendingSearch
 from ..storage.store import MemoryStore, Namespace
 from .answers import AnswerWriter
 from .batching import (
@@ -302,10 +302,9 @@ class Pipeline:
         self.launch.turnaround(int(u64[W.t_post_ns[i]]), int(u64[W.t_done_ns[i]]))
         t0 = time.perf_counter_ns()
         try:
-            if plan.where is None:
-                ids, scores = ns.search(q, plan.k)
-            else:  # the filter's rows (cached until the next write), then one search of them
-                ids, scores = ns.search_where(q, plan.k, ns.filtered_bytes(plan.where))
+            # (a filter: its rows, cached until the next write, then one search of them)
+            match = None if plan.where is None else ns.filtered_bytes(plan.where)
+            ids, scores = ns.search(q, plan.k, match=match)
         except Exception as e:  # the general route searches again and reports it (a bad filter too)
             sel = np.asarray([i], np.intp)
             rec = self.seg.slots[sel]
@@ -327,11 +326,9 @@ class Pipeline:
         assert ns is not None
         t_start = time.monotonic_ns()  # (before: a filtered batch is searched right here)
         try:
-            if plan.where is None:
-                pending = ns.search_start(b.q, plan.k)
-            else:  # the same filter for all: evaluated once (cached until a write), searched now
-                match = ns.filtered_bytes(plan.where)
-                pending = completed(*ns.search_where(b.q, plan.k, match))
+            # (the same filter for all: evaluated once, cached until a write, and searched now)
+            match = None if plan.where is None else ns.filtered_bytes(plan.where)
+            pending = ns.search_start(b.q, plan.k, match=match)
         except Exception:  # (a malformed filter too: the general route answers BAD_REQUEST)
             return None
         self.launch.launched(len(b.taken), b.t_pick, t_start, plan.pipelined)

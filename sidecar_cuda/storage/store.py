@@ -367,11 +367,21 @@ class Namespace:
 
     # ------------------------------------------------------------------ reads
     def search(
-        self, queries: np.ndarray, k: int, *, decay: Decay | None = None, now: int | None = None
+        self,
+        queries: np.ndarray,
+        k: int,
+        *,
+        match: np.ndarray | Filtered | None = None,
+        decay: Decay | None = None,
+        now: int | None = None,
     ) -> SearchResult:
-        """Top-k (ids, scores) over the live rows; fewer than k columns when the namespace is small.
+        """The one synchronous search of a namespace: top-k (ids, scores) over its live rows, or
+        with ``match`` over the matching live rows only (a bool mask of rows [0, n), or a
+        :meth:`filtered` result), never a row outside it; ``min(k, rows searched)`` columns.
         ``decay``: scores are ranked with each row's recency part added (``Decay``). ``now``: the
         clock expiry is decided at (default: the decay's, else the namespace's clock now)."""
+        if match is not None:
+            return self._search_match(queries, k, match, decay, now)
         if self.n == 0:
             b = len(queries)
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
@@ -450,18 +460,9 @@ class Namespace:
         ids: np.ndarray = self.row_ids[: self.n][self.where(node)]
         return ids
 
-    def search_where(
-        self,
-        queries: np.ndarray,
-        k: int,
-        match: np.ndarray | Filtered,
-        *,
-        decay: Decay | None = None,
-        now: int | None = None,
+    def _search_match(
+        self, queries: np.ndarray, k: int, match: np.ndarray | Filtered, decay: Decay | None, now: int | None
     ) -> SearchResult:
-        """Top-k (ids, scores) over the matching live rows only (a bool mask of rows [0, n), or a
-        :meth:`filtered` result): ``min(k, matches)`` columns, never a row outside the match.
-        ``decay``, ``now``: as for :meth:`search`."""
         key: Hashable
         if isinstance(match, Filtered):
             candidates, key = match.rows, match.key
@@ -487,10 +488,12 @@ class Namespace:
             rows, scores = self.matrix.search_rows(q, self.n, k, candidates, key=key, decay=decay)
         return self.row_ids[rows], scores
 
-    def search_start(self, queries: np.ndarray, k: int) -> PendingSearch:
-        """``search`` started on the device: a Future of (ids, scores). No write may reach this
-        namespace before it is collected (the sidecar's pipeline makes sure). With expired rows
-        not yet swept, the search over the live rows is done at once."""
+    def search_start(self, queries: np.ndarray, k: int, *, match: Filtered | None = None) -> PendingSearch:
+        """:meth:`search` started on the device: a Future of (ids, scores). No write may reach this
+        namespace before it is collected (the sidecar's pipeline makes sure). With ``match`` (a
+        filter's rows) or expired rows not yet swept, the search is done at once."""
+        if match is not None:
+            return completed(*self._search_match(queries, k, match, None, None))
         if self.n == 0:
             b = len(queries)
             return completed(np.empty((b, 0), np.int64), np.empty((b, 0), np.float32))

@@ -86,7 +86,7 @@ def test_namespace_filtered_search_on_cuda(backend, rng):
     alive = np.setdiff1d(np.arange(n), np.arange(0, n, 7))
     match = alive[[json.loads(pls[i])["c"] in (1, 2) for i in alive]]
     q = rng.standard_normal((2, 16), dtype=np.float32)
-    ids, scores = ns.search_where(q, 50, ns.where(node))
+    ids, scores = ns.search(q, 50, match=ns.where(node))
     ref = q.astype(np.float64) @ x[match].astype(np.float64).T
     assert np.isin(ids, match).all() and ids.shape == (2, 50)
     tol = REL_TOL[backend.storage_dtype] * np.abs(ref).max() * 4 + 1e-5

@@ -163,7 +163,7 @@ def test_store_recency_with_expiry_and_a_filter_on_cuda(backend, rng):
     for i in range(2):
         _check(ref[i], ids[i], scores[i], 20, alive, tol)
     f = ns.filtered(parse_where({"c": 1}), b"c1")
-    ids, scores = ns.search_where(q, 20, f, decay=decay)
+    ids, scores = ns.search(q, 20, match=f, decay=decay)
     allowed = alive[alive % 3 == 1]
     for i in range(2):
         _check(ref[i], ids[i], scores[i], 20, allowed, tol)

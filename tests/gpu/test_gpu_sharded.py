@@ -74,7 +74,7 @@ def _exercise(be, rng, dtype, block_rows=3000, steps=5, dim=48):
                 for where, want in (({"c": 1}, {1}), ({"c": {"$ne": 3}}, {0, 1, 2})):
                     allowed = {i for i, cc in col.items() if cc in want}
                     f = sh.filtered(parse_where(where), json.dumps(where).encode())
-                    f_ids, f_scores = sh.search_where(q, k, f)
+                    f_ids, f_scores = sh.search(q, k, match=f)
                     _check(q, live, f_ids, f_scores, k, TOL[dtype], allowed)
             asked = np.array(rng.choice(sorted(live), 7).tolist(), np.int64)
             g_ids, g_vecs, _ = sh.get(asked)

@@ -139,7 +139,7 @@ def test_sharded_namespace_matches_unsharded_and_float64(rng, shards, block):
             node = parse_where(where)
             allowed = {i for i, c in pls.items() if c in (1, 3)}
             for blob in (b"k1", b"k1"):  # the second from the filter cache
-                f_ids, f_scores = sh.search_where(q, k, sh.filtered(node, blob))
+                f_ids, f_scores = sh.search(q, k, match=sh.filtered(node, blob))
                 r_ids, r = _reference(live, q, k, allowed)
                 _check(q, f_ids, f_scores, r_ids, r, k)
             asked = np.array(rng.choice(sorted(live), 5).tolist() + [10**9], np.int64)

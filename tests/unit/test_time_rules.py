@@ -132,7 +132,7 @@ def test_expired_rows_are_never_read_even_before_the_sweep(rng: np.random.Genera
     clock.advance(1.0)  # expires_at <= now: expired
     for ids in (
         ns.search(v[:1], 6)[0][0],
-        ns.search_where(v[:1], 6, ns.filtered(parse_where({"k": 1}), b"k1"))[0][0],
+        ns.search(v[:1], 6, match=ns.filtered(parse_where({"k": 1}), b"k1"))[0][0],
         ns.search_start(v[:1], 6).result()[0][0],
         ns.get(np.arange(6))[0],
         ns.export_page(-1, 100)[0],
@@ -277,7 +277,7 @@ def test_recency_weighted_search_is_exact_against_float64(
                 check_exact(ref[b], ids[b], scores[b], k, alive)
             where = {"c": {"$in": [1, 2]}}
             match = ns.filtered(parse_where(where), encode_where(where, 1024))
-            fids, fscores = ns.search_where(q, k, match, decay=decay)
+            fids, fscores = ns.search(q, k, match=match, decay=decay)
             allowed = np.intersect1d(alive, [i for i in range(n) if json.loads(pls[i])["c"] in (1, 2)])
             for b in range(len(q)):
                 check_exact(ref[b], fids[b], fscores[b], k, allowed)
@@ -496,7 +496,7 @@ def test_a_namespace_without_ttls_never_reads_the_clock(rng: np.random.Generator
     ns.upsert(np.arange(20), v, None, Stamps.fresh(20, T0))
     ns.search(v[:2], 5)
     ns.search_start(v[:2], 5).result()
-    ns.search_where(v[:2], 5, np.ones(20, bool))
+    ns.search(v[:2], 5, match=np.ones(20, bool))
     ns.get(np.arange(3))
     ns.export_page(-1, 5)
 
