@@ -110,6 +110,9 @@ def test_top_into_a_pipe_prints_frames(sidecar_factory) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**env, "COLUMNS": "120"},
+        # Ctrl-C as a terminal delivers it: a suite started in the background (nohup ... &)
+        # ignores SIGINT, its children inherit that, and Python then installs no handler.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     seen = b""
     try:
