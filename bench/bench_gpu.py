@@ -376,7 +376,7 @@ def kalos_inproc(cp: Any, matrix: np.ndarray, dtype: str, k: int, bank: np.ndarr
                 ts = []
                 for rep in range(25):
                     e0.record(s)
-                    pending = m.search_async(qb, n, k, path=path)
+                    pending = m.search_start(qb, n, k, path=path)
                     e1.record(s)
                     e1.synchronize()
                     pending.result()

@@ -30,7 +30,7 @@ import re
 import sys
 import time
 import urllib.request
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from kalos.sidecar_cuda.backends.base import (
     Matrix,
     PendingSearch,
     SearchResult,
+    Subset,
     completed,
     search_each,
 )
@@ -104,33 +105,19 @@ class TimedMatrix:
     def set_times(self, rows: np.ndarray, times_s: np.ndarray) -> None:
         self._inner.set_times(rows, times_s)
 
-    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
-        t = time.perf_counter_ns()
-        try:
-            return self._inner.search(queries, n, k, decay=decay)
-        finally:
-            self._clock.ns += time.perf_counter_ns() - t
-
-    def search_rows(
-        self,
-        queries: np.ndarray,
-        n: int,
-        k: int,
-        candidates: np.ndarray,
-        *,
-        key: Hashable = None,
-        decay: Decay | None = None,
+    def search(
+        self, queries: np.ndarray, n: int, k: int, *, within: Subset | None = None, decay: Decay | None = None
     ) -> SearchResult:
         t = time.perf_counter_ns()
         try:
-            return self._inner.search_rows(queries, n, k, candidates, key=key, decay=decay)
+            return self._inner.search(queries, n, k, within=within, decay=decay)
         finally:
             self._clock.ns += time.perf_counter_ns() - t
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_start(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         t = time.perf_counter_ns()
         try:
-            return self._inner.search_async(queries, n, k, row_ids=row_ids)
+            return self._inner.search_start(queries, n, k, row_ids=row_ids)
         finally:
             self._clock.ns += time.perf_counter_ns() - t
 

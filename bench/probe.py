@@ -95,7 +95,7 @@ def probe_paths(a: argparse.Namespace) -> int:
             for _ in range(a.reps):
                 for name, path in ok.items():
                     e0.record(s)
-                    pending = m.search_async(q, n, k, path=path)
+                    pending = m.search_start(q, n, k, path=path)
                     e1.record(s)
                     pending.result()
                     e1.synchronize()

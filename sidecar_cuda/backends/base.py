@@ -4,7 +4,7 @@ A backend owns device memory; everything about ids, namespaces, payloads and dur
 :mod:`kalos.sidecar_cuda.storage.store` and is the same for every backend. Backends are chosen in one place,
 :func:`kalos.sidecar_cuda.backends.select.choose_backend`; this module imports none of them.
 
-A search started with ``search_async`` is a :class:`concurrent.futures.Future` of (rows, scores):
+A search started with ``search_start`` is a :class:`concurrent.futures.Future` of (rows, scores):
 a finished one (:func:`completed`), the numpy backend's worker-thread future, or a
 :class:`PolledFuture` (the CUDA backend's, and the store's mapping of rows to ids), which nobody
 resolves from another thread: ``done()`` asks the device without blocking, ``result()`` collects.
@@ -103,6 +103,17 @@ class Decay:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class Subset:
+    """The candidate rows of a filtered search (``Matrix.search(within=)``): ``rows`` distinct,
+    ascending int64, each < n, at least one. ``key`` names this candidate set while the rows are
+    unchanged (a new key is given after any write), so a backend may keep work done for it (the
+    CUDA backend's gathered rows); None keeps nothing."""
+
+    rows: np.ndarray
+    key: Hashable = None
+
+
 class Matrix(Protocol):
     """Rows of one namespace, resident on the backend's device. Rows [0, n) are live."""
 
@@ -125,36 +136,22 @@ class Matrix(Protocol):
     def read_rows(self, rows: np.ndarray) -> np.ndarray:
         """Stored rows as float32 (m, d), for export."""
 
-    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
-        """Exact top-k over rows [0, n) for float32 ``queries`` (B, d).
+    def search(
+        self, queries: np.ndarray, n: int, k: int, *, within: Subset | None = None, decay: Decay | None = None
+    ) -> SearchResult:
+        """Exact top-k over rows [0, n) for float32 ``queries`` (B, d), or with ``within`` over
+        those candidate rows only (a filtered recall: every row returned is a candidate).
 
-        Returns (rows int64 (B, kk), scores float32 (B, kk)), kk = min(k, n), best first.
-        Scores: dot product (dot, cosine on normalised rows), or minus the squared L2 distance;
-        with ``decay``, plus each row's recency part (the top-k is exact under that sum).
+        Returns (rows int64 (B, kk), scores float32 (B, kk)), kk = min(k, rows searched), best
+        first. Scores: dot product (dot, cosine on normalised rows), or minus the squared L2
+        distance; with ``decay``, plus each row's recency part (the top-k is exact under that sum).
         """
 
-    def search_rows(
-        self,
-        queries: np.ndarray,
-        n: int,
-        k: int,
-        candidates: np.ndarray,
-        *,
-        key: Hashable = None,
-        decay: Decay | None = None,
-    ) -> SearchResult:
-        """Exact top-k over the rows ``candidates`` only (distinct, ascending int64, each < n;
-        at least one), for a filtered recall. Returns (rows int64 (B, kk), scores float32 (B, kk)),
-        kk = min(k, len(candidates)), best first: every row returned is a candidate.
-        ``key``: names this candidate set while the rows are unchanged (a new key is given after
-        any write), so a backend may keep work done for it (the CUDA backend's gathered rows).
-        ``decay``: as for :meth:`search`."""
-
-    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
-        """Start the same search and return at once. ``queries`` must stay untouched until the
-        result is collected. At most two searches of a backend may be pending at a time, and no
-        write, move or growth of the matrix may happen while one of its searches is.
-        ``row_ids``: the result's rows come back as ``row_ids[rows]`` (the store's ids of its
+    def search_start(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
+        """:meth:`search` (no subset, no decay) started, returned at once. ``queries`` must stay
+        untouched until the result is collected. At most two searches of a backend may be pending
+        at a time, and no write, move or growth of the matrix may happen while one of its searches
+        is. ``row_ids``: the result's rows come back as ``row_ids[rows]`` (the store's ids of its
         rows), looked up where the search finishes (the numpy backend's worker thread)."""
 
 
@@ -279,7 +276,7 @@ class Backend(Protocol):
         """The exact top-k of each query over its own matrix: query j over rows [0, n[i]) of
         ``matrices[i]``, i = ``of_query[j]`` (every n[i] >= 1; queries metric-prepared, float32
         (Q, d)). A Future of (rows int64 (Q, k), scores float32 (Q, k)), best first, padded with
-        row -1 and score -inf past a matrix's n rows. The rules of ``search_async`` hold."""
+        row -1 and score -inf past a matrix's n rows. The rules of ``search_start`` hold."""
         ...
 
     def host_buffer(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:

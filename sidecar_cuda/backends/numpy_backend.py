@@ -1,6 +1,6 @@
 """CPU backend: one matrix product for the whole batch, then exact top-k per query.
 
-``search_async`` runs a large search (:data:`INLINE_WORK` and more) on the backend's one worker
+``search_start`` runs a large search (:data:`INLINE_WORK` and more) on the backend's one worker
 thread (numpy releases the GIL in the product and the selection) and returns its Future, so the
 sidecar's pipeline overlaps it with its own work; a smaller one runs at once on the calling thread
 (handing it to a thread and back costs more than it). Products below :data:`SMALL_WORK` run on one
@@ -13,14 +13,14 @@ import enum
 import threading
 import time
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import BackendStatistics, Decay, Matrix, PendingSearch, SearchCounts, SearchResult
+from .base import BackendStatistics, Decay, Matrix, PendingSearch, SearchCounts, SearchResult, Subset
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -28,7 +28,7 @@ from .blas import BlasThreads, find_blas_threads
 #: the second core idle, milliseconds when a client holds it); a lone recall over 100k x 128
 #: (2^23.6) keeps every thread (3.3 ms on one, 1.5 ms on two).
 SMALL_WORK = 1 << 22
-#: Work below which ``search_async`` searches at once instead of on the worker thread.
+#: Work below which ``search_start`` searches at once instead of on the worker thread.
 INLINE_WORK = 1 << 26
 
 
@@ -84,7 +84,7 @@ DENSE_FRACTION = 4
 
 class NumpyMatrix:
     def __init__(self, dim: int, capacity: int, metric: Metric, backend: NumpyBackend) -> None:
-        self.backend = backend  # its worker thread runs search_async
+        self.backend = backend  # its worker thread runs search_start
         self.dim = dim
         self.metric = metric
         self.capacity = max(1, capacity)
@@ -132,9 +132,14 @@ class NumpyMatrix:
         """Memory of the rows and what is kept beside them (norms, times)."""
         return int(self.data.nbytes + self.sqnorm.nbytes + self.times.nbytes)
 
-    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
+    def search(
+        self, queries: np.ndarray, n: int, k: int, *, within: Subset | None = None, decay: Decay | None = None
+    ) -> SearchResult:
         t0 = time.perf_counter_ns()
-        found = self._search(queries, n, k, decay)
+        if within is None:
+            found = self._search(queries, n, k, decay)
+        else:
+            found = self._search_rows(queries, n, k, within.rows, decay)
         self.backend.counts.add(NumpyPath.INLINE, len(queries), time.perf_counter_ns() - t0)
         return found
 
@@ -143,21 +148,6 @@ class NumpyMatrix:
         if decay is not None:
             scores += decay.bias(self.times[:n])
         return topk_rows(scores, k)
-
-    def search_rows(
-        self,
-        queries: np.ndarray,
-        n: int,
-        k: int,
-        candidates: np.ndarray,
-        *,
-        key: Hashable = None,
-        decay: Decay | None = None,
-    ) -> SearchResult:
-        t0 = time.perf_counter_ns()
-        found = self._search_rows(queries, n, k, candidates, decay)
-        self.backend.counts.add(NumpyPath.INLINE, len(queries), time.perf_counter_ns() - t0)
-        return found
 
     def _search_rows(
         self, queries: np.ndarray, n: int, k: int, candidates: np.ndarray, decay: Decay | None
@@ -181,7 +171,7 @@ class NumpyMatrix:
         rows, best = topk_rows(scores, k)
         return candidates[rows], best
 
-    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_start(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         if n * len(queries) * self.dim < INLINE_WORK:
             return self.backend.run_now(self._search_ids, NumpyPath.INLINE, queries, n, k, row_ids)
         return self.backend.submit(self._search_ids, NumpyPath.WORKER, queries, n, k, row_ids)
@@ -205,7 +195,7 @@ class NumpyBackend:
 
     def __init__(self) -> None:
         self.description = f"numpy {np.__version__} (CPU)"
-        self._pool: ThreadPoolExecutor | None = None  # started by the first search_async
+        self._pool: ThreadPoolExecutor | None = None  # started by the first search_start
         self.blas: BlasThreads | None = find_blas_threads()
         self.counts: SearchCounts[NumpyPath] = SearchCounts()
         self._matrices: weakref.WeakSet[NumpyMatrix] = weakref.WeakSet()

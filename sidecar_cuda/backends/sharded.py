@@ -17,7 +17,7 @@ in its own shard's top-k.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from .base import (
     PendingSearch,
     PolledFuture,
     SearchResult,
+    Subset,
     completed,
     merge_statistics,
     search_each,
@@ -221,9 +222,20 @@ class ShardedMatrix:
             out[pos] = self.parts[s].read_rows(local)
         return out
 
-    def search(self, queries: np.ndarray, n: int, k: int, *, decay: Decay | None = None) -> SearchResult:
+    def search(
+        self, queries: np.ndarray, n: int, k: int, *, within: Subset | None = None, decay: Decay | None = None
+    ) -> SearchResult:
+        if within is not None:  # each shard searches its own candidates (its own key), merged
+            got = []
+            for s, _pos, local in self._by_shard(np.asarray(within.rows, np.int64)):
+                part = Subset(local, None if within.key is None else (within.key, s))
+                rows, scores = self.parts[s].search(
+                    queries, live_rows(n, s, self.shards, self.block), k, within=part, decay=decay
+                )
+                got.append((global_rows(rows, s, self.shards, self.block), scores))
+            return merge_top(got, k)
         if decay is None:
-            return self.search_async(queries, n, k).result()
+            return self.search_start(queries, n, k).result()
         # A recency-weighted search: each shard's biased top-k (every row of the global top-k is
         # in its own shard's), merged; one shard after the other.
         if not 0 <= n <= self.capacity:
@@ -238,36 +250,14 @@ class ShardedMatrix:
             return np.empty((len(queries), 0), np.int64), np.empty((len(queries), 0), np.float32)
         return merge_top(got, k)
 
-    def search_rows(
-        self,
-        queries: np.ndarray,
-        n: int,
-        k: int,
-        candidates: np.ndarray,
-        *,
-        key: Hashable = None,
-        decay: Decay | None = None,
-    ) -> SearchResult:
-        got = []
-        for s, _pos, local in self._by_shard(np.asarray(candidates, np.int64)):
-            ns = live_rows(n, s, self.shards, self.block)
-            skey = None if key is None else (key, s)
-            part = self.parts[s]
-            if decay is None:
-                rows, scores = part.search_rows(queries, ns, k, local, key=skey)
-            else:
-                rows, scores = part.search_rows(queries, ns, k, local, key=skey, decay=decay)
-            got.append((global_rows(rows, s, self.shards, self.block), scores))
-        return merge_top(got, k)
-
-    def search_async(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
+    def search_start(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
         if not 0 <= n <= self.capacity:
             raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
         parts = []
         for s, p in enumerate(self.parts):
             ns = live_rows(n, s, self.shards, self.block)
             if ns:
-                parts.append((s, p.search_async(queries, ns, k)))
+                parts.append((s, p.search_start(queries, ns, k)))
         return ShardedSearch(parts, self.shards, self.block, len(queries), k, row_ids)
 
 

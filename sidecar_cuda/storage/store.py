@@ -34,6 +34,7 @@ from ..backends.base import (
     PendingSearch,
     PolledFuture,
     SearchResult,
+    Subset,
     completed,
     prepare_queries,
     prepare_rows,
@@ -389,10 +390,7 @@ class Namespace:
             c = self.live(now if now is not None else decay.now_ns if decay is not None else self.clock())
             if c is not None:
                 return self._search_rows(queries, k, c.rows, (c.version, b"", c.until), decay)
-        q = prepare_queries(queries, self.metric)
-        rows, scores = (
-            self.matrix.search(q, self.n, k) if decay is None else self.matrix.search(q, self.n, k, decay=decay)
-        )
+        rows, scores = self.matrix.search(prepare_queries(queries, self.metric), self.n, k, decay=decay)
         return self.row_ids[rows], scores
 
     def _changed(self) -> None:
@@ -482,10 +480,7 @@ class Namespace:
             b = len(queries)
             return np.empty((b, 0), np.int64), np.empty((b, 0), np.float32)
         q = prepare_queries(queries, self.metric)
-        if decay is None:
-            rows, scores = self.matrix.search_rows(q, self.n, k, candidates, key=key)
-        else:
-            rows, scores = self.matrix.search_rows(q, self.n, k, candidates, key=key, decay=decay)
+        rows, scores = self.matrix.search(q, self.n, k, within=Subset(candidates, key), decay=decay)
         return self.row_ids[rows], scores
 
     def search_start(self, queries: np.ndarray, k: int, *, match: Filtered | None = None) -> PendingSearch:
@@ -501,7 +496,7 @@ class Namespace:
             c = self.live(self.clock())
             if c is not None:
                 return completed(*self._search_rows(queries, k, c.rows, (c.version, b"", c.until), None))
-        return self.matrix.search_async(prepare_queries(queries, self.metric), self.n, k, row_ids=self.row_ids)
+        return self.matrix.search_start(prepare_queries(queries, self.metric), self.n, k, row_ids=self.row_ids)
 
     def get(self, asked: np.ndarray, now: int | None = None) -> tuple[np.ndarray, np.ndarray, list[bytes]]:
         """The records of ``asked`` that exist (and have not expired at ``now``; default: the

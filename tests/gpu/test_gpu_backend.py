@@ -329,9 +329,9 @@ def test_two_searches_in_flight(backend, rng):
     m, x = fill(backend, rng, n, d, Metric.DOT)
     for order in ((0, 1), (1, 0)):
         qs = [queries(rng, b, d, Metric.DOT) for b in (64, 1)]
-        pend = [m.search_async(q, n, 10) for q in qs]
+        pend = [m.search_start(q, n, 10) for q in qs]
         with pytest.raises(RuntimeError):
-            m.search_async(qs[1], n, 10)
+            m.search_start(qs[1], n, 10)
         for i in order:
             rows, scores = pend[i].result()
             check(qs[i], x, Metric.DOT, 10, rows, scores, REL_TOL[backend.storage_dtype], f"in flight {i}")

@@ -10,7 +10,7 @@ import pytest
 
 from kalos.broker.layout import Metric
 from kalos.broker.validation import parse_where
-from kalos.sidecar_cuda.backends.base import prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.base import Subset, prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import HALF_K, cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import cheap_k
 from kalos.sidecar_cuda.storage.store import Namespace
@@ -53,7 +53,7 @@ def test_search_rows_matches_float64(backend, rng, metric, n, d, k, b, frac):
     m.write_rows(np.arange(n), x)
     cand = np.sort(rng.choice(n, max(1, int(n * frac)), replace=False)).astype(np.int64)
     q = np.ascontiguousarray(prepare_queries(rng.standard_normal((b, d), dtype=np.float32), metric))
-    rows, scores = m.search_rows(q, n, k, cand)
+    rows, scores = m.search(q, n, k, within=Subset(cand))
     kk = min(k, len(cand))
     assert rows.shape == (b, kk) and np.isin(rows, cand).all()
     q64, x64 = q.astype(np.float64), x[cand].astype(np.float64)
@@ -120,10 +120,10 @@ def test_filtered_paths_cache_and_invalidation(backend, rng):
         return sum(v for kk, v in m.filter_stats.items() if kk.startswith("overfetch_"))
 
     o0, g0 = over(), m.filter_stats["gathered"]
-    rows, scores = m.search_rows(q[:1], n, k, half, key=("v0", b"half"))  # one query: fused, over-fetched
+    rows, scores = m.search(q[:1], n, k, within=Subset(half, ("v0", b"half")))  # one query: fused, over-fetched
     _check_top(q[:1], x, rows, scores, half, k, tol)
     assert over() == o0 + 1 and m.filter_stats["gathered"] == g0
-    rows, scores = m.search_rows(q, n, k, half, key=("v0", b"half"))  # a batch of 6
+    rows, scores = m.search(q, n, k, within=Subset(half, ("v0", b"half")))  # a batch of 6
     _check_top(q, x, rows, scores, half, k, tol)
     # 6 x 40 000 scores are below HALF_WORK_MIN: the float32 GEMM serves this batch on every
     # dtype, so k' = 32 is as cheap as k' = 16 and proves it (the half-score path's choice to
@@ -133,17 +133,17 @@ def test_filtered_paths_cache_and_invalidation(backend, rng):
     before = dict(m.filter_stats)
     few = np.sort(rng.choice(n, n // 100, replace=False)).astype(np.int64)
     for _ in range(2):
-        rows, scores = m.search_rows(q, n, k, few, key=("v0", b"few"))
+        rows, scores = m.search(q, n, k, within=Subset(few, ("v0", b"few")))
         _check_top(q, x, rows, scores, few, k, tol)
     assert m.filter_stats["gathered"] - before["gathered"] == 12
     assert m.filter_stats["gather_reused"] - before["gather_reused"] == 6
     x[few[:50]] = 10 * rng.standard_normal((50, d), dtype=np.float32)  # the gathered copy is stale
     m.write_rows(few[:50], x[few[:50]])
-    rows, scores = m.search_rows(q, n, k, few, key=("v0", b"few"))  # (same key: still not reused)
+    rows, scores = m.search(q, n, k, within=Subset(few, ("v0", b"few")))  # (same key: still not reused)
     _check_top(q, x, rows, scores, few, k, tol)
     assert m.filter_stats["gather_reused"] - before["gather_reused"] == 6
     worst = np.sort(np.argsort(q[0].astype(np.float64) @ x.astype(np.float64).T)[: n // 2]).astype(np.int64)
     g0 = m.filter_stats["gathered"]
-    rows, scores = m.search_rows(q[:1], n, k, worst)
+    rows, scores = m.search(q[:1], n, k, within=Subset(worst))
     _check_top(q[:1], x, rows, scores, worst, k, tol)
     assert m.filter_stats["gathered"] == g0 + 1  # the proof failed: redone gathered

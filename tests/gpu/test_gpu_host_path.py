@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from kalos.broker.layout import Metric
+from kalos.sidecar_cuda.backends.base import Subset
 from kalos.sidecar_cuda.backends.cuda import WARP_K, SearchPath, cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import HALF_K, HALF_WORK_MIN, HOST_WORK, cheap_k
 
@@ -108,7 +109,7 @@ def test_row_ids_and_async_on_the_host_path(backend, seed):
     m.write_rows(np.arange(50), x)
     ids = np.arange(1000, 1050, dtype=np.int64)
     q = rng.standard_normal((3, d), dtype=np.float32)
-    fut = m.search_async(q, 50, 5, row_ids=ids)
+    fut = m.search_start(q, 50, 5, row_ids=ids)
     assert fut.done()  # answered on the host at once
     rows, scores = fut.result()
     assert rows.min() >= 1000
@@ -134,13 +135,13 @@ def test_filtered_search_of_every_row_is_the_plain_search(backend, seed):
     m.write_rows(np.arange(n), rng.standard_normal((n, d), dtype=np.float32))
     q = rng.standard_normal((2, d), dtype=np.float32)
     before = m.filter_stats.get("all_rows", 0)
-    got = m.search_rows(q, n, 7, np.arange(n))
+    got = m.search(q, n, 7, within=Subset(np.arange(n)))
     assert m.filter_stats["all_rows"] == before + 2
     want = m.search(q, n, 7)
     assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
     # A subset still answers only candidates, exactly.
     cand = np.sort(rng.choice(n, 30, replace=False))
-    rows, scores = m.search_rows(q, n, 7, cand)
+    rows, scores = m.search(q, n, 7, within=Subset(cand))
     assert np.isin(rows, cand).all()
     assert_exact(q, m.read_rows(cand), False, 7, np.searchsorted(cand, rows), scores)
 

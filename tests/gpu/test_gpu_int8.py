@@ -338,8 +338,8 @@ def test_two_pending_searches(backends, rng):
     assert m.plan(7, n, 10).path is _int8() and m.plan(len(q2), n, planner.INT8_K).path is _int8()
     ids = rng.choice(10**9, n, replace=False).astype(np.int64)
     before, fb = count(be, _int8()), be.stats.int8_fallbacks
-    f1 = m.search_async(q1, n, 10)
-    f2 = m.search_async(q2, n, planner.INT8_K, row_ids=ids)
+    f1 = m.search_start(q1, n, 10)
+    f2 = m.search_start(q2, n, planner.INT8_K, row_ids=ids)
     got2, s2 = f2.result()
     rows1, s1 = f1.result()
     assert count(be, _int8()) == before + 2

@@ -13,7 +13,7 @@ import pytest
 from kalos.broker.clock import NS, decay_part
 from kalos.broker.layout import Metric
 from kalos.broker.validation import parse_where
-from kalos.sidecar_cuda.backends.base import Decay, prepare_queries, prepare_rows
+from kalos.sidecar_cuda.backends.base import Decay, Subset, prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import cuda_available
 from kalos.sidecar_cuda.backends.cuda.planner import SearchPath
 from kalos.sidecar_cuda.storage.store import MemoryStore, Stamps
@@ -134,7 +134,7 @@ def test_filtered_recency_search_over_fetched_or_gathered(backend, rng, frac):
     bound = float(np.linalg.norm(q, axis=1).max() * np.linalg.norm(xs, axis=1).max())
     decay = Decay(T0, 120.0, scale)
     before = backend.stats.count(SearchPath.GEMM)
-    rows, scores = m.search_rows(q, n, k, cand, key=("t", frac), decay=decay)
+    rows, scores = m.search(q, n, k, within=Subset(cand, ("t", frac)), decay=decay)
     assert backend.stats.count(SearchPath.GEMM) > before, "not the GEMM path"
     ref = sim + decay_part(upd, T0, 120.0, scale)[None]
     for i in range(len(q)):

@@ -86,7 +86,7 @@ def test_cosine_and_async_row_ids(backend, rng):
     check(q, x, Metric.DOT, k, rows, scores, REL_TOL, "cosine")
     ids = rng.choice(10**9, n, replace=False).astype(np.int64)
     before = count(backend, SearchPath.WGMMA)
-    got, got_s = m.search_async(q, n, k, row_ids=ids).result()
+    got, got_s = m.search_start(q, n, k, row_ids=ids).result()
     assert count(backend, SearchPath.WGMMA) == before + 1
     np.testing.assert_array_equal(got, ids[rows])
     np.testing.assert_array_equal(got_s, scores)
@@ -96,8 +96,8 @@ def test_two_pending_searches(backend, rng):
     n, d = 4000, 256
     m, x = fill(backend, rng, n, d)
     q1, q2 = queries(rng, 16, d), queries(rng, 32, d)
-    f1 = m.search_async(q1, n, 10)
-    f2 = m.search_async(q2, n, 10)
+    f1 = m.search_start(q1, n, 10)
+    f2 = m.search_start(q2, n, 10)
     check(q2, x, Metric.DOT, 10, *f2.result(), REL_TOL, "second")
     check(q1, x, Metric.DOT, 10, *f1.result(), REL_TOL, "first")
 

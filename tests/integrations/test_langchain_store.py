@@ -446,7 +446,7 @@ def test_mmr_search(store: KalosVectorStore, rng: np.random.Generator) -> None:
 
 
 @pytest.mark.asyncio
-async def test_mmr_search_async(astore: KalosVectorStore, rng: np.random.Generator) -> None:
+async def test_mmr_search_start(astore: KalosVectorStore, rng: np.random.Generator) -> None:
     texts, vecs, _ = random_corpus(rng, 100)
     q = rng.standard_normal(DIM).astype(np.float32)
     table_of(astore).update(zip(texts, vecs))

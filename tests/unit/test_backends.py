@@ -17,7 +17,7 @@ from conftest import assert_topk
 from kalos.broker.errors import ConfigError
 from kalos.broker.layout import Metric
 from kalos.sidecar_cuda.backends import blas
-from kalos.sidecar_cuda.backends.base import PolledFuture, completed, size_bucket
+from kalos.sidecar_cuda.backends.base import PolledFuture, Subset, completed, size_bucket
 from kalos.sidecar_cuda.backends.cuda import WARP_K, Storage, kernels, planner
 from kalos.sidecar_cuda.backends.numpy_backend import INLINE_WORK, SMALL_WORK, NumpyBackend, blas_threads
 from kalos.sidecar_cuda.storage.store import MemoryStore
@@ -91,7 +91,7 @@ def test_completed_and_numpy_searches_are_futures(rng):
         x = rng.standard_normal((50, 8)).astype(np.float32)
         m.write_rows(np.arange(50), x)
         q = rng.standard_normal((3, 8)).astype(np.float32)
-        pending = m.search_async(q, 50, 5)
+        pending = m.search_start(q, 50, 5)
         assert isinstance(pending, Future)
         rows, scores = pending.result(timeout=10)
         ref_rows, ref_scores = m.search(q, 50, 5)
@@ -99,7 +99,7 @@ def test_completed_and_numpy_searches_are_futures(rng):
         np.testing.assert_array_equal(scores, ref_scores)
         # Rows come back as ids when the store's row -> id map is given.
         row_ids = np.arange(1000, 1050)
-        ids, _s = m.search_async(q, 50, 5, row_ids=row_ids).result(timeout=10)
+        ids, _s = m.search_start(q, 50, 5, row_ids=row_ids).result(timeout=10)
         np.testing.assert_array_equal(ids, row_ids[ref_rows])
         # The search ran on the backend's worker thread.
         where = be.submit(lambda: (threading.current_thread().name, None)).result(timeout=10)
@@ -128,11 +128,11 @@ def test_small_searches_run_at_once_and_large_ones_on_the_worker(rng):
         m._search_ids = spy  # type: ignore[method-assign]
         q = rng.standard_normal((64, dim)).astype(np.float32)
         for n, where in ((n_big - 1, threading.current_thread().name), (n_big, "kalos-search")):
-            rows, scores = m.search_async(q, n, 10).result(timeout=30)
+            rows, scores = m.search_start(q, n, 10).result(timeout=30)
             assert names[-1].startswith(where)
             for i in range(len(q)):  # by score against float64 (a near-tie at 10th place may swap)
                 assert_topk(q[i], x[:n], rows[i], scores[i], 10)
-        bad = m.search_async(np.zeros((2, dim + 1), np.float32), 10, 3)  # wrong width: fails
+        bad = m.search_start(np.zeros((2, dim + 1), np.float32), 10, 3)  # wrong width: fails
         assert bad.done() and isinstance(bad.exception(), ValueError)
     finally:
         be.close()
@@ -449,10 +449,10 @@ def test_numpy_statistics_count_searches_where_they_ran_and_the_rows_bytes(rng):
         m.write_rows(np.arange(n_big), rng.standard_normal((n_big, dim)).astype(np.float32))
         assert be.statistics().searches == ()
         q = rng.standard_normal((8, dim)).astype(np.float32)
-        m.search_async(q[:1], 1000, 5).result(timeout=30)  # inline, batch 1
-        m.search_async(q[:3], 1000, 5).result(timeout=30)  # inline, batch 3
-        m.search_async(q, n_big, 5).result(timeout=30)  # worker, batch 8
-        m.search_rows(q[:1], n_big, 5, np.arange(0, n_big, 3))  # a filtered search: inline
+        m.search_start(q[:1], 1000, 5).result(timeout=30)  # inline, batch 1
+        m.search_start(q[:3], 1000, 5).result(timeout=30)  # inline, batch 3
+        m.search_start(q, n_big, 5).result(timeout=30)  # worker, batch 8
+        m.search(q[:1], n_big, 5, within=Subset(np.arange(0, n_big, 3)))  # a filtered search: inline
         st = be.statistics()
         got = {(ps.path, ps.batch): ps.searches for ps in st.searches}
         assert got == {("inline", "1"): 2, ("inline", "2-8"): 1, ("worker", "2-8"): 1}

@@ -13,6 +13,7 @@ from filter_reference import matches, random_filter, random_payload
 from kalos.broker.errors import InvalidRequest
 from kalos.broker.layout import Flag, Metric, Op
 from kalos.broker.validation import decode_where, encode_where, parse_where
+from kalos.sidecar_cuda.backends.base import Subset
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
 from kalos.sidecar_cuda.serving.batching import Request, _field_problem, plan_batch, write_segments
 from kalos.sidecar_cuda.storage.store import Namespace
@@ -142,7 +143,7 @@ def test_numpy_filtered_search_matches_float64(frac, metric):
     m.write_rows(np.arange(2000), x)
     cand = np.sort(rng.choice(2000, max(1, int(2000 * frac)), replace=False)).astype(np.int64)
     q = rng.standard_normal((3, 8)).astype(np.float32)
-    rows, scores = m.search_rows(q, 2000, 10, cand)
+    rows, scores = m.search(q, 2000, 10, within=Subset(cand))
     x64 = x[cand].astype(np.float64)
     ref = q.astype(np.float64) @ x64.T
     if metric == Metric.L2:
@@ -155,7 +156,7 @@ def test_numpy_filtered_search_matches_float64(frac, metric):
 def test_numpy_dense_filter_never_returns_a_hidden_row_when_scores_overflow():
     m = NumpyBackend().new_matrix(2, 8, Metric.DOT)
     m.write_rows(np.arange(8), np.full((8, 2), -3e38, np.float32))  # every score is -inf
-    rows, _ = m.search_rows(np.ones((1, 2), np.float32), 8, 8, np.array([1, 4, 5, 6], np.int64))
+    rows, _ = m.search(np.ones((1, 2), np.float32), 8, 8, within=Subset(np.array([1, 4, 5, 6], np.int64)))
     assert sorted(rows[0].tolist()) == [1, 4, 5, 6]
 
 

@@ -1,5 +1,5 @@
 """A filtered search on the CUDA backend: the exact top-k over candidate rows only
-(``Matrix.search_rows``), by over-fetching with a proof or by searching the gathered rows (the
+(``Matrix.search(within=)``), by over-fetching with a proof or by searching the gathered rows (the
 rounds are ``planner.filtered_plan``'s, pure).
 
 When many rows match, the top-k' of every row (k' > k) is searched and the candidates' first k
@@ -16,7 +16,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from ..base import Decay, SearchResult
+from ..base import Decay, SearchResult, Subset
 from .device import Device
 from .kernels import MAX_K
 from .planner import GATHER_CACHE_FRACTION, GATHER_CACHE_MIN_BYTES, HALF_K, SearchPath, cheap_k, filtered_plan
@@ -24,19 +24,13 @@ from .rows import DeviceRows, gather
 from .search import plan_for, run
 
 
-def search_rows(
-    dev: Device,
-    m: DeviceRows,
-    queries: np.ndarray,
-    n: int,
-    k: int,
-    candidates: np.ndarray,
-    key: Hashable = None,
-    decay: Decay | None = None,
+def search_within(
+    dev: Device, m: DeviceRows, queries: np.ndarray, n: int, k: int, within: Subset, decay: Decay | None = None
 ) -> SearchResult:
-    """Exact top-k of ``queries`` over the rows ``candidates`` (distinct, ascending, each < n; at
-    least one) of rows [0, n) of ``m``; see the module docstring and ``Matrix.search_rows``.
+    """Exact top-k of ``queries`` over the candidate rows ``within`` (distinct, ascending, each < n;
+    at least one) of rows [0, n) of ``m``; see the module docstring and ``Matrix.search``.
     ``decay``: recency-weighted (the proof of an over-fetch holds for any per-row score)."""
+    candidates = within.rows
     c = len(candidates)
     if c == n:  # (candidates are sorted and unique: every row matches)
         m.filter_stats["all_rows"] = m.filter_stats.get("all_rows", 0) + len(queries)
@@ -47,7 +41,7 @@ def search_rows(
     out_s = np.empty((b, kk), np.float32)
     todo = np.arange(b)
     cheap = cheap_k(SearchPath.GEMM if decay is not None else plan_for(dev, m, b, n, HALF_K).path)
-    for kp in filtered_plan(k, c, n, MAX_K, cheap_k=cheap, gather_kept=_gather_kept(dev, m, key, c)):
+    for kp in filtered_plan(k, c, n, MAX_K, cheap_k=cheap, gather_kept=_gather_kept(dev, m, within.key, c)):
         rows, scores = run(dev, m, np.ascontiguousarray(queries[todo]), n, kp, decay=decay)
         pos = np.minimum(np.searchsorted(candidates, rows), c - 1)
         hit = candidates[pos] == rows
@@ -60,20 +54,15 @@ def search_rows(
         if len(todo) == 0:
             return out_r, out_s
     if len(todo) == b:
-        return _search_gathered(dev, m, queries, k, candidates, key, decay)
-    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k, candidates, key, decay)
+        return _search_gathered(dev, m, queries, k, within, decay)
+    out_r[todo], out_s[todo] = _search_gathered(dev, m, np.ascontiguousarray(queries[todo]), k, within, decay)
     return out_r, out_s
 
 
 def _search_gathered(
-    dev: Device,
-    m: DeviceRows,
-    queries: np.ndarray,
-    k: int,
-    candidates: np.ndarray,
-    key: Hashable,
-    decay: Decay | None = None,
+    dev: Device, m: DeviceRows, queries: np.ndarray, k: int, within: Subset, decay: Decay | None
 ) -> SearchResult:
+    candidates, key = within.rows, within.key
     m.filter_stats["gathered"] += len(queries)
     sub = m.gathered.get(key) if key is not None else None
     if sub is None:
@@ -106,4 +95,4 @@ def _gather_budget(dev: Device, m: DeviceRows) -> int:
     return max(min(GATHER_CACHE_MIN_BYTES, quarter), min(int(m.data.nbytes * GATHER_CACHE_FRACTION), quarter))
 
 
-__all__ = ["search_rows"]
+__all__ = ["search_within"]

@@ -5,14 +5,12 @@ one call into ``rows.py``, ``search.py`` or ``filtered.py`` with that device.
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-
 import numpy as np
 
 from ....broker.layout import Metric
-from ..base import Decay, PendingSearch, SearchResult
+from ..base import Decay, PendingSearch, SearchResult, Subset
 from .device import Device
-from .filtered import search_rows
+from .filtered import search_within
 from .planner import Plan, SearchPath
 from .rows import DeviceRows, move, read, set_times, write
 from .rows import grow as grow_rows
@@ -42,29 +40,29 @@ class CupyMatrix(DeviceRows):
         return read(self.device, self, rows)
 
     def search(
-        self, queries: np.ndarray, n: int, k: int, *, path: SearchPath | None = None, decay: Decay | None = None
-    ) -> SearchResult:
-        """``Matrix.search``; ``path``: this path instead of the planner's choice (tests and
-        benchmarks; ValueError where it cannot serve the search)."""
-        return run(self.device, self, queries, n, k, path, decay)
-
-    def search_async(
-        self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None, path: SearchPath | None = None
-    ) -> PendingSearch:
-        """``Matrix.search_async`` (a ``search.CudaSearch``); ``path`` as for :meth:`search`."""
-        return start(self.device, self, queries, n, k, path, row_ids)
-
-    def search_rows(
         self,
         queries: np.ndarray,
         n: int,
         k: int,
-        candidates: np.ndarray,
         *,
-        key: Hashable = None,
+        within: Subset | None = None,
         decay: Decay | None = None,
+        path: SearchPath | None = None,
     ) -> SearchResult:
-        return search_rows(self.device, self, queries, n, k, candidates, key, decay)
+        """``Matrix.search``; ``path``: this path instead of the planner's choice (tests and
+        benchmarks; ValueError where it cannot serve the search). A search ``within`` candidates
+        takes the rounds of ``filtered.search_within``, each on the planner's path."""
+        if within is None:
+            return run(self.device, self, queries, n, k, path, decay)
+        if path is not None:
+            raise ValueError("a filtered search takes the planner's paths (no path= with within=)")
+        return search_within(self.device, self, queries, n, k, within, decay)
+
+    def search_start(
+        self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None, path: SearchPath | None = None
+    ) -> PendingSearch:
+        """``Matrix.search_start`` (a ``search.CudaSearch``); ``path`` as for :meth:`search`."""
+        return start(self.device, self, queries, n, k, path, row_ids)
 
     def plan(self, b: int, n: int, k: int) -> Plan:
         """The path the planner picks for b queries over rows [0, n) with this k."""
