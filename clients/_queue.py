@@ -5,8 +5,7 @@ recalls' coalescing keys allow, at the end of the event-loop turn or when a slot
 The queue's state and decisions are the pure :class:`~._backlog.Backlog`'s (the recalls waiting,
 their keys, the next group: ``clients._coalesce``); sending a group is an
 ``clients._exchange.Exchange``. What the queue needs of its pool
-(its free slots, posting, whether it still serves) comes as callables given to the constructor:
-the queue holds no reference to the pool, and a test can drive it with plain functions.
+(its free slots, posting, whether it still serves) is a declared :class:`Host`.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import asyncio
 import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar, Union
+from typing import Any, Protocol, TypeVar, Union
 
 from ..broker.errors import KalosError
 from ._backlog import Backlog
@@ -60,42 +59,42 @@ class NotSent(Exception):
         self.resent = resent
 
 
+class Host(Protocol):
+    """What the queue needs of its pool's send path (``clients._send.Sender``): the queue holds
+    no reference to the pool, and a test drives it with a plain object."""
+
+    def take_slot(self) -> ClientSlot | None:
+        """A free slot of the live attachment, or None."""
+
+    def release(self, slot: ClientSlot) -> None:
+        """Put ``slot`` back among the free ones."""
+
+    def wait_for_slot(self, fut: asyncio.Future[ClientSlot]) -> None:
+        """Put the queue in line for the next free slot (``fut`` gets it)."""
+
+    def withdraw(self, fut: asyncio.Future[ClientSlot]) -> None:
+        """Take the queue out of that line again (a slot ``fut`` already got goes back)."""
+
+    def usable(self, slot: ClientSlot) -> bool:
+        """Is ``slot`` a slot of the live attachment?"""
+
+    def post(self, exchange: Exchange[Any, Waiting]) -> None:
+        """:data:`Post`."""
+
+    def refusal(self) -> KalosError | None:
+        """None while the pool serves, else the error for queued callers."""
+
+    def on_bug(self, error: Exception) -> None:
+        """Dispatching failed unexpectedly: the pool breaks (callers fail rather than hang)."""
+
+
 class CoalescingQueue:
-    """Recalls waiting to share slots, oldest first.
+    """Recalls waiting to share slots, oldest first. ``max_rows`` / ``max_k``: the broker's
+    max_queries and max_k; ``host``: the pool's side (:class:`Host`)."""
 
-    ``max_rows`` / ``max_k``: the broker's max_queries and max_k. The pool's side:
-    ``take_slot()`` a free slot of the live attachment, or None; ``release(slot)`` puts one back;
-    ``wait_for_slot(fut)`` / ``withdraw(fut)`` put the queue in line for the next free slot and
-    take it out again; ``usable(slot)``: is it a slot of the live attachment; ``post``
-    (:data:`Post`);
-    ``refusal()`` None while the pool serves, else the error for queued callers; ``on_bug(e)``
-    when dispatching failed unexpectedly (the pool breaks: callers fail rather than hang).
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        *,
-        max_rows: int,
-        max_k: int,
-        take_slot: Callable[[], ClientSlot | None],
-        release: Callable[[ClientSlot], None],
-        wait_for_slot: Callable[[asyncio.Future[ClientSlot]], None],
-        withdraw: Callable[[asyncio.Future[ClientSlot]], None],
-        usable: Callable[[ClientSlot], bool],
-        post: Post,
-        refusal: Callable[[], KalosError | None],
-        on_bug: Callable[[Exception], None],
-    ) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, host: Host, *, max_rows: int, max_k: int) -> None:
         self._loop = loop
-        self._take_slot = take_slot
-        self._release = release
-        self._wait_for_slot = wait_for_slot
-        self._withdraw = withdraw
-        self._usable = usable
-        self._post = post
-        self._refusal = refusal
-        self._on_bug = on_bug
+        self._host = host
         self._backlog: Backlog[Member] = Backlog(max_rows, max_k)
         self._dispatch_soon = False  # a dispatch is scheduled for the end of this turn
         self._slot_waiter: asyncio.Future[ClientSlot] | None = None  # the queue's place in line
@@ -148,7 +147,7 @@ class CoalescingQueue:
         queue = self._backlog.clear()
         w, self._slot_waiter = self._slot_waiter, None
         if w is not None:
-            self._withdraw(w)
+            self._host.withdraw(w)
         _fail(queue, exc)
 
     def forget(self) -> None:
@@ -164,7 +163,7 @@ class CoalescingQueue:
         w = self._slot_waiter
         if w is not None and none_left:
             self._slot_waiter = None
-            self._withdraw(w)
+            self._host.withdraw(w)
 
     def _schedule(self) -> None:
         """Send the queue at the end of this event-loop turn (once, however many join it)."""
@@ -193,33 +192,33 @@ class CoalescingQueue:
         try:
             self._dispatch(slot)
         except Exception as e:
-            self._on_bug(e)
+            self._host.on_bug(e)
             raise
 
     def _dispatch(self, slot: ClientSlot | None) -> None:
         """Send the queue, one group per slot, while there are slots (``slot``: one handed to the
         queue); then wait in line for the next one. Callers that went away are dropped first."""
         while self._backlog.pending():
-            refusal = self._refusal()
+            refusal = self._host.refusal()
             if refusal is not None:
                 self.fail(refusal)
                 break
             if slot is None:
-                slot = self._take_slot()
+                slot = self._host.take_slot()
                 if slot is None:
                     if self._slot_waiter is None:
                         w: asyncio.Future[ClientSlot] = self._loop.create_future()
                         w.add_done_callback(self._on_slot)
-                        self._wait_for_slot(w)
+                        self._host.wait_for_slot(w)
                         self._slot_waiter = w
                     return
-            elif not self._usable(slot):
+            elif not self._host.usable(slot):
                 slot = None  # a slot of an attachment that is gone
                 continue
             self._send(slot, self._backlog.next_group())
             slot = None
         if slot is not None:
-            self._release(slot)  # handed to the queue with nothing left to send
+            self._host.release(slot)  # handed to the queue with nothing left to send
 
     def _send(self, slot: ClientSlot, group: list[Member]) -> None:
         """Write a group (one recall, or several sharing the slot) and post it."""
@@ -236,7 +235,7 @@ class CoalescingQueue:
                 [Share(m.prep.nq, m.prep.k, m.prep.single, m.t0) for m in group],
             )
         try:
-            self._post(ex)
+            self._host.post(ex)
         except BaseException as e:
             _fail(group, e)  # reads: each caller sends again after a re-attach
             if not isinstance(e, Exception):

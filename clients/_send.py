@@ -68,6 +68,7 @@ class Sender:
         self.free: FreeSlots | None = None
         self.poller: Poller | None = None
         self.queue: CoalescingQueue | None = None
+        self._on_bug: Callable[[Exception], None] = lambda error: None
 
     def start(
         self,
@@ -79,22 +80,34 @@ class Sender:
     ) -> CoalescingQueue:
         """The pool opens: its loop, free slots and poller; returns the coalescing queue made for
         its broker's ``layout`` (``on_bug``: dispatching failed unexpectedly)."""
-        self.loop, self.free, self.poller = loop, free, poller
-        life = self.core.life
-        self.queue = CoalescingQueue(
-            loop,
-            max_rows=layout.max_queries,
-            max_k=layout.max_k,
-            take_slot=self.leases.take,
-            release=free.put_nowait,
-            wait_for_slot=free.add_waiter,
-            withdraw=free.remove_waiter,
-            usable=self.leases.usable,
-            post=self.post,
-            refusal=lambda: life.queue_refusal(os.getpid()),
-            on_bug=on_bug,
-        )
+        self.loop, self.free, self.poller, self._on_bug = loop, free, poller, on_bug
+        self.queue = CoalescingQueue(loop, self, max_rows=layout.max_queries, max_k=layout.max_k)
         return self.queue
+
+    # ------------------------------------------------------------------ the queue's host (_queue.Host)
+    def take_slot(self) -> ClientSlot | None:
+        return self.leases.take()
+
+    def release(self, slot: ClientSlot) -> None:
+        assert self.free is not None
+        self.free.put_nowait(slot)
+
+    def wait_for_slot(self, fut: asyncio.Future[ClientSlot]) -> None:
+        assert self.free is not None
+        self.free.add_waiter(fut)
+
+    def withdraw(self, fut: asyncio.Future[ClientSlot]) -> None:
+        assert self.free is not None
+        self.free.remove_waiter(fut)
+
+    def usable(self, slot: ClientSlot) -> bool:
+        return self.leases.usable(slot)
+
+    def refusal(self) -> KalosError | None:
+        return self.core.life.queue_refusal(os.getpid())
+
+    def on_bug(self, error: Exception) -> None:
+        self._on_bug(error)
 
     def statistics(self, slot_path: SlotPath) -> PoolStatistics:
         """The pool's snapshot: the core's tallies, the leases' counts, the orphans and queue."""

@@ -105,6 +105,7 @@ class SlotRef(NamedTuple):
     blob_bytes: int = 0  # the blob area's size (0: a filtered recall never takes SINGLE)
 
 
+@dataclass(slots=True, repr=False)
 class Plan(Generic[N]):
     """What to do with the requests taken in one pass. ``namespace`` and ``k`` (the largest k
     asked) are set for SINGLE and UNIFORM; ``pipelined`` for UNIFORM only; ``where``: the filter
@@ -112,25 +113,13 @@ class Plan(Generic[N]):
     recalls carries (not yet parsed). ``groups``: for MIXED, the batch's distinct namespaces
     (:class:`Groups`)."""
 
-    __slots__ = ("route", "reason", "namespace", "k", "pipelined", "where", "groups")
-
-    def __init__(
-        self,
-        route: Route,
-        reason: str = "",
-        namespace: N | None = None,
-        k: int = 0,
-        pipelined: bool = False,
-        where: bytes | None = None,
-        groups: Groups | None = None,
-    ) -> None:
-        self.route = route
-        self.reason = reason
-        self.namespace = namespace
-        self.k = k
-        self.pipelined = pipelined
-        self.where = where
-        self.groups = groups
+    route: Route
+    reason: str = ""
+    namespace: N | None = None
+    k: int = 0
+    pipelined: bool = False
+    where: bytes | None = None
+    groups: Groups | None = None
 
     def __repr__(self) -> str:
         return f"Plan({self.route.name}, {self.reason!r}, k={self.k}{', pipelined' if self.pipelined else ''})"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ..storage.durable import Durable, StoreError, commit_and_apply
 from ..storage.store import MemoryStore
@@ -38,27 +39,19 @@ def due(store: MemoryStore, now: int) -> list[str]:
     return store.due(now)
 
 
+@dataclass(eq=False)
 class Sweeper:
     """Deletes expired records (module docstring). ``before_write``: answers the batches in flight
     (the pipeline's ``finish_inflight``); ``clock``: CLOCK_REALTIME ns."""
 
-    def __init__(
-        self,
-        store: MemoryStore,
-        persist: Durable | None,
-        before_write: Callable[[], int],
-        stats: SidecarStats,
-        clock: Callable[[], int],
-        rows: int = SWEEP_ROWS,
-    ) -> None:
-        self.store = store
-        self.persist = persist
-        self.before_write = before_write
-        self.stats = stats
-        self.clock = clock
-        self.rows = rows
-        self.failures = 0  # failed commits in a row
-        self._retry_at = 0.0  # (time.monotonic) no pass before this after a failure
+    store: MemoryStore
+    persist: Durable | None
+    before_write: Callable[[], int]
+    stats: SidecarStats
+    clock: Callable[[], int]
+    rows: int = SWEEP_ROWS
+    failures: int = field(default=0, init=False)  # failed commits in a row
+    _retry_at: float = field(default=0.0, init=False)  # (time.monotonic) no pass before this after a failure
 
     def sweep(self) -> int:
         """One pass; returns the records deleted. Raises StoreError when the commit fails (the

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.asyncio
 
 
 class Pool:
-    """What a pool gives its queue, as plain lists and functions."""
+    """What a pool gives its queue (``_queue.Host``), as plain lists."""
 
     def __init__(self, conn: FakeConnection, free: int) -> None:
         self.conn = conn
@@ -37,19 +37,25 @@ class Pool:
         self.refuse: KalosError | None = None
         self.post_error: BaseException | None = None
         self.bugs: list[Exception] = []
-        self.queue = CoalescingQueue(
-            asyncio.get_running_loop(),
-            max_rows=LAY.max_queries,
-            max_k=LAY.max_k,
-            take_slot=lambda: self.free.pop() if self.free else None,
-            release=self.free.append,
-            wait_for_slot=self.line.append,
-            withdraw=self.withdraw,
-            usable=lambda s: s in self.slots,
-            post=self.post,
-            refusal=lambda: self.refuse,
-            on_bug=self.bugs.append,
-        )
+        self.queue = CoalescingQueue(asyncio.get_running_loop(), self, max_rows=LAY.max_queries, max_k=LAY.max_k)
+
+    def take_slot(self) -> ClientSlot | None:
+        return self.free.pop() if self.free else None
+
+    def release(self, slot: ClientSlot) -> None:
+        self.free.append(slot)
+
+    def wait_for_slot(self, fut: asyncio.Future[ClientSlot]) -> None:
+        self.line.append(fut)
+
+    def usable(self, slot: ClientSlot) -> bool:
+        return slot in self.slots
+
+    def refusal(self) -> KalosError | None:
+        return self.refuse
+
+    def on_bug(self, error: Exception) -> None:
+        self.bugs.append(error)
 
     def withdraw(self, fut: asyncio.Future[ClientSlot]) -> None:
         if fut in self.line:
@@ -224,7 +230,7 @@ async def test_an_unexpected_error_while_dispatching_is_reported_not_swallowed()
         def broken() -> ClientSlot | None:
             raise RuntimeError("free stack corrupted")
 
-        pool.queue._take_slot = broken  # the injected callable fails
+        pool.take_slot = broken  # type: ignore[method-assign]  # the host fails
         t = asyncio.ensure_future(pool.queue.submit(recall(np.ones(8, np.float32), 2), 1, 0.05, loop.time() + 0.05))
         await turn()
         assert [type(e) for e in pool.bugs] == [RuntimeError]  # the pool would break
