@@ -222,42 +222,37 @@ class ShardedMatrix:
             out[pos] = self.parts[s].read_rows(local)
         return out
 
+    def _shares(self, n: int, within: Subset | None) -> list[tuple[int, int, Subset | None]]:
+        """Each shard's part of a search over rows [0, n): (shard, its live rows, its candidates
+        under its own key, or None)."""
+        if not 0 <= n <= self.capacity:
+            raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
+        blk, shards = self.block, self.shards
+        if within is None:
+            return [(s, ns, None) for s in range(shards) if (ns := live_rows(n, s, shards, blk))]
+        key = within.key
+        return [
+            (s, live_rows(n, s, shards, blk), Subset(local, None if key is None else (key, s)))
+            for s, _pos, local in self._by_shard(np.asarray(within.rows, np.int64))
+        ]
+
     def search(
         self, queries: np.ndarray, n: int, k: int, *, within: Subset | None = None, decay: Decay | None = None
     ) -> SearchResult:
-        if within is not None:  # each shard searches its own candidates (its own key), merged
-            got = []
-            for s, _pos, local in self._by_shard(np.asarray(within.rows, np.int64)):
-                part = Subset(local, None if within.key is None else (within.key, s))
-                rows, scores = self.parts[s].search(
-                    queries, live_rows(n, s, self.shards, self.block), k, within=part, decay=decay
-                )
-                got.append((global_rows(rows, s, self.shards, self.block), scores))
-            return merge_top(got, k)
-        if decay is None:
+        if within is None and decay is None:
             return self.search_start(queries, n, k).result()
-        # A recency-weighted search: each shard's biased top-k (every row of the global top-k is
-        # in its own shard's), merged; one shard after the other.
-        if not 0 <= n <= self.capacity:
-            raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
+        # Each shard's top-k (recency-weighted, or over its own candidates), merged: every row of
+        # the global top-k is in its own shard's. One shard after the other.
         got = []
-        for s, p in enumerate(self.parts):
-            ns = live_rows(n, s, self.shards, self.block)
-            if ns:
-                rows, scores = p.search(queries, ns, k, decay=decay)
-                got.append((global_rows(rows, s, self.shards, self.block), scores))
+        for s, ns, sub in self._shares(n, within):
+            rows, scores = self.parts[s].search(queries, ns, k, within=sub, decay=decay)
+            got.append((global_rows(rows, s, self.shards, self.block), scores))
         if not got:
             return np.empty((len(queries), 0), np.int64), np.empty((len(queries), 0), np.float32)
         return merge_top(got, k)
 
     def search_start(self, queries: np.ndarray, n: int, k: int, *, row_ids: np.ndarray | None = None) -> PendingSearch:
-        if not 0 <= n <= self.capacity:
-            raise ValueError(f"n={n} outside the matrix capacity {self.capacity}")
-        parts = []
-        for s, p in enumerate(self.parts):
-            ns = live_rows(n, s, self.shards, self.block)
-            if ns:
-                parts.append((s, p.search_start(queries, ns, k)))
+        parts = [(s, self.parts[s].search_start(queries, ns, k)) for s, ns, _ in self._shares(n, None)]
         return ShardedSearch(parts, self.shards, self.block, len(queries), k, row_ids)
 
 
