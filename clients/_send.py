@@ -38,6 +38,7 @@ from ._refusals import down, no_slot, not_sent, unanswered
 from ._requests import Prepared
 from ._slots import ClientSlot
 from ._transport import Connection
+from ._waiter import Waiter
 
 R = TypeVar("R")
 _OPEN = PoolState.OPEN  # (bound once: read on every call)
@@ -128,7 +129,7 @@ class Sender:
         conn, slots = att
         self.conn = conn
         self.leases.attach(conn, slots, loop, free)
-        waiter = self.leases.waiter = conn.waiter(loop, poller.wake.set, self.on_outage)
+        waiter = self.leases.waiter = Waiter(loop, poller.wake.set, self.on_outage)
         poller.attach(conn, waiter)
 
     def detach(self, exc: KalosError, *, give_back: bool) -> None:

@@ -13,13 +13,11 @@ A leased slot's byte work lives in :mod:`._slots` (the two slot paths, chosen pe
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -59,7 +57,6 @@ from ..broker.owners import sem_path, stat_problem
 from ..broker.procs import process_start_ticks
 from ..broker.slotpath import Choice, SlotPath
 from ._slots import ClientSlot, NativeSemaphore, default_slot_path, make_slot
-from ._waiter import Waiter
 
 _BOUNDS = list(LATENCY_BOUNDS_NS)
 
@@ -451,15 +448,6 @@ class Connection:
 
     def _locked(self) -> _Flock:
         return _Flock(self.shm.fd, self.name)
-
-    def waiter(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_wake: Callable[[], None],
-        on_error: Callable[[BrokerUnavailable], None],
-    ) -> Waiter:
-        """A thread that blocks on one slot's response for an asyncio pool (see :class:`Waiter`)."""
-        return Waiter(loop, on_wake, on_error)
 
     def close(self) -> None:
         if self.closed:

@@ -17,7 +17,6 @@ it is built, and the Python one with ``KALOS_PURE_PYTHON=1``; a test may name ei
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,6 @@ from ..broker.layout import (
 from ..broker.slotpath import Choice
 from ._slots import ClientSlot, make_slot
 from ._transport import Connection, SlotCensus
-from ._waiter import Waiter
 
 #: What the fake sidecar computes for one request: (ids, scores) of shape (nq, n) for a recall,
 #: an int (rows affected) for a write, or a Status to answer with an error.
@@ -147,14 +145,6 @@ class FakeConnection(Connection):
             self.seg.slots[s.index]["owner_pid"] = 0
         for s in busy:
             self.seg.slots[s.index]["owner_pid"] = -1
-
-    def waiter(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        on_wake: Callable[[], None],
-        on_error: Callable[[BrokerUnavailable], None],
-    ) -> Waiter:
-        return Waiter(loop, on_wake, on_error)
 
     def close(self) -> None:
         self.closed = True
