@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import Future
@@ -31,6 +32,7 @@ SearchResult = tuple[np.ndarray, np.ndarray]
 PendingSearch = Future[SearchResult]
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 
 def completed(rows: np.ndarray, scores: np.ndarray) -> PendingSearch:
@@ -171,6 +173,36 @@ def search_each(
         rows[idx, : r.shape[1]] = r
         scores[idx, : r.shape[1]] = s
     return rows, scores
+
+
+class Made(Generic[M]):
+    """The matrices of type ``kind`` a backend made that are still alive (held weakly): what its
+    statistics count at scrape time, from another thread than the one that makes them."""
+
+    def __init__(self, kind: type[M]) -> None:
+        self._kind = kind
+        self._alive: weakref.WeakSet[M] = weakref.WeakSet()
+        self._lock = threading.Lock()  # (a scrape's copy of the set, a new matrix)
+
+    def add(self, m: M) -> M:
+        with self._lock:
+            self._alive.add(m)
+        return m
+
+    def alive(self) -> list[M]:
+        with self._lock:
+            return list(self._alive)
+
+    def own(self, matrices: Sequence[Matrix]) -> list[M]:
+        """``matrices`` (a ``search_mixed`` argument) as this backend's kind; TypeError when one
+        is another backend's."""
+        mats: list[M] = []
+        for m in matrices:
+            if isinstance(m, self._kind):
+                mats.append(m)
+        if len(mats) != len(matrices):
+            raise TypeError("search_mixed takes this backend's matrices")
+        return mats
 
 
 def size_bucket(b: int) -> str:

@@ -10,9 +10,7 @@ by where they ran (:class:`NumpyPath`) for the statistics."""
 from __future__ import annotations
 
 import enum
-import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -20,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...broker.layout import Metric
-from .base import BackendStatistics, Decay, Matrix, PendingSearch, SearchCounts, SearchResult, Subset
+from .base import BackendStatistics, Decay, Made, Matrix, PendingSearch, SearchCounts, SearchResult, Subset
 from .blas import BlasThreads, find_blas_threads
 
 #: Work (rows x queries x dim) below which a product runs on one BLAS thread. 2^22 is ~70 us on
@@ -198,24 +196,17 @@ class NumpyBackend:
         self._pool: ThreadPoolExecutor | None = None  # started by the first search_start
         self.blas: BlasThreads | None = find_blas_threads()
         self.counts: SearchCounts[NumpyPath] = SearchCounts()
-        self._matrices: weakref.WeakSet[NumpyMatrix] = weakref.WeakSet()
-        self._matrices_lock = threading.Lock()  # (a scrape's copy of the set, a new matrix)
+        self._matrices = Made(NumpyMatrix)
 
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> NumpyMatrix:
-        m = NumpyMatrix(dim, capacity, metric, self)
-        with self._matrices_lock:
-            self._matrices.add(m)
-        return m
+        return self._matrices.add(NumpyMatrix(dim, capacity, metric, self))
 
     def search_mixed(
         self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
     ) -> PendingSearch:
         """``Backend.search_mixed`` on this thread: one product per namespace (its rows with its
         queries) into one score buffer, padded with -inf, then one top-k for every query."""
-        mats = [m for m in matrices if isinstance(m, NumpyMatrix)]
-        if len(mats) != len(matrices):
-            raise TypeError("search_mixed takes this backend's matrices")
-        return self.run_now(self._mixed, mats, n, of_query, queries, k)
+        return self.run_now(self._mixed, self._matrices.own(matrices), n, of_query, queries, k)
 
     def _mixed(
         self, mats: list[NumpyMatrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
@@ -256,8 +247,7 @@ class NumpyBackend:
 
     def statistics(self) -> BackendStatistics:
         """Searches by where they ran and batch size; the matrices' bytes (part ``rows``)."""
-        with self._matrices_lock:
-            matrices = list(self._matrices)
+        matrices = self._matrices.alive()
         return BackendStatistics(self.counts.searches(), (), (("rows", sum(m.nbytes for m in matrices)),))
 
     def submit(self, fn: Callable[..., SearchResult], *args: Any) -> PendingSearch:

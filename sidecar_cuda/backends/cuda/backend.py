@@ -68,9 +68,7 @@ time (the sidecar's serving thread) may use a backend.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
 from collections import Counter
 from collections.abc import Sequence
 
@@ -78,7 +76,7 @@ import numpy as np
 
 from ....broker.errors import ConfigError
 from ....broker.layout import Metric
-from ..base import BackendStatistics, Matrix, PendingSearch, completed, search_each
+from ..base import BackendStatistics, Made, Matrix, PendingSearch, completed, search_each
 from ..options import FusedKernel, Int8Pass
 from .device import Device, SearchStats
 from .kernels import MAX_K, WARP_K, Storage
@@ -171,8 +169,7 @@ class CupyBackend:
         )
         # The store's matrices (not the warm-up's), for the memory statistics; the lock keeps a
         # scrape's copy of the set and a new matrix apart.
-        self._matrices: weakref.WeakSet[CupyMatrix] = weakref.WeakSet()
-        self._matrices_lock = threading.Lock()
+        self._matrices = Made(CupyMatrix)
         try:
             self.device = Device(device, storage, use_graphs=use_graphs, timeout_s=timeout_s, limits=limits)
             self.device.stream.synchronize()
@@ -226,19 +223,14 @@ class CupyBackend:
     def new_matrix(self, dim: int, capacity: int, metric: Metric) -> CupyMatrix:
         self.device.check_usable()
         with self.device.guard("allocating a matrix"):
-            m = CupyMatrix(self.device, dim, capacity, metric)
-        with self._matrices_lock:
-            self._matrices.add(m)
-        return m
+            return self._matrices.add(CupyMatrix(self.device, dim, capacity, metric))
 
     def search_mixed(
         self, matrices: Sequence[Matrix], n: np.ndarray, of_query: np.ndarray, queries: np.ndarray, k: int
     ) -> PendingSearch:
         """``Backend.search_mixed`` in one launch (``kalos_mixed``): each query reads only its own
         namespace's rows."""
-        mats = [m for m in matrices if isinstance(m, CupyMatrix)]
-        if len(mats) != len(matrices):
-            raise TypeError("search_mixed takes this backend's matrices")
+        mats = self._matrices.own(matrices)
         if k > WARP_K:  # (the fused kernel keeps warp lists: one search per namespace instead)
             return completed(*search_each(matrices, n, of_query, queries, k))
         return start_mixed(self.device, mats, n, of_query, queries, k)
@@ -246,8 +238,7 @@ class CupyBackend:
     def statistics(self) -> BackendStatistics:
         """Searches by path and batch size, queries redone in float32 by path, and the bytes the
         store's matrices hold by part (rows, int8 copies, gathered rows, host copies)."""
-        with self._matrices_lock:
-            matrices = list(self._matrices)
+        matrices = self._matrices.alive()
         memory: Counter[str] = Counter({"rows": 0, "int8": 0, "gathered": 0, "host_copy": 0})
         for m in matrices:
             memory.update(m.memory())
