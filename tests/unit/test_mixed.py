@@ -5,6 +5,8 @@ hold expired rows not yet swept, or are larger than the backend's gathered limit
 
 from __future__ import annotations
 
+import gc
+
 import numpy as np
 import pytest
 
@@ -12,6 +14,7 @@ from kalos.broker.clock import NS
 from kalos.broker.layout import Flag, Metric, slot_dtype
 from kalos.sidecar_cuda.backends.base import search_each
 from kalos.sidecar_cuda.backends.numpy_backend import NumpyBackend
+from kalos.sidecar_cuda.backends.sharded import ShardedBackend
 from kalos.sidecar_cuda.serving.batching import Limits, Route, classify, group_namespaces, namespace_field
 from kalos.sidecar_cuda.storage.durable import commit_and_apply
 from kalos.sidecar_cuda.storage.store import MemoryStore, Namespace, Stamps
@@ -117,6 +120,19 @@ def test_search_each_matches_one_search_per_matrix(rng: np.random.Generator) -> 
         ref = data[i].astype(np.float64) @ q[j].astype(np.float64)
         assert (rows[j, kk:] == -1).all() and (rows[j, :kk] >= 0).all()
         np.testing.assert_allclose(np.sort(ref)[::-1][:kk], ref[rows[j, :kk]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_mixed_search_refuses_another_backends_matrix_and_statistics_count_the_live_ones() -> None:
+    backend, other = NumpyBackend(), ShardedBackend([NumpyBackend(), NumpyBackend()], ["a", "b"])
+    mine = backend.new_matrix(8, 64, Metric.DOT)
+    foreign = other.new_matrix(8, 64, Metric.DOT)
+    q = np.ones((2, 8), np.float32)
+    with pytest.raises(TypeError, match="this backend's matrices"):
+        backend.search_mixed([mine, foreign], np.asarray([1, 1]), np.asarray([0, 1]), q, 3)
+    assert dict(backend.statistics().memory)["rows"] == mine.nbytes
+    del mine
+    gc.collect()
+    assert dict(backend.statistics().memory)["rows"] == 0  # (held weakly: a dropped matrix is not counted)
 
 
 class Spaces:
