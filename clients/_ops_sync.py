@@ -10,7 +10,7 @@ encodes its request (``_requests``: a ``Prepared[R]``), then hands it to the dri
 * ``_write(op, preps, timeout, t0) -> Written``: a write's chunks, settled into one outcome.
 
 A driver sets ``name``, ``_ns``, ``_fast``, ``_timeout``, ``_payload_limit`` and ``_embed_dim`` (the
-sidecar's model's dimension, 0: none) and has a ``layout``. The text operations (``embed``,
+sidecar's model's dimension, 0: none) and has a ``layout`` (a property that refuses once closed) over ``_layout``. The text operations (``embed``,
 ``upsert_text``, ``recall_text``, ``recall_text_many``) embed in the sidecar (Op.EMBED: every
 client's text requests of a pass in one forward pass), then write or recall as the vector
 operations do, within one budget.
@@ -69,6 +69,7 @@ class SyncOps:
     _payload_limit: int
     _embed_dim: int
     _features: int
+    _layout: Layout
 
     @property
     def layout(self) -> Layout:
@@ -123,9 +124,9 @@ class SyncOps:
         ClosedError.
         """
         t0 = time.monotonic_ns()
-        self._gate()
+        self._gate()  # (then the layout without a second check: the recall is the hot path)
         p = recall_one(
-            self.layout,
+            self._layout,
             vector,
             k,
             self._ns.encode(namespace),
@@ -160,7 +161,7 @@ class SyncOps:
         t0 = time.monotonic_ns()
         self._gate()
         p = recall_rows(
-            self.layout,
+            self._layout,
             vectors,
             k,
             self._ns.encode(namespace),

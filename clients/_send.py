@@ -278,7 +278,10 @@ class Sender:
             assert self.queue is not None and isinstance(waiting, list)
             self.queue.again(waiting)
             return
-        self.core.tally.answered(len(callers(waiting)), error is None, isinstance(waiting, list))
+        if isinstance(waiting, list):  # (callers shared the slot)
+            self.core.tally.answered(len(waiting), error is None, True)
+        else:
+            self.core.tally.answered(1, error is None, False)
         deliver(waiting, value, error)
 
 
