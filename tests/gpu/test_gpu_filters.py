@@ -12,7 +12,7 @@ from kalos.broker.layout import Metric
 from kalos.broker.validation import parse_where
 from kalos.sidecar_cuda.backends.base import Subset, prepare_queries, prepare_rows
 from kalos.sidecar_cuda.backends.cuda import HALF_K, cuda_available
-from kalos.sidecar_cuda.backends.cuda.planner import cheap_k
+from kalos.sidecar_cuda.backends.cuda.planner import SearchPath, cheap_k
 from kalos.sidecar_cuda.storage.store import Namespace
 
 _WHY = cuda_available()
@@ -31,6 +31,18 @@ def backend(request):
     be = CupyBackend(storage_dtype=request.param, host_work=0)  # (the kernels: host path in test_gpu_host_path.py)
     yield be
     be.close()
+
+
+def test_a_filtered_search_refuses_a_named_path(backend, rng):
+    """A search ``within`` candidates takes the planner's paths, round by round: naming one is a
+    ValueError, and nothing is searched."""
+    m = backend.new_matrix(8, 100, Metric.DOT)
+    m.write_rows(np.arange(100), rng.standard_normal((100, 8), dtype=np.float32))
+    q = rng.standard_normal((2, 8), dtype=np.float32)
+    with pytest.raises(ValueError, match="planner's paths"):
+        m.search(q, 100, 5, within=Subset(np.arange(0, 100, 2)), path=SearchPath.GEMM)
+    rows, _ = m.search(q, 100, 5, within=Subset(np.arange(0, 100, 2)))
+    assert (rows % 2 == 0).all()
 
 
 @pytest.mark.parametrize("metric", [Metric.DOT, Metric.COSINE, Metric.L2], ids=lambda m: m.name)
