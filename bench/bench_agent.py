@@ -182,14 +182,22 @@ async def _worker_main(args: dict[str, Any], n_tasks: int, rank: int, start_at: 
                     if len(samples) < args["keep"] and n % 5 == 0:
                         samples.append((ns, q.copy(), hits.ids, hits.scores))
 
+        cpu: list[float] = []  # this process's CPU time (all its threads) at the window's ends
+
+        async def meter() -> None:
+            for t in (t_measure, t_end):
+                await asyncio.sleep(max(0.0, t - time.perf_counter()))
+                cpu.append(time.process_time())
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(task(j) for j in range(n_tasks)))
+        await asyncio.gather(meter(), *(task(j) for j in range(n_tasks)))
         elapsed = time.perf_counter() - t0 - args["warmup"]
     return {
         "lat": np.asarray(lat, np.int64),
         "elapsed": min(elapsed, args["seconds"]),
         "errors": errors,
         "samples": samples,
+        "cpu_s": cpu[1] - cpu[0] if len(cpu) == 2 else float("nan"),
     }
 
 
@@ -221,6 +229,7 @@ def run_tasks(args: dict[str, Any], tasks: int, procs: int) -> dict[str, Any]:
         "elapsed": max(r["elapsed"] for r in results),
         "errors": sum(r["errors"] for r in results),
         "samples": [s for r in results for s in r["samples"]],
+        "cpu_s": sum(r["cpu_s"] for r in results),
     }
 
 
@@ -243,6 +252,16 @@ def check(
         if (true < kth - tol).any() or (np.abs(scores - true) > tol).any():
             wrong += 1
     return len(samples), wrong
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time (user + system, every thread) a process has used, in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
 
 
 def rss_mb(pid: int) -> float:
@@ -391,10 +410,10 @@ def main() -> None:
             }
             for t in tasks:
                 procs = min(a.procs, t)
-                before = scrape(port)
+                before, cpu_before = scrape(port), cpu_s(proc.pid)
                 spy = start_spy(a.py_spy, proc.pid, text, t, a.seconds + a.warmup)
                 r = run_tasks(wargs, t, procs)
-                after = scrape(port)
+                after, cpu_after = scrape(port), cpu_s(proc.pid)
                 if spy is not None:
                     spy.wait()
                 checked, wrong = check(r["samples"], data, offs, a.k)
@@ -433,6 +452,10 @@ def main() -> None:
                     "mean_batch": round(reqs / batches, 1) if batches else None,
                     "stage_ms": stage_ms,
                     "search_ms": search_ms,
+                    # CPU per request: the client processes' over the measured window and its
+                    # recalls; the sidecar's over the whole run and the requests it served
+                    "client_cpu_us": round(1e6 * r["cpu_s"] / len(lat_us), 2) if len(lat_us) else None,
+                    "sidecar_cpu_us": round(1e6 * (cpu_after - cpu_before) / reqs, 2) if reqs else None,
                     "loaded": loaded,
                 }
                 report["runs"].append(row)
@@ -440,7 +463,7 @@ def main() -> None:
                     f"{text:>16} target={a.target} tasks={t:<4} {row['recalls_per_s']:>10.1f}/s "
                     f"p50 {row['p50_us']:>8.1f} p95 {row['p95_us']:>8.1f} p99 {row['p99_us']:>8.1f} us "
                     f"batch {row['mean_batch']} routes {routes} paths {paths} search_ms {search_ms} "
-                    f"stage_ms {stage_ms} "
+                    f"stage_ms {stage_ms} cpu_us client {row['client_cpu_us']} sidecar {row['sidecar_cpu_us']} "
                     f"checked {checked} wrong {wrong} errors {r['errors']}",
                     flush=True,
                 )
