@@ -14,10 +14,10 @@ try:
         lat = []
         for _ in range(N):
             t = time.perf_counter_ns(); c.recall(q, 10, namespace="a"); lat.append(time.perf_counter_ns() - t)
-    async def pool_run():
+    async def pool_run() -> list[int]:
         async with RecallPool(name, size=1) as p:
             for _ in range(500): await p.recall(q, 10, namespace="a")
-            la = []
+            la: list[int] = []
             for _ in range(N):
                 t = time.perf_counter_ns(); await p.recall(q, 10, namespace="a"); la.append(time.perf_counter_ns() - t)
             return la
