@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
 from kalos.broker.errors import BrokerUnavailable
 from kalos.clients._transport import Connection
+from kalos.sidecar_cuda.serving.objects import cleanup
 
 
 def start_sidecar_process(
@@ -59,3 +61,22 @@ def stop_sidecar_process(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def running_sidecar(
+    args: list[str],
+    name: str,
+    timeout: float = 60.0,
+    stderr: int | IO[Any] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """:func:`start_sidecar_process` for the block, then :func:`stop_sidecar_process` and its
+    broker's objects unlinked (``cleanup(name, force=True)``: those of a sidecar that was killed
+    too), however the block ends."""
+    proc = start_sidecar_process(args, name, timeout=timeout, stderr=stderr, env=env)
+    try:
+        yield proc
+    finally:
+        stop_sidecar_process(proc)
+        cleanup(name, force=True)

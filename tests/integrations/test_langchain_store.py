@@ -41,8 +41,7 @@ from kalos.integrations.langchain import (
     mmr_select,
     to_where,
 )
-from kalos.sidecar_cuda.serving.objects import cleanup
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.testing.sidecar import running_sidecar
 
 DIM = 6  # the standard suite's EMBEDDING_SIZE
 MAX_K = 64
@@ -56,15 +55,8 @@ def lc_sidecar() -> Iterator[str]:
     args = ["--ephemeral", "--dim", str(DIM), "--metric", "cosine", "--max-k", str(MAX_K), "--backend", TEST_BACKEND]
     if TEST_SHARDS:
         args += ["--shards", TEST_SHARDS]
-    proc = start_sidecar_process(args, name, timeout=60)
-    try:
+    with running_sidecar(args, name, timeout=60):
         yield name
-    finally:
-        stop_sidecar_process(proc)
-        try:
-            cleanup(name, force=True)
-        except Exception:
-            pass
 
 
 def fresh_namespace() -> str:

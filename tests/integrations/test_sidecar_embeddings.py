@@ -20,8 +20,7 @@ from langchain_tests.integration_tests import EmbeddingsIntegrationTests
 
 from kalos.integrations.embeddings import KalosEmbeddings
 from kalos.sidecar_cuda.embedding import TextEncoder
-from kalos.sidecar_cuda.serving.objects import cleanup
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.testing.sidecar import running_sidecar
 from kalos.testing.tinymodel import WORDS, build_tiny_model
 
 DIM = 32
@@ -47,16 +46,9 @@ def embed_sidecar(model_dir) -> Iterator[str]:
         "--backend",
         TEST_BACKEND,
     ]
-    proc = start_sidecar_process(args, name, timeout=60)
-    SIDECAR["name"] = name
-    try:
+    with running_sidecar(args, name, timeout=60):
+        SIDECAR["name"] = name
         yield name
-    finally:
-        stop_sidecar_process(proc)
-        try:
-            cleanup(name, force=True)
-        except Exception:
-            pass
 
 
 def tol() -> float:

@@ -17,7 +17,7 @@ from kalos.broker.errors import ConfigError
 from kalos.clients import RecallClient
 from kalos.sidecar_cuda.serving.objects import cleanup, leftover_names
 from kalos.sidecar_cuda.storage.datadir import LOCK_FILE, DataDirInUse, lock_data_dir
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.testing.sidecar import running_sidecar, start_sidecar_process, stop_sidecar_process
 
 pytestmark = pytest.mark.timeout(120)
 SERVE = [sys.executable, "-m", "kalos.cli", "serve", "--dim", "8", "--backend", "numpy"]
@@ -61,13 +61,9 @@ def test_a_second_sidecar_on_a_served_data_dir_is_refused_naming_the_dir_and_the
         cleanup(first, force=True)
         cleanup(second, force=True)
     # Stopped: the directory is free again, for any broker name.
-    proc = start_sidecar_process(["--data-dir", str(data), "--dim", "8", "--backend", "numpy"], second)
-    try:
+    with running_sidecar(["--data-dir", str(data), "--dim", "8", "--backend", "numpy"], second):
         with RecallClient(second, timeout=30) as c:
             assert c.get([777]).payloads == [{"who": "via first"}]
-    finally:
-        stop_sidecar_process(proc)
-        cleanup(second, force=True)
 
 
 def test_a_sidecar_killed_with_kill_9_restarts_on_its_data_dir(tmp_path: Path) -> None:

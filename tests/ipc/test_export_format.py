@@ -18,8 +18,7 @@ import pytest
 from conftest import unique_name
 
 from kalos.clients import RecallClient
-from kalos.sidecar_cuda.serving.objects import cleanup
-from kalos.testing.sidecar import start_sidecar_process, stop_sidecar_process
+from kalos.testing.sidecar import running_sidecar
 from kalos.transfer import FORMAT_VERSION, STAMPS_DTYPE, TTL_UNKNOWN
 
 pytestmark = pytest.mark.timeout(180)
@@ -139,17 +138,13 @@ def test_all_namespaces_round_trip_through_the_data_dir_exactly(tmp_path: Path, 
     name = unique_name("fmtdir")
     src, dst, out = tmp_path / "src", tmp_path / "dst", tmp_path / "all"
     args = ["--dim", str(DIM), "--metric", "l2", "--backend", "numpy"]
-    proc = start_sidecar_process(["--data-dir", str(src), *args], name)
-    try:
+    with running_sidecar(["--data-dir", str(src), *args], name):
         fill(name, rng)
         # The sidecar holds the data dir: the direct path is refused, naming it.
         r = kalos("export", "--all", str(out), "--data-dir", str(src))
         assert r.returncode == 2 and f"data dir {src} is in use by the sidecar of broker {name!r}" in r.stderr
         assert "leave out --data-dir to go through the running sidecar" in r.stderr, r.stderr
         assert not out.exists()
-    finally:
-        stop_sidecar_process(proc)
-        cleanup(name, force=True)
 
     text = ok(kalos("export", "--all", str(out), "--data-dir", str(src)))
     assert "exported 3 namespaces, 120 records" in text, text
@@ -170,17 +165,12 @@ def test_all_namespaces_round_trip_through_the_data_dir_exactly(tmp_path: Path, 
     assert modes(dst)["kalos.sqlite3"] == 0o600
 
     # ... and a sidecar on it serves them with those timestamps.
-    proc = start_sidecar_process(["--data-dir", str(dst), *args], name)
-    try:
+    with running_sidecar(["--data-dir", str(dst), *args], name):
         with RecallClient(name, timeout=30) as c:
             assert c.metric == "l2" and c.count("b") == 40
-    finally:
-        stop_sidecar_process(proc)
-        cleanup(name, force=True)
 
     # Through a sidecar, --all imports each namespace into its own name, default TTLs too.
-    proc = start_sidecar_process(["--ephemeral", *args], name)
-    try:
+    with running_sidecar(["--ephemeral", *args], name):
         text = ok(kalos("import", str(out), "--name", name))
         with RecallClient(name, timeout=30) as c:
             assert {ns: c.count(ns) for ns in ("a", "b", "c:d@e")} == {"a": 40, "b": 40, "c:d@e": 40}
@@ -189,25 +179,18 @@ def test_all_namespaces_round_trip_through_the_data_dir_exactly(tmp_path: Path, 
             assert abs(exp - time.time() - 2 * HOUR) < 60
         r = kalos("import", "one", str(out), "--name", name)
         assert r.returncode == 2 and "holds 3 namespaces" in r.stderr, r.stderr
-    finally:
-        stop_sidecar_process(proc)
-        cleanup(name, force=True)
 
 
 def test_records_expired_since_the_export_are_left_out(tmp_path: Path) -> None:
     name = unique_name("fmtexp")
     data = tmp_path / "d"
-    proc = start_sidecar_process(["--data-dir", str(data), "--dim", str(DIM), "--backend", "numpy"], name)
-    try:
+    with running_sidecar(["--data-dir", str(data), "--dim", str(DIM), "--backend", "numpy"], name):
         with RecallClient(name, timeout=30) as c:
             c.upsert([1, 2], np.ones((2, DIM), np.float32), namespace="n", ttl=[1.0, math.inf])
         ok(kalos("export", "n", str(tmp_path / "e"), "--name", name))
         time.sleep(1.2)
         text = ok(kalos("import", "m", str(tmp_path / "e"), "--name", name))
         assert "imported 1 records into 'm'" in text and "left out 1 records that have expired" in text, text
-    finally:
-        stop_sidecar_process(proc)
-        cleanup(name, force=True)
     text = ok(kalos("import", "k", str(tmp_path / "e"), "--data-dir", str(data)))
     assert "imported 1 records into 'k'" in text and "left out 1 records" in text, text
 
