@@ -86,7 +86,7 @@ def measure(path: str, layout: Layout, n: int, group: int, names: list[str]) -> 
     for i in range(n + 200):
         q = qs[i % 1024]
         t0 = clock()
-        p = _requests.recall(layout, q, 10, b"default", False, True, None, fast)
+        p = _requests.recall(layout, q, 10, b"default", False, _requests.ONE, None, fast)
         t1 = clock()
         ex = Exchange(slot, p, None, time.monotonic_ns())
         ex.send()
@@ -111,19 +111,19 @@ def measure(path: str, layout: Layout, n: int, group: int, names: list[str]) -> 
         for i in range(n // group + 20):
             t0 = clock()
             preps = [
-                _requests.recall(layout, qs[(i * group + j) % 1024], 10, b"default", False, True, None, fast)
+                _requests.recall(layout, qs[(i * group + j) % 1024], 10, b"default", False, _requests.ONE, None, fast)
                 for j in range(group)
             ]
             g = _requests.recall_group(preps)
             t1 = clock()
             parts = [Share(1, 10, True, t0) for _ in range(group)]
-            ex = Exchange(slot, g, None, t0, parts)
-            ex.send()
+            gx = Exchange(slot, g, None, t0, parts)
+            gx.send()
             t2 = clock()
             conn.serve(answer)
             assert slot.answered()
             t3 = clock()
-            value = ex.complete([False] * group)[1]
+            value = gx.complete([False] * group)[1]
             t4 = clock()
             assert len(value) == group and g.op is Op.RECALL
             if i >= 20:

@@ -30,14 +30,14 @@ from ..broker.lexical import Hybrid
 from ..broker.positions import Position
 from ._requests import (
     DEFAULT,
+    ONE,
+    ROWS,
     FastRows,
     NamespaceCache,
     Prepared,
     Timeout,
     hybrid_recall,
     merge_records,
-    recall_one,
-    recall_rows,
     remaining,
     resolve_timeout,
     text_payloads,
@@ -50,6 +50,7 @@ from ._requests import embed as encode_embed
 from ._requests import export_page as encode_export_page
 from ._requests import get as encode_get
 from ._requests import list_namespaces as encode_list_namespaces
+from ._requests import recall as encode_recall
 from ._requests import set_ttl as encode_set_ttl
 from ._requests import touch as encode_touch
 from ._requests import upsert as encode_upsert
@@ -124,12 +125,13 @@ class AsyncOps:
         """
         t0 = time.monotonic_ns()
         self._gate()  # (then the layout without a second check: the recall is the hot path)
-        p = recall_one(
+        p = encode_recall(
             self._layout,
             vector,
             k,
             self._ns.encode(namespace),
             with_payload,
+            ONE,
             where,
             self._fast,
             recency=recency,
@@ -159,12 +161,13 @@ class AsyncOps:
         every row; ``after``: as in :meth:`recall`). Same errors as :meth:`recall`."""
         t0 = time.monotonic_ns()
         self._gate()
-        p = recall_rows(
+        p = encode_recall(
             self._layout,
             vectors,
             k,
             self._ns.encode(namespace),
             with_payload,
+            ROWS,
             where,
             self._fast,
             recency=recency,

@@ -176,25 +176,35 @@ def fast_rows(module: ModuleType | None) -> FastRows | None:
     return None if module is None else CompiledRows(module)
 
 
+@dataclass(frozen=True, slots=True)
+class Shape(Generic[R]):
+    """What a recall sends and gets back: :data:`ONE` vector and one :class:`Hits`, or
+    :data:`ROWS` of a matrix and one Hits per row."""
+
+    single: bool
+    decode: Decoder[R]
+
+
 def recall(
     layout: Layout,
     x: Any,
     k: int,
     namespace: bytes,
     with_payload: bool,
-    single: bool,
+    shape: Shape[R],
     where: Any = None,
     fast: FastRows | None = None,
     *,
     recency: Recency | None = None,
     with_times: bool = False,
     refresh_ttl: bool = False,
-) -> Prepared[Any]:
-    """``namespace`` is already validated and encoded (NamespaceCache.encode); ``fast``: the
-    compiled check of the common vectors (None: ``as_vectors`` only; the result is the same). A
-    recall with payloads carries the hits' timestamps too (Flag.TIMES), as does one
-    ``with_times``; a ``recency`` recall carries both parts of each score; ``refresh_ttl`` touches
-    the hits."""
+) -> Prepared[R]:
+    """A recall of ``x`` in ``shape`` (:data:`ONE` or :data:`ROWS`). ``namespace`` is already
+    validated and encoded (NamespaceCache.encode); ``fast``: the compiled check of the common
+    vectors (None: ``as_vectors`` only; the result is the same). A recall with payloads carries
+    the hits' timestamps too (Flag.TIMES), as does one ``with_times``; a ``recency`` recall
+    carries both parts of each score; ``refresh_ttl`` touches the hits."""
+    single = shape.single
     q = None
     if fast is not None:
         q = fast.as_row(x, layout.dim) if single else fast.as_rows(x, layout.dim, layout.max_queries)
@@ -202,10 +212,16 @@ def recall(
         q = as_vectors(x, layout.dim, VectorsFor.RECALL if single else VectorsFor.RECALL_MANY, layout.max_queries)
     if type(k) is not int or not 1 <= k <= layout.max_k:
         k = check_k(k, layout.max_k)
-    p: Prepared[Any] = Prepared(
-        Op.RECALL, namespace, k, len(q), Flag.WITH_PAYLOAD if with_payload else 0, vectors=q, single=single
+    p = Prepared(
+        Op.RECALL,
+        namespace,
+        k,
+        len(q),
+        Flag.WITH_PAYLOAD if with_payload else 0,
+        vectors=q,
+        single=single,
+        decode=shape.decode,
     )
-    p.decode = decode_hits if single else decode_hits_list
     if where is not None:
         p.blob = encode_where(where, layout.blob_bytes)
         p.flags |= Flag.WHERE
@@ -213,35 +229,6 @@ def recall(
         p.flags |= _time_flags(recency, with_payload or with_times, refresh_ttl)
         p.recency = recency
     return p
-
-
-def recall_one(
-    layout: Layout,
-    x: Any,
-    k: int,
-    namespace: bytes,
-    with_payload: bool,
-    where: Any = None,
-    fast: FastRows | None = None,
-    *,
-    recency: Recency | None = None,
-    with_times: bool = False,
-    refresh_ttl: bool = False,
-) -> Prepared[Hits]:
-    """:func:`recall` of one vector: its answer is one :class:`Hits`."""
-    return recall(
-        layout,
-        x,
-        k,
-        namespace,
-        with_payload,
-        True,
-        where,
-        fast,
-        recency=recency,
-        with_times=with_times,
-        refresh_ttl=refresh_ttl,
-    )
 
 
 def hybrid_recall(
@@ -263,7 +250,7 @@ def hybrid_recall(
         raise InvalidRequest(f"hybrid must be a kalos.Hybrid, got {type(hybrid).__name__}")
     if not features & FEATURE_HYBRID:
         raise ConfigError("this sidecar does not serve hybrid recall (an older version): upgrade it")
-    p = recall_one(layout, x, k, namespace, True, where, None, refresh_ttl=refresh_ttl)
+    p = recall(layout, x, k, namespace, True, ONE, where, None, refresh_ttl=refresh_ttl)
     p.blob = encode_hybrid_blob(text, p.blob)
     if len(p.blob) > layout.blob_bytes:
         raise InvalidRequest(
@@ -272,35 +259,6 @@ def hybrid_recall(
     p.flags |= Flag.HYBRID
     p.hybrid = float(hybrid.weight)
     return p
-
-
-def recall_rows(
-    layout: Layout,
-    x: Any,
-    k: int,
-    namespace: bytes,
-    with_payload: bool,
-    where: Any = None,
-    fast: FastRows | None = None,
-    *,
-    recency: Recency | None = None,
-    with_times: bool = False,
-    refresh_ttl: bool = False,
-) -> Prepared[list[Hits]]:
-    """:func:`recall` of several rows in one slot: its answer is one :class:`Hits` per row."""
-    return recall(
-        layout,
-        x,
-        k,
-        namespace,
-        with_payload,
-        False,
-        where,
-        fast,
-        recency=recency,
-        with_times=with_times,
-        refresh_ttl=refresh_ttl,
-    )
 
 
 def _time_flags(recency: Any, with_times: bool, refresh_ttl: bool) -> int:
@@ -661,6 +619,12 @@ def decode_hits(v: SlotView, n: int, blob_len: int, p: Prepared[Hits]) -> Hits:
 def decode_hits_list(v: SlotView, n: int, blob_len: int, p: Prepared[list[Hits]]) -> list[Hits]:
     """``recall_many`` (and a coalesced group): one Hits per row."""
     return _recall_hits(v, n, blob_len, p)
+
+
+#: A recall of one vector: its answer is one Hits.
+ONE: Final[Shape[Hits]] = Shape(True, decode_hits)
+#: A recall of several rows in one slot: its answer is one Hits per row.
+ROWS: Final[Shape[list[Hits]]] = Shape(False, decode_hits_list)
 
 
 def _decode_listing(v: SlotView, n: int, blob_len: int, p: Prepared[dict[str, int]]) -> dict[str, int]:

@@ -117,7 +117,7 @@ class Fuzzer:
         ids = rng.integers(0, 50, nq)
         if kind == 0:
             p = _requests.recall(
-                L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(), bool(rng.integers(2)), single=False
+                L, vecs, int(rng.integers(1, L.max_k + 1)), ns.encode(), bool(rng.integers(2)), shape=_requests.ROWS
             )
         elif kind == 1:
             p = _requests.upsert(L, ids, vecs, [{"n": int(i)} for i in ids], ns, 16384)[0]
@@ -204,7 +204,7 @@ class Fuzzer:
                 continue
             nq, k = int(rng.integers(1, L.max_queries + 1)), int(rng.integers(1, L.max_k + 1))
             q = rng.standard_normal((nq, L.dim)).astype(np.float32)
-            p = _requests.recall(L, q, k, b"default", False, single=False)
+            p = _requests.recall(L, q, k, b"default", False, shape=_requests.ROWS)
             gen = s.post(p.op, p.ns, p.k, p.nq, p.flags, _requests.write(s.view, p), time.monotonic_ns())
             posted.append((s, gen, (q, k)))
         conn.bell.release()

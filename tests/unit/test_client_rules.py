@@ -103,9 +103,9 @@ def test_recall_and_upsert_requests_apply_the_rule():
     and upsert of one (dim,) vector are refused, float64 rows are stored as float32."""
     ns = b"default"
     with pytest.raises(InvalidRequest, match="vec\\[0\\]"):
-        _requests.recall(LAY, np.ones((1, 8)), 3, ns, False, True)
+        _requests.recall(LAY, np.ones((1, 8)), 3, ns, False, _requests.ONE)
     with pytest.raises(InvalidRequest, match="vec\\[None\\]"):
-        _requests.recall(LAY, np.ones(8), 3, ns, False, False)
+        _requests.recall(LAY, np.ones(8), 3, ns, False, _requests.ROWS)
     with pytest.raises(InvalidRequest, match="vec\\[None\\]"):
         _requests.upsert(LAY, [1], np.ones(8), None, "default", 16384)
     (p,) = _requests.upsert(LAY, [1, 2], np.full((2, 8), 0.1), None, "default", 16384)

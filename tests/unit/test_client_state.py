@@ -97,7 +97,7 @@ class Queued:
 
 
 def recall(k: int = 5, after: bool = False) -> _requests.Prepared:
-    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), k, b"ns", False, True)
+    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), k, b"ns", False, _requests.ONE)
     if after:
         p.after = ORIGIN
     return p

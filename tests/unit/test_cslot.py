@@ -170,14 +170,16 @@ def random_request(rng: np.random.Generator, cslot: ModuleType | None) -> _reque
     kind = int(rng.integers(10))
     k = int(rng.integers(1, LAY.max_k + 1))
     if kind <= 3:
-        return _requests.recall(LAY, rng.standard_normal(LAY.dim, dtype=np.float32), k, ns, False, True, None, cslot)
+        return _requests.recall(
+            LAY, rng.standard_normal(LAY.dim, dtype=np.float32), k, ns, False, _requests.ONE, None, cslot
+        )
     if kind == 4:
         n = int(rng.integers(1, LAY.max_queries + 1))
         q = rng.standard_normal((n, LAY.dim), dtype=np.float32)
-        return _requests.recall(LAY, q, k, ns, bool(rng.integers(2)), False, None, cslot)
+        return _requests.recall(LAY, q, k, ns, bool(rng.integers(2)), _requests.ROWS, None, cslot)
     if kind == 5:
         where = {"tag": str(rng.integers(100))}
-        return _requests.recall(LAY, rng.standard_normal(LAY.dim), k, ns, False, True, where, cslot)
+        return _requests.recall(LAY, rng.standard_normal(LAY.dim), k, ns, False, _requests.ONE, where, cslot)
     if kind == 6:
         n = int(rng.integers(1, LAY.max_queries + 1))
         preps = _requests.upsert(
@@ -256,7 +258,16 @@ def test_a_shared_slot_leaves_the_same_bytes_and_splits_alike(cslot, rng, monkey
         out = []
         for conn, slot, fast in ((py, a, None), (c, b, cslot)):
             preps = [
-                _requests.recall(LAY, q[0] if n == 1 else q, k, b"ns", False, n == 1, None, fast)
+                _requests.recall(
+                    LAY,
+                    q[0] if n == 1 else q,
+                    k,
+                    b"ns",
+                    False,
+                    (_requests.ONE if n == 1 else _requests.ROWS),
+                    None,
+                    fast,
+                )
                 for q, n, k in zip(qs, sizes, ks)
             ]
             parts = [Share(p.nq, p.k, p.single, 5 + j) for j, p in enumerate(preps)]
@@ -302,13 +313,13 @@ def test_a_hostile_answer_gives_the_same_error_on_both_paths(cslot, rng, field, 
         [slot] = conn.lease(1)
         parts = None
         if shape == "recall":
-            p = _requests.recall(LAY, q[0], 5, b"ns", False, True, None, fast)
+            p = _requests.recall(LAY, q[0], 5, b"ns", False, _requests.ONE, None, fast)
         elif shape == "recall_many":
-            p = _requests.recall(LAY, q, 5, b"ns", False, False, None, fast)
+            p = _requests.recall(LAY, q, 5, b"ns", False, _requests.ROWS, None, fast)
         elif shape == "with_payload":
-            p = _requests.recall(LAY, q[0], 5, b"ns", True, True, None, fast)
+            p = _requests.recall(LAY, q[0], 5, b"ns", True, _requests.ONE, None, fast)
         else:
-            preps = [_requests.recall(LAY, r, 5, b"ns", False, True, None, fast) for r in q]
+            preps = [_requests.recall(LAY, r, 5, b"ns", False, _requests.ONE, None, fast) for r in q]
             parts = [Share(1, 5, True, 1)] * 3
             p = _requests.recall_group(preps)
         ex = Exchange(slot, p, None, 1, parts)
@@ -340,7 +351,7 @@ def test_bounds_are_checked_before_anything_is_copied(cslot):
     _py, c = twins(cslot)
     [slot] = c.lease(1)
     assert isinstance(slot, CompiledSlot)
-    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), 4, b"ns", False, True, None, cslot)
+    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), 4, b"ns", False, _requests.ONE, None, cslot)
     Exchange(slot, p, None, 1).send()
     rec = c.seg.slots[slot.index]
     rec["resp_generation"], rec["status"], rec["blob_len"] = slot.generation, 0, 0
@@ -409,7 +420,7 @@ def test_answered_consumes_a_post_only_when_done(cslot):
     _py, c = twins(cslot)
     [slot] = c.lease(1)
     resp = c.resp[slot.index]
-    Exchange(slot, _requests.recall(LAY, np.ones(LAY.dim, np.float32), 2, b"ns", False, True), None, 1).send()
+    Exchange(slot, _requests.recall(LAY, np.ones(LAY.dim, np.float32), 2, b"ns", False, _requests.ONE), None, 1).send()
     resp.release()  # a stray post (an earlier owner's): not DONE, not taken
     assert not slot.answered() and resp.value == 1
     resp.value = 0
@@ -450,7 +461,7 @@ def test_rows_the_slot_cannot_take_are_refused_before_a_byte_is_written(cslot, r
 def test_the_doorbell_is_posted_only_while_the_sidecar_sleeps(cslot):
     _py, c = twins(cslot)
     [slot] = c.lease(1)
-    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), 2, b"ns", False, True, None, cslot)
+    p = _requests.recall(LAY, np.ones(LAY.dim, np.float32), 2, b"ns", False, _requests.ONE, None, cslot)
     Exchange(slot, p, None, 1).send()
     assert c.bell.value == 0 and c.req[slot.index].value == 1
     c.seg.header["sidecar_sleeping"] = 1
@@ -568,7 +579,7 @@ def test_recall_encodes_alike_and_refuses_alike_with_the_compiled_check(cslot, s
         outs = []
         for fast in (None, cslot):
             try:
-                p = _requests.recall(LAY, x, 3, b"ns", False, single, None, fast)
+                p = _requests.recall(LAY, x, 3, b"ns", False, (_requests.ONE if single else _requests.ROWS), None, fast)
                 outs.append(("ok", p.vectors.shape, p.vectors.dtype, p.vectors.tobytes(), p.nq, p.k))
             except InvalidRequest as e:
                 outs.append(("error", str(e)))
@@ -635,7 +646,7 @@ def test_shares_that_do_not_add_up_are_refused_as_split_refuses_them(cslot):
     _py, c = twins(cslot)
     [slot] = c.lease(1)
     assert isinstance(slot, CompiledSlot)
-    p = _requests.recall(LAY, np.ones((2, LAY.dim), np.float32), 3, b"ns", False, False, None, cslot)
+    p = _requests.recall(LAY, np.ones((2, LAY.dim), np.float32), 3, b"ns", False, _requests.ROWS, None, cslot)
     Exchange(slot, p, None, 1).send()
     c.serve(answer_for(np.random.default_rng(0)))
     shares = [Share(1, 3, True, 0)]

@@ -41,7 +41,7 @@ LAY = Layout(n_slots=2, dim=8, max_k=8, max_queries=4, blob_bytes=1024)
 
 
 def recall(x: np.ndarray, k: int, single: bool = True, where: dict | None = None):
-    return _requests.recall(LAY, x, k, b"ns", False, single, where)
+    return _requests.recall(LAY, x, k, b"ns", False, (_requests.ONE if single else _requests.ROWS), where)
 
 
 def oks(conn: FakeConnection, i: int, op: int) -> int:

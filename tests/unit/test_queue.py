@@ -99,7 +99,7 @@ class Pool:
 
 
 def recall(q: np.ndarray, k: int, single: bool = True) -> _requests.Prepared:
-    return _requests.recall(LAY, q, k, b"ns", False, single)
+    return _requests.recall(LAY, q, k, b"ns", False, (_requests.ONE if single else _requests.ROWS))
 
 
 async def turn() -> None:

@@ -456,10 +456,10 @@ def test_the_client_encodes_ttls_recency_and_reads_timestamps(rng: np.random.Gen
     assert [(p.ttl_ns, p.ids.tolist()) for p in preps] == [(2 * NS, [7])]  # type: ignore[union-attr]
     assert [p.nq for p in _requests.touch(LAYOUT, np.arange(9), "a", ttl=5)] == [4, 4, 1]
     with pytest.raises(InvalidRequest):
-        _requests.recall(LAYOUT, v[0], 3, b"a", False, True, recency=(1, 2))  # type: ignore[arg-type]
-    p = _requests.recall(LAYOUT, v[0], 3, b"a", False, True, recency=Recency(10, 0.5), refresh_ttl=True)
+        _requests.recall(LAYOUT, v[0], 3, b"a", False, _requests.ONE, recency=(1, 2))  # type: ignore[arg-type]
+    p = _requests.recall(LAYOUT, v[0], 3, b"a", False, _requests.ONE, recency=Recency(10, 0.5), refresh_ttl=True)
     assert p.flags == Flag.RECENCY | Flag.TIMES | Flag.REFRESH
-    assert _requests.recall(LAYOUT, v[0], 3, b"a", True, True).flags == Flag.WITH_PAYLOAD | Flag.TIMES
+    assert _requests.recall(LAYOUT, v[0], 3, b"a", True, _requests.ONE).flags == Flag.WITH_PAYLOAD | Flag.TIMES
     # An answer: 2 hits with their timestamps and recency parts, then the payload lines.
     seg = SegmentView(memoryview(bytearray(LAYOUT.total_bytes)), LAYOUT)
     sv = seg.slot[0]
