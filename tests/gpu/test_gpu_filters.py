@@ -59,7 +59,7 @@ def test_a_filtered_search_refuses_a_named_path(backend, rng):
         (20000, 64, 10, 8, 0.5),
     ],
 )
-def test_search_rows_matches_float64(backend, rng, metric, n, d, k, b, frac):
+def test_search_within_matches_float64(backend, rng, metric, n, d, k, b, frac):
     x = prepare_rows(rng.standard_normal((n, d), dtype=np.float32), metric)
     m = backend.new_matrix(d, n, metric)
     m.write_rows(np.arange(n), x)
