@@ -483,6 +483,13 @@ def _fields_dtype(fields: tuple[tuple[str, str, int], ...], itemsize: int) -> np
     )
 
 
+#: A slot's stats block as one numpy record, built once, at import. Its per-op counters are
+#: subarray formats (``"(N,)<u8"``), which numpy parses with ``ast.literal_eval``, and CPython
+#: 3.11's AST constructor can fail when threads parse at once ("SystemError: AST constructor
+#: recursion depth mismatch", python/cpython#106905): clients attach from many threads.
+_STATS_DTYPE = _fields_dtype(STATS_FIELDS, STATS_BYTES)
+
+
 def slot_dtype(itemsize: int = CONTROL_BYTES) -> np.dtype:
     """Control-block fields; an array of it with itemsize CONTROL_BYTES walks the slots."""
     return _fields_dtype(SLOT_FIELDS, itemsize)
@@ -597,9 +604,7 @@ class SegmentView:
             (layout.n_slots,), dtype=slot_dtype(CONTROL_BYTES), buffer=buf, offset=layout.control_offset
         )
         #: Every slot's client stats block (counters; hist and ring are in ``slot[i]``).
-        self.stats = np.ndarray(
-            (layout.n_slots,), dtype=_fields_dtype(STATS_FIELDS, STATS_BYTES), buffer=buf, offset=layout.stats_offset
-        )
+        self.stats = np.ndarray((layout.n_slots,), dtype=_STATS_DTYPE, buffer=buf, offset=layout.stats_offset)
         self.slot = [SlotView(buf, layout, i) for i in range(layout.n_slots)]
         L = layout
 

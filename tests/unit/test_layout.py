@@ -59,6 +59,21 @@ def test_regions_are_disjoint_and_aligned(n, dim, k, q, blob):
     assert lay.data_base(n - 1) + lay.slot_bytes == lay.total_bytes
 
 
+def test_attaching_parses_no_dtype_string(monkeypatch):
+    """A segment's views are built without ``ast.literal_eval`` (numpy's parser of subarray
+    formats): CPython 3.11's AST constructor can raise SystemError when threads parse at once
+    (python/cpython#106905), and clients attach from many threads (a fleet test hit it)."""
+    import ast
+
+    def refuse(*a, **k):
+        raise AssertionError("a dtype string was parsed while attaching")
+
+    lay = L.Layout(n_slots=3, dim=5, max_k=4, max_queries=2, blob_bytes=1024)
+    monkeypatch.setattr(ast, "literal_eval", refuse)
+    seg = L.SegmentView(memoryview(bytearray(lay.total_bytes)), lay)
+    assert seg.stats.shape == (3,) and seg.stats.dtype["lat_sum_ns"].shape == (L.LATENCY_OPS,)
+
+
 def test_views_land_where_the_offsets_say():
     lay = L.Layout(n_slots=3, dim=5, max_k=4, max_queries=2, blob_bytes=1024)
     buf = bytearray(lay.total_bytes)
