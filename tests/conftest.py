@@ -205,6 +205,9 @@ def assert_topk(
     kk = min(k, len(m))
     assert len(ids) == kk, f"{len(ids)} results, expected {kk}"
     assert len(set(ids.tolist())) == kk, "duplicate ids"
+    if kk == 0:  # an empty namespace (or k=0): nothing to rank
+        assert len(scores) == 0, f"{len(scores)} scores for no results"
+        return
     tol = rtol * (np.abs(ref).max() + 1.0)
     kth = np.sort(ref)[::-1][kk - 1]
     true = ref[ids]

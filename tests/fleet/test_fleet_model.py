@@ -31,6 +31,7 @@ DIM = 16
 NS, SCRATCH = "m", "s"
 N_IDS = 120
 TAGS = 4
+WARMUP_OPS = 20  # acknowledged writes per writer before the faults begin
 
 
 class Kind(enum.Enum):
@@ -199,6 +200,11 @@ def run_fleet(nodes: list[Node], seed: int, n_ops: int, chaos=None) -> dict[str,
     t0 = time.monotonic()
     for w in writers:
         w.start()
+    if chaos is not None:  # faults only once every writer is writing (connecting is slow on 2 cores)
+        started = time.monotonic() + 120
+        while any(len(w.done) < WARMUP_OPS and w.is_alive() for w in writers):
+            assert time.monotonic() < started, "the writers never got going"
+            time.sleep(0.05)
     faults = chaos() if chaos is not None else {}
     if chaos is not None:
         stop.set()  # the writers stop once the faults are over (and their last op is acknowledged)
