@@ -201,9 +201,9 @@ def run_fleet(nodes: list[Node], seed: int, n_ops: int, chaos=None) -> dict[str,
     for w in writers:
         w.start()
     if chaos is not None:  # faults only once every writer is writing (connecting is slow on 2 cores)
-        started = time.monotonic() + 120
+        deadline = time.monotonic() + 120
         while any(len(w.done) < WARMUP_OPS and w.is_alive() for w in writers):
-            assert time.monotonic() < started, "the writers never got going"
+            assert time.monotonic() < deadline, "the writers never got going"
             time.sleep(0.05)
     faults = chaos() if chaos is not None else {}
     if chaos is not None:
