@@ -35,8 +35,9 @@ def test_a_wrong_answer_is_refused(fault: str) -> None:
     q, m, ids, scores = _case(2)
     if fault == "outside":
         ref = m.astype(np.float64) @ q.astype(np.float64)
-        ids = ids.copy()
-        ids[-1] = int(np.argmin(ref))
+        ids, scores = ids.copy(), scores.copy()
+        ids[-1] = int(np.argmin(ref))  # the worst row, with its true score: only the rank is wrong
+        scores[-1] = np.float32(ref[ids[-1]])
     elif fault == "short":
         ids, scores = ids[:4], scores[:4]
     elif fault == "order":
